@@ -1,0 +1,39 @@
+# Two commands from a fresh clone: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+MODEL  ?= smollm2-135m-instruct
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+# Tests run on a 2-core CPU machine; keep XLA from oversubscribing it.
+PYTEST_ARGS ?= -q
+
+.PHONY: install install-dev fetch-models serve test generate bench-kernels clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+fetch-models: $(VENV)/.installed
+	$(PY) -m jaxserve.cli fetch $(MODEL)
+
+serve: fetch-models
+	$(PY) -m jaxserve.cli generate --model $(MODEL) --chat --prompt "What is the capital of France?" --max-tokens 32
+
+test: install-dev fetch-models
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench-kernels: install
+	$(PY) benchmarks/kernels.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,3 @@
+"""jaxserve: LLM serving on JAX."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,147 @@
+"""Frozen configuration dataclasses, validated once where they are built.
+
+Everything that shapes compiled programs (model dimensions, page size, bucket limits) lives here so
+that no dict of options travels deep into the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from jaxserve.errors import ConfigError
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 style frequency-dependent rope scaling (rope_type "llama3"), or linear scaling."""
+
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ("llama3", "linear"):
+            raise ConfigError(f"unsupported rope_scaling type {self.rope_type!r} (llama3, linear)")
+        if self.factor <= 0:
+            raise ConfigError(f"rope_scaling.factor must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    sliding_window: int | None = None  # Mistral
+    dtype: str = "float32"  # activations and weights
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"
+
+    def __post_init__(self):
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, f) <= 0:
+                raise ConfigError(f"ModelConfig.{f} must be > 0, got {getattr(self, f)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window must be > 0 or None, got {self.sliding_window}")
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: page size and how many pages the pool holds."""
+
+    page_size: int = 16
+    num_pages: int | None = None  # explicit pool size; else from kv_cache_memory_fraction
+    kv_cache_memory_fraction: float = 0.5  # of the memory left after weights load
+    enable_prefix_caching: bool = True
+    dtype: str | None = None  # None: the model's dtype
+
+    def __post_init__(self):
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ConfigError(f"num_pages must be >= 2, got {self.num_pages}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ConfigError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ConfigError(f"cache dtype must be one of {_DTYPES}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step's ragged batch."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        for f in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, f) <= 0:
+                raise ConfigError(f"SchedulerConfig.{f} must be > 0, got {getattr(self, f)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running sequence can decode each step")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int | None = None
+    served_model_name: str | None = None
+    keepalive_seconds: float = 5.0
+    log_prompts: bool = False
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65536), got {self.port}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Device mesh: data x model (tensor parallel)."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self):
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ConfigError("parallel sizes must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -1,0 +1,43 @@
+"""Errors a user can hit. Each is typed so the front ends map it once to an HTTP / gRPC status."""
+
+from __future__ import annotations
+
+
+class JaxServeError(Exception):
+    """Base class: the message is meant for the user, one line, naming the fix where there is one."""
+
+
+class ConfigError(JaxServeError):
+    """A configuration value is invalid."""
+
+
+class ModelNotFound(JaxServeError):
+    """Unknown model name or missing model files."""
+
+
+class WeightsError(JaxServeError):
+    """Weights are unreadable, corrupted, or of an unsupported architecture."""
+
+
+class TokenizerError(JaxServeError):
+    """The tokenizer cannot be built or lacks what was asked (e.g. a chat template)."""
+
+
+class InvalidRequest(JaxServeError):
+    """A request parameter is malformed or out of range."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """Prompt plus max_tokens exceed the model's context."""
+
+
+class EngineOverloaded(JaxServeError):
+    """The engine cannot take more requests right now."""
+
+
+class EngineDead(JaxServeError):
+    """The engine loop stopped; no request can be served."""
