@@ -1,0 +1,111 @@
+"""The ragged batch contract between the scheduler (host, numpy) and the runner (device).
+
+No JAX here: the scheduler builds a `BatchPlan` of numpy arrays and the runner moves it to the device
+as one pytree. Shapes are padded to buckets so the number of compiled programs is small and fixed.
+
+Conventions (see DESIGN.md, "Contracts"):
+- Page 0 of the pool is the null page: the allocator never hands it out. Padding tokens write their
+  K/V to slot 0 (page 0), padding sequences have kv_len 0 and page_indices 0, so padded rows never
+  touch a live page.
+- `slot_mapping` and `page_indices` index one layer's pool; the model adds `layer * num_pages`
+  (pages) or `layer * num_pages * page_size` (slots) because all layers share one cache array.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+NULL_PAGE = 0
+
+
+class BatchPlan(NamedTuple):
+    token_ids: np.ndarray  # i32[T]
+    positions: np.ndarray  # i32[T]
+    slot_mapping: np.ndarray  # i32[T]: page * page_size + offset of each new token's K/V
+    cu_q_lens: np.ndarray  # i32[S+1]: query start of each sequence in the flat batch
+    kv_lens: np.ndarray  # i32[S]: tokens in the cache for the sequence after this step
+    page_indices: np.ndarray  # i32[S, pages_per_seq]
+    num_seqs: np.ndarray  # i32[1]
+    logits_indices: np.ndarray  # i32[S]: flat row of each sequence's last token this step
+
+
+class SeqChunk(NamedTuple):
+    """One sequence's share of a step: `token_ids` are appended at positions start_pos...
+
+    `page_table` lists the sequence's pages in order and must already cover start_pos + len(token_ids).
+    """
+
+    token_ids: Sequence[int]
+    start_pos: int
+    page_table: Sequence[int]
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def token_buckets(max_num_batched_tokens: int, min_bucket: int = 16) -> list[int]:
+    """Powers of two from min_bucket (or less, if the budget is smaller) to cover the budget."""
+    top = next_power_of_two(max_num_batched_tokens)
+    b = min(min_bucket, top)
+    out = []
+    while b <= top:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def seq_bucket(num_tokens_padded: int, max_num_seqs: int) -> int:
+    """Sequences padded per token bucket: a step never holds more sequences than tokens, so tying
+    the two keeps one compiled program per token bucket."""
+    return min(num_tokens_padded, next_power_of_two(max_num_seqs))
+
+
+def pick_token_bucket(num_tokens: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if b >= num_tokens:
+            return b
+    raise ValueError(f"{num_tokens} tokens exceed the largest bucket {buckets[-1]}")
+
+
+def make_plan(chunks: Sequence[SeqChunk], *, num_tokens_padded: int, num_seqs_padded: int,
+              pages_per_seq: int, page_size: int) -> BatchPlan:
+    """Pack sequence chunks (decodes first, by convention) into padded arrays."""
+    if len(chunks) > num_seqs_padded:
+        raise ValueError(f"{len(chunks)} sequences exceed the padded count {num_seqs_padded}")
+    total = sum(len(c.token_ids) for c in chunks)
+    if total > num_tokens_padded:
+        raise ValueError(f"{total} tokens exceed the padded count {num_tokens_padded}")
+    T, S = num_tokens_padded, num_seqs_padded
+    token_ids = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slot_mapping = np.full(T, NULL_PAGE * page_size, np.int32)
+    cu_q_lens = np.zeros(S + 1, np.int32)
+    kv_lens = np.zeros(S, np.int32)
+    page_indices = np.full((S, pages_per_seq), NULL_PAGE, np.int32)
+    logits_indices = np.zeros(S, np.int32)
+    row = 0
+    for s, c in enumerate(chunks):
+        n = len(c.token_ids)
+        end = c.start_pos + n
+        if n == 0:
+            raise ValueError("a scheduled sequence must have at least one token")
+        if end > len(c.page_table) * page_size:
+            raise ValueError(f"page table of {len(c.page_table)} pages cannot hold {end} tokens")
+        if len(c.page_table) > pages_per_seq:
+            raise ValueError(f"{len(c.page_table)} pages exceed pages_per_seq={pages_per_seq}")
+        pos = np.arange(c.start_pos, end, dtype=np.int32)
+        table = np.asarray(c.page_table, np.int32)
+        token_ids[row:row + n] = c.token_ids
+        positions[row:row + n] = pos
+        slot_mapping[row:row + n] = table[pos // page_size] * page_size + pos % page_size
+        page_indices[s, :len(table)] = table
+        kv_lens[s] = end
+        row += n
+        cu_q_lens[s + 1] = row
+        logits_indices[s] = row - 1
+    cu_q_lens[len(chunks) + 1:] = row
+    return BatchPlan(token_ids, positions, slot_mapping, cu_q_lens, kv_lens, page_indices,
+                     np.array([len(chunks)], np.int32), logits_indices)
