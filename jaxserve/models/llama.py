@@ -1,0 +1,219 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in Flax linen over a ragged token batch.
+
+The model is a pure function of (params, kv_cache, batch): `forward` runs every layer over the flat
+tokens of one `BatchPlan` and returns the final-normed hidden states plus the updated KV cache;
+`compute_logits` runs the LM head on the few rows that sample. `config` is a static, hashable
+`ModelConfig`: callers jit with `functools.partial` or `static_argnums`.
+
+Layout choices:
+- Layers are stacked on a leading axis and run with `nn.scan`, so compile time does not grow with
+  depth. The parameter tree is flat and named after the HF checkpoint it comes from:
+    embed_tokens [V, H], norm [H], lm_head [H, V] (only if untied),
+    layers/{input_norm, post_attention_norm} [L, H],
+    layers/{q,k,v}_proj [L, H, heads, D], layers/{q,k,v}_bias [L, heads, D] (Qwen2),
+    layers/o_proj [L, Hq, D, H], layers/{gate,up}_proj [L, H, I], layers/down_proj [L, I, H].
+  Every parameter carries logical axis names (see `param_logical_axes`); `jaxserve.sharding` maps
+  them to mesh axes.
+- All layers share one KV cache array [L * num_pages, page_size, 2 * Hkv, D] that rides in the scan
+  carry (updated in place when the caller donates it). Layer l's page p is row l * num_pages + p, so
+  the model offsets the batch's page indices and slots per layer and the attention kernel sees a
+  plain paged cache.
+- RoPE uses the HF "rotate half" convention; the GGUF loader undoes llama.cpp's interleaved layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.batch import BatchPlan
+from jaxserve.config import ModelConfig
+from pallas_kernels import ragged_paged_attention as rpa
+
+
+def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
+           init) -> jax.Array:
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+def _fan_in_normal(fan_in: int):
+    # Unit-scale activations in random models, so tests of tiny models see real signal.
+    return nn.initializers.normal(stddev=fan_in ** -0.5)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    # Normalise in f32 and cast back before the scale, as HF does, so bf16 matches its rounding.
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return scale * xf.astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [D/2] (host constant), with Llama 3 or linear scaling applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq.astype(np.float32)
+    if rs.rope_type == "linear":
+        return (inv_freq / rs.factor).astype(np.float32)
+    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low_freq_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_freq_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = ((rs.original_max_position_embeddings / wavelen - rs.low_freq_factor)
+              / (rs.high_freq_factor - rs.low_freq_factor))
+    blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """x [T, heads, D] rotated by position, rotate-half convention, angles in f32."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    cos = jnp.cos(angles)[:, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[:, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: attention over the paged cache, then a SwiGLU MLP."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, carry, layer: jax.Array, batch: BatchPlan):
+        x, kv_cache = carry
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        H, Hq, Hkv, D, I = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        ones = nn.initializers.ones
+
+        h = rms_norm(x, _param(self, "input_norm", (H,), ("embed",), dt, ones), c.rms_norm_eps)
+        wq = _param(self, "q_proj", (H, Hq, D), ("embed", "heads", "head_dim"), dt, _fan_in_normal(H))
+        wk = _param(self, "k_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"), dt,
+                    _fan_in_normal(H))
+        wv = _param(self, "v_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"), dt,
+                    _fan_in_normal(H))
+        q = jnp.einsum("th,hnd->tnd", h, wq)
+        k = jnp.einsum("th,hnd->tnd", h, wk)
+        v = jnp.einsum("th,hnd->tnd", h, wv)
+        if c.attention_bias:
+            # Random biases larger than typical so a test of a tiny model notices a dropped bias.
+            bias_init = nn.initializers.normal(stddev=0.1)
+            q = q + _param(self, "q_bias", (Hq, D), ("heads", "head_dim"), dt, bias_init)
+            k = k + _param(self, "k_bias", (Hkv, D), ("kv_heads", "head_dim"), dt, bias_init)
+            v = v + _param(self, "v_bias", (Hkv, D), ("kv_heads", "head_dim"), dt, bias_init)
+        inv_freq = rope_inv_freq(c)
+        q = apply_rope(q, batch.positions, inv_freq)
+        k = apply_rope(k, batch.positions, inv_freq)
+
+        num_pages = kv_cache.shape[0] // c.num_layers
+        page_size = kv_cache.shape[1]
+        kv_cache = rpa.write_kv(kv_cache, k, v, batch.slot_mapping + layer * (num_pages * page_size))
+        attn = rpa.ragged_paged_attention(
+            q, kv_cache, batch.kv_lens, batch.page_indices + layer * num_pages, batch.cu_q_lens,
+            batch.num_seqs, sm_scale=D ** -0.5, sliding_window=c.sliding_window)
+        wo = _param(self, "o_proj", (Hq, D, H), ("heads", "head_dim", "embed"), dt,
+                    _fan_in_normal(Hq * D))
+        x = x + jnp.einsum("tnd,ndh->th", attn.astype(dt), wo)
+
+        h = rms_norm(x, _param(self, "post_attention_norm", (H,), ("embed",), dt, ones),
+                     c.rms_norm_eps)
+        gate = jnp.einsum("th,hi->ti", h,
+                          _param(self, "gate_proj", (H, I), ("embed", "mlp"), dt, _fan_in_normal(H)))
+        up = jnp.einsum("th,hi->ti", h,
+                        _param(self, "up_proj", (H, I), ("embed", "mlp"), dt, _fan_in_normal(H)))
+        down = _param(self, "down_proj", (I, H), ("mlp", "embed"), dt, _fan_in_normal(I))
+        x = x + jnp.einsum("ti,ih->th", nn.silu(gate) * up, down)
+        return (x, kv_cache), None
+
+
+class Llama(nn.Module):
+    config: ModelConfig
+
+    def setup(self):
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        self.embed_tokens = _param(self, "embed_tokens", (c.vocab_size, c.hidden_size),
+                                   ("vocab", "embed"), dt, nn.initializers.normal(stddev=1.0))
+        self.norm = _param(self, "norm", (c.hidden_size,), ("embed",), dt, nn.initializers.ones)
+        if not c.tie_word_embeddings:
+            self.lm_head = _param(self, "lm_head", (c.hidden_size, c.vocab_size), ("embed", "vocab"),
+                                  dt, _fan_in_normal(c.hidden_size))
+        self.layers = nn.scan(
+            DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+            in_axes=(0, nn.broadcast), length=c.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"})(c)
+
+    def __call__(self, kv_cache: jax.Array, batch: BatchPlan):
+        x = jnp.take(self.embed_tokens, batch.token_ids, axis=0)
+        layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        (x, kv_cache), _ = self.layers((x, kv_cache), layer_ids, batch)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps), kv_cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("nh,vh->nv", hidden, self.embed_tokens,
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("nh,hv->nv", hidden, self.lm_head, preferred_element_type=jnp.float32)
+
+    def _init_all(self, kv_cache: jax.Array, batch: BatchPlan):
+        hidden, _ = self(kv_cache, batch)
+        return self.logits(hidden)
+
+
+def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=None) -> jax.Array:
+    """Zeroed cache for all layers: [L * num_pages, page_size, 2 * Hkv, D], K even / V odd slots."""
+    return jnp.zeros((config.num_layers * num_pages, page_size, 2 * config.num_kv_heads,
+                      config.head_dim), jnp.dtype(dtype or config.dtype))
+
+
+def _init_batch() -> BatchPlan:
+    """The smallest valid batch (one padding token, one empty sequence), only to trace init."""
+    z = jnp.zeros((1,), jnp.int32)
+    return BatchPlan(token_ids=z, positions=z, slot_mapping=z, cu_q_lens=jnp.zeros((2,), jnp.int32),
+                     kv_lens=z, page_indices=jnp.zeros((1, 1), jnp.int32), num_seqs=z,
+                     logits_indices=z)
+
+
+def _boxed_init(config: ModelConfig, rng: jax.Array):
+    cache = init_kv_cache(config, num_pages=1, page_size=1)
+    return Llama(config).init(rng, cache, _init_batch(), method=Llama._init_all)["params"]
+
+
+_jit_boxed_init = jax.jit(_boxed_init, static_argnums=0)
+
+
+def init_params(config: ModelConfig, rng: jax.Array) -> dict:
+    """Random parameters (for tiny test models); same tree as the weight loaders produce."""
+    return nn.unbox(_jit_boxed_init(config, rng))
+
+
+def param_logical_axes(config: ModelConfig) -> dict:
+    """PartitionSpec of logical axis names for every parameter (no arrays are allocated)."""
+    boxed = jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0))
+    return nn.get_partition_spec(boxed)
+
+
+def param_shapes(config: ModelConfig) -> dict:
+    """ShapeDtypeStruct of every parameter: what a loader must produce."""
+    return nn.unbox(jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0)))
+
+
+def forward(params: dict, config: ModelConfig, kv_cache: jax.Array,
+            batch: BatchPlan) -> tuple[jax.Array, jax.Array]:
+    """Run all layers over the batch's flat tokens: (final-normed hidden [T, H], kv_cache)."""
+    return Llama(config).apply({"params": params}, kv_cache, batch)
+
+
+def compute_logits(params: dict, config: ModelConfig, hidden_rows: jax.Array) -> jax.Array:
+    """LM head on the rows that sample (hidden[batch.logits_indices]): f32 logits [N, vocab]."""
+    return Llama(config).apply({"params": params}, hidden_rows, method=Llama.logits)

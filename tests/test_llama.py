@@ -1,0 +1,233 @@
+"""Llama-family model: paged ragged forward vs an independent dense float64 numpy model."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.batch import SeqChunk, make_plan
+from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.models import llama
+from pallas_kernels import ragged_paged_attention as rpa
+
+PAGE_SIZE = 4
+NUM_PAGES = 24
+
+
+def _dense_attention_shim(monkeypatch):
+    """Until the kernels engineer's reference lands: a dense helper with the kernel's contract."""
+    if hasattr(rpa, "ragged_paged_attention"):
+        return
+
+    def write_kv(kv_cache, k, v, slot_mapping):
+        P, ps, H2, D = kv_cache.shape
+        kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], H2, D)
+        flat = kv_cache.reshape(P * ps, H2, D).at[slot_mapping].set(kv.astype(kv_cache.dtype))
+        return flat.reshape(P, ps, H2, D)
+
+    def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                               sliding_window=None, soft_cap=None):
+        T, Hq, D = q.shape
+        _, ps, H2, _ = kv_cache.shape
+        rows = jnp.arange(T)
+        seq = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right") - 1, 0, kv_lens.shape[0] - 1)
+        live = rows < cu_q_lens[num_seqs[0]]
+        q_pos = kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq]) + (rows - cu_q_lens[seq])
+        kv = kv_cache[page_indices[seq]].reshape(T, -1, H2, D)  # [T, pages*ps, 2Hkv, D]
+        k, v = kv[:, :, 0::2], kv[:, :, 1::2]
+        group = Hq // k.shape[2]
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+        s = jnp.einsum("thd,tkhd->thk", q.astype(jnp.float32), k.astype(jnp.float32)) * sm_scale
+        kpos = jnp.arange(k.shape[1])
+        mask = kpos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= kpos[None, :] > q_pos[:, None] - sliding_window
+        s = jnp.where(mask[:, None, :], s, -1e30)
+        out = jnp.einsum("thk,tkhd->thd", jax.nn.softmax(s, axis=-1), v.astype(jnp.float32))
+        return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
+
+    monkeypatch.setattr(rpa, "write_kv", write_kv, raising=False)
+    monkeypatch.setattr(rpa, "ragged_paged_attention", ragged_paged_attention, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _kernel(monkeypatch):
+    _dense_attention_shim(monkeypatch)
+
+
+def tiny_config(**changes) -> ModelConfig:
+    base = dict(name="tiny", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=3,
+                num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5)
+    base.update(changes)
+    return ModelConfig(**base)
+
+
+# ---------------------------------------------------------------- independent dense float64 model
+
+def _np_rope(x, positions, inv_freq):
+    ang = positions[:, None].astype(np.float64) * inv_freq[None, :].astype(np.float64)
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _np_norm(x, w, eps):
+    return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def dense_reference(params, config: ModelConfig, token_ids) -> tuple[np.ndarray, np.ndarray]:
+    """One full sequence, full causal attention, no cache: (final-normed hidden [T,H], logits)."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    ids = np.asarray(token_ids)
+    T = len(ids)
+    pos = np.arange(T)
+    inv_freq = llama.rope_inv_freq(config)
+    group = config.num_heads // config.num_kv_heads
+    mask = pos[None, :] <= pos[:, None]
+    if config.sliding_window is not None:
+        mask &= pos[None, :] > pos[:, None] - config.sliding_window
+    x = p["embed_tokens"][ids]
+    for l in range(config.num_layers):
+        lp = {k: v[l] for k, v in p["layers"].items()}
+        h = _np_norm(x, lp["input_norm"], config.rms_norm_eps)
+        q = np.einsum("th,hnd->tnd", h, lp["q_proj"])
+        k = np.einsum("th,hnd->tnd", h, lp["k_proj"])
+        v = np.einsum("th,hnd->tnd", h, lp["v_proj"])
+        if config.attention_bias:
+            q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
+        q, k = _np_rope(q, pos, inv_freq), _np_rope(k, pos, inv_freq)
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        s = np.einsum("qnd,knd->nqk", q, k) / np.sqrt(config.head_dim)
+        s = np.where(mask[None], s, -np.inf)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        x = x + np.einsum("nqk,knd,ndh->qh", w, v, lp["o_proj"])
+        h = _np_norm(x, lp["post_attention_norm"], config.rms_norm_eps)
+        g, u = h @ lp["gate_proj"], h @ lp["up_proj"]
+        x = x + (g / (1 + np.exp(-g)) * u) @ lp["down_proj"]
+    hidden = _np_norm(x, p["norm"], config.rms_norm_eps)
+    head = p["embed_tokens"].T if config.tie_word_embeddings else p["lm_head"]
+    return hidden, hidden @ head
+
+
+# ---------------------------------------------------------------- paged ragged driving
+
+@functools.partial(jax.jit, static_argnums=1, donate_argnums=2)
+def _step(params, config, kv_cache, batch):
+    hidden, kv_cache = llama.forward(params, config, kv_cache, batch)
+    return hidden, llama.compute_logits(params, config, hidden[batch.logits_indices]), kv_cache
+
+
+def run_steps(params, config, steps, *, num_tokens_padded=16, num_seqs_padded=4, pages_per_seq=4):
+    """Run ragged steps; each step is a list of SeqChunk. Returns per-step (hidden, logits) numpy."""
+    kv_cache = llama.init_kv_cache(config, NUM_PAGES, PAGE_SIZE)
+    out = []
+    for chunks in steps:
+        plan = make_plan(chunks, num_tokens_padded=num_tokens_padded,
+                         num_seqs_padded=num_seqs_padded, pages_per_seq=pages_per_seq,
+                         page_size=PAGE_SIZE)
+        hidden, logits, kv_cache = _step(params, config, kv_cache, jax.tree.map(jnp.asarray, plan))
+        out.append((np.asarray(hidden, np.float64), np.asarray(logits, np.float64)))
+    return out
+
+
+def _three_sequences(config, seed=0):
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, config.vocab_size, n).tolist() for n in (6, 11, 3)]
+    tables = [[1, 2], [5, 7, 9], [12]]  # scattered, non-contiguous pages; page 0 is never used
+    return seqs, tables
+
+
+@pytest.mark.parametrize("changes", [
+    {},  # Llama / SmolLM2: GQA, untied head
+    {"tie_word_embeddings": True},
+    {"attention_bias": True, "num_kv_heads": 1},  # Qwen2-style biases, MQA
+    {"sliding_window": 3, "num_kv_heads": 4},  # Mistral-style window, MHA
+    {"rope_scaling": RopeScaling(factor=8.0, original_max_position_embeddings=16)},  # Llama 3
+])
+def test_ragged_paged_forward_matches_dense(changes):
+    config = tiny_config(**changes)
+    params = llama.init_params(config, jax.random.key(1))
+    seqs, tables = _three_sequences(config)
+    # (sequence, start, end) per chunk. Step 1: prefill seq 0 and seq 1's first chunk; step 2: a
+    # decode, seq 1's middle chunk crossing pages, seq 2's prefill; step 3: a decode and a 1-token
+    # chunk finishing seq 1.
+    schedule = [
+        [(0, 0, 5), (1, 0, 4)],
+        [(0, 5, 6), (1, 4, 10), (2, 0, 2)],
+        [(2, 2, 3), (1, 10, 11)],
+    ]
+    steps = [[SeqChunk(seqs[i][s:e], s, tables[i]) for i, s, e in step] for step in schedule]
+    results = run_steps(params, config, steps)
+    refs = [dense_reference(params, config, s) for s in seqs]
+    for step, (hidden, logits) in zip(schedule, results):
+        row = 0
+        for slot, (i, s, e) in enumerate(step):
+            ref_hidden, ref_logits = refs[i]
+            np.testing.assert_allclose(hidden[row:row + e - s], ref_hidden[s:e], atol=2e-4,
+                                       rtol=2e-4)
+            np.testing.assert_allclose(logits[slot], ref_logits[e - 1], atol=1e-3, rtol=1e-3)
+            row += e - s
+
+
+def test_bf16_forward_close_to_f32():
+    config = tiny_config()
+    params = llama.init_params(config, jax.random.key(2))
+    seq = np.random.default_rng(3).integers(0, config.vocab_size, 9).tolist()
+    steps = [[SeqChunk(seq, 0, [3, 4, 6])]]
+    (_, logits32), = run_steps(params, config, steps)
+    cfg16 = config.replace(dtype="bfloat16")
+    params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    (_, logits16), = run_steps(params16, cfg16, steps)
+    # bf16 keeps 8 mantissa bits; through 3 layers logits of unit scale drift by a few 1e-2.
+    np.testing.assert_allclose(logits16, logits32, atol=0.15, rtol=0.05)
+    assert logits16.dtype == np.float64 and np.argmax(logits16[0]) == np.argmax(logits32[0])
+
+
+def test_params_tree_and_logical_axes():
+    config = tiny_config(attention_bias=True)
+    params = llama.init_params(config, jax.random.key(0))
+    axes = llama.param_logical_axes(config)
+    L, H = config.num_layers, config.hidden_size
+    assert params["layers"]["q_proj"].shape == (L, H, config.num_heads, config.head_dim)
+    assert params["layers"]["k_bias"].shape == (L, config.num_kv_heads, config.head_dim)
+    assert tuple(axes["layers"]["k_proj"]) == ("layers", "embed", "kv_heads", "head_dim")
+    assert tuple(axes["embed_tokens"]) == ("vocab", "embed")
+    assert jax.tree.structure(params) == jax.tree.structure(
+        axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    assert "lm_head" not in llama.init_params(config.replace(tie_word_embeddings=True),
+                                              jax.random.key(0))
+
+
+def test_program_size_does_not_grow_with_depth():
+    def n_eqns(num_layers):
+        config = tiny_config(num_layers=num_layers)
+        params = llama.param_shapes(config)
+        cache = jax.ShapeDtypeStruct((num_layers * 4, PAGE_SIZE, 4, 16), jnp.float32)
+        plan = make_plan([SeqChunk([1, 2], 0, [1])], num_tokens_padded=4, num_seqs_padded=2,
+                         pages_per_seq=1, page_size=PAGE_SIZE)
+        jaxpr = jax.make_jaxpr(functools.partial(llama.forward, config=config))(
+            params, kv_cache=cache, batch=jax.tree.map(jnp.asarray, plan))
+        return len(jaxpr.jaxpr.eqns)
+
+    assert n_eqns(2) == n_eqns(12)
+
+
+def test_llama3_rope_scaling_keeps_high_and_slows_low_frequencies():
+    base = tiny_config(head_dim=64, rope_theta=500000.0)
+    scaled = base.replace(rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0,
+                                                   high_freq_factor=4.0,
+                                                   original_max_position_embeddings=8192))
+    f0, f1 = llama.rope_inv_freq(base), llama.rope_inv_freq(scaled)
+    wavelen = 2 * np.pi / f0
+    high = wavelen < 8192 / 4
+    low = wavelen > 8192 / 1
+    np.testing.assert_allclose(f1[high], f0[high], rtol=1e-6)
+    np.testing.assert_allclose(f1[low], f0[low] / 8.0, rtol=1e-6)
+    mid = ~high & ~low
+    assert mid.any() and np.all((f1[mid] < f0[mid]) & (f1[mid] > f0[mid] / 8.0))
