@@ -231,3 +231,32 @@ def test_llama3_rope_scaling_keeps_high_and_slows_low_frequencies():
     np.testing.assert_allclose(f1[low], f0[low] / 8.0, rtol=1e-6)
     mid = ~high & ~low
     assert mid.any() and np.all((f1[mid] < f0[mid]) & (f1[mid] > f0[mid] / 8.0))
+
+
+# ---------------------------------------------------------------- real SmolLM2 vs HF golden
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _prefill_logits(params, config, kv_cache, batch):
+    hidden, _ = llama.forward(params, config, kv_cache, batch)
+    return llama.compute_logits(params, config, hidden)
+
+
+@pytest.mark.slow
+def test_smollm2_forward_matches_hf_golden(smollm2, smollm2_golden):
+    config, params = smollm2
+    page_size, pages_per_seq = 16, 4
+    cache = llama.init_kv_cache(config, num_pages=pages_per_seq + 1, page_size=page_size)
+    for case in smollm2_golden["cases"]:
+        ids = case["input_ids"]
+        plan = make_plan([SeqChunk(ids, 0, list(range(1, pages_per_seq + 1)))],
+                         num_tokens_padded=64, num_seqs_padded=1, pages_per_seq=pages_per_seq,
+                         page_size=page_size)
+        logits = np.asarray(_prefill_logits(params, config, cache, jax.tree.map(jnp.asarray, plan)))
+        logits = logits[:len(ids)]
+        argmax_match = np.mean(logits.argmax(-1) == np.asarray(case["prompt_argmax"]))
+        assert argmax_match >= 0.99, (case["case"], argmax_match)
+        last = logits[-1]
+        assert np.argsort(-last)[:5].tolist() == case["last_top20_ids"][:5], case["case"]
+        np.testing.assert_allclose(last[case["last_top20_ids"]], case["last_top20_logits"],
+                                   atol=1e-2, rtol=0)

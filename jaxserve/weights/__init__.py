@@ -1,0 +1,41 @@
+"""Weight loading: every source format yields the same parameter tree (see jaxserve.models.llama)."""
+
+from __future__ import annotations
+
+import jax
+
+from jaxserve.config import ModelConfig
+from jaxserve.model_registry import ModelSpec
+
+
+def load_host(spec: ModelSpec, dtype: str = "float32") -> tuple[ModelConfig, dict]:
+    """GGUF or HF weights as host numpy arrays (before placement); what `convert` saves."""
+    if spec.format == "gguf":
+        from jaxserve.weights.gguf import load_gguf
+
+        return load_gguf(spec.path, dtype)
+    if spec.format == "hf":
+        from jaxserve.weights.safetensors import load_hf
+
+        return load_hf(spec.path, dtype)
+    raise ValueError(f"load_host reads gguf or hf weights, not {spec.format!r}")
+
+
+def load_model(spec: ModelSpec, dtype: str | None = None,
+               mesh: jax.sharding.Mesh | None = None) -> tuple[ModelConfig, dict]:
+    """(config, params on device). dtype None keeps the source's (f32 for GGUF / HF, as saved for
+    orbax); with a mesh, params are sharded for tensor parallelism (jaxserve.sharding)."""
+    from jaxserve import sharding
+
+    if spec.format == "orbax":
+        from jaxserve.weights.checkpoint import config_from_dict, load_checkpoint, read_meta
+
+        shardings = None
+        if mesh is not None:
+            config = config_from_dict(read_meta(spec.path)["config"])
+            shardings = sharding.param_shardings(config.replace(dtype=dtype or config.dtype), mesh)
+        return load_checkpoint(spec.path, dtype, shardings)
+    config, params = load_host(spec, dtype or "float32")
+    if mesh is None:
+        return config, jax.device_put(params)
+    return config, jax.device_put(params, sharding.param_shardings(config, mesh))

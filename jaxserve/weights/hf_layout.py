@@ -1,0 +1,78 @@
+"""HF checkpoint names -> jaxserve's parameter tree; every source format goes through here.
+
+HF stores torch Linear weights as [out, in]; the model wants [in, out] with the head axes split out
+(see jaxserve.models.llama). Loaders hand tensors by HF name, so GGUF only has to rename its own.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.errors import WeightsError
+
+GetTensor = Callable[[str], np.ndarray]
+
+
+def _layer(config: ModelConfig, get: GetTensor, i: int) -> dict[str, np.ndarray]:
+    H, Hq, Hkv, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    pre = f"model.layers.{i}."
+    attn, mlp = pre + "self_attn.", pre + "mlp."
+    out = {
+        "input_norm": get(pre + "input_layernorm.weight"),
+        "post_attention_norm": get(pre + "post_attention_layernorm.weight"),
+        "q_proj": get(attn + "q_proj.weight").T.reshape(H, Hq, D),
+        "k_proj": get(attn + "k_proj.weight").T.reshape(H, Hkv, D),
+        "v_proj": get(attn + "v_proj.weight").T.reshape(H, Hkv, D),
+        "o_proj": get(attn + "o_proj.weight").T.reshape(Hq, D, H),
+        "gate_proj": get(mlp + "gate_proj.weight").T,
+        "up_proj": get(mlp + "up_proj.weight").T,
+        "down_proj": get(mlp + "down_proj.weight").T,
+    }
+    if config.attention_bias:
+        out["q_bias"] = get(attn + "q_proj.bias").reshape(Hq, D)
+        out["k_bias"] = get(attn + "k_proj.bias").reshape(Hkv, D)
+        out["v_bias"] = get(attn + "v_proj.bias").reshape(Hkv, D)
+    return out
+
+
+def params_from_hf(config: ModelConfig, get: GetTensor, source: str) -> dict:
+    """Build the parameter tree (host numpy, in the model's dtype) from HF-named tensors.
+
+    `source` names the file or directory in errors (a missing or mis-shaped tensor).
+    """
+    dtype = np.dtype(config.dtype) if config.dtype != "bfloat16" else _bfloat16()
+
+    def fetch(name: str) -> np.ndarray:
+        try:
+            return get(name)
+        except KeyError:
+            raise WeightsError(f"{source}: tensor {name!r} is missing") from None
+
+    try:
+        layers = [_layer(config, fetch, i) for i in range(config.num_layers)]
+        params = {
+            "embed_tokens": fetch("model.embed_tokens.weight").reshape(config.vocab_size,
+                                                                       config.hidden_size),
+            "norm": fetch("model.norm.weight").reshape(config.hidden_size),
+            "layers": {k: np.stack([layer[k] for layer in layers]) for k in layers[0]},
+        }
+        if not config.tie_word_embeddings:
+            params["lm_head"] = fetch("lm_head.weight").T.reshape(config.hidden_size,
+                                                                  config.vocab_size)
+    except ValueError as e:  # a reshape that does not fit: the tensor disagrees with the config
+        raise WeightsError(f"{source}: a tensor's shape does not match its config ({e})") from None
+    return _cast(params, dtype)
+
+
+def _bfloat16():
+    import ml_dtypes  # a JAX dependency; numpy has no bfloat16 of its own
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _cast(tree: dict, dtype) -> dict:
+    return {k: _cast(v, dtype) if isinstance(v, dict) else np.ascontiguousarray(v, dtype)
+            for k, v in tree.items()}

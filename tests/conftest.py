@@ -1,0 +1,38 @@
+"""Shared fixtures: golden outputs and the real SmolLM2 model, loaded once per session."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    return GOLDEN_DIR
+
+
+@pytest.fixture(scope="session")
+def smollm2_golden() -> dict:
+    return json.loads((GOLDEN_DIR / "smollm2_golden.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The GGUF, fetched and verified by the same code path `make serve` uses."""
+    from jaxserve.model_registry import fetch
+
+    return fetch(SMOLLM2, quiet=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """(config, params) of SmolLM2 in float32 on the default device."""
+    from jaxserve.model_registry import resolve
+    from jaxserve.weights import load_model
+
+    return load_model(resolve(SMOLLM2), dtype="float32")
