@@ -1,0 +1,275 @@
+"""Continuous batching with chunked prefill: which tokens of which requests run this step.
+
+Plain Python and numpy (no JAX): `schedule()` returns a padded `BatchPlan` and the rows it holds;
+`update_from_output()` takes the sampled token ids back. Each step:
+1. running requests with one token left (decodes), most important first;
+2. prefill chunks of running requests that are part-way through their prompt (or a recompute);
+3. waiting and preempted requests, by (priority, arrival), as far as the token budget, the sequence
+   limit and the free pages allow. A chunk is cut to what the budget and the pool can take, so a
+   long prompt is spread across steps while the decodes keep flowing.
+When a running request cannot get a page, the least important running request not yet in this step
+(largest priority value, then most recently admitted) is preempted — possibly the request itself —
+instead of failing. Admission never preempts. The engine decides when a request stops (eos,
+max_tokens, stop strings) and calls `finish_request`; the scheduler itself only ends requests that
+can never run (FINISHED_ERROR) or outgrow max_model_len (FINISHED_LENGTH): see `take_finished`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxserve.batch import BatchPlan, SeqChunk, make_plan, pick_token_bucket, seq_bucket, token_buckets
+from jaxserve.cache import KVCacheManager
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.errors import ContextLengthExceeded, InvalidRequest
+from jaxserve.request import Request, RequestStatus
+
+
+class ScheduledSeq(NamedTuple):
+    request: Request
+    num_tokens: int
+    samples: bool  # the chunk reaches the end of all_token_ids: its last row is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    plan: BatchPlan
+    scheduled: list[ScheduledSeq]  # in plan row order: decodes, then prefill chunks
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int  # preempted requests included
+    pages_in_use: int  # held by live requests
+    pages_cached_free: int  # held only by the prefix cache, reusable and evictable
+    num_pages: int  # usable pages (the null page excluded)
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_preemptions: int  # total since start
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_pages: int):
+        self.config = scheduler_config
+        self.page_size = cache_config.page_size
+        self.cache = KVCacheManager(num_pages, cache_config.page_size,
+                                    cache_config.enable_prefix_caching)
+        self.token_buckets = token_buckets(scheduler_config.max_num_batched_tokens)
+        self.pages_per_seq = -(-scheduler_config.max_model_len // cache_config.page_size)
+        self.waiting: list[Request] = []  # sorted by _order_key
+        self.running: list[Request] = []  # in admission order
+        self._requests: dict[str, Request] = {}
+        self._order: dict[str, tuple] = {}  # request_id -> (priority, arrival_time, arrival_seq)
+        self._admitted_at: dict[str, int] = {}  # request_id -> admission counter, for victims
+        self._num_added = 0
+        self._num_admissions = 0
+        self._finished: list[Request] = []  # ended by the scheduler, not yet taken by the engine
+        self.num_preemptions = 0
+
+    # ---- requests in and out -----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise InvalidRequest(f"request id {request.request_id!r} is already in use", "request_id")
+        if not request.prompt_token_ids:
+            raise InvalidRequest("the prompt must contain at least one token", "prompt")
+        if request.num_tokens > self.config.max_model_len:
+            raise ContextLengthExceeded(
+                f"the request has {request.num_tokens} tokens but max_model_len is "
+                f"{self.config.max_model_len}", "prompt")
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self._order[request.request_id] = (request.priority, request.arrival_time, self._num_added)
+        self._num_added += 1
+        self._enqueue(request)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def abort(self, request_id: str) -> bool:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
+        """End a request wherever it is (waiting, running, preempted) and free its pages.
+        False if the id is unknown or already finished."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.cache.free(request)
+        request.status = status
+        del self._order[request_id]
+        self._admitted_at.pop(request_id, None)
+        return True
+
+    def take_finished(self) -> list[Request]:
+        """Requests the scheduler ended itself since the last call (FINISHED_ERROR: can never fit
+        the page pool; FINISHED_LENGTH: outgrew max_model_len). The engine reports them."""
+        out, self._finished = self._finished, []
+        return out
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput | None:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        in_step: set[int] = set()
+        preempted: list[Request] = []
+
+        def add(request: Request, n: int) -> None:
+            nonlocal budget
+            budget -= n
+            in_step.add(id(request))
+            scheduled.append(ScheduledSeq(
+                request, n, request.num_computed_tokens + n == request.num_tokens))
+
+        for r in list(self.running):
+            if r.num_tokens > self.config.max_model_len:
+                self._end(r, RequestStatus.FINISHED_LENGTH)
+
+        by_importance = sorted(self.running, key=self._victim_key)
+        decodes = [r for r in by_importance if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in by_importance if r.num_tokens - r.num_computed_tokens > 1]
+        for r in decodes:
+            if self._make_room(r, 1, in_step, preempted):
+                add(r, 1)
+        for r in prefills:
+            if budget == 0:
+                break
+            if r.status != RequestStatus.RUNNING:  # preempted by an earlier request this step
+                continue
+            n = self._chunk_size(r, budget)
+            # Cut the chunk to the free pages; preempt only for a page's worth when none is free.
+            fit = self.cache.num_allocatable_tokens(r)
+            n = min(n, fit if fit > 0 else self.page_size)
+            if n > 0 and self._make_room(r, n, in_step, preempted):
+                add(r, n)
+
+        self._admit_waiting(budget, add)
+        if not scheduled:
+            return None
+        num_tokens = sum(s.num_tokens for s in scheduled)
+        t_pad = pick_token_bucket(num_tokens, self.token_buckets)
+        chunks = [SeqChunk(s.request.all_token_ids[s.request.num_computed_tokens:
+                                                   s.request.num_computed_tokens + s.num_tokens],
+                           s.request.num_computed_tokens, s.request.page_table)
+                  for s in scheduled]
+        plan = make_plan(chunks, num_tokens_padded=t_pad,
+                         num_seqs_padded=seq_bucket(t_pad, self.config.max_num_seqs),
+                         pages_per_seq=self.pages_per_seq, page_size=self.page_size)
+        return SchedulerOutput(plan, scheduled, preempted)
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled_token_ids: np.ndarray) -> list[tuple[Request, int]]:
+        """Advance the scheduled requests; return (request, token) for each row that sampled.
+        Rows of requests finished since `schedule()` (an abort in between) are skipped."""
+        new_tokens = []
+        for row, (request, n, samples) in enumerate(out.scheduled):
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += n
+            self.cache.register_full_pages(request)
+            if samples:
+                token = int(sampled_token_ids[row])
+                request.output_token_ids.append(token)
+                new_tokens.append((request, token))
+        return new_tokens
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            pages_in_use=self.cache.num_pages_in_use,
+            pages_cached_free=self.cache.num_cached_free_pages,
+            num_pages=self.cache.num_usable_pages,
+            prefix_cache_queries=self.cache.prefix_cache_queries,
+            prefix_cache_hits=self.cache.prefix_cache_hits,
+            num_preemptions=self.num_preemptions)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _victim_key(self, request: Request) -> tuple[int, int]:
+        """Sorts running requests most important first; the last one is preempted first."""
+        return request.priority, self._admitted_at[request.request_id]
+
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if not self.config.enable_chunked_prefill and remaining > budget:
+            return 0
+        return min(remaining, budget)
+
+    def _make_room(self, request: Request, n: int, in_step: set[int],
+                   preempted: list[Request]) -> bool:
+        """Get pages for n more tokens of a running request, preempting less important running
+        requests not yet in this step. False if the request itself had to be preempted."""
+        while not self.cache.allocate(request, n):
+            candidates = [r for r in self.running if id(r) not in in_step]
+            victim = max(candidates, key=self._victim_key)
+            if victim is request and (self.cache.pages_for(request.num_computed_tokens + n)
+                                      > self.cache.num_usable_pages):
+                self._end(request, RequestStatus.FINISHED_ERROR)
+                return False
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, add) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if self.cache.pages_for(request.num_tokens) > self.cache.num_usable_pages:
+                self._end(request, RequestStatus.FINISHED_ERROR)
+                continue
+            cached = self.cache.lookup_prefix(request)
+            remaining = request.num_tokens - len(cached) * self.page_size
+            n = min(remaining, budget, self.cache.num_allocatable_tokens(request, cached))
+            if n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
+                break  # strict order: the head of the queue waits for room, nobody overtakes it
+            admitted = self.cache.admit(request, cached, n)
+            assert admitted, "num_allocatable_tokens promised room"
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_prompt_tokens = min(request.num_computed_tokens,
+                                                       request.num_prompt_tokens)
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self._admitted_at[request.request_id] = self._num_admissions
+            self._num_admissions += 1
+            self.running.append(request)
+            add(request, n)
+            budget -= n
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        del self._admitted_at[request.request_id]
+        self.num_preemptions += 1
+        self._enqueue(request)
+
+    def _end(self, request: Request, status: RequestStatus) -> None:
+        self.finish_request(request.request_id, status)
+        self._finished.append(request)
+
+    def _enqueue(self, request: Request) -> None:
+        # A preempted request goes back to its original place: FCFS within its priority.
+        keys = [self._order[r.request_id] for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, self._order[request.request_id]), request)
