@@ -115,12 +115,19 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q, batch.positions, inv_freq)
         k = apply_rope(k, batch.positions, inv_freq)
 
-        num_pages = kv_cache.shape[0] // c.num_layers
-        page_size = kv_cache.shape[1]
-        kv_cache = rpa.write_kv(kv_cache, k, v, batch.slot_mapping + layer * (num_pages * page_size))
-        attn = rpa.ragged_paged_attention(
-            q, kv_cache, batch.kv_lens, batch.page_indices + layer * num_pages, batch.cu_q_lens,
-            batch.num_seqs, sm_scale=D ** -0.5, sliding_window=c.sliding_window)
+        if self.is_initializing():
+            # Creating parameters needs only shapes: keep init (and eval_shape of the param tree)
+            # independent of the attention backend.
+            attn = q
+        else:
+            num_pages = kv_cache.shape[0] // c.num_layers
+            page_size = kv_cache.shape[1]
+            kv_cache = rpa.write_kv(kv_cache, k, v,
+                                    batch.slot_mapping + layer * (num_pages * page_size))
+            attn = rpa.ragged_paged_attention(
+                q, kv_cache, batch.kv_lens, batch.page_indices + layer * num_pages,
+                batch.cu_q_lens, batch.num_seqs, sm_scale=D ** -0.5,
+                sliding_window=c.sliding_window)
         wo = _param(self, "o_proj", (Hq, D, H), ("heads", "head_dim", "embed"), dt,
                     _fan_in_normal(Hq * D))
         x = x + jnp.einsum("tnd,ndh->th", attn.astype(dt), wo)
