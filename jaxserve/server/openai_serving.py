@@ -1,0 +1,321 @@
+"""OpenAI chat/text completions over an AsyncEngine, with no transport: HTTP (server/http.py) and the
+offline batch runner both call this, so a response body is built in exactly one place.
+
+A `Generation` is one API request: one engine request per prompt, each with n choices. It turns the
+engine's cumulative outputs into per-choice deltas, and `abort_unfinished()` is what every transport
+calls in its `finally` so a request that ends early (client gone, error) frees its KV pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from jaxserve.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
+from jaxserve.server import protocol
+
+access_log = logging.getLogger("jaxserve.access")
+
+
+async def with_keepalive(agen: AsyncIterator, interval: float) -> AsyncIterator:
+    """Yield the generator's items, and None whenever `interval` passes without one."""
+    pending = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(agen.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield None
+                continue
+            task, pending = pending, None
+            try:
+                yield task.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        if pending is not None:
+            pending.cancel()
+
+
+async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several engine streams as (stream index, output) in arrival order."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, s):
+        try:
+            async for out in s:
+                await queue.put((i, out))
+            await queue.put((i, done))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _token_str(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer, ids: list[int], logprobs) -> dict:
+    content = []
+    for tid, lp in zip(ids, logprobs):
+        tok = _token_str(tokenizer, tid)
+        tops = []
+        for i, v in lp.top:
+            t = _token_str(tokenizer, i)
+            tops.append({"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))})
+        content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8")),
+                        "top_logprobs": tops})
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer, ids: list[int], logprobs, text_offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, lp in zip(ids, logprobs):
+        tok = _token_str(tokenizer, tid)
+        tokens.append(tok)
+        token_lps.append(lp.logprob)
+        tops.append({_token_str(tokenizer, i): v for i, v in lp.top})
+        offsets.append(text_offset)
+        text_offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+class Generation:
+    def __init__(self, serving: "OpenAIServing", parsed: protocol.ParsedRequest, prompt_ids, params):
+        self.serving = serving
+        self.parsed = parsed
+        self.chat = parsed.kind == "chat"
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.id = protocol.new_id("chatcmpl" if self.chat else "cmpl")
+        self.created = protocol.now()
+        self.request_ids = [f"{self.id}-{i}" for i in range(len(prompt_ids))]
+        self.n = params.n
+        self.num_choices = len(prompt_ids) * self.n
+        self.want_logprobs = parsed.logprobs is not None
+        self.object = ("chat.completion" if self.chat else "text_completion")
+        self.sent_text: dict[int, int] = {}
+        self.sent_tokens: dict[int, int] = {}
+        self.finish: dict[int, str] = {}
+        self.completion_tokens: dict[int, int] = {}
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompt_ids)
+
+    def usage(self) -> dict:
+        return protocol.usage(self.prompt_tokens, sum(self.completion_tokens.values()))
+
+    def _streams(self) -> AsyncIterator[tuple[int, Any]]:
+        engine = self.serving.engine
+        return merge_streams([engine.generate({"prompt_token_ids": ids}, self.params, rid)
+                              for ids, rid in zip(self.prompt_ids, self.request_ids)])
+
+    async def abort_unfinished(self) -> None:
+        for i, rid in enumerate(self.request_ids):
+            if any(i * self.n + j not in self.finish for j in range(self.n)):
+                await self.serving.engine.abort(rid)
+
+    def _deltas(self, stream_index: int, out) -> list[tuple[int, str, list[int], Any, str | None]]:
+        """(choice, new text, new token ids, new logprobs, finish_reason) since the last call."""
+        result = []
+        now = time.monotonic()
+        metrics = self.serving.metrics
+        for comp in out.outputs:
+            choice = stream_index * self.n + comp.index
+            t0, k0 = self.sent_text.get(choice, 0), self.sent_tokens.get(choice, 0)
+            text, ids = comp.text[t0:], list(comp.token_ids[k0:])
+            if ids and metrics is not None:
+                if self.first_token_at is None:
+                    metrics.ttft.observe(now - self.arrival)
+                elif self.last_token_at is not None:
+                    metrics.itl.observe((now - self.last_token_at) / len(ids))
+            if ids:
+                self.first_token_at = self.first_token_at or now
+                self.last_token_at = now
+            logprobs = comp.logprobs[k0:] if comp.logprobs is not None else None
+            self.sent_text[choice], self.sent_tokens[choice] = len(comp.text), len(comp.token_ids)
+            self.completion_tokens[choice] = len(comp.token_ids)
+            finish = None
+            if comp.finish_reason is not None and choice not in self.finish:
+                finish = self.finish[choice] = comp.finish_reason
+            if text or ids or finish:
+                result.append((choice, text, ids, logprobs, finish))
+        return result
+
+    def _echo_prefix(self, choice: int) -> str:
+        if not self.parsed.echo:
+            return ""
+        return self.serving.tokenizer.decode(self.prompt_ids[choice // self.n])
+
+    async def response(self) -> dict:
+        """Run to completion and build the non-streaming response body."""
+        tok = self.serving.tokenizer
+        texts = {i: "" for i in range(self.num_choices)}
+        ids = {i: [] for i in range(self.num_choices)}
+        lps = {i: [] for i in range(self.num_choices)}
+        async for s, out in self._streams():
+            for choice, text, new_ids, new_lps, _ in self._deltas(s, out):
+                texts[choice] += text
+                ids[choice] += new_ids
+                lps[choice] += list(new_lps or ())
+        choices = []
+        for i in range(self.num_choices):
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
+                                "logprobs": chat_logprobs(tok, ids[i], lps[i]) if self.want_logprobs
+                                else None,
+                                "finish_reason": self.finish.get(i)})
+            else:
+                prefix = self._echo_prefix(i)
+                choices.append({"index": i, "text": prefix + texts[i],
+                                "logprobs": completion_logprobs(tok, ids[i], lps[i], len(prefix))
+                                if self.want_logprobs else None,
+                                "finish_reason": self.finish.get(i)})
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.serving.model_name, "choices": choices, "usage": self.usage()}
+
+    def _chunk(self, choices: list, usage: dict | None = None) -> dict:
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.serving.model_name, "choices": choices}
+        if self.parsed.include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+    async def chunks(self, keepalive_seconds: float) -> AsyncIterator[dict | None]:
+        """Streaming chunks in OpenAI's shape; None where a keep-alive should go out."""
+        tok = self.serving.tokenizer
+        offsets: dict[int, int] = {}
+        if self.chat:  # OpenAI opens each choice with the assistant role
+            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}
+                               for i in range(self.num_choices)])
+        elif self.parsed.echo:
+            for i in range(self.num_choices):
+                prefix = self._echo_prefix(i)
+                offsets[i] = len(prefix)
+                yield self._chunk([{"index": i, "text": prefix, "logprobs": None,
+                                    "finish_reason": None}])
+        async for item in with_keepalive(self._streams(), keepalive_seconds):
+            if item is None:
+                yield None
+                continue
+            for choice, text, ids, lps, finish in self._deltas(*item):
+                if self.chat:
+                    c = {"index": choice, "delta": {"content": text} if text or not finish else {},
+                         "logprobs": chat_logprobs(tok, ids, lps) if self.want_logprobs else None,
+                         "finish_reason": finish}
+                else:
+                    off = offsets.get(choice, 0)
+                    c = {"index": choice, "text": text,
+                         "logprobs": completion_logprobs(tok, ids, lps, off) if self.want_logprobs
+                         else None,
+                         "finish_reason": finish}
+                    offsets[choice] = off + len(text)
+                yield self._chunk([c])
+        if self.parsed.include_usage:
+            yield self._chunk([], self.usage())
+
+    def log_done(self, status: str) -> None:
+        end = time.monotonic()
+        if self.serving.metrics is not None:
+            self.serving.metrics.e2e.observe(end - self.arrival)
+        ttft = None if self.first_token_at is None else round(self.first_token_at - self.arrival, 4)
+        access_log.info(json.dumps({
+            "request_id": self.id, "model": self.serving.model_name, "kind": self.parsed.kind,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": sum(self.completion_tokens.values()), "ttft_s": ttft,
+            "total_s": round(end - self.arrival, 4),
+            "finish_reasons": sorted(set(self.finish.values())), "status": status}))
+
+
+class OpenAIServing:
+    """Parses, validates and starts OpenAI generations on one engine."""
+
+    def __init__(self, engine, model_name: str, metrics=None):
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ModelNotFound(f"The model '{model}' does not exist; this server serves "
+                                f"'{self.model_name}' (GET /v1/models)")
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                                 param=param)
+
+    def prepare(self, kind: str, body: Any) -> Generation:
+        """Everything that can fail before generation starts: a failure here is the client's 400/404."""
+        parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
+        parsed = parse(body)
+        self.check_model(parsed.model)
+        prompt_ids = [self._prompt_ids(parsed, p) for p in parsed.prompts]
+        return Generation(self, parsed, prompt_ids, self._fit_context(parsed, prompt_ids))
+
+    def _prompt_ids(self, parsed: protocol.ParsedRequest, prompt) -> list[int]:
+        if parsed.kind == "chat":
+            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            self.check_token_ids(prompt, "prompt")
+            ids = prompt
+        if not ids:
+            raise InvalidRequest("the prompt is empty after tokenization", param="prompt")
+        return list(ids)
+
+    def _fit_context(self, parsed: protocol.ParsedRequest, prompt_ids: list[list[int]]):
+        """Check prompt + max_tokens against the context; fill max_tokens where the client left it out."""
+        max_len = self.engine.max_model_len
+        longest = max(len(p) for p in prompt_ids)
+        params = parsed.sampling_params
+        what = "messages" if parsed.kind == "chat" else "prompt"
+        if not parsed.max_tokens_given:
+            if longest >= max_len:
+                raise ContextLengthExceeded(
+                    f"This model's maximum context length is {max_len} tokens. However, your "
+                    f"{what} resulted in {longest} tokens.", param=what)
+            return params.replace(max_tokens=max_len - longest)
+        if longest + params.max_tokens > max_len:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{longest + params.max_tokens} tokens ({longest} in the {what}, {params.max_tokens} "
+                f"in the completion). Please reduce the length of the {what} or completion.",
+                param="max_tokens")
+        return params
