@@ -9,7 +9,7 @@ Plain Python and numpy (no JAX): `schedule()` returns a padded `BatchPlan` and t
    long prompt is spread across steps while the decodes keep flowing.
 When a running request cannot get a page, the least important running request not yet in this step
 (largest priority value, then most recently admitted) is preempted — possibly the request itself —
-instead of failing. Admission never preempts. The engine decides when a request stops (eos,
+instead of failing. Admission never preempts, and a step that preempted admits nobody. The engine decides when a request stops (eos,
 max_tokens, stop strings) and calls `finish_request`; the scheduler itself only ends requests that
 can never run (FINISHED_ERROR) or outgrow max_model_len (FINISHED_LENGTH): see `take_finished`.
 """
@@ -25,7 +25,7 @@ import numpy as np
 from jaxserve.batch import BatchPlan, SeqChunk, make_plan, pick_token_bucket, seq_bucket, token_buckets
 from jaxserve.cache import KVCacheManager
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.errors import ContextLengthExceeded, InvalidRequest
+from jaxserve.errors import ConfigError, ContextLengthExceeded, InvalidRequest
 from jaxserve.request import Request, RequestStatus
 
 
@@ -60,6 +60,13 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_pages: int):
+        if (not scheduler_config.enable_chunked_prefill
+                and scheduler_config.max_num_batched_tokens < scheduler_config.max_model_len):
+            # Without chunking a prompt must fit one step, or it would wait forever.
+            raise ConfigError(
+                f"without chunked prefill, max_num_batched_tokens "
+                f"({scheduler_config.max_num_batched_tokens}) must be >= max_model_len "
+                f"({scheduler_config.max_model_len})")
         self.config = scheduler_config
         self.page_size = cache_config.page_size
         self.cache = KVCacheManager(num_pages, cache_config.page_size,
@@ -149,12 +156,13 @@ class Scheduler:
         decodes = [r for r in by_importance if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in by_importance if r.num_tokens - r.num_computed_tokens > 1]
         for r in decodes:
-            if self._make_room(r, 1, in_step, preempted):
+            # Skip requests preempted earlier in this loop to make room for a more important one.
+            if r.status == RequestStatus.RUNNING and self._make_room(r, 1, in_step, preempted):
                 add(r, 1)
         for r in prefills:
             if budget == 0:
                 break
-            if r.status != RequestStatus.RUNNING:  # preempted by an earlier request this step
+            if r.status != RequestStatus.RUNNING:
                 continue
             n = self._chunk_size(r, budget)
             # Cut the chunk to the free pages; preempt only for a page's worth when none is free.
@@ -163,7 +171,8 @@ class Scheduler:
             if n > 0 and self._make_room(r, n, in_step, preempted):
                 add(r, n)
 
-        self._admit_waiting(budget, add)
+        if not preempted:  # pages ran short this step: admitting more would only churn
+            self._admit_waiting(budget, add)
         if not scheduled:
             return None
         num_tokens = sum(s.num_tokens for s in scheduled)

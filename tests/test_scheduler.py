@@ -1,0 +1,376 @@
+"""Scheduler + page pool driven by a fake runner.
+
+The fake runner keeps a "KV cache" of token ids, writes each step's tokens through `slot_mapping`,
+and predicts the next token as a hash of the sequence's history READ BACK FROM THAT CACHE through
+`page_indices` / `kv_lens`. So a wrong page, slot, position, shared prefix page or recompute after
+preemption changes the outputs, which are compared with the same hash applied to the plain token list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.errors import ConfigError, ContextLengthExceeded, InvalidRequest
+from jaxserve.request import Request, RequestStatus
+from jaxserve.scheduler import Scheduler
+
+VOCAB = 50
+_WEIGHTS = np.array([pow(31, i, 1_000_003) for i in range(512)], np.int64)
+
+
+def next_token(history) -> int:
+    h = np.asarray(history, np.int64)
+    return int((h * _WEIGHTS[:len(h)]).sum() * 2654435761 % 1_000_003 % VOCAB)
+
+
+def reference(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt):]
+
+
+class FakeRunner:
+    def __init__(self, num_pages: int, page_size: int):
+        self.kv = np.full((num_pages, page_size), -1, np.int64)
+
+    def step(self, plan) -> np.ndarray:
+        s_live = int(plan.num_seqs[0])
+        self.kv.reshape(-1)[plan.slot_mapping] = plan.token_ids  # padding rows hit the null page
+        out = np.zeros(len(plan.kv_lens), np.int64)
+        for s in range(s_live):
+            lo, hi, kv_len = plan.cu_q_lens[s], plan.cu_q_lens[s + 1], plan.kv_lens[s]
+            assert list(plan.positions[lo:hi]) == list(range(kv_len - (hi - lo), kv_len))
+            assert plan.logits_indices[s] == hi - 1
+            out[s] = next_token(self.kv[plan.page_indices[s]].reshape(-1)[:kv_len])
+        return out
+
+
+@dataclass
+class Run:
+    """Drives a scheduler like the engine does; records what tests assert on."""
+
+    sched: Scheduler
+    max_tokens: dict[str, int]
+    runner: FakeRunner = None
+    ends: dict[str, list[RequestStatus]] = field(default_factory=dict)
+    requests: dict[str, Request] = field(default_factory=dict)
+    steps: list = field(default_factory=list)  # per step: list of (request_id, n, was_decode)
+    preemptions: list[str] = field(default_factory=list)  # request ids, in order
+    before_update: object = None  # called between schedule() and update_from_output()
+
+    def __post_init__(self):
+        self.runner = FakeRunner(self.sched.cache.num_pages, self.sched.page_size)
+
+    def add(self, request: Request, max_tokens: int) -> None:
+        self.requests[request.request_id] = request
+        self.max_tokens[request.request_id] = max_tokens
+        self.sched.add_request(request)
+
+    def end(self, request: Request) -> None:
+        self.ends.setdefault(request.request_id, []).append(request.status)
+
+    def finish(self, request_id: str, status: RequestStatus) -> bool:
+        ok = self.sched.finish_request(request_id, status)
+        if ok:
+            self.end(self.requests[request_id])
+        return ok
+
+    def step(self) -> bool:
+        cfg, sched = self.sched.config, self.sched
+        decoding_before = {r.request_id for r in sched.running
+                           if r.num_tokens - r.num_computed_tokens == 1}
+        out = sched.schedule()
+        for r in sched.take_finished():
+            self.end(r)
+        if out is None:
+            assert not sched.has_unfinished(), "livelock: requests left but nothing scheduled"
+            return False
+        rows = [(s.request.request_id, s.num_tokens, s.request.request_id in decoding_before)
+                for s in out.scheduled]
+        self.steps.append(rows)
+        assert out.num_batched_tokens <= cfg.max_num_batched_tokens
+        assert len(out.scheduled) <= cfg.max_num_seqs
+        assert len({rid for rid, _, _ in rows}) == len(rows), "a request scheduled twice"
+        kinds = [was_decode for _, _, was_decode in rows]
+        assert kinds == sorted(kinds, reverse=True), "a prefill row precedes a decode row"
+        preempted = {r.request_id for r in out.preempted}
+        self.preemptions += [r.request_id for r in out.preempted]
+        assert not preempted & {rid for rid, _, _ in rows}, "preempted and scheduled in one step"
+        assert decoding_before <= {rid for rid, _, _ in rows} | preempted | set(self.ends), \
+            "a running decode was neither scheduled nor preempted"
+        for s in out.scheduled:
+            remaining = s.request.num_tokens - s.request.num_computed_tokens
+            assert 1 <= s.num_tokens <= remaining and s.samples == (s.num_tokens == remaining)
+        sampled = self.runner.step(out.plan)
+        if self.before_update is not None:
+            self.before_update(self)
+        for request, _ in sched.update_from_output(out, sampled):
+            if len(request.output_token_ids) >= self.max_tokens[request.request_id]:
+                self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+        sched.cache.check_invariants()
+        return True
+
+    def run(self, max_steps: int = 2000) -> None:
+        for _ in range(max_steps):
+            if not self.step():
+                break
+        assert not self.sched.has_unfinished()
+        self.check_drained()
+
+    def check_drained(self) -> None:
+        cache = self.sched.cache
+        cache.check_invariants()
+        assert cache.num_pages_in_use == 0 and cache.num_free_pages == cache.num_usable_pages
+        assert all(len(v) == 1 for v in self.ends.values()), self.ends
+        assert set(self.ends) == set(self.requests), "a request never ended"
+
+
+def make(num_pages=64, page_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
+         prefix=True, chunked=True) -> Run:
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len, enable_chunked_prefill=chunked),
+                      CacheConfig(page_size=page_size, enable_prefix_caching=prefix), num_pages)
+    return Run(sched, {})
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, VOCAB, n)]
+
+
+# ---- targeted behaviours ---------------------------------------------------------------------
+
+
+def test_outputs_match_reference():
+    run = make()
+    for i in range(6):
+        run.add(Request(f"r{i}", prompt(i, 3 + 7 * i)), max_tokens=5)
+    run.run()
+    for rid, r in run.requests.items():
+        assert r.output_token_ids == reference(r.prompt_token_ids, 5), rid
+        assert run.ends[rid] == [RequestStatus.FINISHED_LENGTH]
+
+
+def test_plan_shapes_come_from_the_buckets():
+    run = make(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=40, page_size=4)
+    run.add(Request("a", prompt(0, 20)), 2)
+    out = run.sched.schedule()
+    assert out.plan.token_ids.shape == (32,)  # 20 tokens -> bucket 32
+    assert out.plan.kv_lens.shape == (4,)  # min(32, next_pow2(max_num_seqs))
+    assert out.plan.page_indices.shape == (4, 10)  # ceil(max_model_len / page_size)
+    assert [(s.num_tokens, s.samples) for s in out.scheduled] == [(20, True)]
+
+
+def test_chunked_prefill_splits_a_long_prompt_while_decodes_keep_flowing():
+    run = make(max_num_batched_tokens=16, max_num_seqs=4)
+    run.add(Request("short", prompt(1, 4)), max_tokens=20)
+    run.step()  # short prefilled; it decodes from now on
+    run.add(Request("long", prompt(2, 100)), max_tokens=2)
+    run.run()
+    long_chunks = [n for rows in run.steps for rid, n, _ in rows if rid == "long"]
+    assert sum(long_chunks[:-1]) == 100 and len(long_chunks) >= 7  # >= 100 / 15 prefill steps
+    assert max(long_chunks) <= 15  # the short request's decode took one token of each step
+    for rows in run.steps[1:len(long_chunks)]:
+        assert rows[0][0] == "short" and rows[0][1] == 1
+    assert run.requests["long"].output_token_ids == reference(prompt(2, 100), 2)
+
+
+def test_without_chunked_prefill_a_prompt_runs_whole():
+    with pytest.raises(ConfigError):
+        make(max_num_batched_tokens=16, max_model_len=17, chunked=False)
+    run = make(max_num_batched_tokens=16, max_model_len=16, chunked=False)
+    run.add(Request("a", prompt(1, 12)), max_tokens=3)
+    run.add(Request("b", prompt(2, 10)), max_tokens=3)
+    run.run()
+    assert run.steps[0] == [("a", 12, False)]  # b's 10 tokens do not fit the 4 left, nor split
+    assert run.steps[1] == [("a", 1, True), ("b", 10, False)]
+
+
+def test_preemption_under_page_pressure_recomputes_to_the_same_outputs():
+    run = make(num_pages=13, page_size=2, max_num_seqs=4, max_num_batched_tokens=16)  # 12 pages
+    for i in range(4):
+        run.add(Request(f"r{i}", prompt(10 + i, 5)), max_tokens=8)  # 12 tokens = 6 pages each
+    run.run()
+    assert run.sched.stats().num_preemptions > 0
+    for r in run.requests.values():
+        assert r.output_token_ids == reference(r.prompt_token_ids, 8)
+
+
+def test_the_victim_is_the_most_recent_admission_or_the_lowest_priority():
+    for priorities, victim in (((0, 0), "b"), ((1, 0), "a")):
+        run = make(num_pages=7, page_size=2, max_num_seqs=2, max_num_batched_tokens=8)  # 6 pages
+        run.add(Request("a", prompt(1, 5), priority=priorities[0]), max_tokens=6)
+        run.add(Request("b", prompt(2, 5), priority=priorities[1]), max_tokens=6)
+        run.run()
+        assert run.preemptions and run.preemptions[0] == victim, priorities
+        for r in run.requests.values():
+            assert r.output_token_ids == reference(r.prompt_token_ids, 6)
+
+
+def test_priority_then_arrival_order():
+    run = make(max_num_seqs=1, max_num_batched_tokens=32)
+    for rid, prio in (("p2", 2), ("a0", 0), ("p1", 1), ("b0", 0)):
+        run.add(Request(rid, prompt(len(rid) + prio, 4), priority=prio), max_tokens=2)
+    run.run()
+    order = [rows[0][0] for rows in run.steps if not rows[0][2]]  # each request's prefill step
+    assert order == ["a0", "b0", "p1", "p2"]
+
+
+def test_resubmitted_prompt_hits_the_prefix_cache_with_the_same_outputs():
+    run = make(page_size=4)
+    p = prompt(7, 22)
+    run.add(Request("first", p), max_tokens=4)
+    run.run()
+    assert run.sched.stats().prefix_cache_hits == 0
+    assert run.sched.stats().pages_cached_free == 22 // 4 + 1  # 5 prompt pages + 1 of outputs
+    run.add(Request("again", list(p)), max_tokens=4)
+    run.run()
+    again = run.requests["again"]
+    assert again.num_cached_prompt_tokens == 20  # 5 full pages; the 21st token onward computed
+    assert run.steps[-4][0] == ("again", 2, False)
+    assert run.sched.stats().prefix_cache_hits == 20
+    assert again.output_token_ids == run.requests["first"].output_token_ids == reference(p, 4)
+
+
+def test_a_prompt_that_can_never_fit_the_pool_ends_in_error_not_livelock():
+    run = make(num_pages=5, page_size=2)  # 4 pages = 8 tokens
+    run.add(Request("huge", prompt(1, 9)), max_tokens=1)
+    run.add(Request("grows", prompt(2, 6)), max_tokens=5)  # needs 10 tokens of KV at the end
+    run.add(Request("fine", prompt(3, 3)), max_tokens=2)
+    run.run()
+    assert run.ends == {"huge": [RequestStatus.FINISHED_ERROR], "grows": [RequestStatus.FINISHED_ERROR],
+                        "fine": [RequestStatus.FINISHED_LENGTH]}
+    assert run.requests["fine"].output_token_ids == reference(prompt(3, 3), 2)
+
+
+def test_a_request_outgrowing_max_model_len_ends_with_length():
+    run = make(max_model_len=8, page_size=4)
+    run.add(Request("a", prompt(1, 6)), max_tokens=10)
+    run.run()
+    assert run.ends["a"] == [RequestStatus.FINISHED_LENGTH]
+    assert run.requests["a"].output_token_ids == reference(prompt(1, 6), 3)
+
+
+def test_add_request_validation():
+    run = make(max_model_len=8)
+    run.add(Request("a", [1, 2]), 1)
+    with pytest.raises(InvalidRequest):
+        run.sched.add_request(Request("a", [3]))
+    with pytest.raises(InvalidRequest):
+        run.sched.add_request(Request("empty", []))
+    with pytest.raises(ContextLengthExceeded):
+        run.sched.add_request(Request("long", list(range(9))))
+    assert run.sched.stats().num_waiting == 1
+
+
+def test_abort_between_schedule_and_update_skips_the_row_and_frees_pages():
+    run = make()
+    run.add(Request("a", prompt(1, 10)), max_tokens=3)
+    run.add(Request("b", prompt(2, 10)), max_tokens=3)
+    run.before_update = lambda r: r.finish("a", RequestStatus.FINISHED_ABORTED) and None
+    run.step()
+    run.before_update = None
+    a = run.requests["a"]
+    assert a.status == RequestStatus.FINISHED_ABORTED and a.page_table == [] and not a.output_token_ids
+    assert run.sched.get_request("a") is None and not run.sched.abort("a")
+    run.run()
+    assert run.requests["b"].output_token_ids == reference(prompt(2, 10), 3)
+
+
+def test_stats_separate_live_pages_from_cached_ones():
+    run = make(num_pages=33, page_size=4)
+    run.add(Request("a", prompt(1, 9)), max_tokens=3)
+    run.step()
+    s = run.sched.stats()
+    assert (s.num_running, s.num_waiting, s.pages_in_use, s.num_pages) == (1, 0, 3, 32)
+    run.run()
+    s = run.sched.stats()
+    assert (s.num_running, s.pages_in_use, s.pages_cached_free) == (0, 0, 2)
+    assert s.prefix_cache_queries == 9
+
+
+# ---- properties over random workloads ---------------------------------------------------------
+
+STEMS = [prompt(100 + i, 24) for i in range(3)]
+
+
+@st.composite
+def workloads(draw):
+    page_size = draw(st.sampled_from([1, 2, 4, 8]))
+    # Pools of 12-64 tokens against prompts of up to 36 and outputs of up to 12: page pressure
+    # (preemption) is common and a few requests can never fit (errors).
+    num_pages = 1 + max(1, draw(st.integers(12, 64)) // page_size)
+    max_num_seqs = draw(st.integers(1, 6))
+    budget = draw(st.integers(max_num_seqs, 40))
+    requests = draw(st.lists(st.fixed_dictionaries({
+        "stem": st.integers(0, len(STEMS) - 1),
+        "shared": st.integers(1, 24),  # leading tokens taken from the stem: prompts share prefixes
+        "tail": st.lists(st.integers(0, VOCAB - 1), max_size=12),
+        "max_tokens": st.integers(1, 12),
+        "priority": st.integers(0, 2),
+        "arrives": st.integers(0, 8),  # step at which the request is added
+    }), min_size=1, max_size=10))
+    aborts = draw(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 3), st.booleans()),
+                           max_size=3))
+    return dict(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs, budget=budget,
+                prefix=draw(st.booleans()), chunked=draw(st.booleans()), requests=requests,
+                aborts=aborts)
+
+
+@settings(max_examples=400, deadline=None)
+@given(w=workloads())
+def test_random_workloads(w):
+    """Every request ends exactly once; no page leaks (invariants after every step, all pages free
+    at the end); budget, max_num_seqs and decode-first order hold each step (checked in Run.step);
+    outputs equal the reference whatever the batching, chunking, prefix sharing and preemption;
+    a request errors iff its KV can never fit the pool; aborts at any moment free everything."""
+    run = make(num_pages=w["num_pages"], page_size=w["page_size"], max_num_seqs=w["max_num_seqs"],
+               max_num_batched_tokens=w["budget"] if w["chunked"] else 64, max_model_len=64,
+               prefix=w["prefix"],
+               chunked=w["chunked"])
+    pending = sorted(enumerate(w["requests"]), key=lambda x: x[1]["arrives"])
+    aborted = set()
+
+    def abort(step: int, mid: bool):
+        for at, idx, when in w["aborts"]:
+            rid = f"r{idx}"
+            if at == step and when == mid and rid in run.requests and run.finish(
+                    rid, RequestStatus.FINISHED_ABORTED):
+                aborted.add(rid)
+
+    step = 0
+    while pending or run.sched.has_unfinished():
+        assert step < 3000, "no progress"
+        while pending and pending[0][1]["arrives"] <= step:
+            i, d = pending.pop(0)
+            run.add(Request(f"r{i}", STEMS[d["stem"]][:d["shared"]] + d["tail"],
+                            priority=d["priority"]), d["max_tokens"])
+        abort(step, False)
+        run.before_update = lambda _, s=step: abort(s, True)
+        if not run.step() and pending:
+            pending[0][1]["arrives"] = step + 1  # idle: jump to the next arrival
+        step += 1
+    run.check_drained()
+    stats = run.sched.stats()
+    event("preempted", stats.num_preemptions > 0)
+    event("prefix hits", stats.prefix_cache_hits > 0)
+    event("aborted", bool(aborted))
+    event("errored", any(v == [RequestStatus.FINISHED_ERROR] for v in run.ends.values()))
+    usable = w["num_pages"] - 1
+    for rid, r in run.requests.items():
+        if rid in aborted:
+            assert run.ends[rid] == [RequestStatus.FINISHED_ABORTED]
+            continue
+        m = run.max_tokens[rid]
+        if -(-(r.num_prompt_tokens + m - 1) // w["page_size"]) > usable:
+            assert run.ends[rid] == [RequestStatus.FINISHED_ERROR], rid
+        else:
+            assert run.ends[rid] == [RequestStatus.FINISHED_LENGTH], rid
+            assert r.output_token_ids == reference(r.prompt_token_ids, m), rid
