@@ -98,9 +98,13 @@ def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return halves.swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, config: ModelConfig, params: dict, *, arch: str | None = None) -> Path:
+def write_gguf(path: Path, config: ModelConfig, params: dict, *, arch: str | None = None,
+               add_metadata=None) -> Path:
+    """A GGUF as llama.cpp's converter writes it; `add_metadata(writer)` adds more keys."""
     arch = arch or ("qwen2" if config.architecture == "qwen2" else "llama")
     w = GGUFWriter(str(path), arch)
+    if add_metadata is not None:
+        add_metadata(w)
     w.add_name(config.name)
     w.add_block_count(config.num_layers)
     w.add_context_length(config.max_position_embeddings)

@@ -1,0 +1,182 @@
+"""`jaxserve` CLI: greedy generation equals the HF golden tokens; errors are one line, exit code 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import cli
+from jaxserve.weights import load_model
+from jaxserve.model_registry import ModelSpec
+from tests.test_weights import assert_same_tree, random_params, tiny, write_gguf
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxserve.cli", *args], cwd=ROOT, env=dict(os.environ),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(rc: int, err: str, match: str):
+    assert rc == 1
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and match in lines[0], err
+    assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------- tiny models with a real tokenizer
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer_fields(smollm2_path) -> dict:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(smollm2_path))
+    keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+            "tokenizer.chat_template")
+    return {k: reader.fields[k].contents() for k in keys}
+
+
+def tiny_gguf(path: Path, fields: dict | None, *, chat_template: bool = True,
+              arch: str | None = None) -> Path:
+    """A random 2-layer model carrying SmolLM2's tokenizer (so prompts encode for real)."""
+    config = tiny(vocab_size=49152 if fields else 64)
+
+    def add_tokenizer(w):
+        if fields is None:
+            return
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm")
+        w.add_token_list(fields["tokenizer.ggml.tokens"])
+        w.add_token_merges(fields["tokenizer.ggml.merges"])
+        w.add_token_types(fields["tokenizer.ggml.token_type"])
+        if chat_template:
+            w.add_chat_template(fields["tokenizer.chat_template"])
+
+    return write_gguf(path, config, random_params(config), arch=arch, add_metadata=add_tokenizer)
+
+
+# ---------------------------------------------------------------- golden
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("attention_kernel")
+def test_greedy_generation_matches_golden_in_process(smollm2, smollm2_golden):
+    config, params = smollm2
+    for case in smollm2_golden["cases"]:
+        out, reason = cli.generate_ids(params, config, case["input_ids"], max_tokens=32,
+                                       stop_ids=set(config.eos_token_ids))
+        assert out == case["greedy_ids"], case["case"]
+        assert reason == ("stop" if len(out) < 32 else "length")
+
+
+@pytest.mark.slow
+def test_generate_json_subprocess_matches_golden(smollm2_path, smollm2_golden):
+    chat = smollm2_golden["cases"][0]
+    assert chat["case"]["messages"][0]["role"] == "user" and len(chat["case"]["messages"]) == 1
+    proc = run_cli("generate", "--model", SMOLLM2, "--chat", "--prompt",
+                   chat["case"]["messages"][0]["content"], "--max-tokens", "32", "--temperature",
+                   "0", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["prompt_token_ids"] == chat["input_ids"]
+    assert result["token_ids"] == chat["greedy_ids"]
+    assert result["text"].startswith("The capital of France is Paris.")
+    assert result["finish_reason"] == "stop"
+
+    raw = smollm2_golden["cases"][5]
+    proc = run_cli("generate", "--model", SMOLLM2, "--prompt-token-ids",
+                   ",".join(map(str, raw["input_ids"])), "--max-tokens", "32", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"] == raw["greedy_ids"]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_unknown_model_subprocess_is_one_line_exit_1():
+    proc = run_cli("generate", "--model", "no-such-model", "--prompt", "hi", timeout=120)
+    assert_one_line_error(proc.returncode, proc.stderr, "unknown model 'no-such-model'")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--prompt", ""], "the prompt is empty"),
+    (["--prompt-token-ids", ""], "the prompt is empty"),
+    (["--prompt-token-ids", "1,x"], "comma-separated integers"),
+    (["--prompt-token-ids", "1", "--chat"], "--chat needs --prompt"),
+    (["--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["--prompt", "hi", "--temperature", "-1"], "--temperature must be >= 0"),
+])
+def test_bad_arguments_fail_before_loading(capsys, argv, match):
+    rc = cli.main(["generate", "--model", "no-such-model-either", *argv])
+    assert_one_line_error(rc, capsys.readouterr().err, match)
+
+
+def test_bad_weights(tmp_path, capsys):
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    rc = cli.main(["generate", "--model", str(garbage), "--prompt", "hi"])
+    assert_one_line_error(rc, capsys.readouterr().err, f"{garbage}: not a readable GGUF file")
+
+    bert = tiny_gguf(tmp_path / "bert.gguf", None, arch="bert")
+    rc = cli.main(["generate", "--model", str(bert), "--prompt", "hi"])
+    assert_one_line_error(rc, capsys.readouterr().err, "unsupported GGUF architecture 'bert'")
+
+    rc = cli.main(["generate", "--model", str(tmp_path / "absent.gguf"), "--prompt", "hi"])
+    assert_one_line_error(rc, capsys.readouterr().err, "unknown model")
+
+
+def test_chat_without_template_and_prompt_errors(tmp_path, capsys, smollm2_tokenizer_fields):
+    path = tiny_gguf(tmp_path / "notemplate.gguf", smollm2_tokenizer_fields, chat_template=False)
+    rc = cli.main(["generate", "--model", str(path), "--chat", "--prompt", "hi"])
+    assert_one_line_error(rc, capsys.readouterr().err, "chat template")
+    rc = cli.main(["generate", "--model", str(path), "--prompt-token-ids", "1,99999"])
+    assert_one_line_error(rc, capsys.readouterr().err, "outside the vocabulary")
+    rc = cli.main(["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "500"])
+    assert_one_line_error(rc, capsys.readouterr().err, "exceed the model's context of 128")
+
+
+# ---------------------------------------------------------------- tiny end to end
+
+
+@pytest.mark.usefixtures("attention_kernel")
+def test_generate_tiny_model_json_and_sampling(tmp_path, capsys, smollm2_tokenizer_fields):
+    path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields)
+    args = ["generate", "--model", str(path), "--chat", "--prompt", "Hello", "--max-tokens", "5",
+            "--json"]
+    assert cli.main(args) == 0
+    greedy = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(greedy["token_ids"]) == 5 or greedy["finish_reason"] == "stop"
+    assert isinstance(greedy["text"], str) and greedy["prompt_token_ids"][:1] == [1]
+    assert cli.main(args) == 0  # greedy is deterministic
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == greedy
+    hot = [json.loads((cli.main(args + ["--temperature", "5", "--seed", str(s)]),
+                       capsys.readouterr().out)[1].strip().splitlines()[-1])["token_ids"]
+           for s in range(3)]
+    assert len({tuple(h) for h in hot}) > 1  # different seeds, different samples at T=5
+
+
+def test_convert_to_orbax_round_trip(tmp_path, capsys):
+    config = tiny()
+    params = random_params(config)
+    src = write_gguf(tmp_path / "m.gguf", config, params)
+    dst = tmp_path / "ckpt"
+    assert cli.main(["convert", str(src), str(dst)]) == 0
+    out = capsys.readouterr()
+    assert "loads in" in out.out and "from gguf" in out.out and "loaded gguf" in out.err
+    meta = json.loads((dst / "jaxserve_model.json").read_text())
+    assert meta["tokenizer_source"] == str(src.resolve())
+    _, from_gguf = load_model(ModelSpec("m", "gguf", src))
+    _, from_orbax = load_model(ModelSpec("m", "orbax", dst))
+    assert_same_tree(from_orbax, jax.tree.map(np.asarray, from_gguf))
+    rc = cli.main(["convert", str(src), str(dst)])
+    assert_one_line_error(rc, capsys.readouterr().err, "already exists")
