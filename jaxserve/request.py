@@ -53,6 +53,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """all_token_ids[start:stop] without building all_token_ids (long prompts, every step)."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p:stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

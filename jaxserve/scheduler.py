@@ -9,9 +9,10 @@ Plain Python and numpy (no JAX): `schedule()` returns a padded `BatchPlan` and t
    long prompt is spread across steps while the decodes keep flowing.
 When a running request cannot get a page, the least important running request not yet in this step
 (largest priority value, then most recently admitted) is preempted — possibly the request itself —
-instead of failing. Admission never preempts, and a step that preempted admits nobody. The engine decides when a request stops (eos,
-max_tokens, stop strings) and calls `finish_request`; the scheduler itself only ends requests that
-can never run (FINISHED_ERROR) or outgrow max_model_len (FINISHED_LENGTH): see `take_finished`.
+instead of failing. Admission never preempts, and a step that preempted admits nobody (pages are
+short; admitting would only churn). The engine decides when a request stops (eos, max_tokens, stop
+strings) and calls `finish_request`; the scheduler itself only ends requests that can never run
+(FINISHED_ERROR) or outgrow max_model_len (FINISHED_LENGTH): see `take_finished`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,25 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled)
 
 
+@dataclass
+class _Step:
+    """The step being built."""
+
+    budget: int
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    _ids: set[str] = field(default_factory=set)
+
+    def add(self, request: Request, n: int) -> None:
+        self.budget -= n
+        self._ids.add(request.request_id)
+        self.scheduled.append(ScheduledSeq(
+            request, n, request.num_computed_tokens + n == request.num_tokens))
+
+    def __contains__(self, request: Request) -> bool:
+        return request.request_id in self._ids
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     num_running: int
@@ -73,7 +93,7 @@ class Scheduler:
                                     cache_config.enable_prefix_caching)
         self.token_buckets = token_buckets(scheduler_config.max_num_batched_tokens)
         self.pages_per_seq = -(-scheduler_config.max_model_len // cache_config.page_size)
-        self.waiting: list[Request] = []  # sorted by _order_key
+        self.waiting: list[Request] = []  # sorted by _order, preempted requests included
         self.running: list[Request] = []  # in admission order
         self._requests: dict[str, Request] = {}
         self._order: dict[str, tuple] = {}  # request_id -> (priority, arrival_time, arrival_seq)
@@ -136,60 +156,41 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput | None:
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
-        in_step: set[int] = set()
-        preempted: list[Request] = []
-
-        def add(request: Request, n: int) -> None:
-            nonlocal budget
-            budget -= n
-            in_step.add(id(request))
-            scheduled.append(ScheduledSeq(
-                request, n, request.num_computed_tokens + n == request.num_tokens))
-
         for r in list(self.running):
             if r.num_tokens > self.config.max_model_len:
                 self._end(r, RequestStatus.FINISHED_LENGTH)
-
+        step = _Step(self.config.max_num_batched_tokens)
         by_importance = sorted(self.running, key=self._victim_key)
-        decodes = [r for r in by_importance if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in by_importance if r.num_tokens - r.num_computed_tokens > 1]
-        for r in decodes:
-            # Skip requests preempted earlier in this loop to make room for a more important one.
-            if r.status == RequestStatus.RUNNING and self._make_room(r, 1, in_step, preempted):
-                add(r, 1)
-        for r in prefills:
-            if budget == 0:
-                break
-            if r.status != RequestStatus.RUNNING:
-                continue
-            n = self._chunk_size(r, budget)
-            # Cut the chunk to the free pages; preempt only for a page's worth when none is free.
-            fit = self.cache.num_allocatable_tokens(r)
-            n = min(n, fit if fit > 0 else self.page_size)
-            if n > 0 and self._make_room(r, n, in_step, preempted):
-                add(r, n)
-
-        if not preempted:  # pages ran short this step: admitting more would only churn
-            self._admit_waiting(budget, add)
-        if not scheduled:
+        for r in by_importance:
+            # A request preempted earlier in this loop, to make room for a more important one, is
+            # no longer running.
+            if r.num_tokens - r.num_computed_tokens == 1 and r.status == RequestStatus.RUNNING:
+                if self._make_room(r, 1, step):
+                    step.add(r, 1)
+        for r in by_importance:
+            if r.num_tokens - r.num_computed_tokens > 1 and r.status == RequestStatus.RUNNING:
+                n = self._prefill_chunk(r, step.budget)
+                if n > 0 and self._make_room(r, n, step):
+                    step.add(r, n)
+        if not step.preempted:
+            self._admit_waiting(step)
+        if not step.scheduled:
             return None
-        num_tokens = sum(s.num_tokens for s in scheduled)
-        t_pad = pick_token_bucket(num_tokens, self.token_buckets)
-        chunks = [SeqChunk(s.request.all_token_ids[s.request.num_computed_tokens:
-                                                   s.request.num_computed_tokens + s.num_tokens],
-                           s.request.num_computed_tokens, s.request.page_table)
-                  for s in scheduled]
+        t_pad = pick_token_bucket(self.config.max_num_batched_tokens - step.budget,
+                                  self.token_buckets)
+        chunks = [SeqChunk(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n),
+                           r.num_computed_tokens, r.page_table)
+                  for r, n, _ in step.scheduled]
         plan = make_plan(chunks, num_tokens_padded=t_pad,
                          num_seqs_padded=seq_bucket(t_pad, self.config.max_num_seqs),
                          pages_per_seq=self.pages_per_seq, page_size=self.page_size)
-        return SchedulerOutput(plan, scheduled, preempted)
+        return SchedulerOutput(plan, step.scheduled, step.preempted)
 
     def update_from_output(self, out: SchedulerOutput,
                            sampled_token_ids: np.ndarray) -> list[tuple[Request, int]]:
         """Advance the scheduled requests; return (request, token) for each row that sampled.
         Rows of requests finished since `schedule()` (an abort in between) are skipped."""
+        sampled_token_ids = np.asarray(sampled_token_ids)
         new_tokens = []
         for row, (request, n, samples) in enumerate(out.scheduled):
             if request.status != RequestStatus.RUNNING:
@@ -218,38 +219,40 @@ class Scheduler:
         """Sorts running requests most important first; the last one is preempted first."""
         return request.priority, self._admitted_at[request.request_id]
 
-    def _chunk_size(self, request: Request, budget: int) -> int:
+    def _prefill_chunk(self, request: Request, budget: int) -> int:
+        """Tokens of a running request's prefill to schedule: cut to the budget and, so as not to
+        preempt needlessly, to the free pages (a page's worth when none is free)."""
         remaining = request.num_tokens - request.num_computed_tokens
-        if not self.config.enable_chunked_prefill and remaining > budget:
-            return 0
-        return min(remaining, budget)
+        if not self.config.enable_chunked_prefill:
+            return remaining if remaining <= budget else 0
+        fit = self.cache.num_allocatable_tokens(request)
+        return min(remaining, budget, fit if fit > 0 else self.page_size)
 
-    def _make_room(self, request: Request, n: int, in_step: set[int],
-                   preempted: list[Request]) -> bool:
+    def _make_room(self, request: Request, n: int, step: _Step) -> bool:
         """Get pages for n more tokens of a running request, preempting less important running
-        requests not yet in this step. False if the request itself had to be preempted."""
+        requests not yet in this step. False if the request itself had to go."""
         while not self.cache.allocate(request, n):
-            candidates = [r for r in self.running if id(r) not in in_step]
-            victim = max(candidates, key=self._victim_key)
+            victim = max((r for r in self.running if r not in step), key=self._victim_key)
             if victim is request and (self.cache.pages_for(request.num_computed_tokens + n)
                                       > self.cache.num_usable_pages):
                 self._end(request, RequestStatus.FINISHED_ERROR)
                 return False
             self._preempt(victim)
-            preempted.append(victim)
+            step.preempted.append(victim)
             if victim is request:
                 return False
         return True
 
-    def _admit_waiting(self, budget: int, add) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit_waiting(self, step: _Step) -> None:
+        while (self.waiting and step.budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             if self.cache.pages_for(request.num_tokens) > self.cache.num_usable_pages:
                 self._end(request, RequestStatus.FINISHED_ERROR)
                 continue
             cached = self.cache.lookup_prefix(request)
             remaining = request.num_tokens - len(cached) * self.page_size
-            n = min(remaining, budget, self.cache.num_allocatable_tokens(request, cached))
+            n = min(remaining, step.budget, self.cache.num_allocatable_tokens(request, cached))
             if n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
                 break  # strict order: the head of the queue waits for room, nobody overtakes it
             admitted = self.cache.admit(request, cached, n)
@@ -262,8 +265,7 @@ class Scheduler:
             self._admitted_at[request.request_id] = self._num_admissions
             self._num_admissions += 1
             self.running.append(request)
-            add(request, n)
-            budget -= n
+            step.add(request, n)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -296,6 +296,14 @@ def test_stats_separate_live_pages_from_cached_ones():
     assert s.prefix_cache_queries == 9
 
 
+@given(prompt_len=st.integers(1, 6), num_out=st.integers(0, 6), data=st.data())
+def test_token_slice_equals_slicing_all_token_ids(prompt_len, num_out, data):
+    r = Request("a", list(range(prompt_len)), output_token_ids=list(range(100, 100 + num_out)))
+    start = data.draw(st.integers(0, r.num_tokens))
+    stop = data.draw(st.integers(start, r.num_tokens))
+    assert r.token_slice(start, stop) == r.all_token_ids[start:stop]
+
+
 # ---- properties over random workloads ---------------------------------------------------------
 
 STEMS = [prompt(100 + i, 24) for i in range(3)]
