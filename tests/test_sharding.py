@@ -123,3 +123,21 @@ def test_smollm2_tp3_equals_tp1(smollm2, smollm2_golden):
     # Logits of magnitude ~25 through 30 layers in f32; reduction order alone moves them ~1e-5.
     np.testing.assert_allclose(got, expected, atol=2e-3, rtol=0)
     assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+@needs_8
+def test_orbax_checkpoint_restores_straight_into_the_mesh(tmp_path):
+    from jaxserve.model_registry import ModelSpec
+    from jaxserve.weights import load_model
+    from jaxserve.weights.checkpoint import save_checkpoint
+
+    params = jax.tree.map(np.asarray, llama.init_params(TINY, jax.random.key(3)))
+    save_checkpoint(tmp_path / "ckpt", TINY, params, tokenizer_source=None)
+    mesh = sharding.make_mesh(ParallelConfig(tensor_parallel_size=4, data_parallel_size=2))
+    _, restored = load_model(ModelSpec("tiny", "orbax", tmp_path / "ckpt"), mesh=mesh)
+    expected = sharding.param_shardings(TINY, mesh)
+    for leaf, want, ref in zip(jax.tree.leaves(restored), jax.tree.leaves(expected),
+                               jax.tree.leaves(params)):
+        assert leaf.sharding == want
+        np.testing.assert_array_equal(np.asarray(leaf), ref)
+    assert restored["layers"]["up_proj"].sharding.spec == P(None, None, "model")
