@@ -106,6 +106,27 @@ class KVCacheManager:
             hits.append(page)
         return hits
 
+    def pages_in_flight(self, requests: Sequence[Request]) -> set[bytes]:
+        """Hashes of the full pages these requests hold or will compute but have not indexed yet."""
+        if not self.enable_prefix_caching:
+            return set()
+        out: set[bytes] = set()
+        for r in requests:
+            start = self._num_registered.get(r.request_id, 0)
+            full = r.num_tokens // self.page_size
+            out.update(self._hashes(r, full)[start:full])
+        return out
+
+    def next_page_in_flight(self, request: Request, cached_pages: Sequence[int],
+                            in_flight: set[bytes]) -> bool:
+        """Whether the first page the request would compute after its cached prefix is being
+        computed by another request (same chained hash: same prefix), so waiting one step or a few
+        turns it into a hit instead of computing it twice (n > 1 siblings, identical prompts)."""
+        k = len(cached_pages)
+        if not in_flight or k >= (request.num_tokens - 1) // self.page_size:
+            return False
+        return self._hashes(request, k + 1)[k] in in_flight
+
     def register_full_pages(self, request: Request) -> None:
         """Index the request's pages that became full of computed tokens since the last call."""
         if not self.enable_prefix_caching:

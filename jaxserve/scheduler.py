@@ -6,7 +6,9 @@ Plain Python and numpy (no JAX): `schedule()` returns a padded `BatchPlan` and t
 2. prefill chunks of running requests that are part-way through their prompt (or a recompute);
 3. waiting and preempted requests, by (priority, arrival), as far as the token budget, the sequence
    limit and the free pages allow. A chunk is cut to what the budget and the pool can take, so a
-   long prompt is spread across steps while the decodes keep flowing.
+   long prompt is spread across steps while the decodes keep flowing. With prefix caching, a
+   request whose next uncached page another running request is computing right now (n > 1
+   siblings, the same prompt twice) is passed over until that page is cached, so it is computed once.
 When a running request cannot get a page, the least important running request not yet in this step
 (largest priority value, then most recently admitted) is preempted — possibly the request itself —
 instead of failing. Admission never preempts, and a step that preempted admits nobody (pages are
@@ -244,28 +246,32 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, step: _Step) -> None:
-        while (self.waiting and step.budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+        in_flight = self.cache.pages_in_flight(self.running) if self.waiting else set()
+        for request in list(self.waiting):
+            if step.budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             if self.cache.pages_for(request.num_tokens) > self.cache.num_usable_pages:
                 self._end(request, RequestStatus.FINISHED_ERROR)
                 continue
             cached = self.cache.lookup_prefix(request)
+            if self.cache.next_page_in_flight(request, cached, in_flight):
+                continue  # its next page is being computed: admit it once that page is cached
             remaining = request.num_tokens - len(cached) * self.page_size
             n = min(remaining, step.budget, self.cache.num_allocatable_tokens(request, cached))
             if n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
-                break  # strict order: the head of the queue waits for room, nobody overtakes it
+                break  # the queue waits for room in order; nobody overtakes for lack of pages
             admitted = self.cache.admit(request, cached, n)
             assert admitted, "num_allocatable_tokens promised room"
             if request.status == RequestStatus.WAITING:
                 request.num_cached_prompt_tokens = min(request.num_computed_tokens,
                                                        request.num_prompt_tokens)
-            self.waiting.pop(0)
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self._admitted_at[request.request_id] = self._num_admissions
             self._num_admissions += 1
             self.running.append(request)
             step.add(request, n)
+            in_flight |= self.cache.pages_in_flight([request])
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -239,6 +239,23 @@ def test_resubmitted_prompt_hits_the_prefix_cache_with_the_same_outputs():
     assert again.output_token_ids == run.requests["first"].output_token_ids == reference(p, 4)
 
 
+def test_identical_prompts_in_one_batch_compute_their_shared_pages_once():
+    for prefix in (True, False):
+        run = make(page_size=4, max_num_batched_tokens=32, prefix=prefix)
+        p = prompt(5, 40)
+        for i in range(4):  # as the engine submits n=4 samples of one prompt
+            run.add(Request(f"s{i}", list(p)), max_tokens=3)
+        run.run()
+        computed = sum(n for rows in run.steps for rid, n, was_decode in rows if not was_decode)
+        cached = [run.requests[f"s{i}"].num_cached_prompt_tokens for i in range(4)]
+        if prefix:
+            assert cached == [0, 36, 36, 36] and computed == 40 + 3 * 4
+        else:
+            assert cached == [0, 0, 0, 0] and computed == 4 * 40
+        for r in run.requests.values():
+            assert r.output_token_ids == reference(p, 3)
+
+
 def test_a_prompt_that_can_never_fit_the_pool_ends_in_error_not_livelock():
     run = make(num_pages=5, page_size=2)  # 4 pages = 8 tokens
     run.add(Request("huge", prompt(1, 9)), max_tokens=1)
