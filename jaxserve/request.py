@@ -47,7 +47,7 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     # Chained hashes of this request's full pages of token ids, in order. They depend only on the
     # tokens, which are only ever appended, so they stay valid across preemptions.
-    page_hashes: list[int] = field(default_factory=list, repr=False)
+    page_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:

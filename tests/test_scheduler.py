@@ -203,6 +203,23 @@ def test_preemption_under_page_pressure_recomputes_to_the_same_outputs():
         assert r.output_token_ids == reference(r.prompt_token_ids, 8)
 
 
+def test_abort_in_every_state_frees_everything():
+    run = make(num_pages=13, page_size=2, max_num_seqs=4, max_num_batched_tokens=16)
+    for i in range(5):
+        run.add(Request(f"r{i}", prompt(10 + i, 5)), max_tokens=8)
+    seen = set()
+    while run.step():
+        for r in list(run.sched.running) + list(run.sched.waiting):
+            if r.status not in seen:
+                seen.add(r.status)
+                assert run.sched.abort(r.request_id)
+                run.end(r)
+                assert r.page_table == [] and r.status == RequestStatus.FINISHED_ABORTED
+                run.sched.cache.check_invariants()
+    assert seen == {RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED}
+    run.check_drained()
+
+
 def test_the_victim_is_the_most_recent_admission_or_the_lowest_priority():
     for priorities, victim in (((0, 0), "b"), ((1, 0), "a")):
         run = make(num_pages=7, page_size=2, max_num_seqs=2, max_num_batched_tokens=8)  # 6 pages
