@@ -67,13 +67,15 @@ def attention_kernel(monkeypatch):
         k, v = kv[:, :, 0::2], kv[:, :, 1::2]
         group = Hq // k.shape[2]
         k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-        s = jnp.einsum("thd,tkhd->thk", q.astype(jnp.float32), k.astype(jnp.float32)) * sm_scale
+        s = jnp.einsum("thd,tkhd->thk", q.astype(jnp.float32), k.astype(jnp.float32),
+                       precision="highest") * sm_scale
         kpos = jnp.arange(k.shape[1])
         mask = kpos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             mask &= kpos[None, :] > q_pos[:, None] - sliding_window
         s = jnp.where(mask[:, None, :], s, -1e30)
-        out = jnp.einsum("thk,tkhd->thd", jax.nn.softmax(s, axis=-1), v.astype(jnp.float32))
+        out = jnp.einsum("thk,tkhd->thd", jax.nn.softmax(s, axis=-1), v.astype(jnp.float32),
+                         precision="highest")
         return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
 
     monkeypatch.setattr(rpa, "write_kv", write_kv, raising=False)

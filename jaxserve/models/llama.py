@@ -46,6 +46,12 @@ def _fan_in_normal(fan_in: int):
     return nn.initializers.normal(stddev=fan_in ** -0.5)
 
 
+def _precision(config: ModelConfig) -> jax.lax.Precision:
+    # float32 means float32: GPUs default f32 matmuls to TF32 and TPUs to one bf16 pass, which moves
+    # logits by ~1e-3 relative and breaks the golden comparison. bf16 models are unaffected.
+    return (jax.lax.Precision.HIGHEST if config.dtype == "float32" else jax.lax.Precision.DEFAULT)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     # Normalise in f32 and cast back before the scale, as HF does, so bf16 matches its rounding.
     xf = x.astype(jnp.float32)
@@ -95,6 +101,7 @@ class DecoderLayer(nn.Module):
         dt = jnp.dtype(c.dtype)
         H, Hq, Hkv, D, I = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
         ones = nn.initializers.ones
+        einsum = functools.partial(jnp.einsum, precision=_precision(c))
 
         h = rms_norm(x, _param(self, "input_norm", (H,), ("embed",), dt, ones), c.rms_norm_eps)
         wq = _param(self, "q_proj", (H, Hq, D), ("embed", "heads", "head_dim"), dt, _fan_in_normal(H))
@@ -102,9 +109,9 @@ class DecoderLayer(nn.Module):
                     _fan_in_normal(H))
         wv = _param(self, "v_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"), dt,
                     _fan_in_normal(H))
-        q = jnp.einsum("th,hnd->tnd", h, wq)
-        k = jnp.einsum("th,hnd->tnd", h, wk)
-        v = jnp.einsum("th,hnd->tnd", h, wv)
+        q = einsum("th,hnd->tnd", h, wq)
+        k = einsum("th,hnd->tnd", h, wk)
+        v = einsum("th,hnd->tnd", h, wv)
         if c.attention_bias:
             # Random biases larger than typical so a test of a tiny model notices a dropped bias.
             bias_init = nn.initializers.normal(stddev=0.1)
@@ -130,16 +137,16 @@ class DecoderLayer(nn.Module):
                 sliding_window=c.sliding_window)
         wo = _param(self, "o_proj", (Hq, D, H), ("heads", "head_dim", "embed"), dt,
                     _fan_in_normal(Hq * D))
-        x = x + jnp.einsum("tnd,ndh->th", attn.astype(dt), wo)
+        x = x + einsum("tnd,ndh->th", attn.astype(dt), wo)
 
         h = rms_norm(x, _param(self, "post_attention_norm", (H,), ("embed",), dt, ones),
                      c.rms_norm_eps)
-        gate = jnp.einsum("th,hi->ti", h,
+        gate = einsum("th,hi->ti", h,
                           _param(self, "gate_proj", (H, I), ("embed", "mlp"), dt, _fan_in_normal(H)))
-        up = jnp.einsum("th,hi->ti", h,
+        up = einsum("th,hi->ti", h,
                         _param(self, "up_proj", (H, I), ("embed", "mlp"), dt, _fan_in_normal(H)))
         down = _param(self, "down_proj", (I, H), ("mlp", "embed"), dt, _fan_in_normal(I))
-        x = x + jnp.einsum("ti,ih->th", nn.silu(gate) * up, down)
+        x = x + einsum("ti,ih->th", nn.silu(gate) * up, down)
         return (x, kv_cache), None
 
 
@@ -169,8 +176,9 @@ class Llama(nn.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         if self.config.tie_word_embeddings:
             return jnp.einsum("nh,vh->nv", hidden, self.embed_tokens,
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum("nh,hv->nv", hidden, self.lm_head, preferred_element_type=jnp.float32)
+                              precision=_precision(self.config), preferred_element_type=jnp.float32)
+        return jnp.einsum("nh,hv->nv", hidden, self.lm_head, precision=_precision(self.config),
+                          preferred_element_type=jnp.float32)
 
     def _init_all(self, kv_cache: jax.Array, batch: BatchPlan):
         hidden, _ = self(kv_cache, batch)
