@@ -11,8 +11,9 @@ Plain Python and numpy (no JAX): `schedule()` returns a padded `BatchPlan` and t
    siblings, the same prompt twice) is passed over until that page is cached, so it is computed once.
 When a running request cannot get a page, the least important running request not yet in this step
 (largest priority value, then most recently admitted) is preempted — possibly the request itself —
-instead of failing. Admission never preempts, and a step that preempted admits nobody (pages are
-short; admitting would only churn). The engine decides when a request stops (eos, max_tokens, stop
+instead of failing; then the step admits nobody (pages are short: admitting would only churn). A
+waiting request of strictly higher priority than a running one, finding no sequence slot or no
+page, preempts it the same way. A request preempted in a step is not readmitted in that step. The engine decides when a request stops (eos, max_tokens, stop
 strings) and calls `finish_request`; the scheduler itself only ends requests that can never run
 (FINISHED_ERROR) or outgrow max_model_len (FINISHED_LENGTH): see `take_finished`.
 """
@@ -56,6 +57,7 @@ class _Step:
     budget: int
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    short_of_pages: bool = False  # a running request needed a page and preempted for it
     _ids: set[str] = field(default_factory=set)
 
     def add(self, request: Request, n: int) -> None:
@@ -162,6 +164,7 @@ class Scheduler:
             if r.num_tokens > self.config.max_model_len:
                 self._end(r, RequestStatus.FINISHED_LENGTH)
         step = _Step(self.config.max_num_batched_tokens)
+        self._preempt_for_priority(step)
         by_importance = sorted(self.running, key=self._victim_key)
         for r in by_importance:
             # A request preempted earlier in this loop, to make room for a more important one, is
@@ -174,7 +177,7 @@ class Scheduler:
                 n = self._prefill_chunk(r, step.budget)
                 if n > 0 and self._make_room(r, n, step):
                     step.add(r, n)
-        if not step.preempted:
+        if not step.short_of_pages:  # else admitting more would only churn
             self._admit_waiting(step)
         if not step.scheduled:
             return None
@@ -241,13 +244,29 @@ class Scheduler:
                 return False
             self._preempt(victim)
             step.preempted.append(victim)
+            step.short_of_pages = True
             if victim is request:
                 return False
         return True
 
+    def _preempt_for_priority(self, step: _Step) -> None:
+        """Make room for the head of the queue by preempting running requests of strictly lower
+        priority, when it has no sequence slot or not a single free page."""
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            victim = max(self.running, key=self._victim_key)
+            if victim.priority <= head.priority or (
+                    self.cache.pages_for(head.num_tokens) > self.cache.num_usable_pages):
+                return
+            if (len(self.running) < self.config.max_num_seqs and
+                    self.cache.num_allocatable_tokens(head, self.cache.lookup_prefix(head)) > 0):
+                return
+            self._preempt(victim)
+            step.preempted.append(victim)
+
     def _admit_waiting(self, step: _Step) -> None:
         in_flight = self.cache.pages_in_flight(self.running) if self.waiting else set()
-        for request in list(self.waiting):
+        for request in [r for r in self.waiting if r not in step.preempted]:
             if step.budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if self.cache.pages_for(request.num_tokens) > self.cache.num_usable_pages:

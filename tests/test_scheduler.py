@@ -240,6 +240,27 @@ def test_priority_then_arrival_order():
     assert order == ["a0", "b0", "p1", "p2"]
 
 
+def test_a_more_important_arrival_preempts_a_running_request():
+    def last_step(run: Run, rid: str) -> int:
+        return max(i for i, rows in enumerate(run.steps) if any(r == rid for r, _, _ in rows))
+
+    # No free sequence slot, then no free page: the least important running request makes room.
+    for max_num_seqs, num_pages, victim in ((1, 64, "low"), (4, 10, "low2")):
+        run = make(max_num_seqs=max_num_seqs, num_pages=num_pages, page_size=4,
+                   max_num_batched_tokens=16)
+        run.add(Request("low", prompt(1, 20), priority=1), max_tokens=10)
+        run.add(Request("low2", prompt(2, 8), priority=1), max_tokens=10)
+        for _ in range(3):
+            run.step()
+        assert not run.preemptions
+        run.add(Request("high", prompt(3, 6), priority=0), max_tokens=3)
+        run.run()
+        assert run.preemptions[0] == victim
+        assert last_step(run, "high") < min(last_step(run, "low"), last_step(run, "low2"))
+        for r in run.requests.values():
+            assert r.output_token_ids == reference(r.prompt_token_ids, run.max_tokens[r.request_id])
+
+
 def test_resubmitted_prompt_hits_the_prefix_cache_with_the_same_outputs():
     run = make(page_size=4)
     p = prompt(7, 22)
