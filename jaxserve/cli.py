@@ -73,7 +73,7 @@ def cmd_convert(args) -> int:
     del params
     _, _, orbax_s = _timed_load(ModelSpec(spec.name, "orbax", dst.resolve()), None)
     print(f"wrote {dst}: loads in {orbax_s:.2f} s vs {source_s:.2f} s from {spec.format} "
-          f"({source_s / orbax_s:.1f}x faster)")
+          f"(speed-up {source_s / orbax_s:.1f}x)")
     return 0
 
 

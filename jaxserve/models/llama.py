@@ -141,12 +141,11 @@ class DecoderLayer(nn.Module):
 
         h = rms_norm(x, _param(self, "post_attention_norm", (H,), ("embed",), dt, ones),
                      c.rms_norm_eps)
-        gate = einsum("th,hi->ti", h,
-                          _param(self, "gate_proj", (H, I), ("embed", "mlp"), dt, _fan_in_normal(H)))
-        up = einsum("th,hi->ti", h,
-                        _param(self, "up_proj", (H, I), ("embed", "mlp"), dt, _fan_in_normal(H)))
-        down = _param(self, "down_proj", (I, H), ("mlp", "embed"), dt, _fan_in_normal(I))
-        x = x + einsum("ti,ih->th", nn.silu(gate) * up, down)
+        w_gate = _param(self, "gate_proj", (H, I), ("embed", "mlp"), dt, _fan_in_normal(H))
+        w_up = _param(self, "up_proj", (H, I), ("embed", "mlp"), dt, _fan_in_normal(H))
+        w_down = _param(self, "down_proj", (I, H), ("mlp", "embed"), dt, _fan_in_normal(I))
+        mlp = nn.silu(einsum("th,hi->ti", h, w_gate)) * einsum("th,hi->ti", h, w_up)
+        x = x + einsum("ti,ih->th", mlp, w_down)
         return (x, kv_cache), None
 
 
