@@ -280,4 +280,7 @@ def test_load_model_every_format_gives_the_same_tree(tmp_path):
     from_hf.pop("embed_tokens"), from_gguf.pop("embed_tokens")
     assert_same_tree(from_gguf, from_hf)
     assert isinstance(jax.tree.leaves(from_gguf)[0], jax.Array)
+    config16, bf16 = load_model(ModelSpec("m", "hf", hf), dtype="bfloat16")
+    assert config16.dtype == "bfloat16"
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bf16))
     assert issubclass(WeightsError, JaxServeError)
