@@ -84,7 +84,8 @@ class KVCacheManager:
             tokens = request.all_token_ids
             ps = self.page_size
             for i in range(len(hashes), num_full_pages):
-                hashes.append(hash_page(hashes[-1] if hashes else None, tokens[i * ps:(i + 1) * ps]))
+                parent = hashes[-1] if hashes else None
+                hashes.append(hash_page(parent, tokens[i * ps:(i + 1) * ps]))
         return hashes
 
     def lookup_prefix(self, request: Request) -> list[int]:
@@ -205,8 +206,8 @@ class KVCacheManager:
         self._num_registered.pop(request.request_id, None)
 
     def _grow(self, request: Request, num_new_tokens: int) -> None:
-        need = self.pages_for(request.num_computed_tokens + num_new_tokens) - len(request.page_table)
-        for _ in range(need):
+        total = self.pages_for(request.num_computed_tokens + num_new_tokens)
+        for _ in range(total - len(request.page_table)):
             request.page_table.append(self._pop_page())
 
     def _take(self, page: int) -> None:

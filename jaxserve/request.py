@@ -3,8 +3,9 @@
 One rule drives every step: a request computes a slice of `all_token_ids[num_computed_tokens:]`.
 A prefill chunk is any such slice; a decode is the case where exactly one token is left. The request
 samples a new token in a step iff that step's slice reaches the end of `all_token_ids`. Preemption
-is recompute: the pages go back to the pool, `num_computed_tokens` returns to 0 (the prefix cache may
-hand full pages back at readmission), and the same rule resumes where it stopped, outputs included.
+is recompute: the pages go back to the pool, `num_computed_tokens` returns to 0 (the prefix cache
+may hand full pages back at readmission), and the same rule resumes where it stopped, outputs
+included.
 """
 
 from __future__ import annotations

@@ -8,14 +8,15 @@ Plain Python and numpy (no JAX): `schedule()` returns a padded `BatchPlan` and t
    limit and the free pages allow. A chunk is cut to what the budget and the pool can take, so a
    long prompt is spread across steps while the decodes keep flowing. With prefix caching, a
    request whose next uncached page another running request is computing right now (n > 1
-   siblings, the same prompt twice) is passed over until that page is cached, so it is computed once.
-When a running request cannot get a page, the least important running request not yet in this step
-(largest priority value, then most recently admitted) is preempted — possibly the request itself —
-instead of failing; then the step admits nobody (pages are short: admitting would only churn). A
-waiting request of strictly higher priority than a running one, finding no sequence slot or no
-page, preempts it the same way. A request preempted in a step is not readmitted in that step. The engine decides when a request stops (eos, max_tokens, stop
-strings) and calls `finish_request`; the scheduler itself only ends requests that can never run
-(FINISHED_ERROR) or outgrow max_model_len (FINISHED_LENGTH): see `take_finished`.
+   siblings, the same prompt twice) is passed over until that page is cached: it is computed once.
+When a running request cannot get a page, the least important running request not yet in this
+step (largest priority value, then most recently admitted) is preempted (possibly the request
+itself) instead of failing; then the step admits nobody (pages are short: admitting would only
+churn). A waiting request of strictly higher priority than a running one, finding no sequence slot
+or no page, preempts it the same way. A request preempted in a step is not readmitted in it.
+The engine decides when a request stops (eos, max_tokens, stop strings) and calls
+`finish_request`; the scheduler itself only ends requests that can never run (FINISHED_ERROR) or
+outgrow max_model_len (FINISHED_LENGTH): see `take_finished`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxserve.batch import BatchPlan, SeqChunk, make_plan, pick_token_bucket, seq_bucket, token_buckets
+from jaxserve.batch import (BatchPlan, SeqChunk, make_plan, pick_token_bucket, seq_bucket,
+                            token_buckets)
 from jaxserve.cache import KVCacheManager
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import ConfigError, ContextLengthExceeded, InvalidRequest
@@ -83,7 +85,8 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_pages: int):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_pages: int):
         if (not scheduler_config.enable_chunked_prefill
                 and scheduler_config.max_num_batched_tokens < scheduler_config.max_model_len):
             # Without chunking a prompt must fit one step, or it would wait forever.
@@ -111,7 +114,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self._requests:
-            raise InvalidRequest(f"request id {request.request_id!r} is already in use", "request_id")
+            raise InvalidRequest(f"request id {request.request_id!r} is already in use",
+                                 "request_id")
         if not request.prompt_token_ids:
             raise InvalidRequest("the prompt must contain at least one token", "prompt")
         if request.num_tokens > self.config.max_model_len:

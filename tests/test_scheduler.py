@@ -3,7 +3,7 @@
 The fake runner keeps a "KV cache" of token ids, writes each step's tokens through `slot_mapping`,
 and predicts the next token as a hash of the sequence's history READ BACK FROM THAT CACHE through
 `page_indices` / `kv_lens`. So a wrong page, slot, position, shared prefix page or recompute after
-preemption changes the outputs, which are compared with the same hash applied to the plain token list.
+preemption changes the outputs, which are compared with the same hash over the plain token list.
 """
 
 from __future__ import annotations
@@ -300,7 +300,8 @@ def test_a_prompt_that_can_never_fit_the_pool_ends_in_error_not_livelock():
     run.add(Request("grows", prompt(2, 6)), max_tokens=5)  # needs 10 tokens of KV at the end
     run.add(Request("fine", prompt(3, 3)), max_tokens=2)
     run.run()
-    assert run.ends == {"huge": [RequestStatus.FINISHED_ERROR], "grows": [RequestStatus.FINISHED_ERROR],
+    assert run.ends == {"huge": [RequestStatus.FINISHED_ERROR],
+                        "grows": [RequestStatus.FINISHED_ERROR],
                         "fine": [RequestStatus.FINISHED_LENGTH]}
     assert run.requests["fine"].output_token_ids == reference(prompt(3, 3), 2)
 
@@ -333,7 +334,8 @@ def test_abort_between_schedule_and_update_skips_the_row_and_frees_pages():
     run.step()
     run.before_update = None
     a = run.requests["a"]
-    assert a.status == RequestStatus.FINISHED_ABORTED and a.page_table == [] and not a.output_token_ids
+    assert a.status == RequestStatus.FINISHED_ABORTED
+    assert a.page_table == [] and not a.output_token_ids
     assert run.sched.get_request("a") is None and not run.sched.abort("a")
     run.run()
     assert run.requests["b"].output_token_ids == reference(prompt(2, 10), 3)
