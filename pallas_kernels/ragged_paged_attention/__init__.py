@@ -1,0 +1,50 @@
+"""Ragged paged attention over one paged KV cache, and the KV write that fills it.
+
+Contract (same layout as jax.experimental.pallas.ops.tpu.ragged_paged_attention):
+    q             [T, Hq, D]   flat queries of all sequences; rows past cu_q_lens[num_seqs] are padding
+    kv_cache      [num_pages, page_size, 2 * Hkv, D]   K head h at slot 2h, V head h at 2h + 1
+    kv_lens       i32[S]       tokens in the cache per sequence, including this step's new ones
+    page_indices  i32[S, pages_per_seq]
+    cu_q_lens     i32[S + 1]
+    num_seqs      i32[1]
+Query i of sequence s sits at position kv_lens[s] - q_len(s) + i and attends to cache positions
+<= that (and > that - sliding_window when a window is set). GQA: Hq // Hkv queries per KV head.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.ragged_paged_attention.reference import write_kv
+from pallas_kernels.ragged_paged_attention.validate import validate_inputs
+
+IMPLS = ("reference", "pallas_tpu", "pallas_gpu")
+
+
+def _auto_impl() -> str:
+    backend = jax.default_backend()
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "reference")
+
+
+def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                           sliding_window=None, soft_cap=None, impl="auto", interpret=False):
+    """Dispatch to an implementation; impl="auto" picks by backend (CPU -> reference)."""
+    validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                    sliding_window=sliding_window, soft_cap=soft_cap)
+    if impl == "auto":
+        impl = _auto_impl()
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+    if impl == "reference":
+        return reference.ragged_paged_attention(*args, **kwargs)
+    if impl == "pallas_tpu":
+        from pallas_kernels.ragged_paged_attention import tpu
+        return tpu.ragged_paged_attention(*args, **kwargs, interpret=interpret)
+    if impl == "pallas_gpu":
+        from pallas_kernels.ragged_paged_attention import gpu
+        return gpu.ragged_paged_attention(*args, **kwargs, interpret=interpret)
+    raise ValueError(f"impl={impl!r}: expected 'auto' or one of {IMPLS}")
+
+
+__all__ = ["ragged_paged_attention", "write_kv", "validate_inputs", "IMPLS"]

@@ -1,0 +1,150 @@
+"""Pure-JAX ragged paged attention: the oracle for the Pallas kernels and the CPU serving path.
+
+Cost follows the tokens actually attended. The flat query axis is cut into *items*: blocks of up to
+`q_block` consecutive queries of one sequence. Items are processed `items_per_step` at a time in a
+while loop whose trip count is the number of live items, and each group walks only the KV blocks
+its own queries can see (causal upper bound, sliding-window lower bound), gathering those pages of
+its own sequences from the cache. Padding sequences produce no items and so cost nothing.
+
+A batch of pure decodes (every q_len 1) takes a `q_block=1` path: one item per token, so no query
+row is computed in vain; anything with a prefill chunk takes a wider block so a chunk's queries
+share each KV gather.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Tuned on the 2-core CPU (benchmarks/kernels.py): KV positions per inner step and items per step.
+KV_BLOCK_TOKENS = 256
+DECODE_ITEMS_PER_STEP = 16
+PREFILL_Q_BLOCK = 32
+PREFILL_ITEMS_PER_STEP = 2
+
+_MASKED = -1e30
+
+
+def write_kv(kv_cache, k, v, slot_mapping):
+    """Scatter new K/V rows into the cache at `slot_mapping` (page * page_size + offset).
+
+    K head h lands at slot 2h and V head h at 2h + 1 of axis 2. The reshapes are bitcasts, so with
+    the cache donated (or a loop carry) XLA updates it in place.
+    """
+    P, ps, H2, D = kv_cache.shape
+    T = k.shape[0]
+    if k.shape != v.shape or k.shape[1:] != (H2 // 2, D) or slot_mapping.shape != (T,):
+        raise ValueError(f"write_kv: k {k.shape}, v {v.shape}, slot_mapping {slot_mapping.shape} "
+                         f"do not fit a cache of shape {kv_cache.shape} (k/v must be [T, {H2 // 2}, {D}])")
+    kv = jnp.stack([k, v], axis=2).reshape(T, H2, D).astype(kv_cache.dtype)
+    flat = kv_cache.reshape(P * ps, H2, D).at[slot_mapping].set(kv, mode="drop")
+    return flat.reshape(P, ps, H2, D)
+
+
+def _items(cu_q_lens, num_seqs, q_block, num_items):
+    """Item w -> (sequence, first flat query row, number of valid rows); count of live items."""
+    S = cu_q_lens.shape[0] - 1
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    q_lens = jnp.where(jnp.arange(S) < num_seqs, q_lens, 0)
+    blocks = (q_lens + q_block - 1) // q_block
+    ends = jnp.cumsum(blocks)
+    w = jnp.arange(num_items)
+    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), S - 1).astype(jnp.int32)
+    j = w - (ends[seq] - blocks[seq])
+    start = cu_q_lens[seq] + j * q_block
+    rows = jnp.clip(cu_q_lens[seq + 1] - start, 0, q_block)
+    rows = jnp.where(w < ends[-1], rows, 0)
+    return seq, start, rows, ends[-1]
+
+
+def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
+            soft_cap, q_block, items_per_step):
+    T, Hq, D = q.shape
+    _, ps, H2, _ = kv_cache.shape
+    Hkv = H2 // 2
+    G = Hq // Hkv
+    S, pages_per_seq = page_indices.shape
+    pages_per_block = max(1, KV_BLOCK_TOKENS // ps)
+    blk_tokens = pages_per_block * ps
+    num_blocks = -(-pages_per_seq // pages_per_block)
+    # Pad the page table so every block's slice is in range; padded entries are masked by kv_len.
+    page_indices = jnp.pad(page_indices, ((0, 0), (0, num_blocks * pages_per_block - pages_per_seq)))
+
+    num_items = -(-T // q_block) + S
+    num_items = -(-num_items // items_per_step) * items_per_step
+    seq, start, rows, live_items = _items(cu_q_lens, num_seqs[0], q_block, num_items)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    first_pos = kv_lens[seq] - q_len + (start - cu_q_lens[seq])  # position of the item's row 0
+    r = jnp.arange(q_block)
+    row_ids = start[:, None] + r[None, :]  # [W, q_block] flat query rows
+    row_ok = r[None, :] < rows[:, None]
+    row_ids = jnp.where(row_ok, row_ids, T)  # out of range: gathers clamp, scatters drop
+    # KV blocks each item needs: up to its last query's position, from its first query's window.
+    hi = jnp.where(rows > 0, first_pos + rows, 0)
+    lo = jnp.zeros_like(hi) if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    blk_hi = (hi + blk_tokens - 1) // blk_tokens
+    blk_lo = jnp.where(rows > 0, lo // blk_tokens, num_blocks)
+
+    qf = (q.astype(jnp.float32) * sm_scale).reshape(T, Hkv, G, D)
+
+    def group(g, out):
+        sl = lambda x: lax.dynamic_slice_in_dim(x, g * items_per_step, items_per_step)
+        g_seq, g_rows, g_first = sl(seq), sl(row_ids), sl(first_pos)
+        g_ok = sl(row_ok)
+        qg = jnp.take(qf, g_rows, axis=0, mode="clip")  # [I, Qb, Hkv, G, D]
+        q_pos = g_first[:, None] + r[None, :]  # [I, Qb]
+        tables = page_indices[g_seq]  # [I, pages]
+        b0, b1 = jnp.min(sl(blk_lo)), jnp.max(sl(blk_hi))
+
+        def kv_step(b, carry):
+            m, l, acc = carry
+            pages = lax.dynamic_slice_in_dim(tables, b * pages_per_block, pages_per_block, axis=1)
+            kv = kv_cache[pages].reshape(items_per_step, blk_tokens, Hkv, 2, D).astype(jnp.float32)
+            k, v = kv[..., 0, :], kv[..., 1, :]
+            s = jnp.einsum("iqhgd,ikhd->iqhgk", qg, k, precision=lax.Precision.HIGHEST)
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            k_pos = b * blk_tokens + jnp.arange(blk_tokens)
+            mask = k_pos[None, None, :] <= q_pos[:, :, None]
+            if sliding_window is not None:
+                mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+            mask = mask[:, :, None, None, :]
+            s = jnp.where(mask, s, _MASKED)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            l = alpha * l + p.sum(-1)
+            acc = alpha[..., None] * acc + jnp.einsum("iqhgk,ikhd->iqhgd", p, v,
+                                                      precision=lax.Precision.HIGHEST)
+            return m_new, l, acc
+
+        shape = (items_per_step, q_block, Hkv, G)
+        init = (jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32),
+                jnp.zeros(shape + (D,), jnp.float32))
+        _, l, acc = lax.fori_loop(b0, b1, kv_step, init)
+        o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        o = jnp.where(g_ok[:, :, None, None, None], o, 0.0).reshape(-1, Hq, D)
+        return out.at[g_rows.reshape(-1)].set(o.astype(out.dtype), mode="drop")
+
+    num_groups = (live_items + items_per_step - 1) // items_per_step
+    return lax.fori_loop(0, num_groups, group, jnp.zeros((T, Hq, D), q.dtype))
+
+
+def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                           sliding_window=None, soft_cap=None):
+    """Attention of ragged queries over a paged KV cache; see the package docstring for the contract.
+
+    Rows past cu_q_lens[num_seqs] come back as zeros.
+    """
+    attend = functools.partial(_attend, q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
+                               sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    decode = functools.partial(attend, q_block=1, items_per_step=DECODE_ITEMS_PER_STEP)
+    if q.shape[0] == 1:
+        return decode()
+    S = cu_q_lens.shape[0] - 1
+    q_lens = jnp.where(jnp.arange(S) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    return lax.cond(jnp.max(q_lens) <= 1, decode,
+                    lambda: attend(q_block=PREFILL_Q_BLOCK, items_per_step=PREFILL_ITEMS_PER_STEP))

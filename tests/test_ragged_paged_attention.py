@@ -1,0 +1,191 @@
+"""Ragged paged attention: every implementation against a float64 numpy oracle written here."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pallas_kernels import ragged_paged_attention as rpa
+
+TOL = {"float32": 2e-3, "bfloat16": 2e-2}
+
+
+def numpy_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                    sliding_window=None, soft_cap=None):
+    q = np.asarray(q, np.float64)
+    cache = np.asarray(kv_cache, np.float64)
+    T, Hq, D = q.shape
+    _, ps, H2, _ = cache.shape
+    Hkv = H2 // 2
+    out = np.zeros((T, Hq, D))
+    for s in range(int(num_seqs[0])):
+        q0, q1, kv_len = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(kv_lens[s])
+        pages = page_indices[s, :-(-kv_len // ps)]
+        kv = cache[pages].reshape(-1, H2, D)[:kv_len]
+        k, v = kv[:, 0::2], kv[:, 1::2]
+        for i in range(q1 - q0):
+            pos = kv_len - (q1 - q0) + i
+            keys = np.arange(kv_len)
+            ok = keys <= pos
+            if sliding_window is not None:
+                ok &= keys > pos - sliding_window
+            for h in range(Hq):
+                kh = h // (Hq // Hkv)
+                sc = k[:, kh] @ q[q0 + i, h] * sm_scale
+                if soft_cap is not None:
+                    sc = soft_cap * np.tanh(sc / soft_cap)
+                sc = np.where(ok, sc, -np.inf)
+                p = np.exp(sc - sc.max())
+                out[q0 + i, h] = p @ v[:, kh] / p.sum()
+    return out
+
+
+def make_case(rng, *, q_lens, ctx_lens, page_size, Hq, Hkv, D, dtype, pad_tokens=3, pad_seqs=2,
+              pages_per_seq=None):
+    """A batch of sequences with random cached contexts; returns kernel args and the raw cache."""
+    kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    need = [-(-n // page_size) for n in kv_lens]
+    pages_per_seq = pages_per_seq or max(need) + 1
+    num_pages = 1 + sum(need) + 2
+    # Pages dealt out shuffled so a sequence's pages are not contiguous; page 0 stays the null page.
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    S = len(q_lens) + pad_seqs
+    page_indices = np.zeros((S, pages_per_seq), np.int32)
+    for s, n in enumerate(need):
+        page_indices[s, :n] = [free.pop() for _ in range(n)]
+    T = sum(q_lens) + pad_tokens
+    cu = np.zeros(S + 1, np.int32)
+    cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[len(q_lens) + 1:] = sum(q_lens)
+    kv_lens_arr = np.zeros(S, np.int32)
+    kv_lens_arr[:len(kv_lens)] = kv_lens
+    cache = rng.standard_normal((num_pages, page_size, 2 * Hkv, D)).astype(np.float32)
+    q = rng.standard_normal((T, Hq, D)).astype(np.float32)
+    cache, q = (jnp.asarray(a, dtype) for a in (cache, q))
+    return (q, cache, jnp.asarray(kv_lens_arr), jnp.asarray(page_indices), jnp.asarray(cu),
+            jnp.asarray([len(q_lens)], jnp.int32))
+
+
+def check(impl, args, *, dtype, sliding_window=None, soft_cap=None, interpret=False):
+    q, cache, kv_lens, page_indices, cu, num_seqs = args
+    D = q.shape[-1]
+    kw = dict(sm_scale=D ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
+    fn = jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl, interpret=interpret, **kw))
+    got = np.asarray(fn(*args).astype(jnp.float32), np.float64)
+    want = numpy_attention(*(np.asarray(a.astype(jnp.float32)) if a.dtype == jnp.bfloat16
+                             else np.asarray(a) for a in args), **kw)
+    live = int(cu[int(num_seqs[0])])
+    err = np.abs(got[:live] - want[:live]).max() / max(np.abs(want[:live]).max(), 1e-6)
+    assert err <= TOL[dtype], f"{impl}: relative error {err:.2e} > {TOL[dtype]}"
+    assert np.all(got[live:] == 0), "padding rows must come back as zeros"
+
+
+# ---- the batch shapes hypothesis explores --------------------------------------------------------
+
+heads = st.sampled_from([(4, 4), (8, 2), (4, 1)])  # MHA, GQA, MQA
+
+
+@st.composite
+def batches(draw, max_seqs=4, max_q=20, max_ctx=70):
+    n = draw(st.integers(1, max_seqs))
+    q_lens = [draw(st.sampled_from([1, 1, draw(st.integers(1, max_q))])) for _ in range(n)]
+    ctx = [draw(st.integers(0, max_ctx)) for _ in range(n)]
+    return dict(q_lens=q_lens, ctx_lens=ctx,
+                page_size=draw(st.sampled_from([16, 32])),
+                D=draw(st.sampled_from([64, 128])),
+                dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+def run_case(impl, case, hq_hkv, *, sliding_window=None, soft_cap=None, interpret=False):
+    case = dict(case)
+    rng = np.random.default_rng(case.pop("seed"))
+    dtype = case["dtype"]
+    args = make_case(rng, Hq=hq_hkv[0], Hkv=hq_hkv[1], **case)
+    check(impl, args, dtype=dtype, sliding_window=sliding_window, soft_cap=soft_cap,
+          interpret=interpret)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=batches(), hq_hkv=heads,
+       sliding_window=st.sampled_from([None, None, 1, 7, 40]),
+       soft_cap=st.sampled_from([None, None, 5.0]))
+def test_reference_matches_numpy(case, hq_hkv, sliding_window, soft_cap):
+    run_case("reference", case, hq_hkv, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+def test_reference_long_context_crosses_kv_blocks():
+    # Contexts longer than one KV block (reference.KV_BLOCK_TOKENS) and a prefill longer than one
+    # query block exercise the loops' bounds.
+    rng = np.random.default_rng(0)
+    args = make_case(rng, q_lens=[1, 45, 1], ctx_lens=[600, 300, 0], page_size=16, Hq=4, Hkv=2,
+                     D=64, dtype="float32")
+    check("reference", args, dtype="float32")
+    check("reference", args, dtype="float32", sliding_window=100)
+
+
+def test_write_kv_round_trip():
+    rng = np.random.default_rng(1)
+    P, ps, Hkv, D, T = 6, 16, 2, 64, 5
+    cache = jnp.zeros((P, ps, 2 * Hkv, D), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((T, Hkv, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((T, Hkv, D)), jnp.float32)
+    slots = jnp.asarray([17, 18, 40, 95, 3], jnp.int32)
+    out = jax.jit(rpa.write_kv, donate_argnums=0)(cache, k, v, slots)
+    flat = np.asarray(out).reshape(P * ps, 2 * Hkv, D)
+    np.testing.assert_array_equal(flat[np.asarray(slots)][:, 0::2], k)
+    np.testing.assert_array_equal(flat[np.asarray(slots)][:, 1::2], v)
+    untouched = np.setdiff1d(np.arange(P * ps), slots)
+    assert not flat[untouched].any()
+
+
+def test_write_kv_in_place_in_a_loop_carry():
+    # The model writes each layer's K/V inside a scan over layers: the compiled program must not
+    # copy the cache (no extra buffer of the cache's size beyond the donated argument).
+    cache = jnp.zeros((64, 16, 4, 64), jnp.float32)
+    k = jnp.ones((4, 2, 64), jnp.float32)
+
+    def step(c, i):
+        return rpa.write_kv(c, k, k, jnp.arange(4, dtype=jnp.int32) + i * 16), None
+
+    f = jax.jit(lambda c: jax.lax.scan(step, c, jnp.arange(8))[0], donate_argnums=0)
+    mem = f.lower(cache).compile().memory_analysis()
+    if mem is not None:
+        assert mem.temp_size_in_bytes < cache.nbytes // 2
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (dict(Hq=6, Hkv=4), "not a multiple"),
+    (dict(D_cache=32), "head_dim differs"),
+])
+def test_bad_shapes_raise_clear_errors(bad, msg):
+    Hq, Hkv = bad.get("Hq", 4), bad.get("Hkv", 2)
+    q = jnp.zeros((4, Hq, 64))
+    cache = jnp.zeros((4, 16, 2 * Hkv, bad.get("D_cache", 64)))
+    with pytest.raises(ValueError, match=msg):
+        rpa.ragged_paged_attention(q, cache, jnp.zeros(2, jnp.int32), jnp.zeros((2, 3), jnp.int32),
+                                   jnp.zeros(3, jnp.int32), jnp.zeros(1, jnp.int32), sm_scale=0.1)
+
+
+def test_page_indices_out_of_range_raise_when_concrete():
+    with pytest.raises(ValueError, match="cache has 4 pages"):
+        rpa.ragged_paged_attention(jnp.zeros((4, 4, 64)), jnp.zeros((4, 16, 4, 64)),
+                                   np.zeros(2, np.int32), np.full((2, 3), 4, np.int32),
+                                   np.zeros(3, np.int32), np.zeros(1, np.int32), sm_scale=0.1)
+
+
+def test_unknown_impl_raises():
+    args = make_case(np.random.default_rng(2), q_lens=[1], ctx_lens=[3], page_size=16, Hq=2,
+                     Hkv=1, D=64, dtype="float32")
+    with pytest.raises(ValueError, match="impl="):
+        rpa.ragged_paged_attention(*args, sm_scale=0.1, impl="cuda")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="auto picks a kernel off CPU")
+def test_auto_picks_reference_on_cpu():
+    assert rpa._auto_impl() == "reference"
