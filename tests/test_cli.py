@@ -69,7 +69,6 @@ def tiny_gguf(path: Path, fields: dict | None, *, chat_template: bool = True,
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("attention_kernel")
 def test_greedy_generation_matches_golden_in_process(smollm2, smollm2_golden):
     config, params = smollm2
     for case in smollm2_golden["cases"]:
@@ -148,7 +147,6 @@ def test_chat_without_template_and_prompt_errors(tmp_path, capsys, smollm2_token
 # ---------------------------------------------------------------- tiny end to end
 
 
-@pytest.mark.usefixtures("attention_kernel")
 def test_generate_tiny_model_json_and_sampling(tmp_path, capsys, smollm2_tokenizer_fields):
     path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields)
     args = ["generate", "--model", str(path), "--chat", "--prompt", "Hello", "--max-tokens", "5",

@@ -13,8 +13,6 @@ from jaxserve.batch import SeqChunk, make_plan
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.models import llama
 
-pytestmark = pytest.mark.usefixtures("attention_kernel")
-
 PAGE_SIZE = 4
 NUM_PAGES = 24
 

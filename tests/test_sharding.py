@@ -29,7 +29,6 @@ DEVICES = 8
 _CHILD = "JAXSERVE_SHARDING_CHILD"
 needs_8 = pytest.mark.skipif(jax.device_count() < DEVICES,
                              reason="runs in the 8-device child process")
-pytestmark = pytest.mark.usefixtures("attention_kernel")
 
 TINY = ModelConfig(name="tiny", vocab_size=128, hidden_size=64, intermediate_size=128,
                    num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16)
