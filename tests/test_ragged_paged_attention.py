@@ -189,3 +189,39 @@ def test_unknown_impl_raises():
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="auto picks a kernel off CPU")
 def test_auto_picks_reference_on_cpu():
     assert rpa._auto_impl() == "reference"
+
+
+# ---- Pallas kernels in interpret mode (slow on CPU: few, small examples) -------------------------
+
+@pytest.mark.parametrize("impl", ["pallas_gpu"])
+@settings(max_examples=6, deadline=None)
+@given(case=batches(max_seqs=3, max_q=12, max_ctx=40), hq_hkv=heads,
+       sliding_window=st.sampled_from([None, 5]), soft_cap=st.sampled_from([None, 5.0]))
+def test_pallas_interpret_matches_numpy(impl, case, hq_hkv, sliding_window, soft_cap):
+    run_case(impl, case, hq_hkv, sliding_window=sliding_window, soft_cap=soft_cap, interpret=True)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu"])
+def test_pallas_interpret_mixed_batch_with_odd_group(impl):
+    # SmolLM2's shape class: 3 query heads per KV head (padded to 4 inside the GPU kernel), a
+    # decode, a chunk continuing a cached prefix across several KV blocks, and a fresh prompt.
+    rng = np.random.default_rng(3)
+    args = make_case(rng, q_lens=[1, 20, 7], ctx_lens=[90, 70, 0], page_size=16, Hq=6, Hkv=2,
+                     D=64, dtype="float32")
+    check(impl, args, dtype="float32", interpret=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_gpu_kernel_kv_splits_merge_exactly(num_splits):
+    # Splitting each item's KV range across programs (merged by log-sum-exp) must not change the
+    # result, including splits that get no KV block (the 5-token sequence) and a sliding window.
+    from pallas_kernels.ragged_paged_attention import gpu
+
+    rng = np.random.default_rng(4)
+    args = make_case(rng, q_lens=[1, 9, 1], ctx_lens=[200, 60, 4], page_size=16, Hq=4, Hkv=2,
+                     D=64, dtype="float32")
+    q, cache, kv_lens, page_indices, cu, num_seqs = args
+    kw = dict(sm_scale=0.125, sliding_window=150)
+    got = gpu.ragged_paged_attention(*args, **kw, interpret=True, num_splits=num_splits)
+    want = numpy_attention(*(np.asarray(a) for a in args), **kw)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-3 * np.abs(want).max())

@@ -14,6 +14,7 @@ share each KV gather.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +45,20 @@ def write_kv(kv_cache, k, v, slot_mapping):
     return flat.reshape(P, ps, H2, D)
 
 
-def _items(cu_q_lens, num_seqs, q_block, num_items):
-    """Item w -> (sequence, first flat query row, number of valid rows); count of live items."""
+class QueryItems(NamedTuple):
+    """Blocks of up to q_block consecutive queries of one sequence, live ones first."""
+    seq: jax.Array  # i32[W] sequence of each item
+    start: jax.Array  # i32[W] flat row of the item's first query
+    rows: jax.Array  # i32[W] valid queries (0 for items past the live ones)
+    first_pos: jax.Array  # i32[W] cache position of the item's first query
+    blk_lo: jax.Array  # i32[W] first KV block (of block_tokens) any of its queries sees
+    blk_hi: jax.Array  # i32[W] one past the last such block (== blk_lo when rows == 0)
+    num_live: jax.Array  # i32[] number of live items
+
+
+def query_items(cu_q_lens, kv_lens, num_seqs, *, q_block, num_items, sliding_window,
+                block_tokens) -> QueryItems:
+    """Cut the ragged query axis into items; also which KV blocks each item's queries can see."""
     S = cu_q_lens.shape[0] - 1
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     q_lens = jnp.where(jnp.arange(S) < num_seqs, q_lens, 0)
@@ -53,11 +66,20 @@ def _items(cu_q_lens, num_seqs, q_block, num_items):
     ends = jnp.cumsum(blocks)
     w = jnp.arange(num_items)
     seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), S - 1).astype(jnp.int32)
-    j = w - (ends[seq] - blocks[seq])
-    start = cu_q_lens[seq] + j * q_block
+    start = cu_q_lens[seq] + (w - (ends[seq] - blocks[seq])) * q_block
     rows = jnp.clip(cu_q_lens[seq + 1] - start, 0, q_block)
     rows = jnp.where(w < ends[-1], rows, 0)
-    return seq, start, rows, ends[-1]
+    start = jnp.where(rows > 0, start, 0)
+    first_pos = kv_lens[seq] - q_lens[seq] + (start - cu_q_lens[seq])
+    # Causal: the last query sees up to its own position; a window bounds the first query's reach.
+    hi = (first_pos + rows + block_tokens - 1) // block_tokens
+    lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    lo = lo // block_tokens + jnp.zeros_like(hi)
+    blk_hi = jnp.where(rows > 0, hi, 0)
+    blk_lo = jnp.where(rows > 0, lo, 0)
+    return QueryItems(seq, start.astype(jnp.int32), rows.astype(jnp.int32),
+                      first_pos.astype(jnp.int32), blk_lo.astype(jnp.int32),
+                      blk_hi.astype(jnp.int32), ends[-1])
 
 
 def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
@@ -75,18 +97,16 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
 
     num_items = -(-T // q_block) + S
     num_items = -(-num_items // items_per_step) * items_per_step
-    seq, start, rows, live_items = _items(cu_q_lens, num_seqs[0], q_block, num_items)
-    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    first_pos = kv_lens[seq] - q_len + (start - cu_q_lens[seq])  # position of the item's row 0
+    items = query_items(cu_q_lens, kv_lens, num_seqs[0], q_block=q_block, num_items=num_items,
+                        sliding_window=sliding_window, block_tokens=blk_tokens)
+    seq, first_pos = items.seq, items.first_pos
     r = jnp.arange(q_block)
-    row_ids = start[:, None] + r[None, :]  # [W, q_block] flat query rows
-    row_ok = r[None, :] < rows[:, None]
+    row_ids = items.start[:, None] + r[None, :]  # [W, q_block] flat query rows
+    row_ok = r[None, :] < items.rows[:, None]
     row_ids = jnp.where(row_ok, row_ids, T)  # out of range: gathers clamp, scatters drop
-    # KV blocks each item needs: up to its last query's position, from its first query's window.
-    hi = jnp.where(rows > 0, first_pos + rows, 0)
-    lo = jnp.zeros_like(hi) if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
-    blk_hi = (hi + blk_tokens - 1) // blk_tokens
-    blk_lo = jnp.where(rows > 0, lo // blk_tokens, num_blocks)
+    # Items without rows must not widen a group's KV range: lo past every block, hi 0.
+    blk_lo = jnp.where(items.rows > 0, items.blk_lo, num_blocks)
+    blk_hi = items.blk_hi
 
     qf = (q.astype(jnp.float32) * sm_scale).reshape(T, Hkv, G, D)
 
@@ -129,7 +149,7 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
         o = jnp.where(g_ok[:, :, None, None, None], o, 0.0).reshape(-1, Hq, D)
         return out.at[g_rows.reshape(-1)].set(o.astype(out.dtype), mode="drop")
 
-    num_groups = (live_items + items_per_step - 1) // items_per_step
+    num_groups = (items.num_live + items_per_step - 1) // items_per_step
     return lax.fori_loop(0, num_groups, group, jnp.zeros((T, Hq, D), q.dtype))
 
 
