@@ -193,7 +193,7 @@ def test_auto_picks_reference_on_cpu():
 
 # ---- Pallas kernels in interpret mode (slow on CPU: few, small examples) -------------------------
 
-@pytest.mark.parametrize("impl", ["pallas_gpu"])
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 @settings(max_examples=6, deadline=None)
 @given(case=batches(max_seqs=3, max_q=12, max_ctx=40), hq_hkv=heads,
        sliding_window=st.sampled_from([None, 5]), soft_cap=st.sampled_from([None, 5.0]))
@@ -201,7 +201,7 @@ def test_pallas_interpret_matches_numpy(impl, case, hq_hkv, sliding_window, soft
     run_case(impl, case, hq_hkv, sliding_window=sliding_window, soft_cap=soft_cap, interpret=True)
 
 
-@pytest.mark.parametrize("impl", ["pallas_gpu"])
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 def test_pallas_interpret_mixed_batch_with_odd_group(impl):
     # SmolLM2's shape class: 3 query heads per KV head (padded to 4 inside the GPU kernel), a
     # decode, a chunk continuing a cached prefix across several KV blocks, and a fresh prompt.

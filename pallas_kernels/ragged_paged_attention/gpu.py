@@ -23,8 +23,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.ragged_paged_attention.reference import query_items
 
 # Rows of the query tile (q_block * padded G); Triton's dot needs every dim >= 16.
-TILE_ROWS = 32
-KV_BLOCK_TOKENS = 64
+TILE_ROWS = 64
+KV_BLOCK_TOKENS = 128
 NUM_WARPS = 4
 NUM_STAGES = 2
 # Programs (items x KV heads x KV splits) worth launching: a few waves over an H100's 132 SMs.
@@ -78,7 +78,7 @@ def _kernel(seq_ref, start_ref, rows_ref, first_ref, lo_ref, hi_ref, tables_ref,
     if lse_ref:
         lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
         plgpu.store(lse_ref[0].at[pl.ds(start, q_block)], lse.reshape(q_block, group),
-                    mask=row_ok[:, :, 0])
+                    mask=lax.broadcasted_iota(jnp.int32, (q_block, group), 0) < rows)
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
