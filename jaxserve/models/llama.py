@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in Flax linen over a ragged token batch.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a ragged token batch.
 
 The model is a pure function of (params, kv_cache, batch): `forward` runs every layer over the flat
 tokens of one `BatchPlan` and returns the final-normed hidden states plus the updated KV cache;
@@ -6,8 +6,10 @@ tokens of one `BatchPlan` and returns the final-normed hidden states plus the up
 `ModelConfig`: callers jit with `functools.partial` or `static_argnums`.
 
 Layout choices:
-- Layers are stacked on a leading axis and run with `nn.scan`, so compile time does not grow with
-  depth. The parameter tree is flat and named after the HF checkpoint it comes from:
+- One decoder block is a Flax linen module; the blocks' parameters are stacked on a leading axis
+  and run with `jax.lax.scan`, so compile time does not grow with depth. (Not `nn.scan`: it traces
+  the body once more to check broadcast invariants, which fails on Pallas GPU kernels with flax
+  0.12.10 / JAX 0.11.) The parameter tree is flat and named after the HF checkpoint it comes from:
     embed_tokens [V, H], norm [H], lm_head [H, V] (only if untied),
     layers/{input_norm, post_attention_norm} [L, H],
     layers/{q,k,v}_proj [L, H, heads, D], layers/{q,k,v}_bias [L, heads, D] (Qwen2),
@@ -149,41 +151,6 @@ class DecoderLayer(nn.Module):
         return (x, kv_cache), None
 
 
-class Llama(nn.Module):
-    config: ModelConfig
-
-    def setup(self):
-        c = self.config
-        dt = jnp.dtype(c.dtype)
-        self.embed_tokens = _param(self, "embed_tokens", (c.vocab_size, c.hidden_size),
-                                   ("vocab", "embed"), dt, nn.initializers.normal(stddev=1.0))
-        self.norm = _param(self, "norm", (c.hidden_size,), ("embed",), dt, nn.initializers.ones)
-        if not c.tie_word_embeddings:
-            self.lm_head = _param(self, "lm_head", (c.hidden_size, c.vocab_size), ("embed", "vocab"),
-                                  dt, _fan_in_normal(c.hidden_size))
-        self.layers = nn.scan(
-            DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-            in_axes=(0, nn.broadcast), length=c.num_layers,
-            metadata_params={nn.PARTITION_NAME: "layers"})(c)
-
-    def __call__(self, kv_cache: jax.Array, batch: BatchPlan):
-        x = jnp.take(self.embed_tokens, batch.token_ids, axis=0)
-        layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        (x, kv_cache), _ = self.layers((x, kv_cache), layer_ids, batch)
-        return rms_norm(x, self.norm, self.config.rms_norm_eps), kv_cache
-
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        if self.config.tie_word_embeddings:
-            return jnp.einsum("nh,vh->nv", hidden, self.embed_tokens,
-                              precision=_precision(self.config), preferred_element_type=jnp.float32)
-        return jnp.einsum("nh,hv->nv", hidden, self.lm_head, precision=_precision(self.config),
-                          preferred_element_type=jnp.float32)
-
-    def _init_all(self, kv_cache: jax.Array, batch: BatchPlan):
-        hidden, _ = self(kv_cache, batch)
-        return self.logits(hidden)
-
-
 def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=None) -> jax.Array:
     """Zeroed cache for all layers: [L * num_pages, page_size, 2 * Hkv, D], K even / V odd slots."""
     return jnp.zeros((config.num_layers * num_pages, page_size, 2 * config.num_kv_heads,
@@ -198,9 +165,27 @@ def _init_batch() -> BatchPlan:
                      logits_indices=z)
 
 
-def _boxed_init(config: ModelConfig, rng: jax.Array):
-    cache = init_kv_cache(config, num_pages=1, page_size=1)
-    return Llama(config).init(rng, cache, _init_batch(), method=Llama._init_all)["params"]
+def _boxed_init(config: ModelConfig, rng: jax.Array) -> dict:
+    """Random parameters boxed with their logical axis names (nn.Partitioned)."""
+    c = config
+    dt = jnp.dtype(c.dtype)
+    k_embed, k_head, k_layers = jax.random.split(rng, 3)
+    carry = (jnp.zeros((1, c.hidden_size), dt), init_kv_cache(c, num_pages=1, page_size=1))
+    layer = DecoderLayer(c)
+    layers = jax.vmap(lambda k: layer.init(k, carry, jnp.int32(0), _init_batch())["params"])(
+        jax.random.split(k_layers, c.num_layers))
+    params = {
+        "embed_tokens": nn.Partitioned(
+            nn.initializers.normal(stddev=1.0)(k_embed, (c.vocab_size, c.hidden_size), dt),
+            names=("vocab", "embed")),
+        "norm": nn.Partitioned(jnp.ones((c.hidden_size,), dt), names=("embed",)),
+        "layers": nn.meta.add_axis(layers, 0, {nn.PARTITION_NAME: "layers"}),
+    }
+    if not c.tie_word_embeddings:
+        params["lm_head"] = nn.Partitioned(
+            _fan_in_normal(c.hidden_size)(k_head, (c.hidden_size, c.vocab_size), dt),
+            names=("embed", "vocab"))
+    return params
 
 
 _jit_boxed_init = jax.jit(_boxed_init, static_argnums=0)
@@ -225,9 +210,22 @@ def param_shapes(config: ModelConfig) -> dict:
 def forward(params: dict, config: ModelConfig, kv_cache: jax.Array,
             batch: BatchPlan) -> tuple[jax.Array, jax.Array]:
     """Run all layers over the batch's flat tokens: (final-normed hidden [T, H], kv_cache)."""
-    return Llama(config).apply({"params": params}, kv_cache, batch)
+    layer = DecoderLayer(config)
+
+    def body(carry, xs):
+        layer_params, layer_id = xs
+        return layer.apply({"params": layer_params}, carry, layer_id, batch)
+
+    x = jnp.take(params["embed_tokens"], batch.token_ids, axis=0)
+    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (params["layers"], layer_ids))
+    return rms_norm(x, params["norm"], config.rms_norm_eps), kv_cache
 
 
 def compute_logits(params: dict, config: ModelConfig, hidden_rows: jax.Array) -> jax.Array:
     """LM head on the rows that sample (hidden[batch.logits_indices]): f32 logits [N, vocab]."""
-    return Llama(config).apply({"params": params}, hidden_rows, method=Llama.logits)
+    if config.tie_word_embeddings:
+        return jnp.einsum("nh,vh->nv", hidden_rows, params["embed_tokens"],
+                          precision=_precision(config), preferred_element_type=jnp.float32)
+    return jnp.einsum("nh,hv->nv", hidden_rows, params["lm_head"], precision=_precision(config),
+                      preferred_element_type=jnp.float32)
