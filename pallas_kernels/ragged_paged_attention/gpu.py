@@ -22,9 +22,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.ragged_paged_attention.reference import query_items
 
-# Rows of the query tile (q_block * padded G); Triton's dot needs every dim >= 16.
+# Rows of the query tile (q_block * padded G; Triton's dot needs every dim >= 16) and bytes of
+# one K (or V) tile: sized so the pipelined tiles fit an H100's shared memory for D up to 128.
 TILE_ROWS = 64
-KV_BLOCK_TOKENS = 128
+KV_TILE_BYTES = 16 * 1024
 NUM_WARPS = 4
 NUM_STAGES = 2
 # Programs (items x KV heads x KV splits) worth launching: a few waves over an H100's 132 SMs.
@@ -83,7 +84,7 @@ def _kernel(seq_ref, start_ref, rows_ref, first_ref, lo_ref, hi_ref, tables_ref,
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                            sliding_window=None, soft_cap=None, interpret=False,
-                           tile_rows=TILE_ROWS, kv_block_tokens=KV_BLOCK_TOKENS,
+                           tile_rows=None, kv_block_tokens=None,
                            num_warps=NUM_WARPS, num_stages=NUM_STAGES, num_splits=None):
     """Block sizes default to the values tuned on an H100 (benchmarks/kernels.py sweeps them).
 
@@ -95,6 +96,9 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     Hkv = H2 // 2
     G = Hq // Hkv
     S, pages_per_seq = page_indices.shape
+    itemsize = jnp.dtype(q.dtype).itemsize
+    tile_rows = tile_rows or max(16, TILE_ROWS * 2 // itemsize)
+    kv_block_tokens = kv_block_tokens or max(16, KV_TILE_BYTES // (D * itemsize))
     Gp = pl.next_power_of_2(G)  # Triton tiles are powers of two: padded heads are zeros
     q_block = max(1, tile_rows // Gp)
     pages_per_block = max(1, kv_block_tokens // ps)
