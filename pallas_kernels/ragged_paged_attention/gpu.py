@@ -47,9 +47,14 @@ def _kernel(seq_ref, start_ref, rows_ref, first_ref, lo_ref, hi_ref, tables_ref,
     q = q_ref[pl.ds(start, q_block)].reshape(M, D)
     q_pos = first_pos + lax.broadcasted_iota(jnp.int32, (M, blk), 0) // group
 
+    def page_ids(b):
+        return tables_ref[seq, pl.ds(b * pages_per_block, pages_per_block)]
+
     def body(b, carry):
-        acc, m, l = carry
-        pages = tables_ref[seq, pl.ds(b * pages_per_block, pages_per_block)]
+        # Page ids travel one step ahead in the carry, so this step's K/V gather does not wait
+        # on a dependent load of its own page ids.
+        acc, m, l, pages = carry
+        next_pages = page_ids(b + 1)
         k = k_ref[pages].reshape(blk, D)
         v = v_ref[pages].reshape(blk, D)
         s = plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32)
@@ -65,14 +70,15 @@ def _kernel(seq_ref, start_ref, rows_ref, first_ref, lo_ref, hi_ref, tables_ref,
         alpha = jnp.exp(m - m_new)
         l = alpha * l + p.sum(axis=1)
         pv = plgpu.dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
-        return alpha[:, None] * acc + pv, m_new, l
+        return alpha[:, None] * acc + pv, m_new, l, next_pages
 
     init = (jnp.zeros((M, D), jnp.float32), jnp.full((M,), _MASKED, jnp.float32),
             jnp.zeros((M,), jnp.float32))
     # KV split: this program takes one contiguous share of the item's KV blocks.
     per_split = (blk_hi - blk_lo + num_splits - 1) // num_splits
     b0 = blk_lo + pl.program_id(2) * per_split
-    acc, m, l = lax.fori_loop(b0, jnp.minimum(b0 + per_split, blk_hi), body, init)
+    acc, m, l, _ = lax.fori_loop(b0, jnp.minimum(b0 + per_split, blk_hi), body,
+                                 init + (page_ids(jnp.minimum(b0, blk_hi)),))
     o = (acc / jnp.where(l > 0, l, 1.0)[:, None]).reshape(q_block, group, D)
     row_ok = lax.broadcasted_iota(jnp.int32, (q_block, group, D), 0) < rows
     plgpu.store(o_ref.at[pl.ds(start, q_block)], o.astype(o_ref.dtype), mask=row_ok)
@@ -111,7 +117,9 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
         num_splits = min(1 << (fill.bit_length() - 1), num_blocks)
     items = query_items(cu_q_lens, kv_lens, num_seqs[0], q_block=q_block, num_items=num_items,
                         sliding_window=sliding_window, block_tokens=blk)
-    tables = jnp.pad(page_indices, ((0, 0), (0, num_blocks * pages_per_block - pages_per_seq)))
+    # One spare block of null pages: the loop reads the page ids one block ahead.
+    tables = jnp.pad(page_indices,
+                     ((0, 0), (0, (num_blocks + 1) * pages_per_block - pages_per_seq)))
 
     # Queries as [T + q_block, Hkv, Gp, D]: the tail lets the last item's tile load in range.
     qs = (q * sm_scale).astype(q.dtype).reshape(T, Hkv, G, D)
