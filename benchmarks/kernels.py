@@ -150,8 +150,8 @@ def main():
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     on_gpu = jax.default_backend() == "gpu"
-    device = jax.devices()[0].device_kind if on_gpu else f"CPU ({platform.processor() or 'host'}, " \
-        f"{os.cpu_count()} cores)"
+    device = (jax.devices()[0].device_kind if on_gpu
+              else f"CPU ({platform.processor() or 'host'}, {os.cpu_count()} cores)")
     kernels = ["pallas_gpu"] if on_gpu else []
     if a.check and kernels and not check(kernels):
         print("CHECK FAILED: benchmark numbers below are for a kernel that is wrong somewhere")

@@ -75,7 +75,8 @@ def check(impl, args, *, dtype, sliding_window=None, soft_cap=None, interpret=Fa
     q, cache, kv_lens, page_indices, cu, num_seqs = args
     D = q.shape[-1]
     kw = dict(sm_scale=D ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
-    fn = jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl, interpret=interpret, **kw))
+    fn = jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl, interpret=interpret,
+                                   **kw))
     got = np.asarray(fn(*args).astype(jnp.float32), np.float64)
     want = numpy_attention(*(np.asarray(a.astype(jnp.float32)) if a.dtype == jnp.bfloat16
                              else np.asarray(a) for a in args), **kw)

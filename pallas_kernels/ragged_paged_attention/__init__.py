@@ -1,7 +1,7 @@
 """Ragged paged attention over one paged KV cache, and the KV write that fills it.
 
 Contract (same layout as jax.experimental.pallas.ops.tpu.ragged_paged_attention):
-    q             [T, Hq, D]   flat queries of all sequences; rows past cu_q_lens[num_seqs] are padding
+    q             [T, Hq, D]   flat queries; rows past cu_q_lens[num_seqs] are padding
     kv_cache      [num_pages, page_size, 2 * Hkv, D]   K head h at slot 2h, V head h at 2h + 1
     kv_lens       i32[S]       tokens in the cache per sequence, including this step's new ones
     page_indices  i32[S, pages_per_seq]
