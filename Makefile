@@ -8,7 +8,7 @@ PORT   ?= 8000
 # Tests run on a 2-core CPU machine; keep XLA from oversubscribing it.
 PYTEST_ARGS ?= -q
 
-.PHONY: install install-dev fetch-models serve test generate bench-kernels clean
+.PHONY: install install-dev fetch-models serve test generate bench-kernels clean protos
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,3 +37,7 @@ bench-kernels: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# gRPC Python modules, generated reproducibly from the committed .proto (outputs are committed too).
+protos: $(VENV)/.installed-dev
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. jaxserve/protos/generation.proto

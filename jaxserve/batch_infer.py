@@ -1,0 +1,223 @@
+"""Offline batch inference over an OpenAI Batch API .jsonl file: `jaxserve batch`.
+
+Every request is submitted to the engine up front so continuous batching keeps it full. Each
+result is appended and flushed as one whole line the moment it finishes, so an interrupted run
+(crash, Ctrl-C) leaves a valid file, and a rerun skips requests already answered."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+URL_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+class DuplicateCustomIds(ValueError):
+    """The input names one custom_id more than once; results could not be matched to requests."""
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    """One input line: either a runnable request (kind, body) or an error answered without running."""
+    line: int  # 1-based line number in the input file
+    custom_id: str | None
+    kind: str | None = None
+    body: Any = None
+    error: tuple[int, dict] | None = None  # (status_code, OpenAI error body) or None
+
+    @property
+    def key(self) -> str:
+        """What a rerun matches answered results by: custom_id, else the line number."""
+        return f"id:{self.custom_id}" if self.custom_id is not None else f"line:{self.line}"
+
+
+def _invalid(message: str, param: str | None = None) -> tuple[int, dict]:
+    return 400, {"error": {"message": message, "type": "invalid_request_error", "param": param,
+                           "code": None}}
+
+
+def parse_line(number: int, text: str) -> BatchLine:
+    """Parse one input line; a malformed line becomes an error result, never an exception."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return BatchLine(number, None, error=_invalid(f"line {number} is not valid JSON: {e}"))
+    if not isinstance(obj, dict):
+        return BatchLine(number, None, error=_invalid(f"line {number} is not a JSON object"))
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return BatchLine(number, None,
+                         error=_invalid("'custom_id' is required and must be a non-empty string",
+                                        "custom_id"))
+    if obj.get("method", "POST") != "POST":
+        return BatchLine(number, custom_id, error=_invalid("'method' must be POST", "method"))
+    kind = URL_KINDS.get(obj.get("url"))
+    if kind is None:
+        return BatchLine(number, custom_id, error=_invalid(
+            f"'url' must be one of {sorted(URL_KINDS)}, got {obj.get('url')!r}", "url"))
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return BatchLine(number, custom_id, error=_invalid("'body' must be a JSON object", "body"))
+    if body.get("stream"):
+        return BatchLine(number, custom_id,
+                         error=_invalid("batch requests cannot stream; drop 'stream'", "stream"))
+    return BatchLine(number, custom_id, kind, body)
+
+
+def read_input(path: Path) -> list[BatchLine]:
+    """All non-blank lines of the input; raises DuplicateCustomIds naming each repeated id."""
+    lines = [parse_line(n, text) for n, text in
+             enumerate(path.read_text(encoding="utf-8").splitlines(), start=1) if text.strip()]
+    first: dict[str, int] = {}
+    repeats = []
+    for item in lines:
+        if item.custom_id is None:
+            continue
+        if item.custom_id in first:
+            repeats.append(f"{item.custom_id!r} (lines {first[item.custom_id]} and {item.line})")
+        first.setdefault(item.custom_id, item.line)
+    if repeats:
+        raise DuplicateCustomIds("duplicate custom_id values; each request needs its own: "
+                                 + ", ".join(repeats))
+    return lines
+
+
+def answered_keys(path: Path) -> set[str]:
+    """Keys of the results already in `path`, after cutting off a torn last line.
+
+    Only whole lines are ever flushed, but a killed process can leave a partial tail; it is
+    removed so the appended results start on a line of their own."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with path.open("r+b") as f:
+            f.truncate(end)
+    keys = set()
+    for text in data[:end].decode("utf-8").splitlines():
+        if not text.strip():
+            continue
+        result = json.loads(text)
+        if result.get("custom_id") is not None:
+            keys.add(f"id:{result['custom_id']}")
+        else:
+            keys.add(f"line:{result['line']}")
+    return keys
+
+
+def result_line(item: BatchLine, status: int, body: dict) -> dict:
+    """One output line in the OpenAI Batch format; `line` lets id-less errors be resumed."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": item.custom_id, "line": item.line,
+            "response": {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}",
+                         "body": body},
+            "error": None}
+
+
+def error_status(error: Exception) -> tuple[int, dict]:
+    """Status and body for a request the serving layer refused (same mapping as HTTP)."""
+    from jaxserve.errors import ContextLengthExceeded, ModelNotFound
+    if isinstance(error, ModelNotFound):
+        return 404, {"error": {"message": str(error), "type": "invalid_request_error",
+                               "param": "model", "code": "model_not_found"}}
+    code = "context_length_exceeded" if isinstance(error, ContextLengthExceeded) else None
+    status, body = _invalid(str(error), getattr(error, "param", None))
+    body["error"]["code"] = code
+    return status, body
+
+
+class ResultWriter:
+    """Appends one whole line per result and flushes it, so the file is always resumable."""
+
+    def __init__(self, path: Path):
+        self.file = path.open("a", encoding="utf-8")
+
+    def write(self, result: dict) -> None:
+        self.file.write(json.dumps(result, ensure_ascii=False) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progress) -> dict:
+    """Run every item on `serving` (an OpenAIServing) concurrently; returns summary counts."""
+    from jaxserve.errors import InvalidRequest, ModelNotFound
+    counts = {"succeeded": 0, "failed": 0, "completion_tokens": 0}
+
+    def finish(item: BatchLine, status: int, body: dict) -> None:
+        writer.write(result_line(item, status, body))
+        counts["succeeded" if status == 200 else "failed"] += 1
+        if status == 200:
+            counts["completion_tokens"] += body["usage"]["completion_tokens"]
+        progress.update(1)
+        elapsed = max(time.monotonic() - progress.start_t, 1e-9)
+        progress.set_postfix(tok_s=f"{counts['completion_tokens'] / elapsed:.1f}",
+                             failed=counts["failed"])
+
+    async def one(item: BatchLine) -> None:
+        if item.error is not None:
+            finish(item, *item.error)
+            return
+        try:
+            gen = serving.prepare(item.kind, item.body)
+        except (InvalidRequest, ModelNotFound) as e:
+            finish(item, *error_status(e))
+            return
+        try:
+            body = await gen.response()
+        except BaseException:
+            await gen.abort_unfinished()
+            raise
+        finish(item, 200, body)
+
+    await asyncio.gather(*(one(item) for item in items))
+    return counts
+
+
+def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="registered name or path")
+    parser.add_argument("--input", required=True, type=Path, help="OpenAI Batch API .jsonl")
+    parser.add_argument("--output", required=True, type=Path,
+                        help="results .jsonl; appended to, and answered requests are skipped")
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+
+
+async def run_batch_on(engine, model_name: str, input_path: Path, output_path: Path) -> int:
+    """Answer every request of `input_path` not yet in `output_path`; returns the exit code."""
+    from jaxserve.server.openai_serving import OpenAIServing
+    try:
+        items = read_input(input_path)
+    except (OSError, DuplicateCustomIds) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    done = answered_keys(output_path)
+    todo = [item for item in items if item.key not in done]
+    if len(todo) < len(items):
+        print(f"resuming: {len(items) - len(todo)} of {len(items)} requests already answered "
+              f"in {output_path}", file=sys.stderr)
+    writer = ResultWriter(output_path)
+    start = time.monotonic()
+    try:
+        with tqdm(total=len(todo), unit="req", file=sys.stderr) as progress:
+            counts = await serve_all(OpenAIServing(engine, model_name), todo, writer, progress)
+    finally:
+        writer.close()
+    elapsed = time.monotonic() - start
+    print(f"done: {counts['succeeded']} succeeded, {counts['failed']} failed, "
+          f"{counts['completion_tokens']} completion tokens in {elapsed:.1f} s "
+          f"({counts['completion_tokens'] / max(elapsed, 1e-9):.1f} tok/s) -> {output_path}",
+          file=sys.stderr)
+    return 0
