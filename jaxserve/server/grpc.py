@@ -1,0 +1,116 @@
+"""gRPC front end (package jaxserve.v1): streaming Generate, ListModels, health and reflection.
+
+Requests are translated into an OpenAI completion body and validated by the same OpenAIServing
+layer as HTTP, so both front ends accept and reject exactly the same things."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxserve.errors import EngineOverloaded, InvalidRequest, ModelNotFound
+from jaxserve.protos import generation_pb2 as pb
+from jaxserve.protos import generation_pb2_grpc as pb_grpc
+from jaxserve.server.openai_serving import OpenAIServing
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+# Proto3 `optional` scalars that map one-to-one onto OpenAI completion fields.
+_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos")
+
+
+def completion_body(request: pb.GenerateRequest) -> dict:
+    """The OpenAI completion body equivalent to a GenerateRequest (raises InvalidRequest)."""
+    if request.prompt and request.prompt_token_ids:
+        raise InvalidRequest("set exactly one of 'prompt' and 'prompt_token_ids', not both",
+                             param="prompt")
+    if not request.prompt and not request.prompt_token_ids:
+        raise InvalidRequest("one of 'prompt' and 'prompt_token_ids' is required", param="prompt")
+    body = {"model": request.model,
+            "prompt": request.prompt or list(request.prompt_token_ids)}
+    for name in _OPTIONAL_FIELDS:
+        if request.HasField(name):
+            value = getattr(request, name)
+            # float32 on the wire: round so 0.9 arrives as 0.9, not 0.8999999761581421.
+            body[name] = round(value, 6) if isinstance(value, float) else value
+    if request.stop:
+        body["stop"] = list(request.stop)
+    return body
+
+
+def status_for(error: Exception) -> grpc.StatusCode:
+    """The gRPC status of a typed user error (ContextLengthExceeded is an InvalidRequest)."""
+    if isinstance(error, ModelNotFound):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(error, EngineOverloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, engine, model_name: str):
+        self.engine = engine
+        self.serving = OpenAIServing(engine, model_name)
+        self.model_name = model_name
+
+    async def Generate(self, request, context):
+        try:
+            gen = self.serving.prepare("completion", completion_body(request))
+        except (InvalidRequest, ModelNotFound, EngineOverloaded) as e:
+            await context.abort(status_for(e), str(e))
+        (prompt_ids,), (request_id,) = gen.prompt_ids, gen.request_ids
+        sent_text, sent_tokens, finished = 0, 0, False
+        try:
+            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, gen.params,
+                                                  request_id):
+                choice = out.outputs[0]
+                delta = pb.GenerateResponse(text=choice.text[sent_text:],
+                                            token_ids=choice.token_ids[sent_tokens:])
+                sent_text, sent_tokens = len(choice.text), len(choice.token_ids)
+                if out.finished:
+                    finished = True
+                    delta.finish_reason = choice.finish_reason or ""
+                    delta.usage.prompt_tokens = len(prompt_ids)
+                    delta.usage.completion_tokens = sent_tokens
+                if delta.text or delta.token_ids or out.finished:
+                    yield delta
+        except EngineOverloaded as e:
+            await context.abort(status_for(e), str(e))
+        finally:
+            # Deadline expiry and client cancellation arrive here as CancelledError: free the
+            # request's pages now rather than when it would have finished.
+            if not finished:
+                await self.engine.abort(request_id)
+
+    async def Embed(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "Embed is not served yet: this server runs a generation model only")
+
+    async def ListModels(self, request, context):
+        return pb.ListModelsResponse(models=[pb.Model(id=self.model_name,
+                                                      max_model_len=self.engine.max_model_len)])
+
+
+async def start_grpc_server(engine, host: str, port: int, model_name: str,
+                            health_servicer: health.aio.HealthServicer | None = None):
+    """Start serving on host:port (0 picks a free port); returns (server, bound_port).
+
+    Health reports SERVING for the service and for "" once this returns, so call it after
+    the engine has warmed up."""
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(engine, model_name), server)
+    health_servicer = health_servicer or health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    bound_port = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound_port
