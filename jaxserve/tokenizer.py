@@ -14,7 +14,7 @@ from typing import Sequence
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
@@ -72,9 +72,10 @@ _PRE_TOKENIZERS = {
     **dict.fromkeys(("gpt-4o", "llama4"), _regex_split(_O200K_SPLIT)),
 }
 
-# llama.cpp's token types (gguf.TokenType): control tokens are special (skipped when decoding with
-# skip_special_tokens); user-defined ones are matched whole in the text but decode like any token.
-_CONTROL, _USER_DEFINED = 3, 4
+# llama.cpp's token types (gguf.TokenType): unknown and control tokens are special (skipped when
+# decoding with skip_special_tokens); user-defined ones are matched whole in the text but decode
+# like any token.
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 
 
 def _gguf_fields(path: Path) -> dict:
@@ -85,6 +86,13 @@ def _gguf_fields(path: Path) -> dict:
     except (OSError, ValueError) as e:
         raise TokenizerError(f"{path}: not a readable GGUF file ({e})") from None
     return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+
+
+def _add_typed_tokens(backend: Backend, tokens: list[str], types: list[int]) -> None:
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i, t in enumerate(types) if t in (_UNKNOWN, _CONTROL)])
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, t in enumerate(types) if t == _USER_DEFINED])
 
 
 def _byte_level_backend(path: Path, meta: dict) -> Backend:
@@ -99,12 +107,52 @@ def _byte_level_backend(path: Path, meta: dict) -> Backend:
     backend.decoder = decoders.ByteLevel()
     # `tokenizer.ggml.add_space_prefix` is not applied: llama.cpp reads it for sentencepiece
     # vocabularies only, and HF's byte-level converter ignores it too.
-    types = meta.get("tokenizer.ggml.token_type", [])
-    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                for i, t in enumerate(types) if t == _CONTROL])
-    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                        for i, t in enumerate(types) if t == _USER_DEFINED])
+    _add_typed_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type", []))
     return backend
+
+
+def _sentencepiece_merges(tokens: list[str], scores: list[float],
+                          types: list[int]) -> list[tuple[str, str]]:
+    """sentencepiece's BPE merges the adjacent pair whose union scores highest; a `tokenizers` BPE
+    merges the pair of lowest rank. So every split of a normal piece into two normal pieces is a
+    merge, ranked by the piece's score (ties: lower ids first)."""
+    normal = {t: i for i, t in enumerate(tokens) if not types or types[i] == _NORMAL}
+    ranked = []
+    for piece, i in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                ranked.append((-scores[i], normal[left], normal[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _sentencepiece_backend(path: Path, meta: dict) -> Backend:
+    """Llama-2 / Mistral-style vocabularies (`tokenizer.ggml.model == "llama"`), built as
+    transformers' non-legacy Llama tokenizer: `▁` for spaces, one prefixed at the start of the
+    text, bytes missing from the vocabulary spelled as `<0xHH>` pieces."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type", [])
+    if "tokenizer.ggml.scores" not in meta:
+        raise TokenizerError(f"{path}: sentencepiece GGUF without tokenizer.ggml.scores")
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    backend = Backend(models.BPE(
+        {t: i for i, t in enumerate(tokens)},
+        _sentencepiece_merges(tokens, meta["tokenizer.ggml.scores"], types),
+        unk_token=tokens[unk] if unk is not None else None, fuse_unk=True, byte_fallback=True))
+    space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    # split=False: sentencepiece runs over the whole text, so pieces may span spaces.
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        prepend_scheme="first" if space_prefix else "never", split=False)
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    _add_typed_tokens(backend, tokens, types)
+    return backend
+
+
+# `tokenizer.ggml.model` -> (builder, llama.cpp's add_bos default when the file has no flag).
+_GGUF_TOKENIZERS = {"gpt2": (_byte_level_backend, False), "llama": (_sentencepiece_backend, True)}
 
 
 def _bos_eos_processor(tokens: list[str], bos_id: int | None, eos_id: int | None):
@@ -116,6 +164,13 @@ def _bos_eos_processor(tokens: list[str], bos_id: int | None, eos_id: int | None
 
 
 # ---------------------------------------------------------------- tokenizer.json directories
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"{path}: unreadable ({e})") from None
 
 
 def _token_content(value) -> str | None:
@@ -136,10 +191,7 @@ def _config_chat_template(config: dict, directory: Path) -> str | None:
 def _generation_eos_ids(directory: Path) -> list[int]:
     # Instruct models often stop on more than the tokenizer's eos (Llama 3: <|eot_id|>); HF keeps
     # that list in generation_config.json.
-    path = directory / "generation_config.json"
-    if not path.exists():
-        return []
-    eos = json.loads(path.read_text()).get("eos_token_id")
+    eos = _read_json(directory / "generation_config.json").get("eos_token_id")
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
@@ -201,21 +253,22 @@ class Tokenizer:
         path = Path(path)
         meta = _gguf_fields(path)
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise TokenizerError(f"{path}: GGUF tokenizer model {kind!r} is not supported (only "
-                                 f"byte-level BPE, 'gpt2')")
+        if kind not in _GGUF_TOKENIZERS:
+            raise TokenizerError(f"{path}: GGUF tokenizer model {kind!r} is not supported "
+                                 f"(supported: {', '.join(_GGUF_TOKENIZERS)})")
         if "tokenizer.ggml.tokens" not in meta:
             raise TokenizerError(f"{path}: GGUF metadata has no tokenizer.ggml.tokens")
         tokens = meta["tokenizer.ggml.tokens"]
-        backend = _byte_level_backend(path, meta)
+        build, add_bos_default = _GGUF_TOKENIZERS[kind]
+        backend = build(path, meta)
 
         def special(key: str) -> int | None:
             value = meta.get(f"tokenizer.ggml.{key}")
             return None if value is None else int(value)
 
         bos, eos = special("bos_token_id"), special("eos_token_id")
-        # llama.cpp's defaults when a flag is absent: byte-level vocabularies add neither.
-        add_bos = bos is not None and bool(meta.get("tokenizer.ggml.add_bos_token", False))
+        add_bos = bos is not None and bool(meta.get("tokenizer.ggml.add_bos_token",
+                                                    add_bos_default))
         add_eos = eos is not None and bool(meta.get("tokenizer.ggml.add_eos_token", False))
         if add_bos or add_eos:
             backend.post_processor = _bos_eos_processor(tokens, bos if add_bos else None,
@@ -240,8 +293,7 @@ class Tokenizer:
         except Exception as e:  # the Rust side raises plain Exception for any malformed file
             raise TokenizerError(f"{json_path}: not a valid tokenizer.json ({e})") from None
         directory = json_path.parent
-        config_path = directory / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        config = _read_json(directory / "tokenizer_config.json")
         return cls(backend, source=str(json_path),
                    bos_token=_token_content(config.get("bos_token")),
                    eos_token=_token_content(config.get("eos_token")),
@@ -304,6 +356,9 @@ class Tokenizer:
         except _TemplateRaised as e:
             raise InvalidRequest(f"the chat template rejected the messages: {e}",
                                  param="messages") from None
+        except SecurityError as e:  # the template's fault, whatever the messages
+            raise TokenizerError(f"the model's chat template was stopped by the sandbox: {e}") \
+                from None
         except jinja2.TemplateError as e:
             raise InvalidRequest(f"the chat template failed on these messages: {e}",
                                  param="messages") from None
