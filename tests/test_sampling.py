@@ -18,7 +18,8 @@ sample_jit = jax.jit(sample, static_argnames="num_top_logprobs")
 
 BAD_PARAMS = [
     ("n", 0), ("n", 1.0), ("n", "2"), ("n", True),
-    ("temperature", -0.1), ("temperature", True), ("temperature", "1"), ("temperature", float("nan")),
+    ("temperature", -0.1), ("temperature", True), ("temperature", "1"),
+    ("temperature", float("nan")),
     ("temperature", float("inf")),
     ("top_p", 0.0), ("top_p", 1.01), ("top_p", -1), ("top_p", None),
     ("top_k", -2), ("top_k", 1.5), ("top_k", False),
@@ -104,7 +105,8 @@ def _log_softmax(x):
 
 def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
     logits = _logits(6, 1000)
-    out = _run(logits, [_row(temperature=0)] * 5, num_rows_padded=6, num_top_logprobs=MAX_LOGPROBS)
+    out = _run(logits, [_row(temperature=0)] * 5, num_rows_padded=6,
+               num_top_logprobs=MAX_LOGPROBS)
     np.testing.assert_array_equal(out.token_ids, logits.argmax(-1))  # padding row greedy too
     ref = _log_softmax(logits)
     np.testing.assert_allclose(out.logprobs, ref[np.arange(6), logits.argmax(-1)], atol=1e-5)
@@ -124,7 +126,7 @@ def test_sampled_logprob_is_of_the_raw_distribution():
 
 def test_top_logprobs_width():
     assert top_logprobs_width([None, _row()]) == 0
-    assert top_logprobs_width([_row(logprobs=0)]) == 0  # the sampled token's logprob is always there
+    assert top_logprobs_width([_row(logprobs=0)]) == 0  # the sampled logprob always comes
     assert top_logprobs_width([_row(), _row(logprobs=2)]) == MAX_LOGPROBS
 
 
@@ -251,7 +253,7 @@ def test_penalties_match_numpy():
         p = r.params
         want = _np_penalties(logits[i], r.prompt_token_ids, r.output_token_ids,
                              p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
-        np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-5)
     np.testing.assert_array_equal(got[3], logits[3])
 
 
@@ -293,3 +295,25 @@ def test_metadata_padding_and_history_buckets():
                                eos_token_ids=EOS, history_buckets=(8, 32))
     with pytest.raises(ValueError, match="exceed"):
         make_sampling_metadata([_row()] * 3, 2, eos_token_ids=EOS)
+
+
+def test_metadata_signature_depends_only_on_penalty_use():
+    """One compiled sampler per (rows, history width, top-logprobs width): request parameters
+    other than penalties never change a shape or dtype."""
+    signature = lambda rows: jax.tree.map(  # noqa: E731
+        lambda a: (a.shape, a.dtype), make_sampling_metadata(rows, 4, eos_token_ids=EOS))
+    plain = signature([_row(temperature=0)])
+    for rows in ([_row(top_k=3, top_p=0.5, min_p=0.1, seed=7)], [None, _row(min_tokens=4)] * 2,
+                 [_row(temperature=0, top_k=5, stop_token_ids=list(range(64)), min_tokens=1)]):
+        assert signature(rows) == plain
+    greedy = make_sampling_metadata([_row(temperature=0, top_k=5, top_p=0.5)], 1,
+                                    eos_token_ids=EOS)
+    assert (greedy.top_k[0], greedy.top_p[0]) == (0, 1)  # filters off: they never move the argmax
+
+
+def test_bfloat16_logits():
+    logits = _logits(3, 100, seed=2).astype(jax.numpy.bfloat16)
+    out = _run(logits.astype(np.float32), [_row(temperature=0)] * 3)
+    md = make_sampling_metadata([_row(temperature=0)] * 3, 3, eos_token_ids=EOS)
+    bf = sample_jit(jax.numpy.asarray(logits), md)
+    np.testing.assert_array_equal(np.asarray(bf.token_ids), out.token_ids)
