@@ -185,14 +185,14 @@ async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progr
 
 
 def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="registered name or path")
+    from jaxserve.engine_args import add_engine_arguments
+
+    add_engine_arguments(parser)
     parser.add_argument("--input", required=True, type=Path, help="OpenAI Batch API .jsonl")
     parser.add_argument("--output", required=True, type=Path,
                         help="results .jsonl; appended to, and answered requests are skipped")
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the 'model' the input's bodies name (default: --model)")
 
 
 async def run_batch_on(engine, model_name: str, input_path: Path, output_path: Path) -> int:
@@ -221,3 +221,20 @@ async def run_batch_on(engine, model_name: str, input_path: Path, output_path: P
           f"({counts['completion_tokens'] / max(elapsed, 1e-9):.1f} tok/s) -> {output_path}",
           file=sys.stderr)
     return 0
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    """`jaxserve batch`: load the engine, answer the file, shut the engine down."""
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine import LLMEngine
+    from jaxserve.engine_args import engine_args
+
+    if not args.input.is_file():
+        print(f"error: input file {args.input} not found", file=sys.stderr)
+        return 1
+    engine = AsyncEngine(LLMEngine.from_model(args.model, dtype=args.dtype, **engine_args(args)))
+    try:
+        return asyncio.run(run_batch_on(engine, args.served_model_name or args.model, args.input,
+                                        args.output))
+    finally:
+        engine.shutdown()

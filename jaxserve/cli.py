@@ -1,4 +1,4 @@
-"""`jaxserve fetch | convert | generate`.
+"""`jaxserve fetch | convert | generate | serve | batch`.
 
 Every error a user can cause surfaces as a JaxServeError and is printed as one line on stderr with
 exit code 1 — never a traceback. Progress goes to stderr so stdout carries only the result (with
@@ -8,14 +8,17 @@ exit code 1 — never a traceback. Progress goes to stderr so stdout carries onl
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
 from pathlib import Path
 
-from jaxserve.errors import ContextLengthExceeded, InvalidRequest, JaxServeError, ModelNotFound
+from jaxserve.batch_infer import add_batch_arguments
+from jaxserve.engine_args import add_engine_arguments
+from jaxserve.errors import ContextLengthExceeded, InvalidRequest, JaxServeError
 from jaxserve.model_registry import ModelSpec
+from jaxserve.server.launcher import add_serve_arguments
+from jaxserve.tokenizer import tokenizer_source
 
 
 def _log(msg: str) -> None:
@@ -33,19 +36,6 @@ def cmd_fetch(args) -> int:
 
 
 # ---------------------------------------------------------------- convert
-
-
-def tokenizer_source(spec: ModelSpec) -> str | None:
-    """Where the tokenizer of a model lives: the GGUF itself, an HF tokenizer.json, or what an
-    orbax checkpoint recorded about the model it was converted from."""
-    if spec.format == "gguf":
-        return str(spec.path.resolve())
-    if spec.format == "hf":
-        path = spec.path / "tokenizer.json"
-        return str(path.resolve()) if path.exists() else None
-    from jaxserve.weights.checkpoint import read_meta
-
-    return read_meta(spec.path).get("tokenizer_source")
 
 
 def _timed_load(spec: ModelSpec, dtype: str | None):
@@ -78,15 +68,6 @@ def cmd_convert(args) -> int:
 
 
 # ---------------------------------------------------------------- generate
-
-
-def load_tokenizer(spec: ModelSpec):
-    from jaxserve.tokenizer import Tokenizer
-
-    source = tokenizer_source(spec)
-    if source is None:
-        raise ModelNotFound(f"{spec.path}: no tokenizer found (expected tokenizer.json)")
-    return Tokenizer.from_gguf(source) if source.endswith(".gguf") else Tokenizer.from_file(source)
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -129,96 +110,47 @@ def prompt_ids(args, tokenizer) -> list[int]:
     return ids
 
 
-def check_prompt(ids: list[int], config, max_tokens: int) -> None:
-    bad = [i for i in ids if not 0 <= i < config.vocab_size]
-    if bad:
-        raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, "
-                             f"{config.vocab_size})", param="prompt_token_ids")
-    if len(ids) + max_tokens > config.max_position_embeddings:
-        raise ContextLengthExceeded(
-            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceed the model's context "
-            f"of {config.max_position_embeddings}")
-
-
-def _sample_step(params, config, kv_cache, batch, key, temperature):
-    import jax
-    import jax.numpy as jnp
-
-    from jaxserve.models import llama
-
-    hidden, kv_cache = llama.forward(params, config, kv_cache, batch)
-    logits = llama.compute_logits(params, config, hidden[batch.logits_indices[:1]])[0]
-    sampled = jax.random.categorical(key, logits / jnp.maximum(temperature, 1e-6))
-    return jnp.where(temperature > 0, sampled, jnp.argmax(logits)).astype(jnp.int32), kv_cache
-
-
-@functools.cache
-def _jitted_sample_step():
-    import jax
-
-    return jax.jit(_sample_step, static_argnums=1, donate_argnums=2)
-
-
-def generate_ids(params, config, ids: list[int], *, max_tokens: int, temperature: float = 0.0,
-                 seed: int = 0, stop_ids=(), page_size: int = 16) -> tuple[list[int], str]:
-    """One sequence through forward() on a private page pool: (generated ids, finish reason).
-
-    A stand-in until jaxserve.engine.LLM serves the CLI: one compiled program for the prompt's
-    token bucket and one for single-token decode steps.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from jaxserve.batch import SeqChunk, make_plan, next_power_of_two
-    from jaxserve.models import llama
-
-    step = _jitted_sample_step()
-    # Page counts rounded to powers of two so prompts of similar length share compiled programs.
-    pages_per_seq = next_power_of_two(-(-(len(ids) + max_tokens) // page_size))
-    table = list(range(1, pages_per_seq + 1))  # page 0 is the null page
-    kv_cache = llama.init_kv_cache(config, pages_per_seq + 1, page_size)
-    key = jax.random.key(seed)
-    out: list[int] = []
-    chunk = SeqChunk(ids, 0, table)
-    while True:
-        n = len(chunk.token_ids)
-        plan = make_plan([chunk], num_tokens_padded=1 if n == 1 else max(16, next_power_of_two(n)),
-                         num_seqs_padded=1, pages_per_seq=pages_per_seq, page_size=page_size)
-        key, sub = jax.random.split(key)
-        token, kv_cache = step(params, config, kv_cache, jax.tree.map(jnp.asarray, plan), sub,
-                               jnp.float32(temperature))
-        out.append(int(token))
-        if out[-1] in stop_ids:
-            return out, "stop"
-        if len(out) == max_tokens:
-            return out, "length"
-        chunk = SeqChunk([out[-1]], len(ids) + len(out) - 1, table)
-
-
 def cmd_generate(args) -> int:
-    from jaxserve.model_registry import resolve
+    from jaxserve.engine_args import engine_args
+    from jaxserve.llm import LLM
+    from jaxserve.sampling import SamplingParams
 
     check_args(args)
-    spec = resolve(args.model)
-    config, params, load_s = _timed_load(spec, args.dtype)
-    _log(f"loaded {spec.name} ({spec.format}) in {load_s:.2f} s")
-    tokenizer = load_tokenizer(spec)
-    ids = prompt_ids(args, tokenizer)
-    check_prompt(ids, config, args.max_tokens)
-    stop_ids = set(config.eos_token_ids) | set(tokenizer.eos_token_ids)
     t0 = time.perf_counter()
-    out, finish_reason = generate_ids(params, config, ids, max_tokens=args.max_tokens,
-                                      temperature=args.temperature, seed=args.seed,
-                                      stop_ids=stop_ids)
-    gen_s = time.perf_counter() - t0
-    text = tokenizer.decode(out)
-    _log(f"generated {len(out)} tokens in {gen_s:.2f} s (incl. compile)")
+    # One prompt: compile each program when first needed instead of every bucket up front.
+    llm = LLM(args.model, dtype=args.dtype, warmup=False, progress=False, **engine_args(args))
+    _log(f"loaded {args.model} in {time.perf_counter() - t0:.2f} s")
+    ids = prompt_ids(args, llm.get_tokenizer())
+    max_len = llm.engine.max_model_len
+    if len(ids) + args.max_tokens > max_len:
+        raise ContextLengthExceeded(
+            f"prompt ({len(ids)} tokens) + max_tokens ({args.max_tokens}) exceed the context of "
+            f"{max_len} tokens (--max-model-len)", param="max_tokens")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    t0 = time.perf_counter()
+    out = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0]
+    _log(f"generated {len(out.token_ids)} tokens in {time.perf_counter() - t0:.2f} s "
+         f"(incl. compile)")
     if args.json:
-        print(json.dumps({"model": spec.name, "prompt_token_ids": ids, "token_ids": out,
-                          "text": text, "finish_reason": finish_reason}))
+        print(json.dumps({"model": args.model, "prompt_token_ids": ids,
+                          "token_ids": out.token_ids, "text": out.text,
+                          "finish_reason": out.finish_reason}))
     else:
-        print(text)
+        print(out.text)
     return 0
+
+
+def cmd_serve(args) -> int:
+    from jaxserve.server.launcher import run
+
+    return run(args)
+
+
+def cmd_batch(args) -> int:
+    from jaxserve.batch_infer import run_batch
+
+    return run_batch(args)
 
 
 # ---------------------------------------------------------------- entry
@@ -239,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_convert)
 
     g = sub.add_parser("generate", help="generate from one prompt")
-    g.add_argument("--model", required=True, help="registered name or path")
+    add_engine_arguments(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-token-ids", help="comma-separated token ids, e.g. 1,2,3")
@@ -247,11 +179,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="render --prompt as one user message through the model's chat template")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (token_ids, text, ...) as the last stdout line")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (and gRPC with --grpc-port)")
+    add_serve_arguments(s)
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("batch", help="answer an OpenAI Batch API .jsonl file offline")
+    add_batch_arguments(b)
+    b.set_defaults(func=cmd_batch)
     return p
 
 

@@ -18,7 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from jaxserve.errors import InvalidRequest, TokenizerError
+from jaxserve.errors import InvalidRequest, ModelNotFound, TokenizerError
 
 # ---------------------------------------------------------------- GGUF pre-tokenizers
 
@@ -428,3 +428,27 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self.text += delta
         return delta
+
+
+# ---------------------------------------------------------------------------------------------
+# Which tokenizer a model uses.
+
+
+def tokenizer_source(spec) -> str | None:
+    """Where the tokenizer of a model (a model_registry.ModelSpec) lives: the GGUF itself, an HF
+    tokenizer.json, or what an orbax checkpoint recorded about the model it was converted from."""
+    if spec.format == "gguf":
+        return str(spec.path.resolve())
+    if spec.format == "hf":
+        path = spec.path / "tokenizer.json"
+        return str(path.resolve()) if path.exists() else None
+    from jaxserve.weights.checkpoint import read_meta
+
+    return read_meta(spec.path).get("tokenizer_source")
+
+
+def load_tokenizer(spec) -> Tokenizer:
+    source = tokenizer_source(spec)
+    if source is None:
+        raise ModelNotFound(f"{spec.path}: no tokenizer found (expected tokenizer.json)")
+    return Tokenizer.from_gguf(source) if source.endswith(".gguf") else Tokenizer.from_file(source)

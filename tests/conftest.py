@@ -36,3 +36,14 @@ def smollm2(smollm2_path):
     from jaxserve.weights import load_model
 
     return load_model(resolve(SMOLLM2), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_fields(smollm2_path) -> dict:
+    """SmolLM2's tokenizer metadata, for tiny random models that encode prompts for real."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(smollm2_path))
+    keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+            "tokenizer.chat_template")
+    return {k: reader.fields[k].contents() for k in keys}

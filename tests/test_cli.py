@@ -36,16 +36,6 @@ def assert_one_line_error(rc: int, err: str, match: str):
 # ---------------------------------------------------------------- tiny models with a real tokenizer
 
 
-@pytest.fixture(scope="module")
-def smollm2_tokenizer_fields(smollm2_path) -> dict:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(smollm2_path))
-    keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-            "tokenizer.chat_template")
-    return {k: reader.fields[k].contents() for k in keys}
-
-
 def tiny_gguf(path: Path, fields: dict | None, *, chat_template: bool = True,
               arch: str | None = None) -> Path:
     """A random 2-layer model carrying SmolLM2's tokenizer (so prompts encode for real)."""
@@ -66,16 +56,6 @@ def tiny_gguf(path: Path, fields: dict | None, *, chat_template: bool = True,
 
 
 # ---------------------------------------------------------------- golden
-
-
-@pytest.mark.slow
-def test_greedy_generation_matches_golden_in_process(smollm2, smollm2_golden):
-    config, params = smollm2
-    for case in smollm2_golden["cases"]:
-        out, reason = cli.generate_ids(params, config, case["input_ids"], max_tokens=32,
-                                       stop_ids=set(config.eos_token_ids))
-        assert out == case["greedy_ids"], case["case"]
-        assert reason == ("stop" if len(out) < 32 else "length")
 
 
 @pytest.mark.slow
@@ -141,7 +121,7 @@ def test_chat_without_template_and_prompt_errors(tmp_path, capsys, smollm2_token
     rc = cli.main(["generate", "--model", str(path), "--prompt-token-ids", "1,99999"])
     assert_one_line_error(rc, capsys.readouterr().err, "outside the vocabulary")
     rc = cli.main(["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "500"])
-    assert_one_line_error(rc, capsys.readouterr().err, "exceed the model's context of 128")
+    assert_one_line_error(rc, capsys.readouterr().err, "exceed the context of 128 tokens")
 
 
 # ---------------------------------------------------------------- tiny end to end

@@ -1,0 +1,147 @@
+"""AsyncEngine: the LLMEngine step loop on its own thread, streamed to asyncio callers.
+
+The engine thread is the only one that touches engine state. Callers validate on their own thread
+(`LLMEngine.prepare` reads only configs and the tokenizer), then hand the engine commands (add,
+abort) through an inbox it drains before every step; outputs travel back to each request's
+asyncio queue with `call_soon_threadsafe`. Stats are a snapshot the thread publishes after each
+step, so a metrics scrape never reads state mid-update.
+
+If a step raises, the engine is dead: every open stream gets EngineDead and new requests are
+refused, rather than serving from a cache and scheduler in an unknown state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections import deque
+from typing import AsyncIterator, Callable
+
+from jaxserve.engine import EngineStats, LLMEngine
+from jaxserve.errors import EngineDead, InvalidRequest
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: deque[tuple[Callable[[], object], str | None]] = deque()
+        self._wake = threading.Condition()
+        self._streams: dict[str, _Stream] = {}  # touched by both threads, one key at a time
+        self._stats = engine.stats()
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and not self._stopping
+
+    # ---- caller side (any asyncio loop) ------------------------------------------------------
+
+    async def generate(self, prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs (cumulative), the last one finished. Leaving the loop early
+        (break, cancellation, client gone) aborts the request and frees its pages."""
+        if not self.is_running:
+            raise EngineDead(f"the engine is not running ({self._dead or 'shut down'})")
+        if request_id is None:
+            request_id = f"req-{uuid.uuid4().hex}"
+        prepared = self.engine.prepare(request_id, prompt, params, priority)
+        if request_id in self._streams:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        stream = self._streams[request_id] = _Stream(asyncio.get_running_loop())
+        self._submit(lambda: self.engine.add_request(request_id, prepared=prepared), request_id)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._submit(lambda: self.engine.abort(request_id))
+            self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(lambda: self.engine.abort(request_id))
+
+    def _submit(self, command: Callable[[], object], request_id: str | None = None) -> None:
+        with self._wake:
+            self._inbox.append((command, request_id))
+            self._wake.notify()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop; open streams end with EngineDead."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not (self._inbox or self._stopping or self.engine.has_unfinished()):
+                        self._wake.wait()
+                    if self._stopping:
+                        raise EngineDead("the engine was shut down")
+                    commands = list(self._inbox)
+                    self._inbox.clear()
+                for command, request_id in commands:
+                    try:
+                        command()
+                    except InvalidRequest as e:  # e.g. an id reused before its abort landed
+                        self._deliver(request_id, e)
+                if self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        self._deliver(out.request_id, out)
+                self._stats = self.engine.stats()
+        except BaseException as e:  # noqa: BLE001 - every stream must hear of it
+            if not isinstance(e, EngineDead):
+                log.exception("engine step failed; the engine is dead")
+            self._dead = e if isinstance(e, EngineDead) else EngineDead(f"engine step failed: {e}")
+            for stream in list(self._streams.values()):
+                stream.put(self._dead)
+
+    def _deliver(self, request_id: str | None, item) -> None:
+        stream = self._streams.get(request_id) if request_id is not None else None
+        if stream is not None:
+            stream.put(item)

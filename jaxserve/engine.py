@@ -1,0 +1,365 @@
+"""LLMEngine: the step loop (scheduler -> runner -> stops -> outputs), and the offline `LLM` API.
+
+One user request with n > 1 becomes n scheduler requests over the same prompt; the prefix cache
+makes them share the prompt's full pages (the scheduler computes a shared page once). The engine
+owns what the scheduler leaves to it: when a sequence stops (EOS, stop token ids, stop strings on
+the detokenized text, max_tokens, max_model_len), text (incremental detokenization, holding back
+a tail that could still become a stop string), logprobs and the counters behind the metrics.
+
+Every request ends exactly once: `step()` returns one final RequestOutput (finished=True) for it,
+whether it stopped, ran out of length or was aborted, and by then all its pages are back.
+The engine is single-threaded; `jaxserve.async_engine.AsyncEngine` runs it on its own thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from jaxserve.errors import ContextLengthExceeded, InvalidRequest
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from jaxserve.request import Request, RequestStatus
+from jaxserve.sampling import SamplingParams, SamplingRow
+from jaxserve.scheduler import Scheduler
+from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+_FINISH_REASON = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                  RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "abort"}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    pages_in_use: int  # held by live requests
+    pages_cached_free: int  # held only by the prefix cache
+    num_pages: int  # usable pages
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found
+    num_preemptions: int
+    prompt_tokens: int  # prompt tokens of requests that produced their first token
+    generation_tokens: int
+    num_requests_finished: int
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request, ready for `add_request` (built by `prepare`, which may run on another
+    thread than the engine: it touches only the tokenizer and the configs)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+@dataclass(eq=False)
+class _Sequence:
+    index: int
+    request: Request  # the scheduler's
+    seed: int
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprob] | None
+    text: str = ""  # what is shown: the detokenized text, cut at a stop string
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(eq=False)
+class _Group:
+    """One user request: its n sequences."""
+
+    prepared: PreparedRequest
+    metrics: RequestMetrics
+    seqs: list[_Sequence] = field(default_factory=list)
+    holdback: int = 0  # trailing chars not shown while running: a stop string may still form
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, params: dict, tokenizer: Tokenizer, *, mesh=None,
+                 strict_compile: bool = False, warmup: bool = True, progress: bool = True):
+        from jaxserve.runner import ModelRunner
+
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(config.model.eos_token_ids) | frozenset(
+            tokenizer.eos_token_ids)
+        self.runner = ModelRunner(config.model, params, config.cache, config.scheduler,
+                                  eos_token_ids=self.eos_token_ids, mesh=mesh,
+                                  strict=strict_compile)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_pages)
+        if warmup:
+            self.runner.warmup(progress)
+        self._groups: dict[str, _Group] = {}
+        self._by_seq: dict[str, tuple[_Group, _Sequence]] = {}
+        self._pending: list[RequestOutput] = []  # final outputs of aborts, sent with the next step
+        self._seq_ids = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._num_finished = 0
+
+    @classmethod
+    def from_model(cls, model: str, *, dtype: str | None = None, mesh=None,
+                   strict_compile: bool = False, warmup: bool = True, progress: bool = True,
+                   **engine_args: Any) -> "LLMEngine":
+        """Load a registered model name or a path (GGUF, HF directory, orbax checkpoint).
+        engine_args: the fields of CacheConfig and SchedulerConfig, over the registry's defaults."""
+        from jaxserve.model_registry import resolve
+        from jaxserve.tokenizer import load_tokenizer
+        from jaxserve.weights import load_model
+
+        spec = resolve(model)
+        model_config, params = load_model(spec, dtype, mesh)
+        config = make_engine_config(model_config, {**spec.engine_defaults, **engine_args})
+        return cls(config, params, load_tokenizer(spec), mesh=mesh,
+                   strict_compile=strict_compile, warmup=warmup, progress=progress)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    # ---- requests in -------------------------------------------------------------------------
+
+    def prepare(self, request_id: str, prompt: str | dict | Sequence[int],
+                params: SamplingParams | None = None, priority: int = 0) -> PreparedRequest:
+        """Validate a request without touching engine state: InvalidRequest or
+        ContextLengthExceeded for anything that could never run."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"sampling params must be SamplingParams, got "
+                                 f"{type(params).__name__}")
+        text, ids = self._prompt_ids(prompt)
+        if not ids:
+            raise InvalidRequest("the prompt must contain at least one token", "prompt")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                                 "prompt")
+        max_len = self.max_model_len
+        if len(ids) > max_len:
+            raise ContextLengthExceeded(
+                f"the prompt has {len(ids)} tokens but max_model_len is {max_len}", "prompt")
+        page_size, pool = self.config.cache.page_size, self.runner.num_pages - 1
+        if params.max_tokens is None:  # as much as the context and the page pool allow
+            params = params.replace(max_tokens=max(1, min(max_len, pool * page_size) - len(ids)))
+        pages = -(-min(len(ids) + params.max_tokens, max_len) // page_size)
+        if pages > pool:
+            raise ContextLengthExceeded(
+                f"the request needs {pages} KV pages but the pool has {pool}", "max_tokens")
+        return PreparedRequest(request_id, text, ids, params, priority)
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if isinstance(prompt.get("prompt"), str):
+                return self._prompt_ids(prompt["prompt"])
+            raise InvalidRequest("a prompt dict needs 'prompt' (str) or 'prompt_token_ids'",
+                                 "prompt")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequest(f"a prompt is a string, a list of token ids or a dict, got "
+                             f"{type(prompt).__name__}", "prompt")
+
+    def add_request(self, request_id: str, prompt: str | dict | Sequence[int] | None = None,
+                    params: SamplingParams | None = None, priority: int = 0, *,
+                    prepared: PreparedRequest | None = None) -> None:
+        if prepared is None:
+            prepared = self.prepare(request_id, prompt, params, priority)
+        if prepared.request_id in self._groups:
+            raise InvalidRequest(f"request id {prepared.request_id!r} is already in use",
+                                 "request_id")
+        p = prepared.params
+        group = _Group(prepared, RequestMetrics(time.monotonic()))
+        # A stop string can end anywhere in the text, so its length - 1 last characters stay
+        # unshown until the next token proves they do not start one.
+        if p.stop and not p.include_stop_str_in_output:
+            group.holdback = max(len(s) for s in p.stop) - 1
+        for i in range(p.n):
+            request = Request(f"{next(self._seq_ids)}:{prepared.request_id}",
+                              list(prepared.prompt_token_ids), p, priority=prepared.priority,
+                              arrival_time=group.metrics.arrival_time)
+            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
+                                           prompt_ids=prepared.prompt_token_ids)
+            seq = _Sequence(i, request, p.sequence_seed(i), detok,
+                            [] if p.logprobs is not None else None)
+            self.scheduler.add_request(request)
+            group.seqs.append(seq)
+            self._by_seq[request.request_id] = (group, seq)
+        self._groups[prepared.request_id] = group
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now; its final output (finish_reason "abort") comes with the next step.
+        False if it is unknown or already finished."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return False
+        for seq in group.seqs:
+            if seq.finish_reason is None:
+                self.scheduler.abort(seq.request.request_id)
+                self._finish(seq, "abort")
+        self._pending.append(self._close(group))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups) or bool(self._pending)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return an output for every request that changed."""
+        changed: dict[str, _Group] = {}
+        out = self.scheduler.schedule()
+        for request in self.scheduler.take_finished():
+            group, seq = self._by_seq[request.request_id]
+            self._finish(seq, _FINISH_REASON[request.status])
+            changed[group.prepared.request_id] = group
+        if out is not None:
+            now = time.monotonic()
+            rows = []
+            for s in out.scheduled:
+                group, seq = self._by_seq[s.request.request_id]
+                if group.metrics.first_scheduled_time is None:
+                    group.metrics.first_scheduled_time = now
+                rows.append(SamplingRow(group.prepared.params, seq.seed,
+                                        s.request.prompt_token_ids, s.request.output_token_ids)
+                            if s.samples else None)
+            result = self.runner.step(out.plan, rows)
+            row_of = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
+            sampled = result.token_ids if result is not None else ()
+            now = time.monotonic()
+            for request, token in self.scheduler.update_from_output(out, sampled):
+                group, seq = self._by_seq[request.request_id]
+                self._on_token(group, seq, token, result, row_of[request.request_id], now)
+                changed[group.prepared.request_id] = group
+        outputs, self._pending = self._pending, []
+        for group in changed.values():
+            outputs.append(self._close(group) if group.finished else self._output(group))
+        return outputs
+
+    def _on_token(self, group: _Group, seq: _Sequence, token: int, result, row: int,
+                  now: float) -> None:
+        m = group.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            self._prompt_tokens += len(group.prepared.prompt_token_ids)
+        m.last_token_time = now
+        self._generation_tokens += 1
+        p = group.prepared.params
+        if seq.logprobs is not None:
+            k = p.logprobs
+            top = list(zip(result.top_token_ids[row, :k].tolist(),
+                           result.top_logprobs[row, :k].tolist()))
+            seq.logprobs.append(TokenLogprob(float(result.logprobs[row]), top))
+        request = seq.request
+        num_out = len(request.output_token_ids)
+        stop_token = num_out > p.min_tokens - 1 and (
+            (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids)
+        if stop_token:
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+            if p.include_stop_str_in_output:
+                seq.detokenizer.add(token)
+            self._stop(seq, "stop", seq.detokenizer.text + seq.detokenizer.finish())
+            return
+        shown = len(seq.detokenizer.text)
+        seq.detokenizer.add(token)
+        if p.stop and num_out >= p.min_tokens:
+            # Only a stop string ending in the new characters can be new.
+            text = seq.detokenizer.text
+            hit = _find_stop(text, p.stop, max(0, shown - max(map(len, p.stop)) + 1))
+            if hit is not None:
+                at, stop = hit
+                seq.stop_reason = stop
+                end = at + len(stop) if p.include_stop_str_in_output else at
+                self._stop(seq, "stop", text[:end])
+                return
+        if num_out >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            self._stop(seq, "length", seq.detokenizer.text + seq.detokenizer.finish())
+            return
+        text = seq.detokenizer.text
+        seq.text = text[:len(text) - group.holdback] if group.holdback else text
+
+    def _stop(self, seq: _Sequence, reason: str, text: str) -> None:
+        seq.text = text
+        self.scheduler.finish_request(
+            seq.request.request_id,
+            RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH)
+        self._finish(seq, reason)
+
+    def _finish(self, seq: _Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        del self._by_seq[seq.request.request_id]
+
+    # ---- outputs -----------------------------------------------------------------------------
+
+    def _output(self, group: _Group) -> RequestOutput:
+        """A snapshot: the consumer may be another thread while the engine goes on."""
+        prepared = group.prepared
+        outs = [CompletionOutput(s.index, s.text, list(s.request.output_token_ids),
+                                 s.finish_reason, s.stop_reason,
+                                 list(s.logprobs) if s.logprobs is not None else None)
+                for s in group.seqs]
+        return RequestOutput(prepared.request_id, prepared.prompt, prepared.prompt_token_ids, outs,
+                             group.finished, group.seqs[0].request.num_cached_prompt_tokens,
+                             group.metrics)
+
+    def _close(self, group: _Group) -> RequestOutput:
+        group.metrics.finished_time = time.monotonic()
+        del self._groups[group.prepared.request_id]
+        self._num_finished += 1
+        return self._output(group)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(s.num_running, s.num_waiting, s.pages_in_use, s.pages_cached_free,
+                           s.num_pages, s.prefix_cache_queries, s.prefix_cache_hits,
+                           s.num_preemptions, self._prompt_tokens, self._generation_tokens,
+                           self._num_finished)
+
+
+def _find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
+    """The earliest stop string in text[start:] (the only part new tokens can complete one in)."""
+    best = None
+    for s in stops:
+        at = text.find(s, start)
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, s)
+    return best
+
+
+_CACHE_FIELDS = ("page_size", "num_pages", "kv_cache_memory_fraction", "enable_prefix_caching")
+_SCHEDULER_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "enable_chunked_prefill")
+
+
+def make_engine_config(model_config, args: dict) -> EngineConfig:
+    """EngineConfig from flat engine arguments (registry defaults overridden by the caller's).
+    max_model_len defaults to the model's context."""
+    args = {k: v for k, v in args.items() if v is not None}
+    unknown = set(args) - set(_CACHE_FIELDS) - set(_SCHEDULER_FIELDS) - {
+        "kv_cache_dtype", "tensor_parallel_size", "data_parallel_size"}
+    if unknown:
+        raise InvalidRequest(f"unknown engine arguments: {sorted(unknown)}")
+    max_len = args.setdefault("max_model_len", model_config.max_position_embeddings)
+    if max_len > model_config.max_position_embeddings:
+        raise ContextLengthExceeded(
+            f"max_model_len {max_len} exceeds the model's context of "
+            f"{model_config.max_position_embeddings}", "max_model_len")
+    cache = CacheConfig(dtype=args.get("kv_cache_dtype"),
+                        **{k: args[k] for k in _CACHE_FIELDS if k in args})
+    scheduler = SchedulerConfig(**{k: args[k] for k in _SCHEDULER_FIELDS if k in args})
+    parallel = ParallelConfig(**{k: args[k] for k in ("tensor_parallel_size", "data_parallel_size")
+                                 if k in args})
+    return EngineConfig(model_config, cache, scheduler, parallel)

@@ -1,0 +1,50 @@
+"""What the engine hands back, in vLLM's shape: one RequestOutput per request, holding n
+CompletionOutputs whose text and token ids are cumulative (a stream's consumer takes the delta)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class TokenLogprob(NamedTuple):
+    """The sampled token's logprob and the `logprobs` most likely (token id, logprob) pairs."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # which of the request's n sequences
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort", None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Monotonic-clock times of one request's life (None until they happen)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    metrics: RequestMetrics | None = field(default=None, repr=False)

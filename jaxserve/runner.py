@@ -1,0 +1,207 @@
+"""ModelRunner: the paged KV cache on the device, the jitted step, its buckets and warmup.
+
+One step is two compiled programs: the model forward over the plan's flat tokens, returning the
+donated KV cache and the logits of the rows that sample (the LM head runs on `logits_indices`
+only), then the sampler on those rows. They are compiled separately because their variants are
+independent: the forward varies with the token bucket, the sampler with the row count, the
+penalty-history width (0 unless a row uses penalties) and the top-logprobs width (0 or 20), so
+two small tables replace one product of both.
+
+Every program is compiled ahead of time at warmup into a table keyed by its shapes. Serving only
+looks programs up, so a shape that was not warmed cannot compile silently: with `strict` it raises
+`CompileDuringServing`; otherwise it is compiled, logged and counted (`num_serving_compiles`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve import sampling
+from jaxserve.batch import BatchPlan, next_power_of_two, seq_bucket, token_buckets
+from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from jaxserve.errors import ConfigError
+from jaxserve.models import llama
+
+log = logging.getLogger(__name__)
+
+
+class CompileDuringServing(RuntimeError):
+    """A step needed a program that warmup did not compile."""
+
+
+class StepOutput(NamedTuple):
+    """Host arrays, one row per scheduled sequence of the plan (padding rows included)."""
+
+    token_ids: np.ndarray  # i32[S]
+    logprobs: np.ndarray  # f32[S]: of the sampled token
+    top_token_ids: np.ndarray  # i32[S, K], K = 0 or sampling.MAX_LOGPROBS
+    top_logprobs: np.ndarray  # f32[S, K]
+
+
+def kv_page_bytes(config: ModelConfig, page_size: int, dtype: str) -> int:
+    """Bytes of one page across all layers (the pool is allocated in such pages)."""
+    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim
+    return per_token * page_size * jnp.dtype(dtype).itemsize
+
+
+def _host_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ConfigError("cannot read the available memory; set CacheConfig.num_pages")
+
+
+def num_pages_for(config: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig,
+                  device: jax.Device) -> int:
+    """Pool size (null page included): the explicit `num_pages`, or `kv_cache_memory_fraction` of
+    the device memory left after the weights loaded.
+
+    On a CPU the "device memory" is the host's, shared with everything else in the process, so the
+    pool is capped at what max_num_seqs sequences of max_model_len tokens can use at once."""
+    if cache.num_pages is not None:
+        return cache.num_pages
+    page_bytes = kv_page_bytes(config, cache.page_size, cache.dtype or config.dtype)
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        num_pages = int(free * cache.kv_cache_memory_fraction) // page_bytes
+    else:
+        pages_per_seq = -(-scheduler.max_model_len // cache.page_size)
+        num_pages = min(int(_host_available_bytes() * cache.kv_cache_memory_fraction) // page_bytes,
+                        scheduler.max_num_seqs * pages_per_seq + 1)
+    if num_pages < 2:
+        raise ConfigError(
+            f"no room for the KV cache: a page needs {page_bytes} bytes; lower max_model_len, use a "
+            f"smaller dtype or raise kv_cache_memory_fraction")
+    return num_pages
+
+
+def _forward(params: dict, kv_cache: jax.Array, plan: BatchPlan, *,
+             config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    hidden, kv_cache = llama.forward(params, config, kv_cache, plan)
+    return kv_cache, llama.compute_logits(params, config, hidden[plan.logits_indices])
+
+
+class ModelRunner:
+    """Owns the params, the KV cache and the compiled programs of one model replica."""
+
+    def __init__(self, config: ModelConfig, params: dict, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, *, eos_token_ids: Sequence[int],
+                 mesh: jax.sharding.Mesh | None = None, strict: bool = False):
+        from jaxserve import sharding
+
+        self.config = config
+        self.params = params
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
+        self.strict = strict
+        device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+        self.num_pages = num_pages_for(config, cache_config, scheduler_config, device)
+        self.page_size = cache_config.page_size
+        cache_dtype = jnp.dtype(cache_config.dtype or config.dtype)
+        shape = (config.num_layers * self.num_pages, self.page_size, 2 * config.num_kv_heads,
+                 config.head_dim)
+        forward = functools.partial(_forward, config=config)
+        if mesh is None:
+            self._replicated = None
+            self.kv_cache = jnp.zeros(shape, cache_dtype)
+            self._forward_jit = jax.jit(forward, donate_argnums=1)
+        else:
+            # Plans, sampler inputs and logits are replicated; the cache keeps its head sharding.
+            self._replicated = sharding.replicated(mesh)
+            kv_sharding = sharding.kv_cache_sharding(config, mesh, self.num_pages, self.page_size)
+            self.kv_cache = jax.jit(lambda: jnp.zeros(shape, cache_dtype),
+                                    out_shardings=kv_sharding)()
+            self._forward_jit = jax.jit(forward, donate_argnums=1,
+                                        out_shardings=(kv_sharding, self._replicated))
+        self.token_buckets = token_buckets(scheduler_config.max_num_batched_tokens)
+        self.history_buckets = (next_power_of_two(scheduler_config.max_model_len),)
+        self.pages_per_seq = -(-scheduler_config.max_model_len // self.page_size)
+        self._programs: dict[tuple, Callable] = {}
+        self.num_serving_compiles = 0
+        self._warm = False
+
+    # ---- programs ----------------------------------------------------------------------------
+
+    def _spec(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
+
+    def _plan_spec(self, num_tokens: int) -> BatchPlan:
+        S = seq_bucket(num_tokens, self.scheduler_config.max_num_seqs)
+        i32 = lambda *shape: self._spec(shape, jnp.int32)  # noqa: E731
+        return BatchPlan(token_ids=i32(num_tokens), positions=i32(num_tokens),
+                         slot_mapping=i32(num_tokens), cu_q_lens=i32(S + 1), kv_lens=i32(S),
+                         page_indices=i32(S, self.pages_per_seq), num_seqs=i32(1),
+                         logits_indices=i32(S))
+
+    def _compile(self, key: tuple) -> Callable:
+        if key[0] == "forward":
+            lowered = self._forward_jit.lower(self.params, self.kv_cache, self._plan_spec(key[1]))
+        else:
+            _, rows, history_width, top_width = key
+            md = sampling.make_sampling_metadata([], rows, eos_token_ids=self.eos_token_ids)
+            md = md._replace(history_token_ids=np.zeros((rows, history_width), np.int32))
+            logits = self._spec((rows, self.config.vocab_size), jnp.float32)
+            sample = jax.jit(functools.partial(sampling.sample, num_top_logprobs=top_width))
+            lowered = sample.lower(logits, jax.tree.map(lambda x: self._spec(x.shape, x.dtype), md))
+        return lowered.compile()
+
+    def _program(self, key: tuple) -> Callable:
+        program = self._programs.get(key)
+        if program is None:
+            if self._warm:
+                if self.strict:
+                    raise CompileDuringServing(f"no program for {key} was compiled at warmup")
+                self.num_serving_compiles += 1
+                log.warning("compiling %s while serving: warmup missed this shape", key)
+            program = self._programs[key] = self._compile(key)
+        return program
+
+    def program_keys(self) -> list[tuple]:
+        """Every program serving can need: one forward per token bucket, and per row count the
+        sampler with and without penalties and top logprobs."""
+        keys = [("forward", t) for t in self.token_buckets]
+        rows = sorted({seq_bucket(t, self.scheduler_config.max_num_seqs)
+                       for t in self.token_buckets})
+        keys += [("sample", s, h, k) for s in rows for h in (0, *self.history_buckets)
+                 for k in (0, sampling.MAX_LOGPROBS)]
+        return keys
+
+    def warmup(self, progress: bool = True) -> None:
+        from tqdm import tqdm
+
+        keys = self.program_keys()
+        for key in tqdm(keys, desc="compiling", unit="program", file=sys.stderr,
+                        disable=not progress):
+            self._program(key)
+        self._warm = True
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def _put(self, tree):
+        return jax.device_put(tree, self._replicated)
+
+    def step(self, plan: BatchPlan,
+             rows: Sequence[sampling.SamplingRow | None]) -> StepOutput | None:
+        """Run the plan; sample the rows that are not None (row i is the plan's sequence i).
+        None when no row samples (every sequence is part-way through its prompt)."""
+        forward = self._program(("forward", plan.token_ids.shape[0]))
+        self.kv_cache, logits = forward(self.params, self.kv_cache, self._put(plan))
+        if all(r is None for r in rows):
+            return None
+        num_rows = plan.logits_indices.shape[0]
+        md = sampling.make_sampling_metadata(rows, num_rows, eos_token_ids=self.eos_token_ids,
+                                             history_buckets=self.history_buckets)
+        top_width = sampling.top_logprobs_width(rows)
+        sample = self._program(("sample", num_rows, md.history_token_ids.shape[1], top_width))
+        out = sample(logits, self._put(md))
+        return StepOutput(*jax.device_get(tuple(out)))

@@ -1,0 +1,81 @@
+"""`jaxserve serve`: HTTP (and optionally gRPC) servers over one AsyncEngine.
+
+The HTTP server listens first, so /health answers and /ready says "warming up" while weights load
+and every program compiles; then the engine attaches and /ready turns 200. The bound URL is printed
+on stdout (port 0 picks a free one). SIGINT/SIGTERM stop the servers, then the engine thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from jaxserve.config import ServerConfig
+
+log = logging.getLogger("jaxserve.server")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from jaxserve.engine_args import add_engine_arguments
+
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    parser.add_argument("--grpc-port", type=int, default=None,
+                        help="also serve gRPC (jaxserve.v1) on this port (0: any free port)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name clients send as 'model' (default: --model)")
+    parser.add_argument("--keepalive-seconds", type=float, default=5.0,
+                        help="SSE comment sent when a stream is idle this long")
+    parser.add_argument("--log-prompts", action="store_true")
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from grpc_health.v1 import health
+
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine import LLMEngine
+    from jaxserve.engine_args import engine_args
+    from jaxserve.server.grpc import start_grpc_server
+    from jaxserve.server.http import attach_engine, build_app, start_server
+
+    config = ServerConfig(host=args.host, port=args.port, grpc_port=args.grpc_port,
+                          served_model_name=args.served_model_name,
+                          keepalive_seconds=args.keepalive_seconds, log_prompts=args.log_prompts)
+    model_name = config.served_model_name or args.model
+    app = build_app(config, model_name)
+    runner, port = await start_server(app, config.host, config.port)
+    print(f"jaxserve: warming up {model_name}; health at http://{config.host}:{port}/health",
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    engine = grpc_server = None
+    try:
+        llm_engine = await loop.run_in_executor(None, lambda: LLMEngine.from_model(
+            args.model, dtype=args.dtype, **engine_args(args)))
+        engine = AsyncEngine(llm_engine)
+        attach_engine(app, engine)
+        if config.grpc_port is not None:
+            grpc_server, grpc_port = await start_grpc_server(
+                engine, config.host, config.grpc_port, model_name, health.aio.HealthServicer())
+            print(f"jaxserve: gRPC on {config.host}:{grpc_port}", flush=True)
+        print(f"jaxserve: serving {model_name} at http://{config.host}:{port}/v1", flush=True)
+        await stop.wait()
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(grace=1.0)
+        await runner.cleanup()
+        if engine is not None:
+            engine.shutdown()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(args))

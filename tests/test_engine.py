@@ -1,0 +1,268 @@
+"""LLMEngine / LLM / AsyncEngine: golden greedy outputs through every scheduling regime, stops,
+sampling, n > 1, logprobs, aborts that free every page, and no compiles after warmup."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from jax import monitoring
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine import LLMEngine
+from jaxserve.errors import ContextLengthExceeded, InvalidRequest
+from jaxserve.llm import LLM
+from jaxserve.sampling import SamplingParams
+from tests.test_cli import tiny_gguf
+
+SMOLLM2 = "smollm2-135m-instruct"
+GREEDY = SamplingParams(temperature=0, max_tokens=32)
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Counts XLA backend compiles in this block, whatever triggers them (jit, eager ops)."""
+    names = []
+
+    def listener(name, secs, **kwargs):
+        names.append(name)
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield lambda: names.count("/jax/core/compile/backend_compile_duration")
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    engine.scheduler.cache.check_invariants()
+    stats = engine.stats()
+    assert stats.pages_in_use == 0 and stats.num_running == 0 and stats.num_waiting == 0
+    assert not engine.has_unfinished()
+
+
+def filler_prompts(n: int) -> list[dict]:
+    """Prompts of varied lengths (6..120 tokens) that share no page with the golden ones."""
+    return [{"prompt_token_ids": [1000 + (7 * i + j) % 3000 for j in range(6 + (17 * i) % 115)]}
+            for i in range(n)]
+
+
+# ---------------------------------------------------------------- real SmolLM2 vs HF golden
+
+
+@pytest.fixture(scope="module")
+def smollm2_llm(smollm2_path):
+    return LLM(SMOLLM2, num_pages=512, max_num_seqs=32, max_num_batched_tokens=256,
+               max_model_len=512, strict_compile=True, progress=False)
+
+
+def golden_prompts(golden) -> list[dict]:
+    return [{"prompt_token_ids": c["input_ids"]} for c in golden["cases"]]
+
+
+def assert_golden(outs, golden) -> None:
+    for out, case in zip(outs, golden["cases"]):
+        comp = out.outputs[0]
+        assert comp.token_ids == case["greedy_ids"], case["case"]
+        assert comp.finish_reason == ("stop" if len(case["greedy_ids"]) < 32 else "length")
+        assert comp.text == case["greedy_text"].replace("<|im_end|>", "")
+
+
+@pytest.mark.slow
+def test_golden_alone_mixed_and_prefix_cached(smollm2_llm, smollm2_golden):
+    llm, engine = smollm2_llm, smollm2_llm.engine
+    with count_compiles() as compiles:
+        # (a) each case alone
+        for prompt, case in zip(golden_prompts(smollm2_golden), smollm2_golden["cases"]):
+            assert_golden(llm.generate(prompt, GREEDY), {"cases": [case]})
+        # (b) all cases mixed with 20 other requests of other lengths and settings
+        others = filler_prompts(20)
+        params = [GREEDY] * 6 + [SamplingParams(temperature=0.8, seed=i, max_tokens=8 + 3 * i,
+                                                ignore_eos=True) for i in range(20)]
+        outs = llm.generate(golden_prompts(smollm2_golden) + others, params)
+        assert_golden(outs[:6], smollm2_golden)
+        assert [len(o.outputs[0].token_ids) for o in outs[6:]] == [8 + 3 * i for i in range(20)]
+        # (d) the same prompts twice in one call: the second copies hit the prefix cache
+        hits = engine.stats().prefix_cache_hits
+        outs = llm.generate(golden_prompts(smollm2_golden) * 2, GREEDY)
+        assert_golden(outs[:6], smollm2_golden)
+        assert_golden(outs[6:], smollm2_golden)
+        assert engine.stats().prefix_cache_hits > hits
+        assert engine.runner.num_serving_compiles == 0
+        assert compiles() == 0  # nothing compiled after warmup, not even an eager op
+    assert_no_leaks(engine)
+
+
+@pytest.mark.slow
+def test_golden_chunked_prefill_and_preemption(smollm2_golden):
+    # (c) 16 tokens per step: every golden prompt but the shortest is split across steps.
+    # (e) 8 usable pages of 16 tokens cannot hold the 6 cases at once: requests get preempted
+    # and recomputed.
+    llm = LLM(SMOLLM2, num_pages=9, max_num_seqs=8, max_num_batched_tokens=16,
+              max_model_len=512, strict_compile=True, progress=False)
+    outs = llm.generate(golden_prompts(smollm2_golden), GREEDY)
+    assert_golden(outs, smollm2_golden)
+    assert llm.engine.stats().num_preemptions > 0
+    outs = llm.generate(golden_prompts(smollm2_golden) + filler_prompts(4),
+                        [GREEDY] * 6 + [SamplingParams(max_tokens=20, ignore_eos=True)] * 4)
+    assert_golden(outs[:6], smollm2_golden)
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.slow
+def test_stop_strings_and_tokens(smollm2_llm, smollm2_golden):
+    llm = smollm2_llm
+    fox = {"prompt_token_ids": smollm2_golden["cases"][2]["input_ids"]}
+    full = smollm2_golden["cases"][2]["greedy_text"]  # ' with a quick brown bear.\n\nThe ...'
+    out = llm.generate(fox, GREEDY.replace(stop=["brown", "zzz"]))[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (" with a quick ", "stop", "brown")
+    out = llm.generate(fox, GREEDY.replace(stop=["brown"], include_stop_str_in_output=True))
+    assert out[0].outputs[0].text == " with a quick brown"
+    # A stop string spanning tokens: "bear.\n" ends inside the token after "bear".
+    out = llm.generate(fox, GREEDY.replace(stop=[".\n\nThe"]))[0].outputs[0]
+    assert out.text == full[:full.index(".\n\nThe")]
+    # stop_token_ids: the stop token counts as generated but its text is not returned.
+    ids = smollm2_golden["cases"][2]["greedy_ids"]
+    out = llm.generate(fox, GREEDY.replace(stop_token_ids=[ids[3]]))[0].outputs[0]
+    assert out.token_ids == ids[:4] and out.stop_reason == ids[3] and out.finish_reason == "stop"
+    assert out.text == llm.get_tokenizer().decode(ids[:3])
+
+
+@pytest.mark.slow
+def test_min_tokens_ignore_eos_and_max_tokens(smollm2_llm, smollm2_golden):
+    llm = smollm2_llm
+    paris = {"prompt_token_ids": smollm2_golden["cases"][0]["input_ids"]}  # EOS after 8 tokens
+    out = llm.generate(paris, GREEDY.replace(min_tokens=12, max_tokens=12))[0].outputs[0]
+    assert len(out.token_ids) == 12 and 2 not in out.token_ids and out.finish_reason == "length"
+    out = llm.generate(paris, GREEDY.replace(ignore_eos=True, max_tokens=10))[0].outputs[0]
+    assert out.token_ids[7] == 2 and len(out.token_ids) == 10
+    out = llm.generate(paris, GREEDY.replace(max_tokens=3))[0].outputs[0]
+    assert out.token_ids == smollm2_golden["cases"][0]["greedy_ids"][:3]
+    assert out.finish_reason == "length" and out.text == "The capital of"
+
+
+@pytest.mark.slow
+def test_seeded_sampling_n_and_logprobs(smollm2_llm, smollm2_golden):
+    llm = smollm2_llm
+    prompt = {"prompt_token_ids": smollm2_golden["cases"][4]["input_ids"]}
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(prompt, params)[0].outputs[0].token_ids
+    mixed = llm.generate([prompt] + filler_prompts(5), params)[0].outputs[0].token_ids
+    assert alone == mixed  # same seed, same tokens, whatever shares the batch
+    outs = llm.generate(prompt, params.replace(n=3, logprobs=5))[0].outputs
+    assert [o.index for o in outs] == [0, 1, 2]
+    assert outs[0].token_ids == alone  # sequence i uses seed + i
+    assert len({tuple(o.token_ids) for o in outs}) == 3
+    # The n sequences of a new 40-token prompt compute its 2 full pages once.
+    hits = llm.engine.stats().prefix_cache_hits
+    llm.generate({"prompt_token_ids": list(range(3000, 3040))}, params.replace(n=3))
+    assert llm.engine.stats().prefix_cache_hits - hits == 2 * 32
+    for o in outs:
+        assert len(o.logprobs) == len(o.token_ids)
+        for lp in o.logprobs:
+            assert len(lp.top) == 5 and lp.logprob <= lp.top[0][1] + 1e-5
+            assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+    greedy = llm.generate(prompt, GREEDY.replace(logprobs=2, max_tokens=4))[0].outputs[0]
+    for tok, lp in zip(greedy.token_ids, greedy.logprobs):
+        assert lp.top[0][0] == tok and abs(lp.top[0][1] - lp.logprob) < 1e-5
+
+
+@pytest.mark.slow
+def test_async_engine_streams_and_abort_frees_pages(smollm2_llm, smollm2_golden):
+    engine = AsyncEngine(smollm2_llm.engine)
+    case = smollm2_golden["cases"][4]
+
+    async def main():
+        texts, ids = [], []
+        async for out in engine.generate({"prompt_token_ids": case["input_ids"]}, GREEDY, "a"):
+            texts.append(out.outputs[0].text)
+            ids = out.outputs[0].token_ids
+        assert ids == case["greedy_ids"] and texts[-1] == case["greedy_text"]
+        assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
+        # Leaving a stream early aborts its request; an explicit abort ends the other.
+        long = SamplingParams(max_tokens=400, ignore_eos=True)
+        gen = engine.generate({"prompt_token_ids": case["input_ids"]}, long, "b")
+        other = engine.generate({"prompt_token_ids": case["input_ids"]}, long, "c")
+        async for out in gen:
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+        await gen.aclose()
+        first = await other.__anext__()
+        await engine.abort("c")
+        async for last in other:
+            pass
+        assert last.finished and last.outputs[0].finish_reason == "abort"
+        assert len(last.outputs[0].token_ids) < 400 and first.request_id == "c"
+        with pytest.raises(ContextLengthExceeded):
+            async for _ in engine.generate({"prompt_token_ids": [5] * 600}, GREEDY):
+                pass
+        for _ in range(100):  # the abort of "b" lands on the engine thread
+            if engine.stats().num_running == 0:
+                break
+            await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert_no_leaks(smollm2_llm.engine)
+
+
+# ---------------------------------------------------------------- tiny random model
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory, smollm2_tokenizer_fields):
+    return tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", smollm2_tokenizer_fields)
+
+
+def test_abort_mid_generation_frees_pages(tiny_path):
+    engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=4,
+                                  max_num_batched_tokens=32, max_model_len=128,
+                                  strict_compile=True, progress=False)
+    long = SamplingParams(max_tokens=80, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"r{i}", {"prompt_token_ids": list(range(10, 40 + 7 * i))}, long)
+    for _ in range(4):
+        engine.step()
+    assert engine.stats().pages_in_use > 0
+    assert engine.abort("r1") and not engine.abort("r1") and not engine.abort("nope")
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in finals  # exactly one terminal output each
+                finals[out.request_id] = out
+            if out.request_id == "r2" and len(out.outputs[0].token_ids) == 5:
+                engine.abort("r2")
+    assert finals["r1"].outputs[0].finish_reason == "abort"
+    assert finals["r2"].outputs[0].finish_reason == "abort"
+    assert len(finals["r2"].outputs[0].token_ids) == 5
+    assert finals["r0"].outputs[0].finish_reason == "length"
+    assert len(finals["r0"].outputs[0].token_ids) == 80
+    assert_no_leaks(engine)
+
+
+def test_request_validation(tiny_path):
+    llm = LLM(str(tiny_path), num_pages=8, max_num_seqs=4, max_num_batched_tokens=16,
+              max_model_len=128, warmup=False, progress=False)
+    engine = llm.engine
+    with pytest.raises(ContextLengthExceeded, match="max_model_len is 128"):
+        engine.prepare("x", {"prompt_token_ids": [3] * 129})
+    with pytest.raises(ContextLengthExceeded, match="needs 8 KV pages but the pool has 7"):
+        engine.prepare("x", [3] * 100, SamplingParams(max_tokens=40))
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        engine.prepare("x", [3, 49152])
+    with pytest.raises(InvalidRequest, match="at least one token"):
+        engine.prepare("x", [])
+    with pytest.raises(InvalidRequest, match="2 sampling params for 1 prompts"):
+        llm.generate(["hi"], [SamplingParams(), SamplingParams()])
+    # max_tokens left out: up to the context (128) or what the pool holds (7 pages: 112 tokens)
+    assert engine.prepare("x", [3] * 100, SamplingParams(max_tokens=None)).params.max_tokens == 12
+    engine.add_request("dup", "hello")
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.add_request("dup", "hello")
+    engine.abort("dup")
+    engine.step()
+    assert_no_leaks(engine)
