@@ -39,10 +39,6 @@ class _State:
     def _stats(self):
         return None if self.serving is None else self.serving.engine.stats()
 
-    @property
-    def ready(self) -> bool:
-        return self.serving is not None
-
     def attach(self, engine) -> None:
         self.serving = OpenAIServing(engine, self.model_name, self.metrics)
 
@@ -55,23 +51,25 @@ class _State:
 STATE_KEY = web.AppKey("state", _State)
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None,
-           code: str | None = None) -> web.Response:
-    return web.json_response(protocol.error_body(message, type_, param, code), status=status)
+def _error_status(exc: Exception) -> tuple[int, dict]:
+    """The one place where typed errors become HTTP statuses and OpenAI error bodies."""
+    if isinstance(exc, ModelNotFound):
+        return 404, protocol.error_body(str(exc), "invalid_request_error", "model",
+                                        "model_not_found")
+    if isinstance(exc, ContextLengthExceeded):
+        return 400, protocol.error_body(str(exc), "invalid_request_error", exc.param,
+                                        "context_length_exceeded")
+    if isinstance(exc, InvalidRequest):
+        return 400, protocol.error_body(str(exc), "invalid_request_error", exc.param)
+    if isinstance(exc, (EngineOverloaded, EngineDead)):
+        return 503, protocol.error_body(str(exc), "server_error", code="overloaded")
+    log.exception("request failed", exc_info=exc)
+    return 500, protocol.error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
 
 def _map_error(exc: Exception) -> web.Response:
-    """The one place where typed errors become HTTP statuses."""
-    if isinstance(exc, ModelNotFound):
-        return _error(404, str(exc), "invalid_request_error", "model", "model_not_found")
-    if isinstance(exc, ContextLengthExceeded):
-        return _error(400, str(exc), "invalid_request_error", exc.param, "context_length_exceeded")
-    if isinstance(exc, InvalidRequest):
-        return _error(400, str(exc), "invalid_request_error", exc.param)
-    if isinstance(exc, (EngineOverloaded, EngineDead)):
-        return _error(503, str(exc), "server_error", code="overloaded")
-    log.exception("request failed", exc_info=exc)
-    return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+    status, body = _error_status(exc)
+    return web.json_response(body, status=status)
 
 
 @web.middleware
@@ -101,10 +99,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     status = "error"
     try:
         if gen.parsed.stream:
-            resp = await _stream(request, gen, state.config.keepalive_seconds)
+            resp, status = await _stream(request, gen, state.config.keepalive_seconds)
         else:
-            resp = web.json_response(await gen.response())
-        status = "ok"
+            resp, status = web.json_response(await gen.response()), "ok"
         return resp
     except (ConnectionResetError, asyncio.CancelledError):
         status = "client_disconnected"
@@ -120,16 +117,26 @@ def _sse(payload: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-async def _stream(request: web.Request, gen: Generation, keepalive: float) -> web.StreamResponse:
+async def _stream(request: web.Request, gen: Generation,
+                  keepalive: float) -> tuple[web.StreamResponse, str]:
+    """The SSE response and how it ended ("ok" or "error")."""
+    status = "ok"
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await resp.prepare(request)
-    async for chunk in gen.chunks(keepalive):
-        # resp.write drains the transport, so each token leaves as soon as it is produced.
-        await resp.write(b": keep-alive\n\n" if chunk is None else _sse(chunk))
+    try:
+        async for chunk in gen.chunks(keepalive):
+            # resp.write drains the transport, so each token leaves as soon as it is produced.
+            await resp.write(b": keep-alive\n\n" if chunk is None else _sse(chunk))
+    except ConnectionResetError:  # the client is gone: nobody to report to
+        raise
+    except Exception as exc:  # noqa: BLE001 - the status line is sent: report it in the stream
+        # As vLLM does: one error event (OpenAI clients raise it), then the usual end.
+        await resp.write(_sse(_error_status(exc)[1]))
+        status = "error"
     await resp.write(_sse("[DONE]"))
     await resp.write_eof()
-    return resp
+    return resp, status
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -192,9 +199,11 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     state: _State = request.app[STATE_KEY]
-    if state.ready:
-        return web.json_response({"status": "ready"})
-    return web.json_response({"status": "warming up"}, status=503)
+    if state.serving is None:
+        return web.json_response({"status": "warming up"}, status=503)
+    if not state.serving.engine.is_running:  # the engine loop died: a balancer should move on
+        return web.json_response({"status": "engine stopped"}, status=503)
+    return web.json_response({"status": "ready"})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from jaxserve.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
+from jaxserve.errors import ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound
 from jaxserve.server import protocol
 
 access_log = logging.getLogger("jaxserve.access")
@@ -124,7 +124,7 @@ class Generation:
         self.completion_tokens: dict[int, int] = {}
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
+        self.last_token_at: dict[int, float] = {}  # per choice: ITL is within one sequence
 
     @property
     def prompt_tokens(self) -> int:
@@ -148,6 +148,9 @@ class Generation:
         result = []
         now = time.monotonic()
         metrics = self.serving.metrics
+        if out.finished and metrics is not None and out.metrics is not None \
+                and out.metrics.first_scheduled_time is not None:
+            metrics.queue.observe(out.metrics.first_scheduled_time - out.metrics.arrival_time)
         for comp in out.outputs:
             choice = stream_index * self.n + comp.index
             t0, k0 = self.sent_text.get(choice, 0), self.sent_tokens.get(choice, 0)
@@ -155,11 +158,14 @@ class Generation:
             if ids and metrics is not None:
                 if self.first_token_at is None:
                     metrics.ttft.observe(now - self.arrival)
-                elif self.last_token_at is not None:
-                    metrics.itl.observe((now - self.last_token_at) / len(ids))
+                elif choice in self.last_token_at:
+                    # Tokens that arrive together (a delta of several) share the gap evenly.
+                    gap = (now - self.last_token_at[choice]) / len(ids)
+                    for _ in ids:
+                        metrics.itl.observe(gap)
             if ids:
                 self.first_token_at = self.first_token_at or now
-                self.last_token_at = now
+                self.last_token_at[choice] = now
             logprobs = comp.logprobs[k0:] if comp.logprobs is not None else None
             self.sent_text[choice], self.sent_tokens[choice] = len(comp.text), len(comp.token_ids)
             self.completion_tokens[choice] = len(comp.token_ids)
@@ -286,7 +292,14 @@ class OpenAIServing:
         parsed = parse(body)
         self.check_model(parsed.model)
         prompt_ids = [self._prompt_ids(parsed, p) for p in parsed.prompts]
-        return Generation(self, parsed, prompt_ids, self._fit_context(parsed, prompt_ids))
+        params = self._fit_context(parsed, prompt_ids)
+        if not self.engine.is_running:
+            raise EngineDead("the engine is not running; the server cannot generate")
+        # The engine's own checks (e.g. a KV pool too small for the request) run here, before a
+        # stream's headers go out, so they are still a 400 and not an error inside a 200 stream.
+        for ids in prompt_ids:
+            self.engine.engine.prepare("check", {"prompt_token_ids": ids}, params)
+        return Generation(self, parsed, prompt_ids, params)
 
     def _prompt_ids(self, parsed: protocol.ParsedRequest, prompt) -> list[int]:
         if parsed.kind == "chat":
