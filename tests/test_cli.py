@@ -37,9 +37,10 @@ def assert_one_line_error(rc: int, err: str, match: str):
 
 
 def tiny_gguf(path: Path, fields: dict | None, *, chat_template: bool = True,
-              arch: str | None = None) -> Path:
-    """A random 2-layer model carrying SmolLM2's tokenizer (so prompts encode for real)."""
-    config = tiny(vocab_size=49152 if fields else 64)
+              arch: str | None = None, **config_changes) -> Path:
+    """A random 2-layer model carrying SmolLM2's tokenizer (so prompts encode for real);
+    config_changes override `tiny()`'s fields (e.g. a longer max_position_embeddings)."""
+    config = tiny(vocab_size=49152 if fields else 64, **config_changes)
 
     def add_tokenizer(w):
         if fields is None:

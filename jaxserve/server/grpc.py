@@ -11,7 +11,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.errors import EngineOverloaded, InvalidRequest, ModelNotFound
+from jaxserve.errors import (EngineDead, EngineOverloaded, InvalidRequest, JaxServeError,
+                             ModelNotFound)
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.server.openai_serving import OpenAIServing
@@ -47,6 +48,8 @@ def status_for(error: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.NOT_FOUND
     if isinstance(error, EngineOverloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, EngineDead):
+        return grpc.StatusCode.UNAVAILABLE
     if isinstance(error, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL
@@ -61,7 +64,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Generate(self, request, context):
         try:
             gen = self.serving.prepare("completion", completion_body(request))
-        except (InvalidRequest, ModelNotFound, EngineOverloaded) as e:
+        except JaxServeError as e:
             await context.abort(status_for(e), str(e))
         (prompt_ids,), (request_id,) = gen.prompt_ids, gen.request_ids
         sent_text, sent_tokens, finished = 0, 0, False
@@ -79,7 +82,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     delta.usage.completion_tokens = sent_tokens
                 if delta.text or delta.token_ids or out.finished:
                     yield delta
-        except EngineOverloaded as e:
+        except JaxServeError as e:  # e.g. EngineDead: the engine failed mid-stream
             await context.abort(status_for(e), str(e))
         finally:
             # Deadline expiry and client cancellation arrive here as CancelledError: free the
