@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import selectors
 import signal
@@ -120,6 +121,13 @@ def wait_idle(url: str) -> dict[str, float]:
         return m if (m["jaxserve:num_requests_running"] == 0 and m["jaxserve:kv_cache_usage_perc"]
                      == 0 and m["jaxserve:num_requests_waiting"] == 0) else None
     return wait_for(idle, "the engine to go idle")
+
+
+def access_records(caplog, count: int) -> list[dict] | None:
+    """The access-log lines as dicts, once there are `count` of them."""
+    records = [json.loads(r.getMessage()) for r in caplog.records if r.name == "jaxserve.access"]
+    assert len(records) <= count, records
+    return records if len(records) == count else None
 
 
 def parse_sse(raw: bytes) -> list:
@@ -478,7 +486,8 @@ async def _raw_stream_then_drop(url: str, body: dict, events: int) -> None:
 
 
 @pytest.mark.slow
-def test_client_disconnect_aborts_and_frees_pages(server, engine):
+def test_client_disconnect_aborts_and_frees_pages(server, engine, caplog):
+    caplog.set_level(logging.INFO, logger="jaxserve.access")
     body = {"model": SMOLLM2, "prompt": "Once upon a time", "max_tokens": 400,
             "ignore_eos": True, "temperature": 0}
     before = wait_idle(server.url)
@@ -504,10 +513,14 @@ def test_client_disconnect_aborts_and_frees_pages(server, engine):
         "jaxserve:generation_tokens_total"] < 400
     # idle now: the pool's refcounts, free list and prefix cache agree
     engine.scheduler.cache.check_invariants()
+    assert [r["status"] for r in wait_for(lambda: access_records(caplog, 2), "2 log lines")] == [
+        "client_disconnected"] * 2
 
 
 @pytest.mark.slow
-def test_32_concurrent_streams_equal_their_greedy_outputs_alone(server, engine, smollm2_golden):
+def test_32_concurrent_streams_equal_their_greedy_outputs_alone(server, engine, smollm2_golden,
+                                                                caplog):
+    caplog.set_level(logging.INFO, logger="jaxserve.access")
     cases = prompt_cases(smollm2_golden)
     tok = engine.tokenizer
     finished_before = engine.stats().num_requests_finished
@@ -533,6 +546,11 @@ def test_32_concurrent_streams_equal_their_greedy_outputs_alone(server, engine, 
         assert len({c["id"] for c in chunks}) == 1
     wait_idle(server.url)
     assert engine.stats().num_requests_finished - finished_before == 32
+    # one access-log line per request, with its numbers and no prompt text
+    records = wait_for(lambda: access_records(caplog, 32), "32 access-log lines")
+    assert {(r["status"], r["completion_tokens"], tuple(r["finish_reasons"])) for r in records} \
+        == {("ok", 16, ("length",))}
+    assert all(r["ttft_s"] is not None and "prompt" not in r for r in records)
 
 
 # ---------------------------------------------------------------- tiny model: warmup and failure

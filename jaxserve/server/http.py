@@ -107,9 +107,11 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         status = "client_disconnected"
         raise
     finally:
+        # Logged first: a client that closes right after [DONE] cancels the handler here, and the
+        # await below would then raise before anything after it ran.
+        gen.log_done(status)
         # Whatever ended the handler, the engine must not keep generating for nobody.
         await asyncio.shield(gen.abort_unfinished())
-        gen.log_done(status)
 
 
 def _sse(payload: dict | str) -> bytes:
