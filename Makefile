@@ -27,7 +27,10 @@ fetch-models: $(VENV)/.installed
 	$(PY) -m jaxserve.cli fetch $(MODEL)
 
 serve: fetch-models
-	$(PY) -m jaxserve.cli generate --model $(MODEL) --chat --prompt "What is the capital of France?" --max-tokens 32
+	@echo "When 'jaxserve: serving ... at http://$(HOST):$(PORT)/v1' shows, try:"
+	@echo "  curl http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"model\": \"$(MODEL)\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'"
+	$(PY) -m jaxserve.cli serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 test: install-dev fetch-models
 	$(PY) -m pytest $(PYTEST_ARGS)
