@@ -41,3 +41,19 @@ class EngineOverloaded(JaxServeError):
 
 class EngineDead(JaxServeError):
     """The engine loop stopped; no request can be served."""
+
+
+class NotFound(JaxServeError):
+    """A named resource other than a model (a collection, a document) does not exist."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class AlreadyExists(JaxServeError):
+    """Creating a named resource that exists already."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

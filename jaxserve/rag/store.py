@@ -1,0 +1,130 @@
+"""One collection's documents, chunks and chunk vectors in SQLite: the source of truth.
+
+Chunk ids are AUTOINCREMENT row ids, never reused, so an id left in a stale FAISS file can only
+name a deleted chunk, never a different one. Vectors are stored beside their chunks (float32
+blobs) so an index of any kind can be rebuilt without re-embedding.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.rag.chunking import Chunk
+
+_SCHEMA = """
+PRAGMA foreign_keys = ON;
+CREATE TABLE IF NOT EXISTS documents (
+    id TEXT PRIMARY KEY,
+    text TEXT NOT NULL,
+    metadata TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS chunks (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    document_id TEXT NOT NULL REFERENCES documents(id) ON DELETE CASCADE,
+    idx INTEGER NOT NULL,
+    start INTEGER NOT NULL,
+    end INTEGER NOT NULL,
+    text TEXT NOT NULL,
+    vector BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS chunks_by_document ON chunks(document_id);
+"""
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    id: int
+    document_id: str
+    index: int
+    start: int
+    end: int
+    text: str
+    metadata: dict
+
+
+@dataclass(frozen=True)
+class DocumentChunks:
+    """A document ready to store: its chunks and their vectors [len(chunks), dim]."""
+
+    id: str
+    text: str
+    metadata: dict
+    chunks: list[Chunk]
+    vectors: np.ndarray
+
+
+class Store:
+    def __init__(self, path: Path):
+        # Used from executor threads, always under the owning collection's lock.
+        self._db = sqlite3.connect(str(path), check_same_thread=False)
+        self._db.executescript(_SCHEMA)
+        self._db.execute("PRAGMA journal_mode = WAL")
+
+    def close(self) -> None:
+        self._db.close()
+
+    def upsert(self, documents: list[DocumentChunks]) -> tuple[list[int], list[int], np.ndarray]:
+        """Replace or insert documents in one transaction: (removed chunk ids, new chunk ids,
+        their vectors)."""
+        removed, added, vectors = [], [], []
+        with self._db:
+            for doc in documents:
+                removed += self._chunk_ids(doc.id)
+                self._db.execute("DELETE FROM documents WHERE id = ?", (doc.id,))
+                self._db.execute("INSERT INTO documents VALUES (?, ?, ?)",
+                                 (doc.id, doc.text, json.dumps(doc.metadata)))
+                for chunk, vector in zip(doc.chunks, doc.vectors):
+                    cur = self._db.execute(
+                        "INSERT INTO chunks (document_id, idx, start, end, text, vector) "
+                        "VALUES (?, ?, ?, ?, ?, ?)",
+                        (doc.id, chunk.index, chunk.start, chunk.end, chunk.text,
+                         np.asarray(vector, np.float32).tobytes()))
+                    added.append(cur.lastrowid)
+                    vectors.append(vector)
+        dim = documents[0].vectors.shape[1] if documents else 0
+        return removed, added, np.asarray(vectors, np.float32).reshape(len(added), dim)
+
+    def _chunk_ids(self, document_id: str) -> list[int]:
+        rows = self._db.execute("SELECT id FROM chunks WHERE document_id = ?", (document_id,))
+        return [r[0] for r in rows]
+
+    def delete(self, document_id: str) -> list[int] | None:
+        """The deleted document's chunk ids, or None when there is no such document."""
+        with self._db:
+            ids = self._chunk_ids(document_id)
+            cur = self._db.execute("DELETE FROM documents WHERE id = ?", (document_id,))
+        return ids if cur.rowcount else None
+
+    def chunks(self, ids: list[int]) -> dict[int, StoredChunk]:
+        if not ids:
+            return {}
+        marks = ",".join("?" * len(ids))
+        rows = self._db.execute(
+            f"SELECT c.id, c.document_id, c.idx, c.start, c.end, c.text, d.metadata "
+            f"FROM chunks c JOIN documents d ON d.id = c.document_id WHERE c.id IN ({marks})",
+            [int(i) for i in ids])
+        return {r[0]: StoredChunk(*r[:6], json.loads(r[6])) for r in rows}
+
+    def live_ids(self) -> set[int]:
+        return {r[0] for r in self._db.execute("SELECT id FROM chunks")}
+
+    def all_vectors(self, dim: int) -> tuple[np.ndarray, np.ndarray]:
+        rows = self._db.execute("SELECT id, vector FROM chunks ORDER BY id").fetchall()
+        ids = np.array([r[0] for r in rows], np.int64)
+        vectors = np.frombuffer(b"".join(r[1] for r in rows), np.float32).reshape(len(rows), dim)
+        return ids, vectors
+
+    def all_texts(self) -> tuple[list[int], list[str]]:
+        rows = self._db.execute("SELECT id, text FROM chunks ORDER BY id").fetchall()
+        return [r[0] for r in rows], [r[1] for r in rows]
+
+    def counts(self) -> tuple[int, int]:
+        """(documents, chunks)."""
+        (docs,), = self._db.execute("SELECT COUNT(*) FROM documents")
+        (chunks,), = self._db.execute("SELECT COUNT(*) FROM chunks")
+        return docs, chunks

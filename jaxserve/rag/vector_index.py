@@ -1,0 +1,121 @@
+"""FAISS inner-product index over chunk ids: exact below a size, HNSW above, GPU when present.
+
+Vectors are L2-normalised, so inner product is cosine similarity. Ids are the store's chunk row ids
+(never reused), mapped by IndexIDMap2. Exact indexes delete for real; FAISS' HNSW cannot remove
+points, so deleted ids there become tombstones that an IDSelector filters out of every search, and
+the graph is rebuilt once tombstones pass a quarter of it. The store holds every live vector, so
+any index can be rebuilt from it; this file is a saved cache of that work.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from jaxserve.rag.config import IndexConfig
+
+_REBUILD_TOMBSTONE_FRACTION = 0.25
+
+
+class VectorIndex:
+    def __init__(self, dim: int, config: IndexConfig):
+        self.dim = dim
+        self.config = config
+        self._cpu: faiss.IndexIDMap2 = self._new(0)
+        self._device = None  # a GPU copy of an exact index, searched instead of _cpu
+        self._tombstones: set[int] = set()
+
+    @property
+    def kind(self) -> str:
+        return "hnsw" if isinstance(faiss.downcast_index(self._cpu.index), faiss.IndexHNSW) \
+            else "exact"
+
+    @property
+    def ids(self) -> np.ndarray:
+        return faiss.vector_to_array(self._cpu.id_map)
+
+    @property
+    def num_live(self) -> int:
+        return self._cpu.ntotal - len(self._tombstones)
+
+    def _new(self, num_vectors: int) -> faiss.IndexIDMap2:
+        if num_vectors <= self.config.exact_max_vectors:
+            inner = faiss.IndexFlatIP(self.dim)
+        else:
+            inner = faiss.IndexHNSWFlat(self.dim, self.config.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+            inner.hnsw.efConstruction = self.config.hnsw_ef_construction
+        return faiss.IndexIDMap2(inner)
+
+    def _sync_device(self) -> None:
+        self._device = None
+        if self.config.use_gpu and self.kind == "exact" and faiss.get_num_gpus() > 0:
+            self._device = faiss.index_cpu_to_all_gpus(self._cpu)
+
+    def rebuild(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        """Replace the whole index by these vectors, choosing the kind for their number."""
+        self._cpu = self._new(len(ids))
+        self._tombstones = set()
+        if len(ids):
+            self._cpu.add_with_ids(np.ascontiguousarray(vectors, np.float32),
+                                   np.asarray(ids, np.int64))
+        self._sync_device()
+
+    def add(self, ids: np.ndarray, vectors: np.ndarray, all_vectors) -> None:
+        """Add vectors; `all_vectors()` -> (ids, vectors) of every live chunk, called only when the
+        index must be rebuilt (crossing to HNSW, or too many tombstones)."""
+        if not len(ids):
+            return
+        if self.kind == "exact" and self.num_live + len(ids) > self.config.exact_max_vectors:
+            self.rebuild(*all_vectors())
+            return
+        self._cpu.add_with_ids(np.ascontiguousarray(vectors, np.float32),
+                               np.asarray(ids, np.int64))
+        self._sync_device()
+
+    def remove(self, ids, all_vectors) -> None:
+        ids = np.asarray(list(ids), np.int64)
+        if not len(ids):
+            return
+        if self.kind == "exact":
+            self._cpu.remove_ids(faiss.IDSelectorBatch(ids))
+            self._sync_device()
+            return
+        self._tombstones.update(int(i) for i in ids)
+        if len(self._tombstones) > _REBUILD_TOMBSTONE_FRACTION * self._cpu.ntotal:
+            self.rebuild(*all_vectors())
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores [Q, k], ids [Q, k]); missing results have id -1."""
+        queries = np.ascontiguousarray(queries, np.float32)
+        k = max(1, min(k, self.num_live))
+        if self.kind == "exact":
+            index = self._cpu if self._device is None else self._device
+            return index.search(queries, k)
+        params = faiss.SearchParametersHNSW(efSearch=max(self.config.hnsw_ef_search, k))
+        if self._tombstones:
+            dead = np.fromiter(self._tombstones, np.int64, len(self._tombstones))
+            # Locals, so they outlive the search: FAISS keeps only raw pointers to selectors.
+            batch = faiss.IDSelectorBatch(dead)
+            selector = faiss.IDSelectorNot(batch)
+            params.sel = selector
+        return self._cpu.search(queries, k, params=params)
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        faiss.write_index(self._cpu, str(tmp))
+        os.replace(tmp, path)  # a crash mid-write leaves the previous index whole
+
+    def load(self, path: Path, live_ids: set[int], all_vectors) -> None:
+        """Read a saved index and reconcile it with the store's live ids: ids it has that the store
+        deleted become deletions, ids it lacks (a crash between the two writes) are rebuilt."""
+        self._cpu = faiss.read_index(str(path))
+        self._tombstones = set()
+        indexed = set(self.ids.tolist())
+        if live_ids - indexed:
+            self.rebuild(*all_vectors())
+            return
+        self._sync_device()
+        self.remove(indexed - live_ids, all_vectors)
