@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 MODEL  ?= smollm2-135m-instruct
+EMBED_MODEL ?= all-minilm-l6-v2
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 # Tests run on a 2-core CPU machine; keep XLA from oversubscribing it.
@@ -25,6 +26,7 @@ install-dev: $(VENV)/.installed-dev
 
 fetch-models: $(VENV)/.installed
 	$(PY) -m jaxserve.cli fetch $(MODEL)
+	$(PY) -m jaxserve.cli fetch $(EMBED_MODEL)
 
 serve: fetch-models
 	@echo "When 'jaxserve: serving ... at http://$(HOST):$(PORT)/v1' shows, try:"
