@@ -1,4 +1,4 @@
-"""`jaxserve fetch | convert | generate | serve | batch`.
+"""`jaxserve fetch | convert | generate | serve | batch | index | search`.
 
 Every error a user can cause surfaces as a JaxServeError and is printed as one line on stderr with
 exit code 1 — never a traceback. Progress goes to stderr so stdout carries only the result (with
@@ -153,6 +153,50 @@ def cmd_batch(args) -> int:
     return run_batch(args)
 
 
+# ---------------------------------------------------------------- index, search (RAG)
+
+
+def _rag_service(args):
+    from jaxserve.rag.config import RagConfig, default_data_dir
+    from jaxserve.rag.service import RagService
+
+    return RagService(RagConfig(args.data_dir or default_data_dir()))
+
+
+def cmd_index(args) -> int:
+    from jaxserve.rag.ingest import index_paths
+
+    service = _rag_service(args)
+    try:
+        docs, chunks = index_paths(service, args.collection, args.paths,
+                                   progress=not args.no_progress)
+    finally:
+        service.close()
+    print(f"indexed {docs} documents ({chunks} chunks) into {args.collection} "
+          f"at {service.config.data_dir}")
+    return 0
+
+
+def cmd_search(args) -> int:
+    service = _rag_service(args)
+    try:
+        results = service.search(args.collection, args.query, args.top_k, args.mode)
+    finally:
+        service.close()
+    if args.json:
+        print(json.dumps({"results": [r.to_dict() for r in results]}))
+    for r in [] if args.json else results:
+        print(f"{r.score:.4f}  {r.chunk_id}\n    {' '.join(r.text.split())[:200]}")
+    return 0
+
+
+def _add_rag_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--collection", required=True)
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="where collections live (default: $JAXSERVE_CACHE/rag, else "
+                             "~/.cache/jaxserve/rag)")
+
+
 # ---------------------------------------------------------------- entry
 
 
@@ -193,6 +237,22 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("batch", help="answer an OpenAI Batch API .jsonl file offline")
     add_batch_arguments(b)
     b.set_defaults(func=cmd_batch)
+
+    ix = sub.add_parser("index", help="chunk, embed and index files into a RAG collection")
+    _add_rag_arguments(ix)
+    ix.add_argument("paths", nargs="+", type=Path,
+                    help="text/markdown files (one document each), .jsonl files ({id, text, "
+                         "metadata?} per line) or directories of them")
+    ix.add_argument("--no-progress", action="store_true")
+    ix.set_defaults(func=cmd_index)
+
+    se = sub.add_parser("search", help="search a RAG collection")
+    _add_rag_arguments(se)
+    se.add_argument("query")
+    se.add_argument("--mode", choices=("dense", "bm25", "hybrid"), default="hybrid")
+    se.add_argument("--top-k", type=int, default=5)
+    se.add_argument("--json", action="store_true", help="print {\"results\": [...]} as JSON")
+    se.set_defaults(func=cmd_search)
     return p
 
 

@@ -63,7 +63,7 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Embed(self, request, context):
-        """Not served yet: answers UNIMPLEMENTED until embedding models land.
+        """Sentence embeddings (all-minilm-l6-v2); UNIMPLEMENTED when the server has no encoder.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

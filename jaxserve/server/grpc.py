@@ -1,4 +1,4 @@
-"""gRPC front end (package jaxserve.v1): streaming Generate, ListModels, health and reflection.
+"""gRPC front end (package jaxserve.v1): streaming Generate, Embed, ListModels, health, reflection.
 
 Requests are translated into an OpenAI completion body and validated by the same OpenAIServing
 layer as HTTP, so both front ends accept and reject exactly the same things."""
@@ -6,16 +6,20 @@ layer as HTTP, so both front ends accept and reject exactly the same things."""
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.errors import (EngineDead, EngineOverloaded, InvalidRequest, JaxServeError,
-                             ModelNotFound)
+from jaxserve.errors import (AlreadyExists, EngineDead, EngineOverloaded, InvalidRequest,
+                             JaxServeError, ModelNotFound, NotFound)
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.server.openai_serving import OpenAIServing
+
+if TYPE_CHECKING:  # the RAG stack (FAISS, bm25s) loads only when a service is passed in
+    from jaxserve.rag.service import RagService
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # Proto3 `optional` scalars that map one-to-one onto OpenAI completion fields.
@@ -44,8 +48,10 @@ def completion_body(request: pb.GenerateRequest) -> dict:
 
 def status_for(error: Exception) -> grpc.StatusCode:
     """The gRPC status of a typed user error (ContextLengthExceeded is an InvalidRequest)."""
-    if isinstance(error, ModelNotFound):
+    if isinstance(error, (ModelNotFound, NotFound)):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(error, AlreadyExists):
+        return grpc.StatusCode.ALREADY_EXISTS
     if isinstance(error, EngineOverloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(error, EngineDead):
@@ -56,10 +62,11 @@ def status_for(error: Exception) -> grpc.StatusCode:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, engine, model_name: str):
+    def __init__(self, engine, model_name: str, rag: RagService | None = None):
         self.engine = engine
         self.serving = OpenAIServing(engine, model_name)
         self.model_name = model_name
+        self.rag = rag
 
     async def Generate(self, request, context):
         try:
@@ -91,8 +98,19 @@ class GenerationService(pb_grpc.GenerationServicer):
                 await self.engine.abort(request_id)
 
     async def Embed(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "Embed is not served yet: this server runs a generation model only")
+        if self.rag is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "this server was started without an embedding model")
+        try:
+            self.rag.check_model(request.model)
+            if not request.input:
+                raise InvalidRequest("'input' must hold at least one string", param="input")
+            # The encoder blocks: run it off the event loop, as the HTTP routes do.
+            vectors, _ = await asyncio.get_running_loop().run_in_executor(
+                None, self.rag.embed, list(request.input))
+        except JaxServeError as e:
+            await context.abort(status_for(e), str(e))
+        return pb.EmbedResponse(embeddings=[pb.Embedding(values=v.tolist()) for v in vectors])
 
     async def ListModels(self, request, context):
         return pb.ListModelsResponse(models=[pb.Model(id=self.model_name,
@@ -100,13 +118,16 @@ class GenerationService(pb_grpc.GenerationServicer):
 
 
 async def start_grpc_server(engine, host: str, port: int, model_name: str,
-                            health_servicer: health.aio.HealthServicer | None = None):
-    """Start serving on host:port (0 picks a free port); returns (server, bound_port).
+                            health_servicer: health.aio.HealthServicer | None = None,
+                            rag: RagService | None = None):
+    """Start serving on host:port (0 picks a free port); returns (server, bound_port). With
+    `rag`, Embed answers with its encoder (else UNIMPLEMENTED).
 
     Health reports SERVING for the service and for "" once this returns, so call it after
     the engine has warmed up."""
     server = grpc.aio.server()
-    pb_grpc.add_GenerationServicer_to_server(GenerationService(engine, model_name), server)
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(engine, model_name, rag),
+                                             server)
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -17,8 +17,8 @@ from typing import Any
 from aiohttp import web
 
 from jaxserve.config import ServerConfig
-from jaxserve.errors import (ContextLengthExceeded, EngineDead, EngineOverloaded, InvalidRequest,
-                             JaxServeError, ModelNotFound)
+from jaxserve.errors import (AlreadyExists, ContextLengthExceeded, EngineDead, EngineOverloaded,
+                             InvalidRequest, JaxServeError, ModelNotFound, NotFound)
 from jaxserve.server import protocol
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.openai_serving import Generation, OpenAIServing
@@ -56,6 +56,11 @@ def _error_status(exc: Exception) -> tuple[int, dict]:
     if isinstance(exc, ModelNotFound):
         return 404, protocol.error_body(str(exc), "invalid_request_error", "model",
                                         "model_not_found")
+    if isinstance(exc, NotFound):  # a RAG collection or document
+        return 404, protocol.error_body(str(exc), "invalid_request_error", exc.param, "not_found")
+    if isinstance(exc, AlreadyExists):
+        return 409, protocol.error_body(str(exc), "invalid_request_error", exc.param,
+                                        "already_exists")
     if isinstance(exc, ContextLengthExceeded):
         return 400, protocol.error_body(str(exc), "invalid_request_error", exc.param,
                                         "context_length_exceeded")

@@ -1,0 +1,146 @@
+"""HTTP routes of the retrieval pipeline: OpenAI embeddings and collections (documents, search).
+
+`add_rag_routes(app, service)` registers them on the app built by `jaxserve.server.http.build_app`
+(before the server starts), whose middleware maps typed errors to OpenAI error bodies: unknown
+collection or document 404, existing collection 409, bad arguments 400. Every call into the
+service (embedding, SQLite, FAISS) runs in the default executor so the event loop keeps serving
+other requests, token streams included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import json
+
+from aiohttp import web
+
+from jaxserve.errors import InvalidRequest
+from jaxserve.rag.collection import check_search_args
+from jaxserve.rag.documents import parse_documents
+from jaxserve.rag.service import RagService, check_collection_name
+
+RAG_KEY = web.AppKey("rag", RagService)
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
+_EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
+
+
+async def _call(request: web.Request, method: str, *args):
+    service = request.app[RAG_KEY]
+    return await asyncio.get_running_loop().run_in_executor(
+        None, functools.partial(getattr(service, method), *args))
+
+
+async def _object(request: web.Request, allowed: set[str]) -> dict:
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise InvalidRequest(f"Unrecognized request argument supplied: {unknown[0]}",
+                             param=unknown[0])
+    return body
+
+
+def _embedding_inputs(body: dict) -> list[str]:
+    texts = body.get("input")
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise InvalidRequest("'input' must be a string or a non-empty list of strings (token "
+                             "arrays are not supported)", param="input")
+    if len(texts) > MAX_EMBEDDING_INPUTS:
+        raise InvalidRequest(f"'input' takes at most {MAX_EMBEDDING_INPUTS} strings",
+                             param="input")
+    if any(not t for t in texts):
+        raise InvalidRequest("'input' strings must not be empty", param="input")
+    return texts
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    service = request.app[RAG_KEY]
+    body = await _object(request, _EMBEDDING_FIELDS)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required and must be a string", param="model")
+    service.check_model(model)
+    texts = _embedding_inputs(body)
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise InvalidRequest("'encoding_format' must be 'float' or 'base64'",
+                             param="encoding_format")
+    vectors, num_tokens = await _call(request, "embed", texts)
+    dims = body.get("dimensions")
+    if dims is not None and dims != vectors.shape[1]:
+        raise InvalidRequest(f"'dimensions' must be {vectors.shape[1]} for {service.model_name} "
+                             f"(it cannot shorten its embeddings)", param="dimensions")
+    # base64 is what OpenAI's Python client asks for by default: little-endian float32 bytes.
+    encode = ((lambda v: base64.b64encode(v.astype("<f4").tobytes()).decode())
+              if encoding == "base64" else (lambda v: v.tolist()))
+    return web.json_response({
+        "object": "list", "model": service.model_name,
+        "data": [{"object": "embedding", "index": i, "embedding": encode(v)}
+                 for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+
+
+async def create_collection(request: web.Request) -> web.Response:
+    body = await _object(request, {"name"})
+    collection = await _call(request, "create_collection", body.get("name"))
+    return web.json_response(collection.info(), status=201)
+
+
+async def list_collections(request: web.Request) -> web.Response:
+    def infos(service: RagService) -> list[dict]:
+        return [service.collection(name).info() for name in service.list_collections()]
+
+    data = await asyncio.get_running_loop().run_in_executor(None, infos, request.app[RAG_KEY])
+    return web.json_response({"object": "list", "data": data})
+
+
+async def delete_collection(request: web.Request) -> web.Response:
+    name = check_collection_name(request.match_info["name"])
+    await _call(request, "delete_collection", name)
+    return web.json_response({"name": name, "deleted": True})
+
+
+async def upsert_documents(request: web.Request) -> web.Response:
+    name = check_collection_name(request.match_info["name"])
+    docs = parse_documents((await _object(request, {"documents"})).get("documents"))
+    chunks = await _call(request, "upsert", name, docs)
+    return web.json_response({"collection": name, "documents": len(docs), "chunks": chunks})
+
+
+async def delete_document(request: web.Request) -> web.Response:
+    name = check_collection_name(request.match_info["name"])
+    document_id = request.match_info["document_id"]
+    await _call(request, "delete_document", name, document_id)
+    return web.json_response({"id": document_id, "deleted": True})
+
+
+async def search(request: web.Request) -> web.Response:
+    service = request.app[RAG_KEY]
+    name = check_collection_name(request.match_info["name"])
+    body = await _object(request, {"query", "top_k", "mode"})
+    query, top_k, mode = body.get("query"), body.get("top_k", 5), body.get("mode", "hybrid")
+    check_search_args(query, top_k, mode, service.config.search.max_top_k)
+    results = await _call(request, "search", name, query, top_k, mode)
+    return web.json_response({"results": [r.to_dict() for r in results]})
+
+
+def add_rag_routes(app: web.Application, service: RagService) -> None:
+    """Serve embeddings and collections from `service`; call before the server starts."""
+    app[RAG_KEY] = service
+    app.add_routes([
+        web.post("/v1/embeddings", embeddings),
+        web.post("/v1/collections", create_collection),
+        web.get("/v1/collections", list_collections),
+        web.delete("/v1/collections/{name}", delete_collection),
+        web.post("/v1/collections/{name}/documents", upsert_documents),
+        web.delete("/v1/collections/{name}/documents/{document_id}", delete_document),
+        web.post("/v1/collections/{name}/search", search),
+    ])
