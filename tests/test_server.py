@@ -9,11 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import selectors
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -30,6 +25,7 @@ from jaxserve.config import ServerConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.server.http import attach_engine, build_app, start_server
 from jaxserve.server.openai_serving import with_keepalive
+from jaxserve.server.process import ServerProcess
 from tests.test_cli import ROOT, tiny_gguf
 from tests.test_engine import assert_no_leaks
 
@@ -605,47 +601,26 @@ def test_warmup_then_ready_then_engine_failure(tiny_path):
 
 @pytest.mark.slow
 def test_serve_subprocess_chat_then_sigterm(smollm2_path, smollm2_golden, tmp_path):
-    stderr = (tmp_path / "stderr.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxserve.cli", "serve", "--model", SMOLLM2, "--port", "0",
-         "--max-model-len", "512", "--num-pages", "64", "--max-num-seqs", "4",
-         "--max-num-batched-tokens", "64"],
-        cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=stderr, text=True)
-    try:
-        url = _read_serving_url(proc, deadline_s=300)
-        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
-        case = chat_cases(smollm2_golden)[0]
-        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
-        r = client.chat.completions.create(model=SMOLLM2, messages=case["case"]["messages"],
-                                           **GREEDY)
-        assert r.choices[0].message.content == case["greedy_text"].replace("<|im_end|>", "")
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        stderr.close()
-    log = (tmp_path / "stderr.log").read_text()
+    log_path = tmp_path / "stderr.log"
+    with log_path.open("w") as stderr:
+        server = ServerProcess(["--model", SMOLLM2, "--port", "0", "--max-model-len", "512",
+                                "--num-pages", "64", "--max-num-seqs", "4",
+                                "--max-num-batched-tokens", "64"], stderr, cwd=ROOT,
+                               ready_timeout_s=300)
+        try:
+            assert server.url.startswith("http://127.0.0.1:") and server.url.endswith("/v1")
+            case = chat_cases(smollm2_golden)[0]
+            client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+            r = client.chat.completions.create(model=SMOLLM2, messages=case["case"]["messages"],
+                                               **GREEDY)
+            assert r.choices[0].message.content == case["greedy_text"].replace("<|im_end|>", "")
+            assert server.stop() == 0
+        finally:
+            server.kill()
+    log = log_path.read_text()
     assert "Traceback" not in log, log[-3000:]
     access = [json.loads(line.split("jaxserve.access: ", 1)[1]) for line in log.splitlines()
               if "jaxserve.access: " in line]
     assert len(access) == 1 and access[0]["status"] == "ok"
-    assert access[0]["finish_reasons"] == ["stop"] and case["case"]["messages"][0]["content"] \
-        not in log  # no prompt text in the logs
-
-
-def _read_serving_url(proc: subprocess.Popen, deadline_s: float) -> str:
-    """The URL from the `jaxserve: serving NAME at URL` line of the server's stdout."""
-    end = time.monotonic() + deadline_s
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < end:
-            if not sel.select(timeout=1.0):
-                assert proc.poll() is None, f"the server exited with {proc.returncode}"
-                continue
-            line = proc.stdout.readline()
-            assert line, f"the server closed stdout (exit {proc.wait()})"
-            if line.startswith("jaxserve: serving "):
-                return line.split(" at ", 1)[1].strip()
-    raise AssertionError("no 'serving' line before the deadline")
+    assert access[0]["finish_reasons"] == ["stop"]
+    assert case["case"]["messages"][0]["content"] not in log  # no prompt text in the logs

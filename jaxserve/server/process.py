@@ -1,0 +1,56 @@
+"""`jaxserve serve` as a child process: start it, wait for the URL it prints, stop it with SIGTERM.
+For end-to-end tests and the serving benchmark, which must see the server exactly as users run it."""
+
+from __future__ import annotations
+
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Sequence
+
+_READY_PREFIX = "jaxserve: serving "
+
+
+class ServerProcess:
+    """`python -m jaxserve.cli serve ARGS`; `url` is the base URL (`http://HOST:PORT/v1`) once the
+    engine is warm. stderr (logs, compile progress) goes to `stderr` (a file) so the pipe can
+    never fill and stall the server."""
+
+    def __init__(self, args: Sequence[str], stderr: IO, *, cwd: Path | None = None,
+                 ready_timeout_s: float = 600.0):
+        self.proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", *args],
+                                     cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        try:
+            self.url = self._read_url(ready_timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _read_url(self, timeout_s: float) -> str:
+        end = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while time.monotonic() < end:
+                if not sel.select(timeout=1.0):
+                    if self.proc.poll() is not None:
+                        raise RuntimeError(f"the server exited with {self.proc.returncode}")
+                    continue
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"the server closed stdout (exit {self.proc.wait()})")
+                if line.startswith(_READY_PREFIX):
+                    return line.split(" at ", 1)[1].strip()
+        raise TimeoutError(f"no '{_READY_PREFIX.strip()}' line within {timeout_s:.0f} s")
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, then the exit code (a clean shutdown is 0)."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,131 @@
+"""OpenAI request parsing (no engine, no I/O): every field is used or rejected with a 400 that
+names it; known fields we do not implement pass only at their neutral value."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.errors import InvalidRequest
+from jaxserve.server.protocol import parse_chat_request, parse_completion_request
+
+MSGS = [{"role": "user", "content": "Hi"}]
+
+
+def chat(**fields):
+    return parse_chat_request({"model": "m", "messages": MSGS, **fields})
+
+
+def completion(**fields):
+    return parse_completion_request({"model": "m", "prompt": "Hi", **fields})
+
+
+def test_chat_defaults_and_fields():
+    r = chat()
+    assert (r.kind, r.model, r.prompts, r.stream, r.include_usage, r.echo, r.logprobs) == (
+        "chat", "m", [MSGS], False, False, False, None)
+    assert not r.max_tokens_given  # the server fills it from the context left
+    assert r.sampling_params.temperature == 1.0 and r.sampling_params.n == 1
+    r = chat(max_tokens=5, max_completion_tokens=7, n=2, temperature=0.5, top_p=0.9, seed=3,
+             stop="x", presence_penalty=0.1, frequency_penalty=0.2, top_k=4, min_p=0.1,
+             repetition_penalty=1.1, ignore_eos=True, min_tokens=2, stop_token_ids=[5],
+             skip_special_tokens=False, include_stop_str_in_output=True, stream=True,
+             stream_options={"include_usage": True}, logprobs=True, top_logprobs=4)
+    p = r.sampling_params
+    assert r.max_tokens_given and p.max_tokens == 7  # max_completion_tokens wins
+    assert (p.n, p.temperature, p.top_p, p.seed, p.stop) == (2, 0.5, 0.9, 3, ("x",))
+    assert (p.presence_penalty, p.frequency_penalty, p.top_k, p.min_p) == (0.1, 0.2, 4, 0.1)
+    assert (p.repetition_penalty, p.ignore_eos, p.min_tokens, p.stop_token_ids) == (
+        1.1, True, 2, (5,))
+    assert (p.skip_special_tokens, p.include_stop_str_in_output) == (False, True)
+    assert (r.stream, r.include_usage, r.logprobs, p.logprobs) == (True, True, 4, 4)
+    assert chat(logprobs=True).logprobs == 0  # the sampled token's logprob, no alternatives
+
+
+def test_chat_messages():
+    parts = [{"role": "system", "content": [{"type": "text", "text": "a"},
+                                            {"type": "text", "text": "b"}]},
+             {"role": "developer", "content": "d"}, {"role": "assistant", "content": "c"},
+             {"role": "user", "content": "u"}]
+    assert chat(messages=parts).prompts == [[
+        {"role": "system", "content": "ab"}, {"role": "developer", "content": "d"},
+        {"role": "assistant", "content": "c"}, {"role": "user", "content": "u"}]]
+    for bad in ([], "hi", [{"content": "x"}], [{"role": "tool", "content": "x"}],
+                [{"role": "user", "content": 3}],
+                [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]):
+        with pytest.raises(InvalidRequest) as e:
+            chat(messages=bad)
+        assert e.value.param == "messages"
+
+
+def test_completion_prompts_and_fields():
+    assert completion().prompts == ["Hi"]
+    assert completion(prompt=["a", "b"]).prompts == ["a", "b"]
+    assert completion(prompt=[1, 2]).prompts == [[1, 2]]
+    assert completion(prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
+    r = completion()
+    assert r.max_tokens_given and r.sampling_params.max_tokens == 16  # OpenAI's default
+    r = completion(logprobs=3)
+    assert r.logprobs == 3 and r.sampling_params.logprobs == 3
+    assert completion(echo=True).echo
+    for bad in ("", [], [""], ["a", 1], [[1], "a"], [1, True], {"text": "a"}, 5):
+        with pytest.raises(InvalidRequest) as e:
+            completion(prompt=bad)
+        assert e.value.param == "prompt"
+
+
+@pytest.mark.parametrize("parse, fields, param", [
+    (chat, {"temperature": -1}, "temperature"),
+    (chat, {"top_p": 2}, "top_p"),
+    (chat, {"n": 0}, "n"),
+    (chat, {"max_tokens": -5}, "max_tokens"),
+    (chat, {"max_tokens": True}, "max_tokens"),
+    (chat, {"max_completion_tokens": 1.5}, "max_completion_tokens"),
+    (chat, {"seed": "x"}, "seed"),
+    (chat, {"stop": [""]}, "stop"),
+    (chat, {"stop": ["a"] * 17}, "stop"),
+    (chat, {"stop": 3}, "stop"),
+    (chat, {"stream": "yes"}, "stream"),
+    (chat, {"stream_options": {"include_usage": True}}, "stream_options"),
+    (chat, {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options"),
+    (chat, {"stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage"),
+    (chat, {"logprobs": 2}, "logprobs"),
+    (chat, {"top_logprobs": 2}, "top_logprobs"),
+    (chat, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (chat, {"echo": True}, "echo"),  # a completions field
+    (chat, {"frobnicate": 1}, "frobnicate"),
+    (chat, {"logit_bias": {"1": 2}}, "logit_bias"),
+    (chat, {"tools": [{"type": "function"}]}, "tools"),
+    (chat, {"tool_choice": "auto"}, "tool_choice"),
+    (chat, {"response_format": {"type": "json_object"}}, "response_format"),
+    (chat, {"best_of": 3}, "best_of"),
+    (chat, {"store": True}, "store"),
+    (chat, {"parallel_tool_calls": True}, "parallel_tool_calls"),
+    (chat, {"user": 5}, "user"),
+    (chat, {"model": None}, "model"),
+    (completion, {"logprobs": 21}, "logprobs"),
+    (completion, {"logprobs": True}, "logprobs"),
+    (completion, {"echo": 1}, "echo"),
+    (completion, {"echo": True, "logprobs": 1}, "echo"),
+    (completion, {"suffix": "x"}, "suffix"),
+    (completion, {"messages": MSGS}, "messages"),  # a chat field
+    (completion, {"max_completion_tokens": 3}, "max_completion_tokens"),
+])
+def test_rejections_name_the_field(parse, fields, param):
+    with pytest.raises(InvalidRequest) as e:
+        parse(**fields)
+    assert e.value.param == param, str(e.value)
+
+
+def test_neutral_values_pass():
+    chat(logit_bias={}, tools=[], tool_choice="none", functions=[], function_call="none",
+         response_format={"type": "text"}, user="alice", store=False, metadata=None,
+         parallel_tool_calls=None, service_tier=None, n=2, best_of=2, reasoning_effort=None)
+    completion(suffix="", best_of=1, logit_bias=None, user=None)
+
+
+def test_body_must_be_an_object():
+    for body in ([], "x", None, 3):
+        with pytest.raises(InvalidRequest, match="JSON object"):
+            parse_chat_request(body)
