@@ -1,0 +1,115 @@
+"""Offline throughput: a fixed mixed workload through jaxserve's LLM, optionally against HF
+transformers static-batch `generate` on the same weights, workload and machine, in the same run.
+
+Workload (seeded): N requests whose prompts are 16-256 tokens cut from Python's own documentation
+(`pydoc_data.topics`, text none of us wrote) and whose outputs are 16-192 tokens, ignore_eos, greedy.
+Both sides produce exactly the requested tokens; HF runs static batches (each batch decodes until
+its longest request is done, as static batching does), and only the requested tokens count.
+
+    python benchmarks/throughput.py                       # jaxserve only
+    python benchmarks/throughput.py --compare hf          # + HF transformers (pip install .[bench])
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def make_workload(tokenizer, num_requests: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) pairs cut from pydoc_data.topics."""
+    from pydoc_data.topics import topics
+
+    rng = random.Random(seed)
+    corpus = tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)))
+    work = []
+    for _ in range(num_requests):
+        n = rng.randint(16, 256)
+        start = rng.randrange(len(corpus) - n)
+        work.append((corpus[start:start + n], rng.randint(16, 192)))
+    return work
+
+
+def run_jaxserve(work, args) -> dict:
+    from jaxserve import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512,
+              progress=False)
+    startup = time.perf_counter() - t0
+    prompts = [{"prompt_token_ids": p} for p, _ in work]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    assert [len(o.outputs[0].token_ids) for o in outs] == [n for _, n in work]
+    return {"seconds": elapsed, "startup_seconds": startup,
+            "preemptions": llm.engine.stats().num_preemptions}
+
+
+def run_hf(work, args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxserve.model_registry import resolve
+
+    path = resolve(args.model).path
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 torch_dtype=torch.float32)
+    model.eval()
+    pad = model.config.eos_token_id if model.config.pad_token_id is None else \
+        model.config.pad_token_id
+    t0 = time.perf_counter()
+    for i in range(0, len(work), args.hf_batch_size):
+        batch = work[i:i + args.hf_batch_size]
+        width = max(len(p) for p, _ in batch)
+        # Left padding, so every row's next token follows its own last prompt token.
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        new = max(n for _, n in batch)
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=pad)
+    return {"seconds": time.perf_counter() - t0}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=SMOLLM2)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--compare", choices=("hf",), default=None)
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    args = p.parse_args()
+
+    from jaxserve.model_registry import resolve
+    from jaxserve.tokenizer import load_tokenizer
+
+    work = make_workload(load_tokenizer(resolve(args.model)), args.num_requests)
+    prompt_tokens = sum(len(p) for p, _ in work)
+    output_tokens = sum(n for _, n in work)
+    results = {"jaxserve": run_jaxserve(work, args)}
+    if args.compare == "hf":
+        results["hf"] = run_hf(work, args)
+    print(f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens; "
+          f"{platform.machine()} {platform.processor() or ''}".rstrip())
+    for name, r in results.items():
+        r["output_tok_s"] = output_tokens / r["seconds"]
+        r["total_tok_s"] = (prompt_tokens + output_tokens) / r["seconds"]
+        print(f"{name:9s} {r['seconds']:7.1f} s  output {r['output_tok_s']:7.1f} tok/s  "
+              f"total {r['total_tok_s']:7.1f} tok/s")
+    if "hf" in results:
+        ratio = results["jaxserve"]["output_tok_s"] / results["hf"]["output_tok_s"]
+        print(f"jaxserve / HF transformers (static batch {args.hf_batch_size}): {ratio:.2f}x")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
