@@ -27,7 +27,7 @@ class DuplicateCustomIds(ValueError):
 
 @dataclass(frozen=True)
 class BatchLine:
-    """One input line: either a runnable request (kind, body) or an error answered without running."""
+    """One input line: a runnable request (kind, body), or an error answered without running."""
     line: int  # 1-based line number in the input file
     custom_id: str | None
     kind: str | None = None
@@ -153,6 +153,7 @@ async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progr
     """Run every item on `serving` (an OpenAIServing) concurrently; returns summary counts."""
     from jaxserve.errors import InvalidRequest, ModelNotFound
     counts = {"succeeded": 0, "failed": 0, "completion_tokens": 0}
+    start = time.monotonic()  # not progress.start_t: tqdm stamps that with time.time()
 
     def finish(item: BatchLine, status: int, body: dict) -> None:
         writer.write(result_line(item, status, body))
@@ -160,7 +161,7 @@ async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progr
         if status == 200:
             counts["completion_tokens"] += body["usage"]["completion_tokens"]
         progress.update(1)
-        elapsed = max(time.monotonic() - progress.start_t, 1e-9)
+        elapsed = max(time.monotonic() - start, 1e-9)
         progress.set_postfix(tok_s=f"{counts['completion_tokens'] / elapsed:.1f}",
                              failed=counts["failed"])
 
@@ -168,15 +169,16 @@ async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progr
         if item.error is not None:
             finish(item, *item.error)
             return
+        gen = None
         try:
             gen = serving.prepare(item.kind, item.body)
-        except (InvalidRequest, ModelNotFound) as e:
+            body = await gen.response()
+        except (InvalidRequest, ModelNotFound) as e:  # the engine's checks may refuse it too
             finish(item, *error_status(e))
             return
-        try:
-            body = await gen.response()
         except BaseException:
-            await gen.abort_unfinished()
+            if gen is not None:
+                await gen.abort_unfinished()
             raise
         finish(item, 200, body)
 
@@ -195,19 +197,26 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the 'model' the input's bodies name (default: --model)")
 
 
-async def run_batch_on(engine, model_name: str, input_path: Path, output_path: Path) -> int:
-    """Answer every request of `input_path` not yet in `output_path`; returns the exit code."""
-    from jaxserve.server.openai_serving import OpenAIServing
+def pending_items(input_path: Path, output_path: Path) -> list[BatchLine] | None:
+    """The input's requests not yet answered in `output_path`; None, after printing why, if the
+    input is unreadable or repeats a custom_id. Needs no engine, so a bad or finished batch
+    exits before a model loads."""
     try:
         items = read_input(input_path)
-    except (OSError, DuplicateCustomIds) as e:
+        done = answered_keys(output_path)
+    except (OSError, ValueError) as e:  # DuplicateCustomIds, or an output that is not ours
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    done = answered_keys(output_path)
+        return None
     todo = [item for item in items if item.key not in done]
     if len(todo) < len(items):
         print(f"resuming: {len(items) - len(todo)} of {len(items)} requests already answered "
               f"in {output_path}", file=sys.stderr)
+    return todo
+
+
+async def answer_items(engine, model_name: str, todo: list[BatchLine], output_path: Path) -> int:
+    """Answer `todo` on `engine` (an AsyncEngine), appending to `output_path`; returns 0."""
+    from jaxserve.server.openai_serving import OpenAIServing
     writer = ResultWriter(output_path)
     start = time.monotonic()
     try:
@@ -223,18 +232,33 @@ async def run_batch_on(engine, model_name: str, input_path: Path, output_path: P
     return 0
 
 
+async def run_batch_on(engine, model_name: str, input_path: Path, output_path: Path) -> int:
+    """Answer every request of `input_path` not yet in `output_path`; returns the exit code."""
+    todo = pending_items(input_path, output_path)
+    if todo is None:
+        return 1
+    return await answer_items(engine, model_name, todo, output_path)
+
+
 def run_batch(args: argparse.Namespace) -> int:
-    """`jaxserve batch`: load the engine, answer the file, shut the engine down."""
+    """`jaxserve batch`: check the files, load the engine, answer what is left, shut it down."""
     from jaxserve.async_engine import AsyncEngine
     from jaxserve.engine import LLMEngine
     from jaxserve.engine_args import engine_args
 
-    if not args.input.is_file():
-        print(f"error: input file {args.input} not found", file=sys.stderr)
+    todo = pending_items(args.input, args.output)
+    if todo is None:
         return 1
+    if not todo:
+        print(f"nothing to do: every request is answered in {args.output}", file=sys.stderr)
+        return 0
     engine = AsyncEngine(LLMEngine.from_model(args.model, dtype=args.dtype, **engine_args(args)))
     try:
-        return asyncio.run(run_batch_on(engine, args.served_model_name or args.model, args.input,
+        return asyncio.run(answer_items(engine, args.served_model_name or args.model, todo,
                                         args.output))
+    except KeyboardInterrupt:  # every finished result is already a whole line in the output
+        print(f"interrupted: rerun the same command to answer the rest into {args.output}",
+              file=sys.stderr)
+        return 130
     finally:
         engine.shutdown()
