@@ -1,0 +1,180 @@
+"""RAG routes end to end on a real aiohttp server (127.0.0.1, free port), plus gRPC Embed.
+
+The encoder is the tiny random BERT: these tests are about the routes, statuses and bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import grpc
+import numpy as np
+import openai
+import pytest
+from aiohttp import ClientSession
+
+from jaxserve.config import ServerConfig
+from jaxserve.protos import generation_pb2 as pb
+from jaxserve.protos import generation_pb2_grpc as pb_grpc
+from jaxserve.rag.config import ChunkerConfig, EmbedderConfig, RagConfig
+from jaxserve.rag.service import RagService
+from jaxserve.server.grpc import start_grpc_server
+from jaxserve.server.http import build_app, start_server
+from jaxserve.server.rag_routes import add_rag_routes
+from tests.rag_helpers import MINILM, tiny_embedder
+
+DOCS = [{"id": "fr", "text": "Paris is the capital of France.", "metadata": {"lang": "en"}},
+        {"id": "de", "text": "Berlin is the capital of Germany."},
+        {"id": "bake", "text": "Knead the dough and let the bread rise overnight."}]
+
+
+@pytest.fixture
+def service(tmp_path):
+    config = RagConfig(tmp_path, EmbedderConfig(max_batch=4, max_length=64),
+                       ChunkerConfig(chunk_tokens=48, overlap_tokens=8))
+    service = RagService(config, tiny_embedder())
+    yield service
+    service.close()
+
+
+def _serve(service, scenario):
+    """Run `scenario(session, url)` against a started server, and always stop it."""
+    async def main():
+        app = build_app(ServerConfig(port=0), "some-llm")
+        add_rag_routes(app, service)
+        runner, port = await start_server(app, "127.0.0.1", 0)
+        try:
+            async with ClientSession() as session:
+                return await scenario(session, f"http://127.0.0.1:{port}")
+        finally:
+            await runner.cleanup()
+    return asyncio.run(main())
+
+
+async def _json(session, method, url, body=None):
+    async with session.request(method, url, json=body) as resp:
+        return resp.status, await resp.json()
+
+
+def test_collection_lifecycle(service):
+    async def scenario(s, url):
+        assert await _json(s, "POST", f"{url}/v1/collections", {"name": "kb"}) == \
+            (201, {"name": "kb", "documents": 0, "chunks": 0, "index": "exact"})
+        status, body = await _json(s, "POST", f"{url}/v1/collections/kb/documents",
+                                   {"documents": DOCS})
+        assert (status, body) == (200, {"collection": "kb", "documents": 3, "chunks": 3})
+        status, body = await _json(s, "GET", f"{url}/v1/collections")
+        assert status == 200 and body["data"] == [
+            {"name": "kb", "documents": 3, "chunks": 3, "index": "exact"}]
+
+        status, body = await _json(s, "POST", f"{url}/v1/collections/kb/search",
+                                   {"query": "capital of France", "top_k": 2, "mode": "bm25"})
+        assert status == 200
+        top = body["results"][0]
+        assert {k: top[k] for k in ("document_id", "chunk_id", "text", "metadata")} == {
+            "document_id": "fr", "chunk_id": "fr#0", "text": DOCS[0]["text"],
+            "metadata": {"lang": "en"}}
+        assert len(body["results"]) == 2 and top["score"] > body["results"][1]["score"]
+
+        assert await _json(s, "DELETE", f"{url}/v1/collections/kb/documents/fr") == \
+            (200, {"id": "fr", "deleted": True})
+        for mode in ("dense", "bm25", "hybrid"):
+            status, body = await _json(s, "POST", f"{url}/v1/collections/kb/search",
+                                       {"query": "capital of France", "top_k": 10, "mode": mode})
+            assert status == 200 and "fr" not in {r["document_id"] for r in body["results"]}
+        assert await _json(s, "DELETE", f"{url}/v1/collections/kb") == \
+            (200, {"name": "kb", "deleted": True})
+        assert await _json(s, "GET", f"{url}/v1/collections") == (200, {"object": "list",
+                                                                        "data": []})
+    _serve(service, scenario)
+
+
+def test_errors_are_openai_error_bodies(service):
+    async def scenario(s, url):
+        await _json(s, "POST", f"{url}/v1/collections", {"name": "kb"})
+        cases = [
+            ("POST", "/v1/collections/nope/search", {"query": "q"}, 404, "collection"),
+            ("DELETE", "/v1/collections/nope", None, 404, "collection"),
+            ("POST", "/v1/collections/nope/documents", {"documents": DOCS}, 404, "collection"),
+            ("DELETE", "/v1/collections/kb/documents/missing", None, 404, "document_id"),
+            ("POST", "/v1/collections", {"name": "kb"}, 409, "name"),
+            ("POST", "/v1/collections", {"name": "../etc"}, 400, "name"),
+            ("POST", "/v1/collections/kb/search", {"query": ""}, 400, "query"),
+            ("POST", "/v1/collections/kb/search", {"query": "q", "top_k": 0}, 400, "top_k"),
+            ("POST", "/v1/collections/kb/search", {"query": "q", "top_k": "3"}, 400, "top_k"),
+            ("POST", "/v1/collections/kb/search", {"query": "q", "mode": "x"}, 400, "mode"),
+            ("POST", "/v1/collections/kb/search", {"query": "q", "k": 3}, 400, "k"),
+            ("POST", "/v1/collections/kb/documents", {"documents": [{"id": "x"}]}, 400,
+             "documents"),
+            ("POST", "/v1/embeddings", {"model": "other", "input": "x"}, 404, "model"),
+            ("POST", "/v1/embeddings", {"model": MINILM, "input": [1, 2]}, 400, "input"),
+            ("POST", "/v1/embeddings", {"model": MINILM, "input": ""}, 400, "input"),
+            ("POST", "/v1/embeddings", {"model": MINILM, "input": "x", "dimensions": 8}, 400,
+             "dimensions"),
+        ]
+        for method, path, body, status, param in cases:
+            got_status, got = await _json(s, method, f"{url}{path}", body)
+            assert (got_status, got["error"]["param"]) == (status, param), (path, body, got)
+            assert got["error"]["type"] == "invalid_request_error" and got["error"]["message"]
+    _serve(service, scenario)
+
+
+def test_embeddings_with_the_openai_client(service):
+    texts = ["The cat sits on the mat.", "Stock markets fell."]
+    expected, num_tokens = service.embed(texts)
+
+    async def scenario(s, url):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+        # The client asks for base64 by default and decodes it; ask for floats explicitly too.
+        as_base64 = await client.embeddings.create(model=MINILM, input=texts)
+        as_float = await client.embeddings.create(model=MINILM, input=texts[0],
+                                                  encoding_format="float")
+        await client.close()
+        status, raw = await _json(s, "POST", f"{url}/v1/embeddings",
+                                  {"model": MINILM, "input": texts, "encoding_format": "base64"})
+        return as_base64, as_float, raw
+
+    as_base64, as_float, raw = _serve(service, scenario)
+    np.testing.assert_allclose([d.embedding for d in as_base64.data], expected, rtol=1e-6)
+    np.testing.assert_allclose(as_float.data[0].embedding, expected[0], rtol=1e-6)
+    assert as_base64.usage.prompt_tokens == as_base64.usage.total_tokens == num_tokens
+    assert as_base64.model == MINILM and [d.index for d in as_base64.data] == [0, 1]
+    decoded = np.frombuffer(base64.b64decode(raw["data"][1]["embedding"]), "<f4")
+    np.testing.assert_array_equal(decoded, expected[1])
+
+
+def test_grpc_embed(service):
+    async def main():
+        server, port = await start_grpc_server(None, "127.0.0.1", 0, "some-llm", rag=service)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.GenerationStub(channel)
+                reply = await stub.Embed(pb.EmbedRequest(model=MINILM, input=["a", "b c"]))
+                errors = []
+                for request in (pb.EmbedRequest(model="other", input=["a"]),
+                                pb.EmbedRequest(model=MINILM)):
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await stub.Embed(request)
+                    errors.append(e.value.code())
+                return reply, errors
+        finally:
+            await server.stop(grace=None)
+
+    reply, errors = asyncio.run(main())
+    expected, _ = service.embed(["a", "b c"])
+    np.testing.assert_allclose([e.values for e in reply.embeddings], expected, rtol=1e-6)
+    assert errors == [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT]
+
+
+def test_grpc_embed_without_an_encoder_is_unimplemented():
+    async def main():
+        server, port = await start_grpc_server(None, "127.0.0.1", 0, "some-llm")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await pb_grpc.GenerationStub(channel).Embed(pb.EmbedRequest(input=["a"]))
+                return e.value.code()
+        finally:
+            await server.stop(grace=None)
+
+    assert asyncio.run(main()) == grpc.StatusCode.UNIMPLEMENTED
