@@ -121,13 +121,14 @@ def test_reference_matches_numpy(case, hq_hkv, sliding_window, soft_cap):
 
 
 def test_reference_long_context_crosses_kv_blocks():
-    # Contexts longer than one KV block (reference.KV_BLOCK_TOKENS) and a prefill longer than one
-    # query block exercise the loops' bounds.
+    # Contexts longer than one KV block (reference.*_KV_BLOCK_TOKENS) and a prefill longer than
+    # one query block exercise the loops' bounds, on the prefill path and on the decode-only one.
     rng = np.random.default_rng(0)
-    args = make_case(rng, q_lens=[1, 45, 1], ctx_lens=[600, 300, 0], page_size=16, Hq=4, Hkv=2,
-                     D=64, dtype="float32")
-    check("reference", args, dtype="float32")
-    check("reference", args, dtype="float32", sliding_window=100)
+    for q_lens, ctx_lens in (([1, 45, 1], [600, 300, 0]), ([1, 1, 1], [600, 130, 63])):
+        args = make_case(rng, q_lens=q_lens, ctx_lens=ctx_lens, page_size=16, Hq=4, Hkv=2, D=64,
+                         dtype="float32")
+        check("reference", args, dtype="float32")
+        check("reference", args, dtype="float32", sliding_window=100)
 
 
 def test_write_kv_round_trip():

@@ -20,10 +20,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Picked by timing the benchmark batches on the 2-core CPU (SmolLM2 shape, f32): KV positions per
-# inner step, and items per step for each path (decode 8 vs 16: 39 vs 43 ms; 64: 82 ms).
-KV_BLOCK_TOKENS = 256
+# Picked by timing on the 2-core CPU (SmolLM2 shape, f32): KV positions per inner step and items
+# per step for each path (decode 8 vs 16 items: 39 vs 43 ms; 64: 82 ms at 64 x 2k). Decode walks
+# 64-token KV blocks: a block is gathered whole, and with 256 a 100-token sequence gathered 2.5x
+# the bytes it reads (64 x 100 tokens: 4 vs 13 ms; 64 x 300: 14 vs 50 ms; 64 x 2000: 75 vs 93 ms).
+DECODE_KV_BLOCK_TOKENS = 64
 DECODE_ITEMS_PER_STEP = 8
+PREFILL_KV_BLOCK_TOKENS = 256
 PREFILL_Q_BLOCK = 32
 PREFILL_ITEMS_PER_STEP = 2
 
@@ -85,13 +88,13 @@ def query_items(cu_q_lens, kv_lens, num_seqs, *, q_block, num_items, sliding_win
 
 
 def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
-            soft_cap, q_block, items_per_step):
+            soft_cap, q_block, items_per_step, kv_block_tokens):
     T, Hq, D = q.shape
     _, ps, H2, _ = kv_cache.shape
     Hkv = H2 // 2
     G = Hq // Hkv
     S, pages_per_seq = page_indices.shape
-    pages_per_block = max(1, KV_BLOCK_TOKENS // ps)
+    pages_per_block = max(1, kv_block_tokens // ps)
     blk_tokens = pages_per_block * ps
     num_blocks = -(-pages_per_seq // pages_per_block)
     # Pad the page table so every block's slice is in range; padded entries are masked by kv_len.
@@ -164,10 +167,12 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     """
     attend = functools.partial(_attend, q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                                sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    decode = functools.partial(attend, q_block=1, items_per_step=DECODE_ITEMS_PER_STEP)
+    decode = functools.partial(attend, q_block=1, items_per_step=DECODE_ITEMS_PER_STEP,
+                               kv_block_tokens=DECODE_KV_BLOCK_TOKENS)
     if q.shape[0] == 1:
         return decode()
     S = cu_q_lens.shape[0] - 1
     q_lens = jnp.where(jnp.arange(S) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
     return lax.cond(jnp.max(q_lens) <= 1, decode,
-                    lambda: attend(q_block=PREFILL_Q_BLOCK, items_per_step=PREFILL_ITEMS_PER_STEP))
+                    lambda: attend(q_block=PREFILL_Q_BLOCK, items_per_step=PREFILL_ITEMS_PER_STEP,
+                                   kv_block_tokens=PREFILL_KV_BLOCK_TOKENS))
