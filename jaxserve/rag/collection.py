@@ -99,8 +99,8 @@ class Collection:
             start += len(chunks)
         with self._lock:
             removed, added, added_vectors = self._store.upsert(prepared)
-            self._index.remove(removed, self._all_vectors)
-            self._index.add(np.asarray(added, np.int64), added_vectors, self._all_vectors)
+            self._index.update(removed, np.asarray(added, np.int64), added_vectors,
+                               self._all_vectors)
             self._save_index()
             self._bm25 = None
         return len(added)
@@ -111,7 +111,8 @@ class Collection:
             if removed is None:
                 raise NotFound(f"collection {self.name!r} has no document {document_id!r}",
                                param="document_id")
-            self._index.remove(removed, self._all_vectors)
+            self._index.update(removed, np.zeros(0, np.int64),
+                               np.zeros((0, self.embedder.dim), np.float32), self._all_vectors)
             self._save_index()
             self._bm25 = None
 

@@ -3,7 +3,8 @@
 Vectors are L2-normalised, so inner product is cosine similarity. Ids are the store's chunk row ids
 (never reused), mapped by IndexIDMap2. Exact indexes delete for real; FAISS' HNSW cannot remove
 points, so deleted ids there become tombstones that an IDSelector filters out of every search, and
-the graph is rebuilt once tombstones pass a quarter of it. The store holds every live vector, so
+the graph is rebuilt once tombstones pass a quarter of it (or when the size calls for the other
+kind). The store holds every live vector, so
 any index can be rebuilt from it; this file is a saved cache of that work.
 """
 
@@ -41,8 +42,11 @@ class VectorIndex:
     def num_live(self) -> int:
         return self._cpu.ntotal - len(self._tombstones)
 
+    def _kind_for(self, num_vectors: int) -> str:
+        return "exact" if num_vectors <= self.config.exact_max_vectors else "hnsw"
+
     def _new(self, num_vectors: int) -> faiss.IndexIDMap2:
-        if num_vectors <= self.config.exact_max_vectors:
+        if self._kind_for(num_vectors) == "exact":
             inner = faiss.IndexFlatIP(self.dim)
         else:
             inner = faiss.IndexHNSWFlat(self.dim, self.config.hnsw_m, faiss.METRIC_INNER_PRODUCT)
@@ -63,29 +67,31 @@ class VectorIndex:
                                    np.asarray(ids, np.int64))
         self._sync_device()
 
-    def add(self, ids: np.ndarray, vectors: np.ndarray, all_vectors) -> None:
-        """Add vectors; `all_vectors()` -> (ids, vectors) of every live chunk, called only when the
-        index must be rebuilt (crossing to HNSW, or too many tombstones)."""
-        if not len(ids):
-            return
-        if self.kind == "exact" and self.num_live + len(ids) > self.config.exact_max_vectors:
+    def update(self, removed, added_ids: np.ndarray, added_vectors: np.ndarray,
+               all_vectors) -> None:
+        """Follow a change the store has already committed: `removed` chunk ids are gone and
+        `added_ids` are new. `all_vectors()` -> (ids, vectors) of every live chunk, read only when
+        the index is rebuilt instead: when the collection's size calls for the other kind, or
+        when HNSW tombstones would pass a quarter of the graph."""
+        removed = np.asarray(sorted(removed), np.int64)
+        live = self.num_live - len(removed) + len(added_ids)
+        rebuild = self._kind_for(live) != self.kind
+        if self.kind == "hnsw":
+            tombstones = len(self._tombstones) + len(removed)
+            graph = self._cpu.ntotal + len(added_ids)
+            rebuild |= tombstones > _REBUILD_TOMBSTONE_FRACTION * graph
+        if rebuild:
             self.rebuild(*all_vectors())
             return
-        self._cpu.add_with_ids(np.ascontiguousarray(vectors, np.float32),
-                               np.asarray(ids, np.int64))
-        self._sync_device()
-
-    def remove(self, ids, all_vectors) -> None:
-        ids = np.asarray(list(ids), np.int64)
-        if not len(ids):
-            return
-        if self.kind == "exact":
-            self._cpu.remove_ids(faiss.IDSelectorBatch(ids))
+        if len(removed) and self.kind == "exact":
+            self._cpu.remove_ids(faiss.IDSelectorBatch(removed))
+        elif len(removed):
+            self._tombstones.update(removed.tolist())
+        if len(added_ids):
+            self._cpu.add_with_ids(np.ascontiguousarray(added_vectors, np.float32),
+                                   np.asarray(added_ids, np.int64))
+        if len(removed) or len(added_ids):
             self._sync_device()
-            return
-        self._tombstones.update(int(i) for i in ids)
-        if len(self._tombstones) > _REBUILD_TOMBSTONE_FRACTION * self._cpu.ntotal:
-            self.rebuild(*all_vectors())
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(scores [Q, k], ids [Q, k]); missing results have id -1."""
@@ -118,4 +124,5 @@ class VectorIndex:
             self.rebuild(*all_vectors())
             return
         self._sync_device()
-        self.remove(indexed - live_ids, all_vectors)
+        self.update(indexed - live_ids, np.zeros(0, np.int64), np.zeros((0, self.dim)),
+                    all_vectors)
