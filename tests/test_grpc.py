@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import selectors
+import queue
 import signal
 import subprocess
 import sys
@@ -36,8 +36,6 @@ from tests.test_engine import assert_no_leaks
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY = "tiny"
-# Flags of the tiny engine, shared by the in-process fixture and the `serve` subprocess so both
-# compile the same programs and give the same greedy tokens.
 TINY_ENGINE_ARGS = dict(num_pages=160, max_num_seqs=8, max_num_batched_tokens=32,
                         max_model_len=2048)
 LONG = 2000  # max_tokens of a request that cannot finish before the tests end it
@@ -122,15 +120,21 @@ def tiny_engine(tiny_path):
                                 **TINY_ENGINE_ARGS)
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_engine):
-    engine = AsyncEngine(tiny_engine)
-    server = GrpcServerThread(engine, TINY)
+def served(llm_engine: LLMEngine, model_name: str):
+    """A module fixture's body: a server over the engine; at teardown, nothing was compiled while
+    serving and every page is back."""
+    engine = AsyncEngine(llm_engine)
+    server = GrpcServerThread(engine, model_name)
     yield server
     server.stop()
     engine.shutdown()
-    assert tiny_engine.runner.num_serving_compiles == 0
-    assert_no_leaks(tiny_engine)
+    assert llm_engine.runner.num_serving_compiles == 0
+    assert_no_leaks(llm_engine)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_engine):
+    yield from served(tiny_engine, TINY)
 
 
 def test_stream_joins_to_the_engine_output_text_and_token_prompts(tiny):
@@ -308,42 +312,55 @@ def test_reflection_lets_a_generic_client_call_generate(tiny):
 # ---------------------------------------------------------------- `jaxserve serve --grpc-port`
 
 
-def _read_stdout_line(proc: subprocess.Popen, prefix: str, deadline_s: float) -> str:
-    end = time.monotonic() + deadline_s
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < end:
-            if not sel.select(timeout=1.0):
-                assert proc.poll() is None, f"the server exited with {proc.returncode}"
-                continue
-            line = proc.stdout.readline()
-            assert line, f"the server closed stdout (exit {proc.wait()})"
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
-    raise AssertionError(f"no {prefix!r} line before the deadline")
+def _startup_lines(proc: subprocess.Popen, deadline_s: float) -> list[str]:
+    """What `serve` prints on stdout up to its `serving` line. Read on a thread: select() on the
+    pipe would wait for lines already taken into the reader's buffer with the previous one."""
+    lines: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen, end = [], time.monotonic() + deadline_s
+    while not (seen and seen[-1].startswith("jaxserve: serving ")):
+        try:
+            line = lines.get(timeout=max(end - time.monotonic(), 0))
+        except queue.Empty:
+            raise AssertionError(f"no 'serving' line before the deadline: {seen}") from None
+        assert line is not None, f"the server closed stdout (exit {proc.wait()})"
+        seen.append(line)
+    return seen
 
 
 def test_serve_grpc_port_shares_the_engine_with_http(tiny, tiny_path, tmp_path):
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_ENGINE_ARGS.items()]
+    # The same pool and context as the in-process engine, but one 8-token sequence per step:
+    # fewer programs to compile, and a one-token prompt decoding alone runs the same 1-token
+    # programs in both, so the greedy tokens must agree.
+    serve_args = {**TINY_ENGINE_ARGS, "max_num_seqs": 1, "max_num_batched_tokens": 8}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in serve_args.items()]
     stderr = (tmp_path / "stderr.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(tiny_path),
          "--served-model-name", TINY, "--port", "0", "--grpc-port", "0", *flags],
         cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
-        target = _read_stdout_line(proc, "jaxserve: gRPC on ", deadline_s=300)
-        url = _read_stdout_line(proc, f"jaxserve: serving {TINY} at ", deadline_s=60)
+        lines = _startup_lines(proc, deadline_s=300)
+        target = next(line.split(" on ", 1)[1].strip() for line in lines
+                      if line.startswith("jaxserve: gRPC on "))
+        url = lines[-1].split(" at ", 1)[1].strip()
         assert target.startswith("127.0.0.1:") and url.startswith("http://127.0.0.1:")
         greedy = dict(max_tokens=12, temperature=0, ignore_eos=True)
-        expected = engine_output(tiny.engine, "Hello", SamplingParams(**greedy))
+        expected = engine_output(tiny.engine, [42], SamplingParams(**greedy))
         with Client(target) as client:
             health = health_pb2_grpc.HealthStub(client.channel)
             assert health.Check(health_pb2.HealthCheckRequest()).status == \
                 health_pb2.HealthCheckResponse.SERVING
-            joined = client.complete(TINY, "Hello", **greedy)
+            joined = client.complete(TINY, [42], **greedy)
         assert list(joined.token_ids) == expected.outputs[0].token_ids
         # HTTP answers from the same process and engine, with the same tokens.
-        body = json.dumps({"model": TINY, "prompt": "Hello", **greedy}).encode()
+        body = json.dumps({"model": TINY, "prompt": [42], **greedy}).encode()
         req = urllib.request.Request(f"{url}/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as resp:
@@ -365,15 +382,9 @@ def test_serve_grpc_port_shares_the_engine_with_http(tiny, tiny_path, tmp_path):
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
     llm_engine = LLMEngine.from_model(SMOLLM2, num_pages=96, max_num_seqs=16,
-                                      max_num_batched_tokens=128, max_model_len=256,
+                                      max_num_batched_tokens=64, max_model_len=256,
                                       strict_compile=True, progress=False)
-    engine = AsyncEngine(llm_engine)
-    server = GrpcServerThread(engine, SMOLLM2)
-    yield server
-    server.stop()
-    engine.shutdown()
-    assert llm_engine.runner.num_serving_compiles == 0
-    assert_no_leaks(llm_engine)
+    yield from served(llm_engine, SMOLLM2)
 
 
 def prompt_cases(golden) -> list[dict]:
