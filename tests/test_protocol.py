@@ -25,6 +25,8 @@ def test_chat_defaults_and_fields():
         "chat", "m", [MSGS], False, False, False, None)
     assert not r.max_tokens_given  # the server fills it from the context left
     assert r.sampling_params.temperature == 1.0 and r.sampling_params.n == 1
+    assert r.sampling_params.max_tokens is None
+    assert chat(min_tokens=40).sampling_params.min_tokens == 40  # no max_tokens to exceed
     r = chat(max_tokens=5, max_completion_tokens=7, n=2, temperature=0.5, top_p=0.9, seed=3,
              stop="x", presence_penalty=0.1, frequency_penalty=0.2, top_k=4, min_p=0.1,
              repetition_penalty=1.1, ignore_eos=True, min_tokens=2, stop_token_ids=[5],

@@ -566,7 +566,8 @@ def test_warmup_then_ready_then_engine_failure(tiny_path):
         r = http_post(f"{srv.url}/v1/completions", {"model": "tiny", "prompt": "hi"})
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
         assert "jaxserve:num_requests_running" not in scrape(srv.url)
-        llm_engine = LLMEngine.from_model(str(tiny_path), num_pages=32, max_num_seqs=4,
+        # 5 usable pages of 16 tokens: less than the 128-token context
+        llm_engine = LLMEngine.from_model(str(tiny_path), num_pages=6, max_num_seqs=4,
                                           max_num_batched_tokens=32, max_model_len=128,
                                           strict_compile=True, progress=False)
         engine = AsyncEngine(llm_engine)
@@ -576,6 +577,14 @@ def test_warmup_then_ready_then_engine_failure(tiny_path):
         chunks = list(client.completions.create(model="tiny", prompt="hi", max_tokens=5,
                                                 stream=True, extra_body={"ignore_eos": True}))
         assert finishes(chunks) == {0: ["length"]}
+        # Without max_tokens a chat answer may run to what the pool holds (80 tokens), not a 400.
+        r = client.chat.completions.create(model="tiny", messages=_CHAT["messages"],
+                                           extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.prompt_tokens + r.usage.completion_tokens == 80
+        r = http_post(f"{srv.url}/v1/chat/completions",
+                      {**_CHAT, "model": "tiny", "max_tokens": 60})
+        assert r.status_code == 400 and "KV pages" in r.json()["error"]["message"]
 
         def fail(*args, **kwargs):
             raise RuntimeError("injected device failure")

@@ -2,9 +2,9 @@
 tokenize/detokenize, health/ready, Prometheus metrics.
 
 The handlers only translate: protocol.py parses requests, the AsyncEngine generates, this module
-streams. A client that goes away (mid-stream or while waiting for a non-streaming answer) cancels its
-handler — the server runs with handler cancellation on — and the `finally` blocks abort its engine
-requests, so their KV pages return at once.
+streams. A client that goes away (mid-stream or while waiting for a non-streaming answer) cancels
+its handler — the server runs with handler cancellation on — and the `finally` blocks abort its
+engine requests, so their KV pages return at once.
 """
 
 from __future__ import annotations
@@ -158,8 +158,8 @@ async def models(request: web.Request) -> web.Response:
     state: _State = request.app[STATE_KEY]
     serving = state.require_serving()
     return web.json_response({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": protocol.now(), "owned_by": "jaxserve",
-        "max_model_len": serving.engine.max_model_len}]})
+        "id": state.model_name, "object": "model", "created": protocol.now(),
+        "owned_by": "jaxserve", "max_model_len": serving.engine.max_model_len}]})
 
 
 async def _object_body(request: web.Request, serving: OpenAIServing) -> dict:
@@ -178,7 +178,8 @@ async def tokenize(request: web.Request) -> web.Response:
     if isinstance(body.get("prompt"), str):
         add_special = body.get("add_special_tokens", True)
         if not isinstance(add_special, bool):
-            raise InvalidRequest("'add_special_tokens' must be a boolean", param="add_special_tokens")
+            raise InvalidRequest("'add_special_tokens' must be a boolean",
+                                 param="add_special_tokens")
         ids = tok.encode(body["prompt"], add_special_tokens=add_special)
     elif isinstance(body.get("messages"), list):
         parsed = protocol.parse_chat_request({"model": serving.model_name,

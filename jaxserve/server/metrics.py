@@ -39,7 +39,8 @@ class _EngineCollector:
             return
         usage = s.pages_in_use / s.num_pages if s.num_pages else 0.0
         yield self._gauge("num_requests_running", "Requests in the running batch.", s.num_running)
-        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                          s.num_waiting)
         yield self._gauge("kv_cache_usage_perc",
                           "Fraction of KV pages held by live requests (1 = full).", usage)
         yield self._gauge("kv_cache_cached_free_pages",

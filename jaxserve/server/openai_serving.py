@@ -1,5 +1,5 @@
-"""OpenAI chat/text completions over an AsyncEngine, with no transport: HTTP (server/http.py) and the
-offline batch runner both call this, so a response body is built in exactly one place.
+"""OpenAI chat/text completions over an AsyncEngine, with no transport: HTTP (server/http.py), gRPC
+and the offline batch runner all call this, so a response body is built in exactly one place.
 
 A `Generation` is one API request: one engine request per prompt, each with n choices. It turns the
 engine's cumulative outputs into per-choice deltas, and `abort_unfinished()` is what every transport
@@ -105,7 +105,8 @@ def completion_logprobs(tokenizer, ids: list[int], logprobs, text_offset: int) -
 
 
 class Generation:
-    def __init__(self, serving: "OpenAIServing", parsed: protocol.ParsedRequest, prompt_ids, params):
+    def __init__(self, serving: "OpenAIServing", parsed: protocol.ParsedRequest, prompt_ids,
+                 params):
         self.serving = serving
         self.parsed = parsed
         self.chat = parsed.kind == "chat"
@@ -209,7 +210,8 @@ class Generation:
                 "model": self.serving.model_name, "choices": choices, "usage": self.usage()}
 
     def _chunk(self, choices: list, usage: dict | None = None) -> dict:
-        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+        chunk = {"id": self.id,
+                 "object": "chat.completion.chunk" if self.chat else "text_completion",
                  "created": self.created, "model": self.serving.model_name, "choices": choices}
         if self.parsed.include_usage:
             chunk["usage"] = usage
@@ -287,7 +289,8 @@ class OpenAIServing:
                                  param=param)
 
     def prepare(self, kind: str, body: Any) -> Generation:
-        """Everything that can fail before generation starts: a failure here is the client's 400/404."""
+        """Everything that can fail before generation starts: a failure here is the client's
+        400/404 (or 503 when the engine is not running)."""
         parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
         parsed = parse(body)
         self.check_model(parsed.model)
@@ -314,7 +317,8 @@ class OpenAIServing:
         return list(ids)
 
     def _fit_context(self, parsed: protocol.ParsedRequest, prompt_ids: list[list[int]]):
-        """Check prompt + max_tokens against the context; fill max_tokens where the client left it out."""
+        """Check prompt + max_tokens against the context. A chat request without max_tokens keeps
+        None: the engine gives it the rest of the context, or what the KV pool can hold."""
         max_len = self.engine.max_model_len
         longest = max(len(p) for p in prompt_ids)
         params = parsed.sampling_params
@@ -324,11 +328,12 @@ class OpenAIServing:
                 raise ContextLengthExceeded(
                     f"This model's maximum context length is {max_len} tokens. However, your "
                     f"{what} resulted in {longest} tokens.", param=what)
-            return params.replace(max_tokens=max_len - longest)
+            return params
         if longest + params.max_tokens > max_len:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{longest + params.max_tokens} tokens ({longest} in the {what}, {params.max_tokens} "
-                f"in the completion). Please reduce the length of the {what} or completion.",
+                f"{longest + params.max_tokens} tokens ({longest} in the {what}, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the {what} "
+                "or completion.",
                 param="max_tokens")
         return params

@@ -1,5 +1,6 @@
-"""`jaxserve serve` as a child process: start it, wait for the URL it prints, stop it with SIGTERM.
-For end-to-end tests and the serving benchmark, which must see the server exactly as users run it."""
+"""`jaxserve serve` as a child process: start it, wait for the URL it prints, stop it with
+SIGTERM. For end-to-end tests and the serving benchmark, which must see the server as users run
+it."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """OpenAI request parsing and response shapes, with no I/O: the HTTP layer stays thin.
 
 Every field of a request is either used or rejected. Known OpenAI fields we do not implement are
-accepted only at their neutral value (e.g. `logit_bias: {}`); anything else is an InvalidRequest (400),
-as is a field nobody has heard of — OpenAI itself answers "Unrecognized request argument".
+accepted only at their neutral value (e.g. `logit_bias: {}`); anything else is an InvalidRequest
+(400), as is a field nobody has heard of — OpenAI itself answers "Unrecognized request argument".
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ _NEUTRAL = {
     "suffix": (None, ""), "best_of": None, "modalities": None, "audio": None, "prediction": None,
     "reasoning_effort": None, "web_search_options": None,
 }
-_COMMON = {"model", "stream", "stream_options", "stop", "max_tokens", "logprobs"} | set(_SAMPLING_FIELDS)
+_COMMON = {"model", "stream", "stream_options", "stop", "max_tokens", "logprobs"} | set(
+    _SAMPLING_FIELDS)
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(_NEUTRAL)
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo"} | set(_NEUTRAL)
 MAX_LOGPROBS = 20
@@ -79,7 +80,8 @@ def _check_neutral(body: dict) -> None:
 def _check_unknown(body: dict, allowed: set) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise InvalidRequest(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+        raise InvalidRequest(f"Unrecognized request argument supplied: {unknown[0]}",
+                             param=unknown[0])
 
 
 def _opt_int(body: dict, name: str) -> int | None:
@@ -121,7 +123,8 @@ def _common(body: dict, kind: str, allowed: set) -> dict:
     include_usage = False
     if stream_options is not None:
         if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
-            raise InvalidRequest("'stream_options' supports only include_usage", param="stream_options")
+            raise InvalidRequest("'stream_options' supports only include_usage",
+                                 param="stream_options")
         if not stream:
             raise InvalidRequest("'stream_options' is only allowed when 'stream' is true",
                                  param="stream_options")
@@ -151,11 +154,12 @@ def parse_chat_request(body: Any) -> ParsedRequest:
             raise InvalidRequest(f"messages[{i}] must be an object with a string 'role'",
                                  param="messages")
         if m["role"] not in ("system", "user", "assistant", "developer"):
-            raise InvalidRequest(f"messages[{i}].role {m['role']!r} is not supported", param="messages")
+            raise InvalidRequest(f"messages[{i}].role {m['role']!r} is not supported",
+                                 param="messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
                 raise InvalidRequest(f"messages[{i}].content: only text parts are supported",
                                      param="messages")
         elif not isinstance(content, str):
@@ -164,8 +168,7 @@ def parse_chat_request(body: Any) -> ParsedRequest:
     max_tokens = _opt_int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens")
-    if max_tokens is not None:
-        kwargs["max_tokens"] = max_tokens
+    kwargs["max_tokens"] = max_tokens  # None: as many as fit (the engine decides)
     want_logprobs = body.get("logprobs", False)
     if want_logprobs is not None and not isinstance(want_logprobs, bool):
         raise _type_error("logprobs", "a boolean", want_logprobs)
@@ -220,7 +223,8 @@ def parse_completion_request(body: Any) -> ParsedRequest:
     if not isinstance(echo, bool):
         raise _type_error("echo", "a boolean", echo)
     if echo and logprobs is not None:
-        raise InvalidRequest("'echo' with 'logprobs' (prompt logprobs) is not supported", param="echo")
+        raise InvalidRequest("'echo' with 'logprobs' (prompt logprobs) is not supported",
+                             param="echo")
     return ParsedRequest("completion", c["model"], prompts, _sampling_params(kwargs), c["stream"],
                          c["include_usage"], echo, logprobs, True)
 
