@@ -1,0 +1,259 @@
+"""Serving load test, after vLLM's benchmark_serving: a fixed-seed workload sent as streaming
+/v1/completions requests (at a Poisson rate or all at once, under a concurrency cap) to an
+OpenAI-compatible server; reports TTFT / TPOT / ITL (mean, p50, p99), request throughput, output
+tok/s and goodput under a TTFT/TPOT SLO.
+
+Workload (seeded): prompts of 32-384 tokens cut from Python's own documentation
+(`pydoc_data.topics`, text none of us wrote), outputs of 16-128 tokens, greedy, ignore_eos, so
+every request produces exactly its tokens however it is served.
+
+Without --base-url the script starts `jaxserve serve` itself (a child process, as users run it)
+with the engine flags below, and afterwards runs the same workload through the offline
+`LLM.generate` on the same engine settings in this process: the ratio of the two output rates is
+what serving costs (HTTP, SSE, the asyncio bridge) over the bare engine loop.
+
+    python benchmarks/serving.py                             # server + offline baseline
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000/v1 --no-baseline  # any server
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+SMOLLM2 = "smollm2-135m-instruct"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_workload(tokenizer, num_requests: int, seed: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output tokens) per request."""
+    from pydoc_data.topics import topics
+
+    rng = random.Random(seed)
+    corpus = tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)),
+                              add_special_tokens=False)
+    work = []
+    for _ in range(num_requests):
+        length = rng.randint(32, 384)
+        start = rng.randrange(len(corpus) - length)
+        work.append((corpus[start:start + length], rng.randint(16, 128)))
+    return work
+
+
+@dataclass
+class RequestResult:
+    output_tokens: int = 0
+    ttft: float | None = None  # seconds from send to the first token
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)  # gaps between chunks that carried tokens
+    error: str | None = None
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
+                      max_tokens: int) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    result = RequestResult()
+    start = last = time.perf_counter()
+    async with session.post(f"{url}/completions", json=body) as resp:
+        if resp.status != 200:
+            result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            return result
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                result.error = chunk["error"]["message"]
+                return result
+            if chunk.get("usage"):
+                result.output_tokens = chunk["usage"]["completion_tokens"]
+            if chunk["choices"]:
+                now = time.perf_counter()
+                if result.ttft is None:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+    result.e2e = time.perf_counter() - start
+    return result
+
+
+async def run_load(url: str, model: str, work, request_rate: float, max_concurrency: int | None,
+                   seed: int) -> tuple[list[RequestResult], float]:
+    """Send every request (Poisson arrivals at request_rate/s, or all at once if inf), at most
+    max_concurrency in flight; returns the results and the wall time."""
+    rng = random.Random(seed + 1)
+    gate = asyncio.Semaphore(max_concurrency or len(work))
+    timeout = aiohttp.ClientTimeout(total=None)
+
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def limited(prompt, max_tokens):
+            async with gate:
+                return await one_request(session, url, model, prompt, max_tokens)
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt, max_tokens in work:
+            tasks.append(asyncio.ensure_future(limited(prompt, max_tokens)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    p50, p99 = np.percentile(values, [50, 99])
+    return {"mean": float(np.mean(values)), "p50": float(p50), "p99": float(p99)}
+
+
+def summarize(results: list[RequestResult], seconds: float, work, slo_ttft: float,
+              slo_tpot: float) -> dict:
+    errors = [r.error for r in results if r.error is not None]
+    done = [r for r in results if r.error is None]
+    wrong = sum(r.output_tokens != n for r, (_, n) in zip(results, work) if r.error is None)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    good = sum(r.ttft <= slo_ttft and (r.output_tokens <= 1 or
+                                       (r.e2e - r.ttft) / (r.output_tokens - 1) <= slo_tpot)
+               for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    return {
+        "requests": len(results), "errors": len(errors), "first_errors": errors[:3],
+        "wrong_token_counts": wrong, "seconds": seconds,
+        "request_throughput": len(done) / seconds, "output_tok_s": output_tokens / seconds,
+        "output_tokens": output_tokens,
+        "ttft_s": _stats([r.ttft for r in done]), "tpot_s": _stats(tpot),
+        "itl_s": _stats([gap for r in done for gap in r.itl]),
+        "goodput_req_s": good / seconds, "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot},
+    }
+
+
+def run_offline(args, work) -> dict:
+    """The same workload through LLM.generate, all requests submitted at once."""
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(args.model, progress=False, **engine_kwargs(args))
+    prompts = [{"prompt_token_ids": p} for p, _ in work]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert tokens == sum(n for _, n in work)
+    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+            "request_throughput": len(work) / seconds}
+
+
+def engine_kwargs(args) -> dict:
+    return {"max_model_len": args.max_model_len, "num_pages": args.num_pages,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens}
+
+
+def serve_flags(args) -> list[str]:
+    flags = ["--model", args.model, "--host", "127.0.0.1", "--port", "0"]
+    for name, value in engine_kwargs(args).items():
+        flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
+
+
+def _commit() -> str:
+    """HEAD, marked dirty when the working tree differs (the numbers are of the tree as run)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return head + ("-dirty" if dirty else "")
+
+
+def _fmt(stats: dict, scale: float = 1000.0) -> str:
+    return " ".join(f"{k} {v * scale:.1f}" for k, v in stats.items() if v is not None)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", help="an OpenAI-compatible /v1 URL (default: start jaxserve)")
+    p.add_argument("--model", default=SMOLLM2)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrivals per second (inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=500.0)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--num-pages", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--no-baseline", action="store_true", help="skip the offline LLM.generate run")
+    p.add_argument("--result-json", type=Path, help="also write the result here")
+    args = p.parse_args()
+
+    from jaxserve.model_registry import resolve
+    from jaxserve.tokenizer import load_tokenizer
+
+    work = make_workload(load_tokenizer(resolve(args.model)), args.num_requests, args.seed)
+    server = None
+    url = args.base_url
+    if url is None:
+        from jaxserve.server.process import ServerProcess
+
+        log = tempfile.NamedTemporaryFile("w", prefix="jaxserve-serve-", suffix=".log",
+                                          delete=False)
+        print(f"starting jaxserve serve (log: {log.name})", file=sys.stderr, flush=True)
+        server = ServerProcess(serve_flags(args), log, cwd=ROOT)
+        url = server.url
+    try:
+        results, seconds = asyncio.run(run_load(url, args.model, work, args.request_rate,
+                                                args.max_concurrency, args.seed))
+    finally:
+        if server is not None:
+            server.stop()
+    serving = summarize(results, seconds, work, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+    report = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+              "date": time.strftime("%Y-%m-%d"), "commit": _commit(),
+              "command": " ".join(sys.argv),
+              "workload": {"requests": len(work), "seed": args.seed,
+                           "prompt_tokens": sum(len(w) for w, _ in work),
+                           "output_tokens": sum(n for _, n in work),
+                           "request_rate": (args.request_rate if args.request_rate != float("inf")
+                                            else "inf"),  # JSON has no Infinity
+                           "max_concurrency": args.max_concurrency},
+              "engine": engine_kwargs(args), "serving": serving}
+    print(f"serving: {serving['requests']} requests ({serving['errors']} errors) in "
+          f"{serving['seconds']:.1f} s: {serving['request_throughput']:.2f} req/s, "
+          f"{serving['output_tok_s']:.1f} output tok/s, goodput "
+          f"{serving['goodput_req_s']:.2f} req/s")
+    for name in ("ttft_s", "tpot_s", "itl_s"):
+        print(f"  {name[:-2].upper()} ms: {_fmt(serving[name])}")
+    if not args.no_baseline:
+        offline = run_offline(args, work)
+        report["offline"] = offline
+        report["serving_over_offline"] = serving["output_tok_s"] / offline["output_tok_s"]
+        print(f"offline LLM.generate: {offline['output_tok_s']:.1f} output tok/s in "
+              f"{offline['seconds']:.1f} s; serving / offline = "
+              f"{report['serving_over_offline']:.2f}")
+    print(json.dumps(report))
+    if args.result_json:
+        args.result_json.write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if serving["errors"] or serving["wrong_token_counts"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
