@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -365,6 +366,14 @@ def test_serve_grpc_port_shares_the_engine_with_http(tiny, tiny_path, tmp_path):
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as resp:
             assert json.loads(resp.read())["choices"][0]["text"] == joined.text
+        # The README's example client runs against it as shown.
+        example = subprocess.run(
+            [sys.executable, "tools/grpc_client.py", "--target", target, "--model", TINY,
+             "--prompt", "The capital of France is", "--max-tokens", "4"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert example.returncode == 0, example.stderr[-3000:]
+        assert re.search(r"\[(stop|length): 5 prompt \+ [1-4] completion tokens\]",
+                         example.stderr), example.stderr[-3000:]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
