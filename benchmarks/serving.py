@@ -208,6 +208,7 @@ def main() -> int:
     from jaxserve.model_registry import resolve
     from jaxserve.tokenizer import load_tokenizer
 
+    commit = _commit()  # before anything runs: the tree may change while it does
     work = make_workload(load_tokenizer(resolve(args.model)), args.num_requests, args.seed)
     server = None
     url = args.base_url
@@ -227,7 +228,7 @@ def main() -> int:
             server.stop()
     serving = summarize(results, seconds, work, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
-              "date": time.strftime("%Y-%m-%d"), "commit": _commit(),
+              "date": time.strftime("%Y-%m-%d"), "commit": commit,
               "command": " ".join(sys.argv),
               "workload": {"requests": len(work), "seed": args.seed,
                            "prompt_tokens": sum(len(w) for w, _ in work),

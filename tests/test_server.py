@@ -67,12 +67,11 @@ class ServerThread:
     """The aiohttp app on its own event-loop thread (as `jaxserve serve` runs it), so the tests
     can use blocking clients too. Bound to 127.0.0.1 on a free port."""
 
-    def __init__(self, model_name: str, keepalive_seconds: float = 5.0):
+    def __init__(self, model_name: str, **config):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.app = build_app(ServerConfig(port=0, keepalive_seconds=keepalive_seconds),
-                             model_name)
+        self.app = build_app(ServerConfig(port=0, **config), model_name)
         self.runner, port = self._call(start_server(self.app, "127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{port}"
 
@@ -557,8 +556,9 @@ def tiny_path(tmp_path_factory, smollm2_tokenizer_fields):
     return tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", smollm2_tokenizer_fields)
 
 
-def test_warmup_then_ready_then_engine_failure(tiny_path):
-    srv = ServerThread("tiny", keepalive_seconds=0.001)
+def test_warmup_then_ready_then_engine_failure(tiny_path, caplog):
+    caplog.set_level(logging.INFO, logger="jaxserve.access")
+    srv = ServerThread("tiny", keepalive_seconds=0.001, log_prompts=True)
     try:
         # before the engine attaches: alive, not ready, generation refused with 503
         assert http_get(f"{srv.url}/health").json() == {"status": "ok"}
@@ -577,6 +577,9 @@ def test_warmup_then_ready_then_engine_failure(tiny_path):
         chunks = list(client.completions.create(model="tiny", prompt="hi", max_tokens=5,
                                                 stream=True, extra_body={"ignore_eos": True}))
         assert finishes(chunks) == {0: ["length"]}
+        # --log-prompts puts the prompt in the access-log line
+        assert wait_for(lambda: access_records(caplog, 1), "an access-log line")[0]["prompt"] == [
+            "hi"]
         # Without max_tokens a chat answer may run to what the pool holds (80 tokens), not a 400.
         r = client.chat.completions.create(model="tiny", messages=_CHAT["messages"],
                                            extra_body={"ignore_eos": True})

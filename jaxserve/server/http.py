@@ -40,7 +40,8 @@ class _State:
         return None if self.serving is None else self.serving.engine.stats()
 
     def attach(self, engine) -> None:
-        self.serving = OpenAIServing(engine, self.model_name, self.metrics)
+        self.serving = OpenAIServing(engine, self.model_name, self.metrics,
+                                     self.config.log_prompts)
 
     def require_serving(self) -> OpenAIServing:
         if self.serving is None:

@@ -256,21 +256,25 @@ class Generation:
         if self.serving.metrics is not None:
             self.serving.metrics.e2e.observe(end - self.arrival)
         ttft = None if self.first_token_at is None else round(self.first_token_at - self.arrival, 4)
-        access_log.info(json.dumps({
+        record = {
             "request_id": self.id, "model": self.serving.model_name, "kind": self.parsed.kind,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": sum(self.completion_tokens.values()), "ttft_s": ttft,
             "total_s": round(end - self.arrival, 4),
-            "finish_reasons": sorted(set(self.finish.values())), "status": status}))
+            "finish_reasons": sorted(set(self.finish.values())), "status": status}
+        if self.serving.log_prompts:  # off by default: prompts may hold what users keep private
+            record["prompt"] = self.parsed.prompts
+        access_log.info(json.dumps(record))
 
 
 class OpenAIServing:
     """Parses, validates and starts OpenAI generations on one engine."""
 
-    def __init__(self, engine, model_name: str, metrics=None):
+    def __init__(self, engine, model_name: str, metrics=None, log_prompts: bool = False):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.log_prompts = log_prompts
 
     @property
     def tokenizer(self):
