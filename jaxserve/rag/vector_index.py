@@ -28,6 +28,7 @@ class VectorIndex:
         self._cpu: faiss.IndexIDMap2 = self._new(0)
         self._device = None  # a GPU copy of an exact index, searched instead of _cpu
         self._tombstones: set[int] = set()
+        self._selector: tuple | None = None  # (IDSelectorBatch, IDSelectorNot) of _tombstones
 
     @property
     def kind(self) -> str:
@@ -61,7 +62,7 @@ class VectorIndex:
     def rebuild(self, ids: np.ndarray, vectors: np.ndarray) -> None:
         """Replace the whole index by these vectors, choosing the kind for their number."""
         self._cpu = self._new(len(ids))
-        self._tombstones = set()
+        self._tombstones, self._selector = set(), None
         if len(ids):
             self._cpu.add_with_ids(np.ascontiguousarray(vectors, np.float32),
                                    np.asarray(ids, np.int64))
@@ -87,6 +88,7 @@ class VectorIndex:
             self._cpu.remove_ids(faiss.IDSelectorBatch(removed))
         elif len(removed):
             self._tombstones.update(removed.tolist())
+            self._selector = None
         if len(added_ids):
             self._cpu.add_with_ids(np.ascontiguousarray(added_vectors, np.float32),
                                    np.asarray(added_ids, np.int64))
@@ -102,12 +104,17 @@ class VectorIndex:
             return index.search(queries, k)
         params = faiss.SearchParametersHNSW(efSearch=max(self.config.hnsw_ef_search, k))
         if self._tombstones:
-            dead = np.fromiter(self._tombstones, np.int64, len(self._tombstones))
-            # Locals, so they outlive the search: FAISS keeps only raw pointers to selectors.
-            batch = faiss.IDSelectorBatch(dead)
-            selector = faiss.IDSelectorNot(batch)
-            params.sel = selector
+            params.sel = self._tombstone_selector()
         return self._cpu.search(queries, k, params=params)
+
+    def _tombstone_selector(self) -> faiss.IDSelector:
+        # Built once per set of tombstones (rebuilding it per query costs more than the search).
+        # The batch selector is kept too: FAISS holds only a raw pointer to it.
+        if self._selector is None:
+            dead = np.fromiter(self._tombstones, np.int64, len(self._tombstones))
+            batch = faiss.IDSelectorBatch(dead)
+            self._selector = (batch, faiss.IDSelectorNot(batch))
+        return self._selector[1]
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -118,7 +125,7 @@ class VectorIndex:
         """Read a saved index and reconcile it with the store's live ids: ids it has that the store
         deleted become deletions, ids it lacks (a crash between the two writes) are rebuilt."""
         self._cpu = faiss.read_index(str(path))
-        self._tombstones = set()
+        self._tombstones, self._selector = set(), None
         indexed = set(self.ids.tolist())
         if live_ids - indexed:
             self.rebuild(*all_vectors())
