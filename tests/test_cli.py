@@ -114,6 +114,9 @@ def test_bad_weights(tmp_path, capsys):
     rc = cli.main(["generate", "--model", str(tmp_path / "absent.gguf"), "--prompt", "hi"])
     assert_one_line_error(rc, capsys.readouterr().err, "unknown model")
 
+    rc = cli.main(["generate", "--model", "all-minilm-l6-v2", "--prompt", "hi"])
+    assert_one_line_error(rc, capsys.readouterr().err, "not a generative (Llama-family) one")
+
 
 def test_chat_without_template_and_prompt_errors(tmp_path, capsys, smollm2_tokenizer_fields):
     path = tiny_gguf(tmp_path / "notemplate.gguf", smollm2_tokenizer_fields, chat_template=False)

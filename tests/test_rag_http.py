@@ -178,3 +178,93 @@ def test_grpc_embed_without_an_encoder_is_unimplemented():
             await server.stop(grace=None)
 
     assert asyncio.run(main()) == grpc.StatusCode.UNIMPLEMENTED
+
+
+# ---------------------------------------------------------------- chat completions with "rag"
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory, smollm2_tokenizer_fields):
+    """A tiny random LLM with SmolLM2's tokenizer and chat template: the text is noise, the
+    prompt (what retrieval put into it) and the citations are what these tests check."""
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine import LLMEngine
+    from tests.test_cli import tiny_gguf
+
+    path = tiny_gguf(tmp_path_factory.mktemp("llm") / "tiny.gguf", smollm2_tokenizer_fields,
+                     max_position_embeddings=1024)
+    engine = AsyncEngine(LLMEngine.from_model(str(path), num_pages=64, max_num_seqs=4,
+                                              max_num_batched_tokens=64, max_model_len=1024,
+                                              progress=False))
+    yield engine
+    engine.shutdown()
+
+
+def _serve_chat(service, engine, scenario):
+    from jaxserve.server.http import attach_engine
+
+    async def main():
+        app = build_app(ServerConfig(port=0), "tiny")
+        if service is not None:
+            add_rag_routes(app, service)
+        attach_engine(app, engine, service)
+        runner, port = await start_server(app, "127.0.0.1", 0)
+        try:
+            async with ClientSession() as session:
+                return await scenario(session, f"http://127.0.0.1:{port}")
+        finally:
+            await runner.cleanup()
+    return asyncio.run(main())
+
+
+def test_chat_with_rag_puts_retrieved_text_in_the_prompt_and_cites_it(service, tiny_llm):
+    from jaxserve.rag.prompt import RagRequest, augment_chat
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    rag = {"collection": "geo", "top_k": 2, "mode": "bm25"}
+
+    async def scenario(s, url):
+        await _json(s, "POST", f"{url}/v1/collections", {"name": "geo"})
+        await _json(s, "POST", f"{url}/v1/collections/geo/documents", {"documents": DOCS})
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none")
+        plain = await client.chat.completions.create(model="tiny", messages=messages,
+                                                     max_tokens=4)
+        with_rag = await client.chat.completions.create(model="tiny", messages=messages,
+                                                        max_tokens=4, extra_body={"rag": rag})
+        stream = await client.chat.completions.create(model="tiny", messages=messages,
+                                                      max_tokens=4, stream=True,
+                                                      extra_body={"rag": rag})
+        chunks = [c async for c in stream]
+        errors = [await _json(s, "POST", f"{url}/v1/chat/completions",
+                              {"model": "tiny", "messages": messages, "rag": bad})
+                  for bad in ({"collection": "nope"}, {"collection": "geo", "top_k": 0},
+                              {"collection": "geo", "mode": "fuzzy"}, "geo")]
+        completion = await _json(s, "POST", f"{url}/v1/completions",
+                                 {"model": "tiny", "prompt": "hi", "rag": rag})
+        return plain, with_rag, chunks, errors, completion
+
+    plain, with_rag, chunks, errors, completion = _serve_chat(service, tiny_llm, scenario)
+    citations = with_rag.model_extra["citations"]
+    assert citations[0]["document_id"] == "fr" and len(citations) == 2  # "France", "capital"
+    assert {"document_id", "chunk_id", "score"} <= set(citations[0])
+    # The prompt the model saw is the augmented one, with the retrieved text in it.
+    augmented, expected = augment_chat(service, messages, RagRequest("geo", 2, "bm25"))
+    assert expected == citations
+    assert "Paris is the capital of France." in augmented[0]["content"]
+    ids = tiny_llm.tokenizer.apply_chat_template(augmented, add_generation_prompt=True)
+    assert with_rag.usage.prompt_tokens == len(ids) > plain.usage.prompt_tokens
+    assert "citations" not in (plain.model_extra or {})
+    assert chunks[0].model_extra["citations"] == citations
+    assert [status for status, _ in errors] == [404, 400, 400, 400]
+    assert errors[0][1]["error"]["message"] and errors[1][1]["error"]["param"] in ("rag", "top_k")
+    assert completion[0] == 400 and completion[1]["error"]["param"] == "rag"
+
+
+def test_chat_rag_on_a_server_without_retrieval_is_a_400(tiny_llm):
+    async def scenario(s, url):
+        return await _json(s, "POST", f"{url}/v1/chat/completions",
+                           {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                            "rag": {"collection": "geo"}})
+
+    status, body = _serve_chat(None, tiny_llm, scenario)
+    assert status == 400 and "--no-rag" in body["error"]["message"]

@@ -39,9 +39,9 @@ class _State:
     def _stats(self):
         return None if self.serving is None else self.serving.engine.stats()
 
-    def attach(self, engine) -> None:
+    def attach(self, engine, rag=None) -> None:
         self.serving = OpenAIServing(engine, self.model_name, self.metrics,
-                                     self.config.log_prompts)
+                                     self.config.log_prompts, rag)
 
     def require_serving(self) -> OpenAIServing:
         if self.serving is None:
@@ -101,7 +101,7 @@ async def _json_body(request: web.Request) -> Any:
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state: _State = request.app[STATE_KEY]
-    gen = state.require_serving().prepare(kind, await _json_body(request))
+    gen = await state.require_serving().prepare_async(kind, await _json_body(request))
     status = "error"
     try:
         if gen.parsed.stream:
@@ -236,9 +236,10 @@ def build_app(config: ServerConfig, model_name: str) -> web.Application:
     return app
 
 
-def attach_engine(app: web.Application, engine) -> None:
-    """Start serving generations on `engine` (warmed up): /ready turns 200."""
-    app[STATE_KEY].attach(engine)
+def attach_engine(app: web.Application, engine, rag=None) -> None:
+    """Start serving generations on `engine` (warmed up): /ready turns 200. With `rag` (a
+    RagService), chat completions accept "rag"."""
+    app[STATE_KEY].attach(engine, rag)
 
 
 async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:

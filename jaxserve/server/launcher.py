@@ -12,8 +12,10 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from jaxserve.config import ServerConfig
+from jaxserve.errors import ModelNotFound
 
 log = logging.getLogger("jaxserve.server")
 
@@ -31,6 +33,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keepalive-seconds", type=float, default=5.0,
                         help="SSE comment sent when a stream is idle this long")
     parser.add_argument("--log-prompts", action="store_true")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="retrieval collections live here (default: the jaxserve cache's rag/)")
+    parser.add_argument("--no-rag", action="store_true",
+                        help="serve generation only: no embeddings, collections or chat 'rag'")
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -41,12 +47,16 @@ async def serve(args: argparse.Namespace) -> int:
     from jaxserve.engine_args import engine_args
     from jaxserve.server.grpc import start_grpc_server
     from jaxserve.server.http import attach_engine, build_app, start_server
+    from jaxserve.server.rag_routes import add_rag_routes
 
     config = ServerConfig(host=args.host, port=args.port, grpc_port=args.grpc_port,
                           served_model_name=args.served_model_name,
                           keepalive_seconds=args.keepalive_seconds, log_prompts=args.log_prompts)
     model_name = config.served_model_name or args.model
     app = build_app(config, model_name)
+    rag = None if args.no_rag else _rag_service(args.data_dir)
+    if rag is not None:
+        add_rag_routes(app, rag)
     runner, port = await start_server(app, config.host, config.port)
     print(f"jaxserve: warming up {model_name}; health at http://{config.host}:{port}/health",
           flush=True)
@@ -58,11 +68,14 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         llm_engine = await loop.run_in_executor(None, lambda: LLMEngine.from_model(
             args.model, dtype=args.dtype, **engine_args(args)))
+        if rag is not None:
+            await loop.run_in_executor(None, _warm_rag, rag)
         engine = AsyncEngine(llm_engine)
-        attach_engine(app, engine)
+        attach_engine(app, engine, rag)
         if config.grpc_port is not None:
             grpc_server, grpc_port = await start_grpc_server(
-                engine, config.host, config.grpc_port, model_name, health.aio.HealthServicer())
+                engine, config.host, config.grpc_port, model_name, health.aio.HealthServicer(),
+                rag=rag)
             print(f"jaxserve: gRPC on {config.host}:{grpc_port}", flush=True)
         print(f"jaxserve: serving {model_name} at http://{config.host}:{port}/v1", flush=True)
         await stop.wait()
@@ -72,7 +85,23 @@ async def serve(args: argparse.Namespace) -> int:
         await runner.cleanup()
         if engine is not None:
             engine.shutdown()
+        if rag is not None:
+            rag.close()
     return 0
+
+
+def _rag_service(data_dir: Path | None):
+    from jaxserve.rag.config import RagConfig, default_data_dir
+    from jaxserve.rag.service import RagService
+
+    return RagService(RagConfig(data_dir or default_data_dir()))
+
+
+def _warm_rag(rag) -> None:
+    try:
+        rag.warmup()
+    except ModelNotFound as e:
+        raise ModelNotFound(f"{e} (or start with --no-rag to serve generation only)") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ calls in its `finally` so a request that ends early (client gone, error) frees i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -106,8 +107,9 @@ def completion_logprobs(tokenizer, ids: list[int], logprobs, text_offset: int) -
 
 class Generation:
     def __init__(self, serving: "OpenAIServing", parsed: protocol.ParsedRequest, prompt_ids,
-                 params):
+                 params, citations: list[dict] | None = None):
         self.serving = serving
+        self.citations = citations  # retrieval-augmented chat: what the prompt was given
         self.parsed = parsed
         self.chat = parsed.kind == "chat"
         self.prompt_ids = prompt_ids
@@ -206,8 +208,11 @@ class Generation:
                                 "logprobs": completion_logprobs(tok, ids[i], lps[i], len(prefix))
                                 if self.want_logprobs else None,
                                 "finish_reason": self.finish.get(i)})
-        return {"id": self.id, "object": self.object, "created": self.created,
+        body = {"id": self.id, "object": self.object, "created": self.created,
                 "model": self.serving.model_name, "choices": choices, "usage": self.usage()}
+        if self.citations is not None:
+            body["citations"] = self.citations
+        return body
 
     def _chunk(self, choices: list, usage: dict | None = None) -> dict:
         chunk = {"id": self.id,
@@ -222,9 +227,12 @@ class Generation:
         tok = self.serving.tokenizer
         offsets: dict[int, int] = {}
         if self.chat:  # OpenAI opens each choice with the assistant role
-            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None}
-                               for i in range(self.num_choices)])
+            first = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}
+                                 for i in range(self.num_choices)])
+            if self.citations is not None:  # known before the first token: sent up front
+                first["citations"] = self.citations
+            yield first
         elif self.parsed.echo:
             for i in range(self.num_choices):
                 prefix = self._echo_prefix(i)
@@ -270,11 +278,13 @@ class Generation:
 class OpenAIServing:
     """Parses, validates and starts OpenAI generations on one engine."""
 
-    def __init__(self, engine, model_name: str, metrics=None, log_prompts: bool = False):
+    def __init__(self, engine, model_name: str, metrics=None, log_prompts: bool = False,
+                 rag=None):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.log_prompts = log_prompts
+        self.rag = rag  # a jaxserve.rag.service.RagService, or None: no retrieval
 
     @property
     def tokenizer(self):
@@ -295,9 +305,36 @@ class OpenAIServing:
     def prepare(self, kind: str, body: Any) -> Generation:
         """Everything that can fail before generation starts: a failure here is the client's
         400/404 (or 503 when the engine is not running)."""
+        parsed = self._parse(kind, body)
+        if parsed.rag is not None:
+            raise InvalidRequest("'rag' is served by POST /v1/chat/completions only", param="rag")
+        return self._start(parsed)
+
+    async def prepare_async(self, kind: str, body: Any) -> Generation:
+        """`prepare`, plus retrieval for a chat with "rag": the collection is searched for the
+        last user message (in an executor: embedding and search block) and the results go into
+        the prompt; the response then carries "citations"."""
+        parsed = self._parse(kind, body)
+        if parsed.rag is None:
+            return self._start(parsed)
+        if self.rag is None:
+            raise InvalidRequest("this server has no retrieval ('rag'): it was started with "
+                                 "--no-rag", param="rag")
+        from jaxserve.rag.prompt import augment_chat, parse_rag_request
+
+        rag = parse_rag_request(parsed.rag, self.rag.config.search.max_top_k)
+        messages, citations = await asyncio.get_running_loop().run_in_executor(
+            None, augment_chat, self.rag, parsed.prompts[0], rag)
+        return self._start(dataclasses.replace(parsed, prompts=[messages]), citations)
+
+    def _parse(self, kind: str, body: Any) -> protocol.ParsedRequest:
         parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
         parsed = parse(body)
         self.check_model(parsed.model)
+        return parsed
+
+    def _start(self, parsed: protocol.ParsedRequest,
+               citations: list[dict] | None = None) -> Generation:
         prompt_ids = [self._prompt_ids(parsed, p) for p in parsed.prompts]
         params = self._fit_context(parsed, prompt_ids)
         if not self.engine.is_running:
@@ -306,7 +343,7 @@ class OpenAIServing:
         # stream's headers go out, so they are still a 400 and not an error inside a 200 stream.
         for ids in prompt_ids:
             self.engine.engine.prepare("check", {"prompt_token_ids": ids}, params)
-        return Generation(self, parsed, prompt_ids, params)
+        return Generation(self, parsed, prompt_ids, params, citations)
 
     def _prompt_ids(self, parsed: protocol.ParsedRequest, prompt) -> list[int]:
         if parsed.kind == "chat":

@@ -35,7 +35,9 @@ _NEUTRAL = {
 }
 _COMMON = {"model", "stream", "stream_options", "stop", "max_tokens", "logprobs"} | set(
     _SAMPLING_FIELDS)
-_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(_NEUTRAL)
+# "rag" (retrieval-augmented chat) is ours; OpenAIServing checks it against the RAG service.
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "rag"} | set(
+    _NEUTRAL)
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo"} | set(_NEUTRAL)
 MAX_LOGPROBS = 20
 
@@ -51,6 +53,7 @@ class ParsedRequest:
     echo: bool
     logprobs: int | None  # top-n requested, None when off
     max_tokens_given: bool  # False: the server fills max_tokens from the remaining context
+    rag: Any = None  # chat only: the raw "rag" option, None when absent
 
 
 def _type_error(name: str, expected: str, value: Any) -> InvalidRequest:
@@ -183,7 +186,8 @@ def parse_chat_request(body: Any) -> ParsedRequest:
         kwargs["logprobs"] = logprobs
     messages = [_flatten_content(m) for m in messages]
     return ParsedRequest("chat", c["model"], [messages], _sampling_params(kwargs), c["stream"],
-                         c["include_usage"], False, logprobs, max_tokens is not None)
+                         c["include_usage"], False, logprobs, max_tokens is not None,
+                         body.get("rag"))
 
 
 def _flatten_content(message: dict) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 
 from jaxserve.config import ModelConfig
+from jaxserve.errors import WeightsError
 from jaxserve.model_registry import ModelSpec
 
 
@@ -18,7 +19,8 @@ def load_host(spec: ModelSpec, dtype: str = "float32") -> tuple[ModelConfig, dic
         from jaxserve.weights.safetensors import load_hf
 
         return load_hf(spec.path, dtype)
-    raise ValueError(f"load_host reads gguf or hf weights, not {spec.format!r}")
+    raise WeightsError(f"{spec.name} is a {spec.format!r} model, not a generative (Llama-family) "
+                       f"one: it serves embeddings and retrieval (jaxserve index / search)")
 
 
 def load_model(spec: ModelSpec, dtype: str | None = None,
