@@ -344,7 +344,7 @@ def test_serve_grpc_port_shares_the_engine_with_http(tiny, tiny_path, tmp_path):
     stderr = (tmp_path / "stderr.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(tiny_path),
-         "--served-model-name", TINY, "--port", "0", "--grpc-port", "0", *flags],
+         "--served-model-name", TINY, "--port", "0", "--grpc-port", "0", "--no-rag", *flags],
         cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
         lines = _startup_lines(proc, deadline_s=300)

@@ -617,7 +617,8 @@ def test_serve_subprocess_chat_then_sigterm(smollm2_path, smollm2_golden, tmp_pa
     with log_path.open("w") as stderr:
         server = ServerProcess(["--model", SMOLLM2, "--port", "0", "--max-model-len", "512",
                                 "--num-pages", "64", "--max-num-seqs", "4",
-                                "--max-num-batched-tokens", "64"], stderr, cwd=ROOT,
+                                "--max-num-batched-tokens", "64",
+                                "--data-dir", str(tmp_path / "rag")], stderr, cwd=ROOT,
                                ready_timeout_s=300)
         try:
             assert server.url.startswith("http://127.0.0.1:") and server.url.endswith("/v1")
@@ -626,6 +627,20 @@ def test_serve_subprocess_chat_then_sigterm(smollm2_path, smollm2_golden, tmp_pa
             r = client.chat.completions.create(model=SMOLLM2, messages=case["case"]["messages"],
                                                **GREEDY)
             assert r.choices[0].message.content == case["greedy_text"].replace("<|im_end|>", "")
+            # Retrieval is served beside the LLM from --data-dir: a collection, then a cited chat.
+            base = server.url.removesuffix("/v1")
+            for path, body in (("/v1/collections", {"name": "geo"}),
+                               ("/v1/collections/geo/documents", {"documents": [
+                                   {"id": "fr", "text": "Paris is the capital of France."},
+                                   {"id": "bake", "text": "Knead the dough, let it rise."}]})):
+                with urllib.request.urlopen(urllib.request.Request(
+                        base + path, json.dumps(body).encode(), method="POST",
+                        headers={"Content-Type": "application/json"}), timeout=120) as resp:
+                    assert resp.status in (200, 201)
+            r = client.chat.completions.create(model=SMOLLM2, messages=case["case"]["messages"],
+                                               extra_body={"rag": {"collection": "geo",
+                                                                   "top_k": 1}}, **GREEDY)
+            assert r.model_extra["citations"][0]["document_id"] == "fr"
             assert server.stop() == 0
         finally:
             server.kill()
@@ -633,6 +648,6 @@ def test_serve_subprocess_chat_then_sigterm(smollm2_path, smollm2_golden, tmp_pa
     assert "Traceback" not in log, log[-3000:]
     access = [json.loads(line.split("jaxserve.access: ", 1)[1]) for line in log.splitlines()
               if "jaxserve.access: " in line]
-    assert len(access) == 1 and access[0]["status"] == "ok"
+    assert len(access) == 2 and {a["status"] for a in access} == {"ok"}
     assert access[0]["finish_reasons"] == ["stop"]
     assert case["case"]["messages"][0]["content"] not in log  # no prompt text in the logs
