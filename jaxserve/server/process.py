@@ -4,10 +4,11 @@ it."""
 
 from __future__ import annotations
 
-import selectors
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import IO, Sequence
@@ -31,19 +32,27 @@ class ServerProcess:
             raise
 
     def _read_url(self, timeout_s: float) -> str:
+        # A thread reads stdout line by line: select() on the pipe would miss a line already
+        # pulled into the reader's buffer together with the one before it. The thread keeps
+        # draining stdout afterwards, so the pipe never fills.
+        lines: queue.Queue = queue.Queue()
+
+        def pump():
+            for line in self.proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
         end = time.monotonic() + timeout_s
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < end:
-                if not sel.select(timeout=1.0):
-                    if self.proc.poll() is not None:
-                        raise RuntimeError(f"the server exited with {self.proc.returncode}")
-                    continue
-                line = self.proc.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"the server closed stdout (exit {self.proc.wait()})")
-                if line.startswith(_READY_PREFIX):
-                    return line.split(" at ", 1)[1].strip()
+        while (left := end - time.monotonic()) > 0:
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                raise RuntimeError(f"the server exited with {self.proc.wait()} before serving")
+            if line.startswith(_READY_PREFIX):
+                return line.split(" at ", 1)[1].strip()
         raise TimeoutError(f"no '{_READY_PREFIX.strip()}' line within {timeout_s:.0f} s")
 
     def stop(self, timeout_s: float = 60.0) -> int:
