@@ -34,23 +34,10 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from workload import pydoc_workload  # benchmarks/ is the script's directory
+
 SMOLLM2 = "smollm2-135m-instruct"
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def make_workload(tokenizer, num_requests: int, seed: int) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output tokens) per request."""
-    from pydoc_data.topics import topics
-
-    rng = random.Random(seed)
-    corpus = tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)),
-                              add_special_tokens=False)
-    work = []
-    for _ in range(num_requests):
-        length = rng.randint(32, 384)
-        start = rng.randrange(len(corpus) - length)
-        work.append((corpus[start:start + length], rng.randint(16, 128)))
-    return work
 
 
 @dataclass
@@ -209,7 +196,8 @@ def main() -> int:
     from jaxserve.tokenizer import load_tokenizer
 
     commit = _commit()  # before anything runs: the tree may change while it does
-    work = make_workload(load_tokenizer(resolve(args.model)), args.num_requests, args.seed)
+    work = pydoc_workload(load_tokenizer(resolve(args.model)), args.num_requests,
+                          seed=args.seed, prompt_tokens=(32, 384), output_tokens=(16, 128))
     server = None
     url = args.base_url
     if url is None:

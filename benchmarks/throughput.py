@@ -15,24 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import time
 
+from workload import pydoc_workload  # benchmarks/ is the script's directory
+
 SMOLLM2 = "smollm2-135m-instruct"
-
-
-def make_workload(tokenizer, num_requests: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output length) pairs cut from pydoc_data.topics."""
-    from pydoc_data.topics import topics
-
-    rng = random.Random(seed)
-    corpus = tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)))
-    work = []
-    for _ in range(num_requests):
-        n = rng.randint(16, 256)
-        start = rng.randrange(len(corpus) - n)
-        work.append((corpus[start:start + n], rng.randint(16, 192)))
-    return work
 
 
 def run_jaxserve(work, args) -> dict:
@@ -92,7 +79,8 @@ def main() -> None:
     from jaxserve.model_registry import resolve
     from jaxserve.tokenizer import load_tokenizer
 
-    work = make_workload(load_tokenizer(resolve(args.model)), args.num_requests)
+    work = pydoc_workload(load_tokenizer(resolve(args.model)), args.num_requests,
+                          seed=0, prompt_tokens=(16, 256), output_tokens=(16, 192))
     prompt_tokens = sum(len(p) for p, _ in work)
     output_tokens = sum(n for _, n in work)
     results = {"jaxserve": run_jaxserve(work, args)}
