@@ -20,7 +20,7 @@ from collections import deque
 from typing import AsyncIterator, Callable
 
 from jaxserve.engine import EngineStats, LLMEngine
-from jaxserve.errors import EngineDead, InvalidRequest
+from jaxserve.errors import EngineDead, InvalidRequest, RequestFailed
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling import SamplingParams
 
@@ -89,6 +89,9 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailed(f"request {request_id} failed: {item.error}")
                 finished = item.finished
                 yield item
                 if finished:

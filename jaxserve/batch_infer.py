@@ -151,7 +151,7 @@ class ResultWriter:
 
 async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progress) -> dict:
     """Run every item on `serving` (an OpenAIServing) concurrently; returns summary counts."""
-    from jaxserve.errors import InvalidRequest, ModelNotFound
+    from jaxserve.errors import InvalidRequest, ModelNotFound, RequestFailed
     counts = {"succeeded": 0, "failed": 0, "completion_tokens": 0}
     start = time.monotonic()  # not progress.start_t: tqdm stamps that with time.time()
 
@@ -175,6 +175,10 @@ async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progr
             body = await gen.response()
         except (InvalidRequest, ModelNotFound) as e:  # the engine's checks may refuse it too
             finish(item, *error_status(e))
+            return
+        except RequestFailed as e:  # this request alone failed in the engine: a 500 line
+            finish(item, 500, {"error": {"message": str(e), "type": "server_error",
+                                         "param": None, "code": None}})
             return
         except BaseException:
             if gen is not None:

@@ -14,6 +14,7 @@ The engine is single-threaded; `jaxserve.async_engine.AsyncEngine` runs it on it
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -25,6 +26,8 @@ from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling import SamplingParams, SamplingRow
 from jaxserve.scheduler import Scheduler
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
 
 _FINISH_REASON = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
                   RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "abort"}
@@ -77,6 +80,7 @@ class _Group:
     metrics: RequestMetrics
     seqs: list[_Sequence] = field(default_factory=list)
     holdback: int = 0  # trailing chars not shown while running: a stop string may still form
+    error: str | None = None  # set when the request failed on its own (see _fail)
 
     @property
     def finished(self) -> bool:
@@ -240,8 +244,17 @@ class LLMEngine:
             sampled = result.token_ids if result is not None else ()
             now = time.monotonic()
             for request, token in self.scheduler.update_from_output(out, sampled):
-                group, seq = self._by_seq[request.request_id]
-                self._on_token(group, seq, token, result, row_of[request.request_id], now)
+                entry = self._by_seq.get(request.request_id)
+                if entry is None:  # a sibling failed earlier in this loop and ended it
+                    continue
+                group, seq = entry
+                try:
+                    self._on_token(group, seq, token, result, row_of[request.request_id], now)
+                except Exception as e:  # noqa: BLE001 - one request's bug must not end the rest
+                    log.exception("request %s failed", group.prepared.request_id)
+                    self._fail(group, e)
+                    changed.pop(group.prepared.request_id, None)
+                    continue
                 changed[group.prepared.request_id] = group
         outputs, self._pending = self._pending, []
         for group in changed.values():
@@ -291,6 +304,16 @@ class LLMEngine:
         text = seq.detokenizer.text
         seq.text = text[:len(text) - group.holdback] if group.holdback else text
 
+    def _fail(self, group: _Group, error: Exception) -> None:
+        """End a request whose host-side processing raised: its pages go back, and its final
+        output carries the error (the front ends answer that request alone with a 500)."""
+        group.error = f"{type(error).__name__}: {error}"
+        for seq in group.seqs:
+            if seq.finish_reason is None:
+                self.scheduler.abort(seq.request.request_id)
+                self._finish(seq, "abort")
+        self._pending.append(self._close(group))
+
     def _stop(self, seq: _Sequence, reason: str, text: str) -> None:
         seq.text = text
         self.scheduler.finish_request(
@@ -313,7 +336,7 @@ class LLMEngine:
                 for s in group.seqs]
         return RequestOutput(prepared.request_id, prepared.prompt, prepared.prompt_token_ids, outs,
                              group.finished, group.seqs[0].request.num_cached_prompt_tokens,
-                             group.metrics)
+                             group.metrics, group.error)
 
     def _close(self, group: _Group) -> RequestOutput:
         group.metrics.finished_time = time.monotonic()

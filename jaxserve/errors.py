@@ -57,3 +57,7 @@ class AlreadyExists(JaxServeError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class RequestFailed(JaxServeError):
+    """One request failed inside the engine; the engine and the other requests go on."""

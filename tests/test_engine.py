@@ -266,3 +266,43 @@ def test_request_validation(tiny_path):
     engine.abort("dup")
     engine.step()
     assert_no_leaks(engine)
+
+
+def test_one_failing_request_ends_alone(tiny_path, monkeypatch):
+    """A request whose host-side processing raises ends with an error and frees its pages; the
+    others in the same batches finish; through AsyncEngine the failure is that stream's error."""
+    from jaxserve.errors import RequestFailed
+
+    engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=4,
+                                  max_num_batched_tokens=32, max_model_len=128,
+                                  strict_compile=True, progress=False)
+    on_token = engine._on_token
+
+    def failing(group, seq, token, *args):
+        if group.prepared.request_id == "bad" and len(seq.request.output_token_ids) == 3:
+            raise RuntimeError("detokenizer exploded")
+        return on_token(group, seq, token, *args)
+
+    monkeypatch.setattr(engine, "_on_token", failing)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    llm = LLM.from_engine(engine)
+    outs = llm.generate([[5, 6, 7]] * 3, params)  # unaffected
+    assert all(len(o.outputs[0].token_ids) == 10 and o.error is None for o in outs)
+    async_engine = AsyncEngine(engine)
+
+    async def run(request_id):
+        async for out in async_engine.generate([5, 6, 7], params.replace(n=2), request_id):
+            last = out
+        return last
+
+    async def main():
+        return await asyncio.gather(run("ok"), run("bad"), run("ok2"), return_exceptions=True)
+
+    try:
+        ok, bad, ok2 = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert isinstance(bad, RequestFailed) and "detokenizer exploded" in str(bad)
+    for out in (ok, ok2):
+        assert [len(c.token_ids) for c in out.outputs] == [10, 10]
+    assert_no_leaks(engine)

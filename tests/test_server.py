@@ -589,6 +589,24 @@ def test_warmup_then_ready_then_engine_failure(tiny_path, caplog):
                       {**_CHAT, "model": "tiny", "max_tokens": 60})
         assert r.status_code == 400 and "KV pages" in r.json()["error"]["message"]
 
+        # One request failing on its own (here: its host-side token handling) is a 500 for that
+        # request only; the next request is served.
+        on_token = llm_engine._on_token
+
+        def fail_one(group, seq, *args):
+            if group.prepared.params.seed == 666:
+                raise RuntimeError("injected request failure")
+            return on_token(group, seq, *args)
+
+        llm_engine._on_token = fail_one
+        r = http_post(f"{srv.url}/v1/completions",
+                      {"model": "tiny", "prompt": "hi", "max_tokens": 3, "seed": 666})
+        assert r.status_code == 500 and "injected request failure" in r.json()["error"]["message"]
+        r = http_post(f"{srv.url}/v1/completions", {"model": "tiny", "prompt": "hi",
+                                                    "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert http_get(f"{srv.url}/ready").status_code == 200
+
         def fail(*args, **kwargs):
             raise RuntimeError("injected device failure")
 
