@@ -133,10 +133,11 @@ class AsyncEngine:
                         command()
                     except InvalidRequest as e:  # e.g. an id reused before its abort landed
                         self._deliver(request_id, e)
-                if self.engine.has_unfinished():
-                    for out in self.engine.step():
-                        self._deliver(out.request_id, out)
+                outputs = self.engine.step() if self.engine.has_unfinished() else []
+                # Stats first: whoever sees a request's final output also sees it counted.
                 self._stats = self.engine.stats()
+                for out in outputs:
+                    self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - every stream must hear of it
             if not isinstance(e, EngineDead):
                 log.exception("engine step failed; the engine is dead")
