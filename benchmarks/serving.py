@@ -154,7 +154,8 @@ def engine_kwargs(args) -> dict:
 
 
 def serve_flags(args) -> list[str]:
-    flags = ["--model", args.model, "--host", "127.0.0.1", "--port", "0"]
+    # --no-rag: this measures generation; the retrieval encoder would only lengthen startup.
+    flags = ["--model", args.model, "--host", "127.0.0.1", "--port", "0", "--no-rag"]
     for name, value in engine_kwargs(args).items():
         flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags

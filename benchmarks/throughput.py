@@ -48,7 +48,7 @@ def run_hf(work, args) -> dict:
 
     path = resolve(args.model).path
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 torch_dtype=torch.float32)
+                                                 dtype=torch.float32)
     model.eval()
     pad = model.config.eos_token_id if model.config.pad_token_id is None else \
         model.config.pad_token_id
