@@ -37,11 +37,17 @@ def service(tmp_path):
     service.close()
 
 
-def _serve(service, scenario):
-    """Run `scenario(session, url)` against a started server, and always stop it."""
+def _serve(service, scenario, engine=None, model_name="some-llm"):
+    """Run `scenario(session, url)` against a started server, and always stop it. With an
+    engine, generation is served too (chat completions with "rag" when there is a service)."""
+    from jaxserve.server.http import attach_engine
+
     async def main():
-        app = build_app(ServerConfig(port=0), "some-llm")
-        add_rag_routes(app, service)
+        app = build_app(ServerConfig(port=0), model_name)
+        if service is not None:
+            add_rag_routes(app, service)
+        if engine is not None:
+            attach_engine(app, engine, service)
         runner, port = await start_server(app, "127.0.0.1", 0)
         try:
             async with ClientSession() as session:
@@ -200,23 +206,6 @@ def tiny_llm(tmp_path_factory, smollm2_tokenizer_fields):
     engine.shutdown()
 
 
-def _serve_chat(service, engine, scenario):
-    from jaxserve.server.http import attach_engine
-
-    async def main():
-        app = build_app(ServerConfig(port=0), "tiny")
-        if service is not None:
-            add_rag_routes(app, service)
-        attach_engine(app, engine, service)
-        runner, port = await start_server(app, "127.0.0.1", 0)
-        try:
-            async with ClientSession() as session:
-                return await scenario(session, f"http://127.0.0.1:{port}")
-        finally:
-            await runner.cleanup()
-    return asyncio.run(main())
-
-
 def test_chat_with_rag_puts_retrieved_text_in_the_prompt_and_cites_it(service, tiny_llm):
     from jaxserve.rag.prompt import RagRequest, augment_chat
 
@@ -243,7 +232,7 @@ def test_chat_with_rag_puts_retrieved_text_in_the_prompt_and_cites_it(service, t
                                  {"model": "tiny", "prompt": "hi", "rag": rag})
         return plain, with_rag, chunks, errors, completion
 
-    plain, with_rag, chunks, errors, completion = _serve_chat(service, tiny_llm, scenario)
+    plain, with_rag, chunks, errors, completion = _serve(service, scenario, tiny_llm, "tiny")
     citations = with_rag.model_extra["citations"]
     assert citations[0]["document_id"] == "fr" and len(citations) == 2  # "France", "capital"
     assert {"document_id", "chunk_id", "score"} <= set(citations[0])
@@ -266,5 +255,5 @@ def test_chat_rag_on_a_server_without_retrieval_is_a_400(tiny_llm):
                            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                             "rag": {"collection": "geo"}})
 
-    status, body = _serve_chat(None, tiny_llm, scenario)
+    status, body = _serve(None, scenario, tiny_llm, "tiny")
     assert status == 400 and "--no-rag" in body["error"]["message"]
