@@ -1,8 +1,9 @@
 """Offline throughput: a fixed mixed workload through jaxserve's LLM, optionally against HF
 transformers static-batch `generate` on the same weights, workload and machine, in the same run.
 
-Workload (seeded): N requests whose prompts are 16-256 tokens cut from Python's own documentation
-(`pydoc_data.topics`, text none of us wrote) and whose outputs are 16-192 tokens, ignore_eos, greedy.
+Workload (seeded, benchmarks/workload.py): N requests whose prompts are 16-256 tokens cut from
+Python's own documentation (`pydoc_data.topics`) and whose outputs are 16-192 tokens, ignore_eos,
+greedy.
 Both sides produce exactly the requested tokens; HF runs static batches (each batch decodes until
 its longest request is done, as static batching does), and only the requested tokens count.
 

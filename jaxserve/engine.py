@@ -194,7 +194,8 @@ class LLMEngine:
             request = Request(f"{next(self._seq_ids)}:{prepared.request_id}",
                               list(prepared.prompt_token_ids), p, priority=prepared.priority,
                               arrival_time=group.metrics.arrival_time)
-            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
+            detok = IncrementalDetokenizer(self.tokenizer,
+                                           skip_special_tokens=p.skip_special_tokens,
                                            prompt_ids=prepared.prompt_token_ids)
             seq = _Sequence(i, request, p.sequence_seed(i), detok,
                             [] if p.logprobs is not None else None)

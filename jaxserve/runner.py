@@ -79,8 +79,8 @@ def num_pages_for(config: ModelConfig, cache: CacheConfig, scheduler: SchedulerC
                         scheduler.max_num_seqs * pages_per_seq + 1)
     if num_pages < 2:
         raise ConfigError(
-            f"no room for the KV cache: a page needs {page_bytes} bytes; lower max_model_len, use a "
-            f"smaller dtype or raise kv_cache_memory_fraction")
+            f"no room for the KV cache: a page needs {page_bytes} bytes; lower max_model_len, use "
+            f"a smaller dtype or raise kv_cache_memory_fraction")
     return num_pages
 
 
