@@ -231,9 +231,12 @@ def test_engine_dead_is_unavailable(tiny_engine):
     try:
         with Client(server.target) as client:
             err = rpc_error(lambda: client.complete(TINY, "hi"))
+            health = health_pb2_grpc.HealthStub(client.channel)
+            status = health.Check(health_pb2.HealthCheckRequest()).status
     finally:
         server.stop()
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "not running" in err.details()
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING  # probes see the engine died
 
 
 def test_deadline_expiry_aborts_the_engine_request(tiny):

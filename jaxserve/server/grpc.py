@@ -117,6 +117,22 @@ class GenerationService(pb_grpc.GenerationServicer):
                                                       max_model_len=self.engine.max_model_len)])
 
 
+class EngineHealthServicer(health.aio.HealthServicer):
+    """gRPC health that turns NOT_SERVING once the engine loop has died (a probe restarts the
+    process), whatever status was set while it ran."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self._engine = engine
+
+    async def Check(self, request, context):
+        response = await super().Check(request, context)
+        if not self._engine.is_running:
+            return health_pb2.HealthCheckResponse(
+                status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return response
+
+
 async def start_grpc_server(engine, host: str, port: int, model_name: str,
                             health_servicer: health.aio.HealthServicer | None = None,
                             rag: RagService | None = None):
@@ -128,7 +144,7 @@ async def start_grpc_server(engine, host: str, port: int, model_name: str,
     server = grpc.aio.server()
     pb_grpc.add_GenerationServicer_to_server(GenerationService(engine, model_name, rag),
                                              server)
-    health_servicer = health_servicer or health.aio.HealthServicer()
+    health_servicer = health_servicer or EngineHealthServicer(engine)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

@@ -40,8 +40,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from grpc_health.v1 import health
-
     from jaxserve.async_engine import AsyncEngine
     from jaxserve.engine import LLMEngine
     from jaxserve.engine_args import engine_args
@@ -74,8 +72,7 @@ async def serve(args: argparse.Namespace) -> int:
         attach_engine(app, engine, rag)
         if config.grpc_port is not None:
             grpc_server, grpc_port = await start_grpc_server(
-                engine, config.host, config.grpc_port, model_name, health.aio.HealthServicer(),
-                rag=rag)
+                engine, config.host, config.grpc_port, model_name, rag=rag)
             print(f"jaxserve: gRPC on {config.host}:{grpc_port}", flush=True)
         print(f"jaxserve: serving {model_name} at http://{config.host}:{port}/v1", flush=True)
         await stop.wait()
