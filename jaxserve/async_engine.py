@@ -6,6 +6,10 @@ abort) through an inbox it drains before every step; outputs travel back to each
 asyncio queue with `call_soon_threadsafe`. Stats are a snapshot the thread publishes after each
 step, so a metrics scrape never reads state mid-update.
 
+With `max_queued_requests` set, a new request is refused (EngineOverloaded) while that many
+accepted requests wait for a sequence slot, so a burst is turned away at once instead of queueing
+for minutes; waiting is counted as open streams minus the running requests of the last snapshot.
+
 If a step raises, the engine is dead: every open stream gets EngineDead and new requests are
 refused, rather than serving from a cache and scheduler in an unknown state.
 """
@@ -20,7 +24,7 @@ from collections import deque
 from typing import AsyncIterator, Callable
 
 from jaxserve.engine import EngineStats, LLMEngine
-from jaxserve.errors import EngineDead, InvalidRequest, RequestFailed
+from jaxserve.errors import EngineDead, EngineOverloaded, InvalidRequest, RequestFailed
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling import SamplingParams
 
@@ -40,8 +44,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None):
+        if max_queued_requests is not None and max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
         self.engine = engine
+        self.max_queued_requests = max_queued_requests
         self._inbox: deque[tuple[Callable[[], object], str | None]] = deque()
         self._wake = threading.Condition()
         self._streams: dict[str, _Stream] = {}  # touched by both threads, one key at a time
@@ -75,6 +82,11 @@ class AsyncEngine:
         (break, cancellation, client gone) aborts the request and frees its pages."""
         if not self.is_running:
             raise EngineDead(f"the engine is not running ({self._dead or 'shut down'})")
+        if self.max_queued_requests is not None:
+            waiting = len(self._streams) - self._stats.num_running
+            if waiting >= self.max_queued_requests:
+                raise EngineOverloaded(f"the request queue is full ({waiting} requests wait for "
+                                       f"a slot); retry later")
         if request_id is None:
             request_id = f"req-{uuid.uuid4().hex}"
         prepared = self.engine.prepare(request_id, prompt, params, priority)

@@ -121,10 +121,13 @@ class ServerConfig:
     served_model_name: str | None = None
     keepalive_seconds: float = 5.0
     log_prompts: bool = False
+    max_queued_requests: int | None = None  # None: no limit
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65536), got {self.port}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ConfigError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
 
 
 @dataclass(frozen=True)

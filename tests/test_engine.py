@@ -306,3 +306,43 @@ def test_one_failing_request_ends_alone(tiny_path, monkeypatch):
     for out in (ok, ok2):
         assert [len(c.token_ids) for c in out.outputs] == [10, 10]
     assert_no_leaks(engine)
+
+
+def test_queue_cap_refuses_while_full(tiny_path):
+    """With max_queued_requests=1 and one sequence slot: one running and one waiting request fill
+    the engine, a third is refused with EngineOverloaded, and the waiting one still finishes."""
+    from jaxserve.errors import EngineOverloaded
+
+    engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=1,
+                                  max_num_batched_tokens=32, max_model_len=128,
+                                  strict_compile=True, progress=False)
+    async_engine = AsyncEngine(engine, max_queued_requests=1)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def main():
+        first = async_engine.generate([5, 6, 7], params, "running")
+        await first.__anext__()  # "running" holds the only slot once it has a token
+        while async_engine.stats().num_running != 1:
+            await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(
+            _last(async_engine.generate([5, 6, 7], params.replace(max_tokens=3), "waiting")))
+        while len(async_engine._streams) < 2:
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineOverloaded, match="queue is full"):
+            await async_engine.generate([5, 6], params, "refused").__anext__()
+        async for _ in first:
+            pass
+        return await second
+
+    try:
+        waiting = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert len(waiting.outputs[0].token_ids) == 3
+    assert_no_leaks(engine)
+
+
+async def _last(stream):
+    async for out in stream:
+        last = out
+    return last

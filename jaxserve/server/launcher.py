@@ -33,6 +33,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keepalive-seconds", type=float, default=5.0,
                         help="SSE comment sent when a stream is idle this long")
     parser.add_argument("--log-prompts", action="store_true")
+    parser.add_argument("--max-queued-requests", type=int, default=None,
+                        help="refuse new requests (HTTP 503, gRPC RESOURCE_EXHAUSTED) while this "
+                             "many wait for a sequence slot (default: no limit)")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="retrieval collections live here (default: the jaxserve cache's rag/)")
     parser.add_argument("--no-rag", action="store_true",
@@ -49,7 +52,8 @@ async def serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(host=args.host, port=args.port, grpc_port=args.grpc_port,
                           served_model_name=args.served_model_name,
-                          keepalive_seconds=args.keepalive_seconds, log_prompts=args.log_prompts)
+                          keepalive_seconds=args.keepalive_seconds, log_prompts=args.log_prompts,
+                          max_queued_requests=args.max_queued_requests)
     model_name = config.served_model_name or args.model
     app = build_app(config, model_name)
     rag = None if args.no_rag else _rag_service(args.data_dir)
@@ -68,7 +72,7 @@ async def serve(args: argparse.Namespace) -> int:
             args.model, dtype=args.dtype, **engine_args(args)))
         if rag is not None:
             await loop.run_in_executor(None, _warm_rag, rag)
-        engine = AsyncEngine(llm_engine)
+        engine = AsyncEngine(llm_engine, config.max_queued_requests)
         attach_engine(app, engine, rag)
         if config.grpc_port is not None:
             grpc_server, grpc_port = await start_grpc_server(
