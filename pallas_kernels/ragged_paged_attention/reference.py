@@ -8,7 +8,8 @@ its own sequences from the cache. Padding sequences produce no items and so cost
 
 Decodes (q_len 1) take a `q_block=1` path: one item per token, so no query row is computed in
 vain; prefill chunks take a wider block so a chunk's queries share each KV gather. A mixed batch
-runs both paths, each over its own sequences.
+runs both paths, each over its own sequences. Items are taken longest first, so the items of one
+group need about the same number of KV blocks.
 """
 
 from __future__ import annotations
@@ -107,6 +108,12 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
     num_items = -(-num_items // items_per_step) * items_per_step
     items = query_items(cu_q_lens, kv_lens, num_seqs[0], q_block=q_block, num_items=num_items,
                         sliding_window=sliding_window, block_tokens=blk_tokens, include=include)
+    # Longest first: a group walks as many KV blocks as its longest item and gathers every item's
+    # pages at each, so items of like length share a group and fewer unread blocks are gathered
+    # (64 decodes of 46-286 tokens: 4.7-5.7 -> 3.5-3.8 ms per layer). Items without rows have
+    # blk_hi 0 and stay last.
+    order = jnp.argsort(-items.blk_hi, stable=True)
+    items = QueryItems(*(x[order] for x in items[:-1]), items.num_live)
     seq, first_pos = items.seq, items.first_pos
     r = jnp.arange(q_block)
     row_ids = items.start[:, None] + r[None, :]  # [W, q_block] flat query rows
