@@ -123,3 +123,27 @@ def test_errors(tmp_path):
                                ("q", 101, "dense"), ("q", True, "dense"), ("q", 5, "fuzzy")):
         with pytest.raises(InvalidRequest):
             service.search("c", query, top_k, mode)
+
+
+def test_index_file_is_written_in_batches_and_a_crash_loses_nothing(tmp_path, monkeypatch):
+    """Upserts rewrite the index file only once enough has changed; a process that dies before
+    its last write leaves the store complete, and the next open adds what the file lacks."""
+    from jaxserve.rag import collection as collection_module
+    from jaxserve.rag.vector_index import VectorIndex
+
+    saves = []
+    save = VectorIndex.save
+    monkeypatch.setattr(VectorIndex, "save", lambda self, path: (saves.append(path),
+                                                                 save(self, path)))
+    monkeypatch.setattr(collection_module, "_MIN_UNSAVED", 3)
+    service = _service(tmp_path)
+    service.create_collection("c")
+    for k, v in TOPICS.items():
+        service.upsert("c", [Document(k, v)])
+    assert service.collection("c").info()["chunks"] == len(TOPICS)  # one chunk per document
+    assert len(saves) == 1  # after the third upsert; the last two are in the store only
+    reopened = _service(tmp_path)  # no close(): as if the process had died
+    for k, v in TOPICS.items():
+        assert reopened.search("c", v, 1, "dense")[0].document_id == k
+    reopened.close()
+    assert len(saves) == 2  # close writes what changed

@@ -25,6 +25,9 @@ from jaxserve.rag.vector_index import VectorIndex
 
 STORE_FILE = "store.sqlite3"
 INDEX_FILE = "vectors.faiss"
+# The index file is rewritten once this many chunks changed, or this fraction of the index.
+_MIN_UNSAVED = 1024
+_UNSAVED_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
@@ -65,20 +68,35 @@ class Collection:
         self._store = Store(directory / STORE_FILE)
         self._index = VectorIndex(embedder.dim, config.index)
         index_path = directory / INDEX_FILE
+        self._unsaved = 0  # chunks added or removed since the index file was written
         if index_path.exists():
-            self._index.load(index_path, self._store.live_ids(), self._all_vectors)
+            self._index_changed(self._index.load(index_path, self._store.live_ids(),
+                                                 self._all_vectors))
         else:
             self._index.rebuild(*self._all_vectors())
+            self._index_changed(self._index.num_live)
         self._bm25: BM25Index | None = None  # built on the first lexical search after a change
 
     def _all_vectors(self) -> tuple[np.ndarray, np.ndarray]:
         return self._store.all_vectors(self.embedder.dim)
 
+    def _index_changed(self, num_chunks: int) -> None:
+        """Write the index file once the changes since the last write reach a fraction of the
+        index, not after every upsert: rewriting a 100k-chunk HNSW file takes ~0.4 s, which made
+        adding documents one at a time quadratic. The store commits every change, and loading
+        adds what the file lacks, so a crash costs only that catch-up."""
+        self._unsaved += num_chunks
+        if self._unsaved >= max(_MIN_UNSAVED, _UNSAVED_FRACTION * self._index.num_live):
+            self._save_index()
+
     def _save_index(self) -> None:
         self._index.save(self.directory / INDEX_FILE)
+        self._unsaved = 0
 
     def close(self) -> None:
         with self._lock:
+            if self._unsaved:
+                self._save_index()
             self._store.close()
 
     def info(self) -> dict:
@@ -101,7 +119,7 @@ class Collection:
             removed, added, added_vectors = self._store.upsert(prepared)
             self._index.update(removed, np.asarray(added, np.int64), added_vectors,
                                self._all_vectors)
-            self._save_index()
+            self._index_changed(len(removed) + len(added))
             self._bm25 = None
         return len(added)
 
@@ -113,7 +131,7 @@ class Collection:
                                param="document_id")
             self._index.update(removed, np.zeros(0, np.int64),
                                np.zeros((0, self.embedder.dim), np.float32), self._all_vectors)
-            self._save_index()
+            self._index_changed(len(removed))
             self._bm25 = None
 
     def search(self, query: str, top_k: int = 5, mode: str = "hybrid") -> list[SearchResult]:

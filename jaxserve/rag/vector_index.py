@@ -5,7 +5,8 @@ Vectors are L2-normalised, so inner product is cosine similarity. Ids are the st
 points, so deleted ids there become tombstones that an IDSelector filters out of every search, and
 the graph is rebuilt once tombstones pass a quarter of it (or when the size calls for the other
 kind). The store holds every live vector, so
-any index can be rebuilt from it; this file is a saved cache of that work.
+any index can be rebuilt from it; the saved file is a cache of that work, and loading it brings it
+level with the store.
 """
 
 from __future__ import annotations
@@ -121,15 +122,19 @@ class VectorIndex:
         faiss.write_index(self._cpu, str(tmp))
         os.replace(tmp, path)  # a crash mid-write leaves the previous index whole
 
-    def load(self, path: Path, live_ids: set[int], all_vectors) -> None:
+    def load(self, path: Path, live_ids: set[int], all_vectors) -> int:
         """Read a saved index and reconcile it with the store's live ids: ids it has that the store
-        deleted become deletions, ids it lacks (a crash between the two writes) are rebuilt."""
+        deleted become deletions, ids it lacks (changes after the last save) are added. Returns
+        how many ids that changed, i.e. how far the file is behind."""
         self._cpu = faiss.read_index(str(path))
         self._tombstones, self._selector = set(), None
         indexed = set(self.ids.tolist())
+        added_ids, added_vectors = np.zeros(0, np.int64), np.zeros((0, self.dim), np.float32)
         if live_ids - indexed:
-            self.rebuild(*all_vectors())
-            return
+            ids, vectors = all_vectors()
+            missing = ~np.isin(ids, self.ids)
+            added_ids, added_vectors = ids[missing], vectors[missing]
+        removed = indexed - live_ids
         self._sync_device()
-        self.update(indexed - live_ids, np.zeros(0, np.int64), np.zeros((0, self.dim)),
-                    all_vectors)
+        self.update(removed, added_ids, added_vectors, all_vectors)
+        return len(removed) + len(added_ids)
