@@ -6,9 +6,9 @@ abort) through an inbox it drains before every step; outputs travel back to each
 asyncio queue with `call_soon_threadsafe`. Stats are a snapshot the thread publishes after each
 step, so a metrics scrape never reads state mid-update.
 
-With `max_queued_requests` set, a new request is refused (EngineOverloaded) while that many
-accepted requests wait for a sequence slot, so a burst is turned away at once instead of queueing
-for minutes; waiting is counted as open streams minus the running requests of the last snapshot.
+`num_queued` (sequences accepted and not yet running) is what a server's admission limit reads:
+the scheduler's waiting count of the last snapshot plus the sequences submitted since, both
+updated under one lock so a request is never counted twice or not at all.
 
 If a step raises, the engine is dead: every open stream gets EngineDead and new requests are
 refused, rather than serving from a cache and scheduler in an unknown state.
@@ -24,7 +24,7 @@ from collections import deque
 from typing import AsyncIterator, Callable
 
 from jaxserve.engine import EngineStats, LLMEngine
-from jaxserve.errors import EngineDead, EngineOverloaded, InvalidRequest, RequestFailed
+from jaxserve.errors import EngineDead, InvalidRequest, RequestFailed
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling import SamplingParams
 
@@ -44,12 +44,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None):
-        if max_queued_requests is not None and max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
+    def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.max_queued_requests = max_queued_requests
-        self._inbox: deque[tuple[Callable[[], object], str | None]] = deque()
+        # (command, request id, sequences it adds)
+        self._inbox: deque[tuple[Callable[[], object], str | None, int]] = deque()
+        self._unadded = 0  # sequences submitted and not yet in a published snapshot
         self._wake = threading.Condition()
         self._streams: dict[str, _Stream] = {}  # touched by both threads, one key at a time
         self._stats = engine.stats()
@@ -70,6 +69,13 @@ class AsyncEngine:
         return self._stats
 
     @property
+    def num_queued(self) -> int:
+        """Sequences accepted and not yet running: waiting (or preempted) in the scheduler as of
+        the last step, plus those submitted since."""
+        with self._wake:
+            return self._stats.num_waiting + self._unadded
+
+    @property
     def is_running(self) -> bool:
         return self._dead is None and not self._stopping
 
@@ -82,18 +88,14 @@ class AsyncEngine:
         (break, cancellation, client gone) aborts the request and frees its pages."""
         if not self.is_running:
             raise EngineDead(f"the engine is not running ({self._dead or 'shut down'})")
-        if self.max_queued_requests is not None:
-            waiting = len(self._streams) - self._stats.num_running
-            if waiting >= self.max_queued_requests:
-                raise EngineOverloaded(f"the request queue is full ({waiting} requests wait for "
-                                       f"a slot); retry later")
         if request_id is None:
             request_id = f"req-{uuid.uuid4().hex}"
         prepared = self.engine.prepare(request_id, prompt, params, priority)
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         stream = self._streams[request_id] = _Stream(asyncio.get_running_loop())
-        self._submit(lambda: self.engine.add_request(request_id, prepared=prepared), request_id)
+        self._submit(lambda: self.engine.add_request(request_id, prepared=prepared), request_id,
+                     prepared.params.n)
         finished = False
         try:
             while True:
@@ -116,9 +118,11 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._submit(lambda: self.engine.abort(request_id))
 
-    def _submit(self, command: Callable[[], object], request_id: str | None = None) -> None:
+    def _submit(self, command: Callable[[], object], request_id: str | None = None,
+                sequences: int = 0) -> None:
         with self._wake:
-            self._inbox.append((command, request_id))
+            self._inbox.append((command, request_id, sequences))
+            self._unadded += sequences
             self._wake.notify()
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -140,14 +144,17 @@ class AsyncEngine:
                         raise EngineDead("the engine was shut down")
                     commands = list(self._inbox)
                     self._inbox.clear()
-                for command, request_id in commands:
+                for command, request_id, _ in commands:
                     try:
                         command()
                     except InvalidRequest as e:  # e.g. an id reused before its abort landed
                         self._deliver(request_id, e)
                 outputs = self.engine.step() if self.engine.has_unfinished() else []
                 # Stats first: whoever sees a request's final output also sees it counted.
-                self._stats = self.engine.stats()
+                stats = self.engine.stats()
+                with self._wake:
+                    self._stats = stats
+                    self._unadded -= sum(sequences for _, _, sequences in commands)
                 for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - every stream must hear of it

@@ -308,41 +308,39 @@ def test_one_failing_request_ends_alone(tiny_path, monkeypatch):
     assert_no_leaks(engine)
 
 
-def test_queue_cap_refuses_while_full(tiny_path):
-    """With max_queued_requests=1 and one sequence slot: one running and one waiting request fill
-    the engine, a third is refused with EngineOverloaded, and the waiting one still finishes."""
-    from jaxserve.errors import EngineOverloaded
-
+def test_num_queued_counts_sequences_not_yet_running(tiny_path):
+    """num_queued (what a server's admission limit reads) counts each sequence of an n > 1
+    request, from submission on, and drops as requests leave."""
     engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=1,
                                   max_num_batched_tokens=32, max_model_len=128,
                                   strict_compile=True, progress=False)
-    async_engine = AsyncEngine(engine, max_queued_requests=1)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    async_engine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
 
     async def main():
-        first = async_engine.generate([5, 6, 7], params, "running")
-        await first.__anext__()  # "running" holds the only slot once it has a token
-        while async_engine.stats().num_running != 1:
-            await asyncio.sleep(0.01)
-        second = asyncio.ensure_future(
-            _last(async_engine.generate([5, 6, 7], params.replace(max_tokens=3), "waiting")))
-        while len(async_engine._streams) < 2:
-            await asyncio.sleep(0.01)
-        with pytest.raises(EngineOverloaded, match="queue is full"):
-            await async_engine.generate([5, 6], params, "refused").__anext__()
-        async for _ in first:
-            pass
-        return await second
+        running = async_engine.generate([5, 6, 7], params, "running")
+        await running.__anext__()  # it holds the only slot until its 120 tokens are done
+        counts = [async_engine.num_queued]
+        waiting = async_engine.generate([5, 6], params.replace(n=2), "waiting")
+        task = asyncio.ensure_future(waiting.__anext__())
+        await _until(lambda: async_engine.num_queued >= 2)
+        counts.append(async_engine.num_queued)
+        task.cancel()  # leaving a stream aborts its request
+        await asyncio.gather(task, return_exceptions=True)
+        await running.aclose()
+        await _until(lambda: async_engine.num_queued == 0)
+        return counts
 
     try:
-        waiting = asyncio.run(main())
+        counts = asyncio.run(main())
     finally:
         async_engine.shutdown()
-    assert len(waiting.outputs[0].token_ids) == 3
+    assert counts == [0, 2]
     assert_no_leaks(engine)
 
 
-async def _last(stream):
-    async for out in stream:
-        last = out
-    return last
+async def _until(predicate, timeout_s: float = 30.0) -> None:
+    async def poll():
+        while not predicate():
+            await asyncio.sleep(0.005)
+    await asyncio.wait_for(poll(), timeout_s)

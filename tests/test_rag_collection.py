@@ -125,25 +125,57 @@ def test_errors(tmp_path):
             service.search("c", query, top_k, mode)
 
 
-def test_index_file_is_written_in_batches_and_a_crash_loses_nothing(tmp_path, monkeypatch):
-    """Upserts rewrite the index file only once enough has changed; a process that dies before
-    its last write leaves the store complete, and the next open adds what the file lacks."""
-    from jaxserve.rag import collection as collection_module
+@pytest.fixture
+def index_saves(monkeypatch) -> list:
+    """Paths of every index file written, in order."""
     from jaxserve.rag.vector_index import VectorIndex
 
     saves = []
     save = VectorIndex.save
     monkeypatch.setattr(VectorIndex, "save", lambda self, path: (saves.append(path),
                                                                  save(self, path)))
+    return saves
+
+
+def test_index_file_is_written_in_batches_and_a_crash_loses_nothing(tmp_path, monkeypatch,
+                                                                    index_saves):
+    """Upserts rewrite the index file only once enough has changed; a process that dies before
+    its last write leaves the store complete, and the next open adds what the file lacks
+    (without rebuilding the index)."""
+    from jaxserve.rag import collection as collection_module
+    from jaxserve.rag.vector_index import VectorIndex
+
     monkeypatch.setattr(collection_module, "_MIN_UNSAVED", 3)
     service = _service(tmp_path)
     service.create_collection("c")
     for k, v in TOPICS.items():
         service.upsert("c", [Document(k, v)])
     assert service.collection("c").info()["chunks"] == len(TOPICS)  # one chunk per document
-    assert len(saves) == 1  # after the third upsert; the last two are in the store only
+    assert len(index_saves) == 1  # after the third upsert; the last two are in the store only
+
+    def no_rebuild(*args):
+        raise AssertionError("the saved index should be caught up, not rebuilt")
+
+    monkeypatch.setattr(VectorIndex, "rebuild", no_rebuild)
     reopened = _service(tmp_path)  # no close(): as if the process had died
     for k, v in TOPICS.items():
         assert reopened.search("c", v, 1, "dense")[0].document_id == k
     reopened.close()
-    assert len(saves) == 2  # close writes what changed
+    assert len(index_saves) == 2  # close writes what changed
+
+
+def test_hnsw_tombstones_do_not_rewrite_the_index_at_every_close(tmp_path, index_saves):
+    """A saved HNSW file keeps deleted points (the graph cannot drop them); they are tombstoned
+    again at each open, which is not a change worth writing."""
+    service = _service(tmp_path, exact_max_vectors=2)
+    _fill(service)
+    assert service.collection("c").info()["index"] == "hnsw"
+    service.delete_document("c", "paris")
+    service.close()
+    saved = len(index_saves)
+    for _ in range(2):
+        reopened = _service(tmp_path, exact_max_vectors=2)
+        results = reopened.search("c", "Paris capital of France Eiffel", 20, "dense")
+        assert "paris" not in {r.document_id for r in results} and results
+        reopened.close()
+    assert len(index_saves) == saved

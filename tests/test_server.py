@@ -626,6 +626,58 @@ def test_warmup_then_ready_then_engine_failure(tiny_path, caplog):
         srv.stop()
 
 
+def test_full_queue_is_a_503_before_any_stream_starts(tiny_path, monkeypatch):
+    """--max-queued-requests 1 with one sequence slot: while one request runs and one waits, a
+    third is refused with 503 `overloaded`, streaming or not (never a 200 with an error event);
+    the two accepted ones finish, and later the same request is served."""
+    llm_engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=1,
+                                      max_num_batched_tokens=32, max_model_len=128,
+                                      strict_compile=True, progress=False)
+    # Hold the engine loop once a request runs, until the refusals are checked: the queue then
+    # stays full however fast the tiny model is.
+    release, step = threading.Event(), llm_engine.step
+    monkeypatch.setattr(llm_engine, "step", lambda: (
+        release.wait(60) if llm_engine.stats().num_running else None, step())[1])
+    engine = AsyncEngine(llm_engine)
+    srv = ServerThread("tiny", max_queued_requests=1)
+    replies, holders = [], []
+    try:
+        srv.attach(engine)
+
+        def hold():  # a streaming request, read to its end on its own thread
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 20, "ignore_eos": True,
+                    "stream": True}
+            t = threading.Thread(target=lambda: replies.append(
+                http_post(f"{srv.url}/v1/completions", body)))
+            t.start()
+            holders.append(t)
+
+        hold()  # runs, holding the only slot
+        wait_for(lambda: engine.stats().num_running == 1, "the first request to run")
+        hold()  # waits
+        wait_for(lambda: engine.num_queued == 1, "the second request to queue")
+        for stream in (True, False):
+            r = http_post(f"{srv.url}/v1/completions",
+                          {"model": "tiny", "prompt": "hi", "max_tokens": 5, "stream": stream})
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "overloaded"
+            assert "queue is full" in r.json()["error"]["message"]
+        release.set()
+        for t in holders:
+            t.join(60)
+        assert [r.status_code for r in replies] == [200, 200]
+        assert all(r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
+                   for r in replies)
+        r = http_post(f"{srv.url}/v1/completions",
+                      {"model": "tiny", "prompt": "hi", "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        release.set()
+        srv.stop()
+        engine.shutdown()
+    assert_no_leaks(llm_engine)
+
+
 # ---------------------------------------------------------------- `jaxserve serve` subprocess
 
 

@@ -93,9 +93,11 @@ class Collection:
         self._index.save(self.directory / INDEX_FILE)
         self._unsaved = 0
 
-    def close(self) -> None:
+    def close(self, save: bool = True) -> None:
+        """Close the store, first writing the index if it changed (not when the collection is
+        about to be deleted)."""
         with self._lock:
-            if self._unsaved:
+            if save and self._unsaved:
                 self._save_index()
             self._store.close()
 

@@ -94,7 +94,7 @@ class RagService:
                 raise NotFound(f"collection {name!r} does not exist", param="collection")
             opened = self._open.pop(name, None)
             if opened is not None:
-                opened.close()
+                opened.close(save=False)
             shutil.rmtree(directory)
 
     def upsert(self, name: str, documents: list[Document]) -> int:

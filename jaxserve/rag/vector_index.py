@@ -125,7 +125,8 @@ class VectorIndex:
     def load(self, path: Path, live_ids: set[int], all_vectors) -> int:
         """Read a saved index and reconcile it with the store's live ids: ids it has that the store
         deleted become deletions, ids it lacks (changes after the last save) are added. Returns
-        how many ids that changed, i.e. how far the file is behind."""
+        how far the file is behind: the changes a save would record (HNSW tombstones are not
+        among them: they are re-derived at every load), or every id after a rebuild."""
         self._cpu = faiss.read_index(str(path))
         self._tombstones, self._selector = set(), None
         indexed = set(self.ids.tolist())
@@ -136,5 +137,8 @@ class VectorIndex:
             added_ids, added_vectors = ids[missing], vectors[missing]
         removed = indexed - live_ids
         self._sync_device()
+        loaded = self._cpu
         self.update(removed, added_ids, added_vectors, all_vectors)
-        return len(removed) + len(added_ids)
+        if self._cpu is not loaded:  # rebuilt (another kind, or too many tombstones)
+            return self.num_live
+        return len(added_ids) + (len(removed) if self.kind == "exact" else 0)

@@ -62,9 +62,10 @@ def status_for(error: Exception) -> grpc.StatusCode:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, engine, model_name: str, rag: RagService | None = None):
+    def __init__(self, engine, model_name: str, rag: RagService | None = None,
+                 max_queued_requests: int | None = None):
         self.engine = engine
-        self.serving = OpenAIServing(engine, model_name)
+        self.serving = OpenAIServing(engine, model_name, max_queued_requests=max_queued_requests)
         self.model_name = model_name
         self.rag = rag
 
@@ -135,15 +136,17 @@ class EngineHealthServicer(health.aio.HealthServicer):
 
 async def start_grpc_server(engine, host: str, port: int, model_name: str,
                             health_servicer: health.aio.HealthServicer | None = None,
-                            rag: RagService | None = None):
+                            rag: RagService | None = None,
+                            max_queued_requests: int | None = None):
     """Start serving on host:port (0 picks a free port); returns (server, bound_port). With
-    `rag`, Embed answers with its encoder (else UNIMPLEMENTED).
+    `rag`, Embed answers with its encoder (else UNIMPLEMENTED); `max_queued_requests` as in
+    OpenAIServing.
 
     Health reports SERVING for the service and for "" once this returns, so call it after
     the engine has warmed up."""
     server = grpc.aio.server()
-    pb_grpc.add_GenerationServicer_to_server(GenerationService(engine, model_name, rag),
-                                             server)
+    service = GenerationService(engine, model_name, rag, max_queued_requests)
+    pb_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health_servicer or EngineHealthServicer(engine)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

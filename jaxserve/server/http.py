@@ -41,7 +41,8 @@ class _State:
 
     def attach(self, engine, rag=None) -> None:
         self.serving = OpenAIServing(engine, self.model_name, self.metrics,
-                                     self.config.log_prompts, rag)
+                                     self.config.log_prompts, rag,
+                                     self.config.max_queued_requests)
 
     def require_serving(self) -> OpenAIServing:
         if self.serving is None:

@@ -35,7 +35,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-prompts", action="store_true")
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="refuse new requests (HTTP 503, gRPC RESOURCE_EXHAUSTED) while this "
-                             "many wait for a sequence slot (default: no limit)")
+                             "many sequences wait for a slot (default: no limit)")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="retrieval collections live here (default: the jaxserve cache's rag/)")
     parser.add_argument("--no-rag", action="store_true",
@@ -72,11 +72,12 @@ async def serve(args: argparse.Namespace) -> int:
             args.model, dtype=args.dtype, **engine_args(args)))
         if rag is not None:
             await loop.run_in_executor(None, _warm_rag, rag)
-        engine = AsyncEngine(llm_engine, config.max_queued_requests)
+        engine = AsyncEngine(llm_engine)
         attach_engine(app, engine, rag)
         if config.grpc_port is not None:
             grpc_server, grpc_port = await start_grpc_server(
-                engine, config.host, config.grpc_port, model_name, rag=rag)
+                engine, config.host, config.grpc_port, model_name, rag=rag,
+                max_queued_requests=config.max_queued_requests)
             print(f"jaxserve: gRPC on {config.host}:{grpc_port}", flush=True)
         print(f"jaxserve: serving {model_name} at http://{config.host}:{port}/v1", flush=True)
         await stop.wait()

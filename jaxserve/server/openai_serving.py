@@ -15,7 +15,8 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from jaxserve.errors import ContextLengthExceeded, EngineDead, InvalidRequest, ModelNotFound
+from jaxserve.errors import (ContextLengthExceeded, EngineDead, EngineOverloaded, InvalidRequest,
+                             ModelNotFound)
 from jaxserve.server import protocol
 
 access_log = logging.getLogger("jaxserve.access")
@@ -279,12 +280,13 @@ class OpenAIServing:
     """Parses, validates and starts OpenAI generations on one engine."""
 
     def __init__(self, engine, model_name: str, metrics=None, log_prompts: bool = False,
-                 rag=None):
+                 rag=None, max_queued_requests: int | None = None):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.log_prompts = log_prompts
         self.rag = rag  # a jaxserve.rag.service.RagService, or None: no retrieval
+        self.max_queued_requests = max_queued_requests  # None: no admission limit
 
     @property
     def tokenizer(self):
@@ -339,6 +341,14 @@ class OpenAIServing:
         params = self._fit_context(parsed, prompt_ids)
         if not self.engine.is_running:
             raise EngineDead("the engine is not running; the server cannot generate")
+        if self.max_queued_requests is not None:
+            # Checked here, before a stream's headers go out, so a full queue is a 503 (or
+            # RESOURCE_EXHAUSTED), never an error inside a 200 stream. Requests checked at the same
+            # moment may all pass: the limit is approximate by that much.
+            queued = self.engine.num_queued
+            if queued >= self.max_queued_requests:
+                raise EngineOverloaded(f"the request queue is full ({queued} sequences wait for a "
+                                       f"slot); retry later")
         # The engine's own checks (e.g. a KV pool too small for the request) run here, before a
         # stream's headers go out, so they are still a 400 and not an error inside a 200 stream.
         for ids in prompt_ids:

@@ -117,7 +117,8 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
     # (64 decodes of 46-286 tokens: 4.7-5.7 -> 3.5-3.8 ms per layer). Items without rows have
     # blk_hi 0 and stay last.
     order = jnp.argsort(-items.blk_hi, stable=True)
-    items = QueryItems(*(x[order] for x in items[:-1]), items.num_live)
+    items = items._replace(**{f: getattr(items, f)[order] for f in QueryItems._fields
+                              if f != "num_live"})
     seq, first_pos = items.seq, items.first_pos
     r = jnp.arange(q_block)
     row_ids = items.start[:, None] + r[None, :]  # [W, q_block] flat query rows
