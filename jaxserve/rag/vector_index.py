@@ -131,10 +131,10 @@ class VectorIndex:
         self._tombstones, self._selector = set(), None
         indexed = set(self.ids.tolist())
         added_ids, added_vectors = np.zeros(0, np.int64), np.zeros((0, self.dim), np.float32)
-        if live_ids - indexed:
+        if missing := live_ids - indexed:
             ids, vectors = all_vectors()
-            missing = ~np.isin(ids, self.ids)
-            added_ids, added_vectors = ids[missing], vectors[missing]
+            take = np.isin(ids, np.fromiter(missing, np.int64, len(missing)))
+            added_ids, added_vectors = ids[take], vectors[take]
         removed = indexed - live_ids
         self._sync_device()
         loaded = self._cpu
