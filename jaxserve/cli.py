@@ -1,4 +1,4 @@
-"""`jaxserve fetch | convert | generate | serve | batch | index | search`.
+"""`jaxserve fetch | convert | generate | serve | batch | index | search | policy`.
 
 Every error a user can cause surfaces as a JaxServeError and is printed as one line on stderr with
 exit code 1 — never a traceback. Progress goes to stderr so stdout carries only the result (with
@@ -17,6 +17,7 @@ from jaxserve.batch_infer import add_batch_arguments
 from jaxserve.engine_args import add_engine_arguments
 from jaxserve.errors import ContextLengthExceeded, InvalidRequest, JaxServeError
 from jaxserve.model_registry import ModelSpec
+from jaxserve.safety.cli import add_policy_command
 from jaxserve.server.launcher import add_serve_arguments
 from jaxserve.tokenizer import tokenizer_source
 
@@ -253,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--top-k", type=int, default=5)
     se.add_argument("--json", action="store_true", help="print {\"results\": [...]} as JSON")
     se.set_defaults(func=cmd_search)
+
+    add_policy_command(sub)
     return p
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -54,6 +54,21 @@ class _EngineCollector:
         yield self._counter("generation_tokens", "Tokens generated.", s.generation_tokens)
         yield self._counter("num_preemptions", "Requests preempted for lack of KV pages.",
                             s.num_preemptions)
+
+
+class PolicyMetrics:
+    """`jaxserve:policy_interventions_total{rule, action, stage}`: one count per request (input)
+    or choice (output) that a rule acted on, however many matches it had there."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.interventions = Counter("jaxserve:policy_interventions",
+                                     "Requests (input) or choices (output) a policy rule acted on.",
+                                     ["rule", "action", "stage"], registry=registry)
+
+    def record(self, interventions) -> None:
+        """interventions: jaxserve.safety.Intervention (rule, action, stage)."""
+        for i in interventions:
+            self.interventions.labels(i.rule, i.action, i.stage).inc()
 
 
 class ServerMetrics:

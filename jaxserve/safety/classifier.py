@@ -1,0 +1,116 @@
+"""The hook for a real moderation model: `Classifier` (text in, labels and scores out), loaded by
+dotted path from the policy file and called on its own executor with a timeout.
+
+A call that times out or raises is decided by the classifier's `on_error`: "block" (fail closed,
+the default: a provider that promised moderation does not serve unmoderated text because the
+moderator is slow) or "allow" (fail open). Either way it is recorded as an intervention of the
+rule `classifier:NAME` (action block, or flag when allowed), so failures show in the metrics.
+A timed-out call cannot be killed: it keeps its worker thread until it returns, and calls queued
+behind it time out in turn; `workers` sets how many calls run at once.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import importlib
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from jaxserve.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class Classifier(abc.ABC):
+    """Subclass this and name the class in the policy file:
+
+        [classifier.tox]
+        class = "mypackage.moderation.ToxicityClassifier"   # or "mypackage.moderation:Toxicity..."
+        args = { model_dir = "/models/tox" }                # keyword arguments of __init__
+
+    `classify` runs on a worker thread (it may block: a model call, an HTTP request). Return a
+    score per label; rules compare them with their `threshold` (`score >= threshold` matches)."""
+
+    @abc.abstractmethod
+    def classify(self, text: str) -> Mapping[str, float]:
+        ...
+
+    def close(self) -> None:
+        """Called once when the policy is closed (server shutdown)."""
+
+
+@dataclass(frozen=True)
+class ClassifierResult:
+    scores: Mapping[str, float] = field(default_factory=dict)
+    error: str | None = None  # "timeout" or the exception, when the call failed
+
+
+def load_class(path: str) -> type:
+    """`pkg.module.Name` or `pkg.module:Name` -> the object (ConfigError naming what is missing)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"'{path}' is not a dotted path (package.module.Name)")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"cannot import {module_name}: {e}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ConfigError(f"{module_name} has no attribute {attr!r}") from None
+
+
+class ClassifierRunner:
+    """One configured classifier: its instance, its executor and its failure policy."""
+
+    def __init__(self, name: str, cls_path: str, args: Mapping[str, Any], timeout_s: float,
+                 on_error: str, workers: int):
+        cls = load_class(cls_path)
+        if not (isinstance(cls, type) and issubclass(cls, Classifier)):
+            raise ConfigError(f"{cls_path} is not a subclass of jaxserve.safety.Classifier")
+        try:
+            self.instance = cls(**args)
+        except Exception as e:  # noqa: BLE001 - a user's class: report what it raised
+            raise ConfigError(f"{cls_path}(**args) raised {type(e).__name__}: {e}") from None
+        self.name = name
+        self.timeout_s = timeout_s
+        self.on_error = on_error
+        self._executor = ThreadPoolExecutor(max_workers=workers,
+                                            thread_name_prefix=f"classifier-{name}")
+
+    async def classify(self, text: str) -> ClassifierResult:
+        loop = asyncio.get_running_loop()
+        try:
+            scores = await asyncio.wait_for(
+                loop.run_in_executor(self._executor, self.instance.classify, text),
+                self.timeout_s)
+            return ClassifierResult(_checked_scores(scores))
+        except TimeoutError:
+            log.warning("classifier %s timed out after %.3g s", self.name, self.timeout_s)
+            return ClassifierResult(error="timeout")
+        except Exception as e:  # noqa: BLE001 - a user's model failing decides by on_error
+            log.warning("classifier %s failed: %s: %s", self.name, type(e).__name__, e)
+            return ClassifierResult(error=f"{type(e).__name__}: {e}")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.instance.close()
+
+
+def _checked_scores(scores) -> dict[str, float]:
+    if not isinstance(scores, Mapping):
+        raise TypeError(f"classify() must return a mapping of label to score, got "
+                        f"{type(scores).__name__}")
+    out = {}
+    for label, score in scores.items():
+        if not isinstance(label, str) or isinstance(score, bool) \
+                or not isinstance(score, (int, float)) or math.isnan(score):
+            raise TypeError(f"classify() returned {label!r}: {score!r}; want str: number")
+        out[label] = float(score)
+    return out
