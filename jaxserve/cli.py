@@ -1,4 +1,4 @@
-"""`jaxserve fetch | convert | generate | serve | batch | index | search | policy`.
+"""`jaxserve fetch | convert | generate | serve | batch | index | search | audit | policy`.
 
 Every error a user can cause surfaces as a JaxServeError and is printed as one line on stderr with
 exit code 1 — never a traceback. Progress goes to stderr so stdout carries only the result (with
@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxserve.audit.cli import add_audit_command
 from jaxserve.batch_infer import add_batch_arguments
 from jaxserve.engine_args import add_engine_arguments
 from jaxserve.errors import ContextLengthExceeded, InvalidRequest, JaxServeError
@@ -255,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--json", action="store_true", help="print {\"results\": [...]} as JSON")
     se.set_defaults(func=cmd_search)
 
+    add_audit_command(sub)
     add_policy_command(sub)
     return p
 

@@ -1,0 +1,242 @@
+"""AuditLog: the writer behind `--audit-log DIR`.
+
+`write(record)` only puts the record on a queue (it never blocks the event loop); one writer
+thread stamps each with its sequence number and the previous record's hash, appends it to the
+newest file and makes it durable: group commit, i.e. it writes everything that has queued up in
+one `write` and then `fsync`s, so a record reaches the disk within one write + fsync of being
+queued, and a burst shares one fsync. A crash therefore loses only the records still queued and
+the batch being written: at most `max_pending` (admission refuses new requests while that many
+wait: `check_accepting`), in practice those of the last few milliseconds. `close()` writes the
+rest and syncs.
+
+Files are `audit-000001.jsonl`, `audit-000002.jsonl`, ...: when the next record would push a file
+past `max_file_bytes`, a `rotate` record naming the next file closes it, and the chain goes on in
+the next. On start the writer continues the newest file; a last line cut by a crash is removed
+and a `recovered` record says how many bytes were dropped. One process at a time: the directory
+is locked (`.lock`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxserve.audit.record import (GENESIS, AuditError, AuditRecord, data_file_name, decode,
+                                   encode, list_files, utc_now)
+from jaxserve.errors import ConfigError, EngineOverloaded
+
+log = logging.getLogger(__name__)
+
+
+class AuditBacklogFull(EngineOverloaded):
+    """The audit writer is behind (or failing): new requests wait until it catches up."""
+
+
+@dataclass(frozen=True)
+class AuditLogConfig:
+    directory: Path
+    max_file_bytes: int = 64 * 2**20
+    max_pending: int = 4096  # queued records beyond which check_accepting refuses
+    fsync: bool = True  # False: a process crash loses nothing written, an OS crash may
+
+    def __post_init__(self):
+        if self.max_file_bytes < 4096:
+            raise ConfigError(f"max_file_bytes must be >= 4096, got {self.max_file_bytes}")
+        if self.max_pending < 1:
+            raise ConfigError(f"max_pending must be >= 1, got {self.max_pending}")
+
+
+_STOP = object()
+
+
+class AuditLog:
+    def __init__(self, config: AuditLogConfig):
+        self.config = config
+        self.directory = Path(config.directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise AuditError(f"cannot open the audit log {self.directory}: {e.strerror}") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise AuditError(f"the audit log {self.directory} is in use by another process") \
+                from None
+        try:
+            dropped = self._open_tail()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._in_hand = 0  # records taken off the queue, not yet written
+        self._error: str | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="audit-writer", daemon=True)
+        self._thread.start()
+        if dropped:
+            self._queue.put({"type": "recovered", "ts": utc_now(), "dropped_bytes": dropped})
+
+    # ---- the caller's side (any thread, never blocks) -----------------------------------------
+
+    def write(self, record: AuditRecord) -> None:
+        if self._closed:
+            raise AuditError("the audit log is closed")
+        self._queue.put({"type": "request", "ts": utc_now(), **record.to_dict()})
+
+    @property
+    def pending(self) -> int:
+        return self._queue.qsize() + self._in_hand
+
+    def check_accepting(self) -> None:
+        """Raise AuditBacklogFull (a 503) while records cannot be written fast enough, so a crash
+        never loses more than `max_pending` of them."""
+        if self._error is not None:
+            raise AuditBacklogFull(f"the audit log cannot be written ({self._error}); retry later")
+        if self.pending >= self.config.max_pending:
+            raise AuditBacklogFull("the audit log is behind; retry later")
+
+    def close(self) -> None:
+        """Write what is queued, sync, and stop the writer."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join()
+        os.close(self._fd)
+        os.close(self._lock_fd)
+
+    # ---- the writer thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        stopping = False
+        batch: list[dict] = []
+        while not (stopping and not batch):
+            if not batch:
+                item = self._queue.get()
+                if item is _STOP:
+                    stopping = True
+                    continue
+                batch.append(item)
+            while True:  # everything queued so far goes in this write
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    stopping = True
+                    break
+                batch.append(item)
+            self._in_hand = len(batch)
+            try:
+                self._append(batch)
+            except OSError as e:
+                self._error = e.strerror or str(e)
+                log.error("audit log write failed (%s); retrying in 1 s", self._error)
+                time.sleep(1.0)
+                continue
+            self._error = None
+            batch = []
+            self._in_hand = 0
+
+    def _append(self, batch: list[dict]) -> None:
+        """Write the batch (rotating as needed) and sync; on OSError the files and the chain
+        state are as before the call, so the batch can be retried."""
+        state = (self._number, self._size, self._seq, self._prev)
+        try:
+            lines: list[bytes] = []
+            for body in batch:
+                before = (self._size, self._seq, self._prev)
+                line = self._line(body)
+                if self._size > self.config.max_file_bytes and before[0] > 0:
+                    self._size, self._seq, self._prev = before  # it goes to the next file
+                    lines.append(self._line({"type": "rotate", "ts": body["ts"],
+                                             "next": data_file_name(self._number + 1)}))
+                    self._flush(lines)
+                    self._next_file()
+                    line = self._line(body)
+                lines.append(line)
+            self._flush(lines)
+        except OSError:
+            os.close(self._fd)
+            self._number, self._size, self._seq, self._prev = state
+            self._fd = os.open(self.directory / data_file_name(self._number),
+                               os.O_WRONLY | os.O_APPEND)
+            os.ftruncate(self._fd, self._size)
+            raise
+
+    def _line(self, body: dict) -> bytes:
+        """The next chained line for body (seq, ts, type and prev first)."""
+        record = {"seq": self._seq, "ts": body["ts"], "type": body["type"], "prev": self._prev}
+        record.update((k, v) for k, v in body.items() if k not in ("ts", "type"))
+        line, self._prev = encode(record)
+        self._seq += 1
+        self._size += len(line) + 1
+        return line
+
+    def _flush(self, lines: list[bytes]) -> None:
+        data = b"".join(line + b"\n" for line in lines)
+        lines.clear()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+        if self.config.fsync:
+            os.fsync(self._fd)
+
+    def _next_file(self) -> None:
+        self._number += 1
+        fd = os.open(self.directory / data_file_name(self._number),
+                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.close(self._fd)
+        self._fd, self._size = fd, 0
+        if self.config.fsync:
+            _fsync_dir(self.directory)
+
+    # ---- start: continue the chain where it ends ----------------------------------------------
+
+    def _open_tail(self) -> int:
+        """Open the newest file for appending and load the chain's state; returns how many bytes
+        of a cut last line were dropped."""
+        data, _ = list_files(self.directory)
+        self._number, self._seq, self._prev = 1, 0, GENESIS
+        dropped = 0
+        for number, path in reversed(data):
+            raw = path.read_bytes()
+            cut = raw.rfind(b"\n") + 1
+            if cut < len(raw) and number == data[-1][0]:
+                dropped = len(raw) - cut
+                os.truncate(path, cut)
+                log.warning("audit log %s: dropped %d bytes of a record cut by a crash", path,
+                            dropped)
+            if cut == 0:
+                continue  # empty: take the chain from the file before
+            last = raw[raw.rfind(b"\n", 0, cut - 1) + 1:cut - 1]
+            try:
+                record, digest = decode(last)
+                self._seq, self._prev = int(record["seq"]) + 1, digest
+            except (ValueError, KeyError, TypeError) as e:
+                raise AuditError(f"{path}: the last record is damaged ({e}); run `jaxserve "
+                                 f"audit verify {self.directory}`") from None
+            self._number = number + 1 if record.get("type") == "rotate" else number
+            break
+        if data:
+            self._number = max(self._number, data[-1][0])
+        path = self.directory / data_file_name(self._number)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._size = os.fstat(self._fd).st_size
+        return dropped
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

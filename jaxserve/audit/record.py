@@ -1,0 +1,122 @@
+"""The audit log's lines: what a request record holds, and how a line carries its hash.
+
+A line is one JSON object (ASCII, no spaces) whose last member is `"hash"`: the sha256 of the
+line's bytes with that member removed (`{...,"hash":"<hex>"}` -> `{...}`). Hashing the bytes as
+written needs no canonical JSON. Every chained line also has `seq` (0, 1, 2, ... across files)
+and `prev` (the previous line's hash; 64 zeros for the first line ever).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Sequence
+
+from jaxserve.errors import JaxServeError
+from jaxserve.safety.rules import Intervention
+
+GENESIS = "0" * 64
+_HASH_SUFFIX = re.compile(rb',"hash":"([0-9a-f]{64})"\}$')
+_DATA_FILE = re.compile(r"^audit-(\d{6,})\.jsonl$")
+_CHECKPOINT_FILE = re.compile(r"^checkpoint-(\d{6,})\.jsonl$")
+
+
+class AuditError(JaxServeError):
+    """The audit log cannot be opened, verified or pruned."""
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    """One request, as the audit log keeps it: who asked, what was served and what the policy
+    did; no prompt or output text unless the tenant asked for it (`prompt`/`outputs`, given
+    after redaction)."""
+
+    request_id: str
+    route: str  # "/v1/chat/completions", "/v1/completions", "grpc:Generate", "batch:<url>"
+    status: str  # "ok", "error", "client_disconnected", ... (as the access log)
+    status_code: int | None = None  # HTTP status, or the equivalent for gRPC and batch
+    tenant: str | None = None
+    key_id: str | None = None  # a short hash of the API key, never the key
+    model: str | None = None
+    version: str | None = None  # the model version that answered
+    client: str | None = None  # the client's address
+    arrival: float | None = None  # unix time the request arrived
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost: float | None = None  # USD
+    finish_reasons: Sequence[str] = ()
+    interventions: Sequence[Intervention] = ()
+    deadline_exceeded: bool = False
+    shed: bool = False
+    idempotent_replay: bool = False
+    prompt: Sequence[str] | None = None  # only with the tenant's audit_content, redacted
+    outputs: Sequence[str] | None = None  # idem, one per choice
+
+    def to_dict(self) -> dict:
+        d = {"request_id": self.request_id, "route": self.route, "status": self.status,
+             "status_code": self.status_code, "tenant": self.tenant, "key_id": self.key_id,
+             "model": self.model, "version": self.version, "client": self.client,
+             "arrival": self.arrival, "prompt_tokens": self.prompt_tokens,
+             "completion_tokens": self.completion_tokens, "cost": self.cost,
+             "finish_reasons": list(self.finish_reasons),
+             "interventions": [i.to_dict() for i in self.interventions],
+             "deadline_exceeded": self.deadline_exceeded, "shed": self.shed,
+             "idempotent_replay": self.idempotent_replay}
+        if self.prompt is not None or self.outputs is not None:
+            d["content"] = {"prompt": list(self.prompt or ()), "outputs": list(self.outputs or ())}
+        return d
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_time(ts: str) -> float:
+    return datetime.fromisoformat(ts).timestamp()
+
+
+def encode(body: dict) -> tuple[bytes, str]:
+    """The line for `body` (without its newline) and its hash."""
+    head = json.dumps(body, separators=(",", ":")).encode()
+    digest = hashlib.sha256(head).hexdigest()
+    return head[:-1] + b',"hash":"' + digest.encode() + b'"}', digest
+
+
+def decode(line: bytes) -> tuple[dict, str]:
+    """(the record, its hash); ValueError saying what is wrong with the line."""
+    m = _HASH_SUFFIX.search(line)
+    if m is None:
+        raise ValueError("not an audit record (no trailing hash)")
+    digest = m.group(1).decode()
+    if hashlib.sha256(line[:m.start()] + b"}").hexdigest() != digest:
+        raise ValueError("record changed: its content does not match its hash")
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"not valid JSON: {e}") from None
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    return record, digest
+
+
+def data_file_name(number: int) -> str:
+    return f"audit-{number:06d}.jsonl"
+
+
+def checkpoint_file_name(number: int) -> str:
+    return f"checkpoint-{number:06d}.jsonl"
+
+
+def list_files(directory: Path) -> tuple[list[tuple[int, Path]], list[tuple[int, Path]]]:
+    """(data files, checkpoint files), each as (number, path) in number order."""
+    data, checkpoints = [], []
+    for p in directory.iterdir():
+        if m := _DATA_FILE.match(p.name):
+            data.append((int(m.group(1)), p))
+        elif m := _CHECKPOINT_FILE.match(p.name):
+            checkpoints.append((int(m.group(1)), p))
+    return sorted(data), sorted(checkpoints)
