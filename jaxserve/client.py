@@ -1,7 +1,9 @@
 """Small gRPC clients for a jaxserve server: AsyncClient (grpc.aio) and Client (blocking).
 
 Both stream GenerateResponse deltas; `timeout` is the request deadline, and the server aborts
-the generation (freeing its KV pages) when it expires."""
+the generation (freeing its KV pages) when it expires. With `root_certificates` (PEM bytes of the
+CA that signed the server's certificate) they connect over TLS (a server started with
+--ssl-certfile); without, in plain text."""
 
 from __future__ import annotations
 
@@ -20,9 +22,16 @@ def generate_request(model: str, prompt: str | list[int], **sampling) -> pb.Gene
     return pb.GenerateRequest(model=model, prompt_token_ids=prompt, **sampling)
 
 
+def _credentials(root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
+    return (grpc.ssl_channel_credentials(root_certificates) if root_certificates is not None
+            else None)
+
+
 class AsyncClient:
-    def __init__(self, target: str):
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(self, target: str, root_certificates: bytes | None = None):
+        creds = _credentials(root_certificates)
+        self.channel = (grpc.aio.secure_channel(target, creds) if creds
+                        else grpc.aio.insecure_channel(target))
         self.stub = pb_grpc.GenerationStub(self.channel)
 
     def generate(self, model: str, prompt: str | list[int], *, timeout: float | None = None,
@@ -48,8 +57,10 @@ class AsyncClient:
 
 
 class Client:
-    def __init__(self, target: str):
-        self.channel = grpc.insecure_channel(target)
+    def __init__(self, target: str, root_certificates: bytes | None = None):
+        creds = _credentials(root_certificates)
+        self.channel = (grpc.secure_channel(target, creds) if creds
+                        else grpc.insecure_channel(target))
         self.stub = pb_grpc.GenerationStub(self.channel)
 
     def generate(self, model: str, prompt: str | list[int], *, timeout: float | None = None,

@@ -137,10 +137,11 @@ class EngineHealthServicer(health.aio.HealthServicer):
 async def start_grpc_server(engine, host: str, port: int, model_name: str,
                             health_servicer: health.aio.HealthServicer | None = None,
                             rag: RagService | None = None,
-                            max_queued_requests: int | None = None):
+                            max_queued_requests: int | None = None,
+                            credentials: grpc.ServerCredentials | None = None):
     """Start serving on host:port (0 picks a free port); returns (server, bound_port). With
     `rag`, Embed answers with its encoder (else UNIMPLEMENTED); `max_queued_requests` as in
-    OpenAIServing.
+    OpenAIServing; with `credentials`, over TLS.
 
     Health reports SERVING for the service and for "" once this returns, so call it after
     the engine has warmed up."""
@@ -152,7 +153,9 @@ async def start_grpc_server(engine, host: str, port: int, model_name: str,
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    bound_port = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound_port = (server.add_secure_port(address, credentials) if credentials is not None
+                  else server.add_insecure_port(address))
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

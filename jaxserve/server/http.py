@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 from typing import Any
 
 from aiohttp import web
@@ -243,13 +244,15 @@ def attach_engine(app: web.Application, engine, rag=None) -> None:
     app[STATE_KEY].attach(engine, rag)
 
 
-async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start listening; returns the runner (for cleanup) and the bound port (port 0 picks one)."""
+async def start_server(app: web.Application, host: str, port: int,
+                       ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
+    """Start listening (HTTPS with `ssl_context`); returns the runner (for cleanup) and the bound
+    port (port 0 picks one)."""
     # handler_cancellation: a client that disconnects cancels its handler, whose finally aborts
     # the engine request.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - aiohttp exposes no accessor
     return runner, bound

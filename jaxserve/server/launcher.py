@@ -40,6 +40,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="retrieval collections live here (default: the jaxserve cache's rag/)")
     parser.add_argument("--no-rag", action="store_true",
                         help="serve generation only: no embeddings, collections or chat 'rag'")
+    parser.add_argument("--ssl-certfile", type=Path, default=None,
+                        help="serve HTTPS and gRPC over TLS with this PEM certificate (chain)")
+    parser.add_argument("--ssl-keyfile", type=Path, default=None,
+                        help="the PEM private key of --ssl-certfile")
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -49,18 +53,22 @@ async def serve(args: argparse.Namespace) -> int:
     from jaxserve.server.grpc import start_grpc_server
     from jaxserve.server.http import attach_engine, build_app, start_server
     from jaxserve.server.rag_routes import add_rag_routes
+    from jaxserve.server.tls import TlsConfig
 
     config = ServerConfig(host=args.host, port=args.port, grpc_port=args.grpc_port,
                           served_model_name=args.served_model_name,
                           keepalive_seconds=args.keepalive_seconds, log_prompts=args.log_prompts,
                           max_queued_requests=args.max_queued_requests)
     model_name = config.served_model_name or args.model
+    tls = TlsConfig.from_args(args.ssl_certfile, args.ssl_keyfile)
+    scheme = "https" if tls else "http"
     app = build_app(config, model_name)
     rag = None if args.no_rag else _rag_service(args.data_dir)
     if rag is not None:
         add_rag_routes(app, rag)
-    runner, port = await start_server(app, config.host, config.port)
-    print(f"jaxserve: warming up {model_name}; health at http://{config.host}:{port}/health",
+    runner, port = await start_server(app, config.host, config.port,
+                                      tls.ssl_context() if tls else None)
+    print(f"jaxserve: warming up {model_name}; health at {scheme}://{config.host}:{port}/health",
           flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -77,9 +85,10 @@ async def serve(args: argparse.Namespace) -> int:
         if config.grpc_port is not None:
             grpc_server, grpc_port = await start_grpc_server(
                 engine, config.host, config.grpc_port, model_name, rag=rag,
-                max_queued_requests=config.max_queued_requests)
+                max_queued_requests=config.max_queued_requests,
+                credentials=tls.grpc_credentials() if tls else None)
             print(f"jaxserve: gRPC on {config.host}:{grpc_port}", flush=True)
-        print(f"jaxserve: serving {model_name} at http://{config.host}:{port}/v1", flush=True)
+        print(f"jaxserve: serving {model_name} at {scheme}://{config.host}:{port}/v1", flush=True)
         await stop.wait()
     finally:
         if grpc_server is not None:
