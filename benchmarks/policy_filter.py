@@ -23,7 +23,7 @@ import argparse
 import json
 import platform
 import tempfile
-import time
+import timeit
 from pathlib import Path
 
 from workload import pydoc_workload  # benchmarks/ is the script's directory
@@ -35,33 +35,19 @@ from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 STREAMS, TOKENS = 32, 128
 PII = " write to bob.smith@example.com or pay with 4111 1111 1111 1111 today "
 
+def _rule(match: str, action: str, **fields) -> str:
+    body = {"stage": "output", "match": match, "action": action, **fields}
+    return "[[pack.p.rule]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in body.items())
+
+
+LITERALS = (_rule("literal", "block", pattern="open sesame")
+            + _rule("literal", "block", pattern="internal use only", whole_word=True))
 PACKS = {
-    "2 literals": """
-[[pack.p.rule]]
-stage = "output"
-match = "literal"
-pattern = "open sesame"
-action = "block"
-[[pack.p.rule]]
-stage = "output"
-match = "literal"
-pattern = "internal use only"
-whole_word = true
-action = "block"
-""",
+    "2 literals": LITERALS,
+    "2 literals + 4 PII + 1 regex": LITERALS + "".join(
+        _rule(f"pii:{kind}", "redact") for kind in ("email", "phone", "credit_card", "api_key"))
+    + _rule("regex", "flag", pattern=r"(?i)\bproject [a-z]+ codename\b"),
 }
-PACKS["2 literals + 4 PII + 1 regex"] = PACKS["2 literals"] + "".join(f"""
-[[pack.p.rule]]
-stage = "output"
-match = "pii:{kind}"
-action = "redact"
-""" for kind in ("email", "phone", "credit_card", "api_key")) + """
-[[pack.p.rule]]
-stage = "output"
-match = "regex"
-pattern = "(?i)\\\\bproject [a-z]+ codename\\\\b"
-action = "flag"
-"""
 
 
 def stream_texts(tokenizer) -> list[list[str]]:
@@ -119,15 +105,6 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="whose tokenizer")
@@ -138,14 +115,15 @@ def main() -> None:
     streams = stream_texts(load_tokenizer(resolve(args.model)))
     deltas = sum(map(len, streams))
     print(f"{cpu_name()}, {STREAMS} streams, {deltas} deltas")
-    base = best(lambda: baseline(streams), args.repeats) / deltas
+    base = min(timeit.repeat(lambda: baseline(streams), number=1, repeat=args.repeats)) / deltas
     print(f"{'baseline: chunk + SSE encoding':40s} {base * 1e6:7.2f} us/delta")
     with tempfile.TemporaryDirectory() as d:
         for name, body in PACKS.items():
             path = Path(d) / "policy.toml"
             path.write_text(body)
             pack = load_policy(path).pack("p")
-            cost = best(lambda: filtered(streams, pack), args.repeats) / deltas
+            cost = min(timeit.repeat(lambda: filtered(streams, pack), number=1,
+                                     repeat=args.repeats)) / deltas
             print(f"{'filter, ' + name:40s} {cost * 1e6:7.2f} us/delta  {cost / base:5.2f}x "
                   f"baseline  {100 * cost * args.output_tok_s:5.2f}% of a core at "
                   f"{args.output_tok_s:g} tok/s")

@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
-import signal
 import ssl
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -25,9 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve.client import Client
 from jaxserve.errors import ConfigError
+from jaxserve.server.process import ServerProcess
 from jaxserve.server.tls import TlsConfig
 from tests.test_cli import ROOT, tiny_gguf
-from tests.test_grpc import _startup_lines
 
 TINY = "tiny"
 
@@ -102,49 +98,48 @@ def tiny_path(tmp_path_factory, smollm2_tokenizer_fields):
 
 def test_serve_over_tls_http_and_grpc(certs, tiny_path, tmp_path):
     # One 8-token sequence per step: few programs to compile.
-    stderr = (tmp_path / "stderr.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(tiny_path),
-         "--served-model-name", TINY, "--port", "0", "--grpc-port", "0", "--no-rag",
-         "--max-num-seqs", "1", "--max-num-batched-tokens", "8", "--max-model-len", "128",
-         "--num-pages", "16", "--ssl-certfile", str(certs["cert"]),
-         "--ssl-keyfile", str(certs["key"])],
-        cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=stderr, text=True)
-    try:
-        lines = _startup_lines(proc, deadline_s=300)
-        url = lines[-1].split(" at ", 1)[1].strip()
-        target = next(line.split(" on ", 1)[1].strip() for line in lines
-                      if line.startswith("jaxserve: gRPC on "))
-        assert url.startswith("https://127.0.0.1:")
-        greedy = dict(max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
-        ca = ssl.create_default_context(cafile=certs["ca"])
-        with openai.DefaultHttpxClient(verify=ca) as http:
-            client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0,
-                                   http_client=http)
-            stream = client.completions.create(model=TINY, prompt=[42], stream=True, **greedy)
-            text = "".join(c.choices[0].text for c in stream if c.choices)
-            r = client.completions.create(model=TINY, prompt=[42], **greedy)
-            assert r.choices[0].text == text and r.usage.completion_tokens == 4
-        # a client that does not trust the CA is refused at the handshake
-        untrusting = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
-        with pytest.raises(openai.APIConnectionError):
-            untrusting.models.list()
-        with Client(target, root_certificates=certs["ca"].read_bytes()) as grpc_client:
-            health = health_pb2_grpc.HealthStub(grpc_client.channel)
-            assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == \
-                health_pb2.HealthCheckResponse.SERVING
-            joined = grpc_client.complete(TINY, [42], max_tokens=4, temperature=0,
-                                          ignore_eos=True, timeout=60)
-        assert joined.text == text
-        with Client(target) as plain, pytest.raises(grpc.RpcError) as e:
-            plain.list_models()  # plain text to a TLS port
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        stderr.close()
-    log = (tmp_path / "stderr.log").read_text()
+    log_path = tmp_path / "stderr.log"
+    with log_path.open("w") as stderr:
+        server = ServerProcess(
+            ["--model", str(tiny_path), "--served-model-name", TINY, "--port", "0",
+             "--grpc-port", "0", "--no-rag", "--max-num-seqs", "1", "--max-num-batched-tokens",
+             "8", "--max-model-len", "128", "--num-pages", "16",
+             "--ssl-certfile", str(certs["cert"]), "--ssl-keyfile", str(certs["key"])],
+            stderr, cwd=ROOT, ready_timeout_s=300)
+        try:
+            target = next(line.split(" on ", 1)[1].strip() for line in server.startup_lines
+                          if line.startswith("jaxserve: gRPC on "))
+            assert server.url.startswith("https://127.0.0.1:")
+            text = _round_trips(server.url, target, certs["ca"])
+            assert server.stop() == 0
+        finally:
+            server.kill()
+    log = log_path.read_text()
     assert "Traceback" not in log, log[-3000:]
+
+
+def _round_trips(url: str, target: str, ca_path: Path) -> str:
+    """HTTPS with the openai client (refused without the CA), then gRPC over TLS: the same greedy
+    text from both. Returns it."""
+    greedy = dict(max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    ca = ssl.create_default_context(cafile=ca_path)
+    with openai.DefaultHttpxClient(verify=ca) as http:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, http_client=http)
+        stream = client.completions.create(model=TINY, prompt=[42], stream=True, **greedy)
+        text = "".join(c.choices[0].text for c in stream if c.choices)
+        r = client.completions.create(model=TINY, prompt=[42], **greedy)
+        assert r.choices[0].text == text and r.usage.completion_tokens == 4
+    untrusting = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIConnectionError):  # refused at the handshake
+        untrusting.models.list()
+    with Client(target, root_certificates=ca_path.read_bytes()) as grpc_client:
+        health = health_pb2_grpc.HealthStub(grpc_client.channel)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        joined = grpc_client.complete(TINY, [42], max_tokens=4, temperature=0, ignore_eos=True,
+                                      timeout=60)
+    assert joined.text == text
+    with Client(target) as plain, pytest.raises(grpc.RpcError) as e:
+        plain.list_models()  # plain text to a TLS port
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    return text

@@ -45,7 +45,8 @@ class Detector:
     check: Callable[[str], bool] | None = None  # a match failing it is not that kind of data
 
 
-_EMAIL = r"(?<![\w.%+-])[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63})*\.[A-Za-z]{2,24}(?![\w-])"
+_EMAIL = (r"(?<![\w.%+-])[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63})*"
+          r"\.[A-Za-z]{2,24}(?![\w-])")
 # +CC then 2-5 groups (E.164, spaced or not), or North-American style 555-123-4567,
 # (555) 123-4567, 555.123.4567, 555 123 4567.
 _PHONE = (r"(?<![\w+])(?:\+\d{1,3}(?:[ .-]?\(?\d{1,4}\)?){2,5}"
@@ -57,7 +58,8 @@ _CARD = r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d])"
 _API_KEY = (r"(?<![\w-])(?:sk-[A-Za-z0-9_-]{20,200}|AKIA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{36,251}"
             r"|github_pat_[A-Za-z0-9_]{22,251}|xox[abprs]-[A-Za-z0-9-]{10,200}"
             r"|AIza[0-9A-Za-z_-]{35}|(?:sk|pk|rk)_(?:live|test)_[A-Za-z0-9]{16,200}"
-            r"|glpat-[A-Za-z0-9_-]{20,200}|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})"
+            r"|glpat-[A-Za-z0-9_-]{20,200}"
+            r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})"
             r"(?![\w-])")
 
 DETECTORS: dict[str, Detector] = {

@@ -18,13 +18,15 @@ _READY_PREFIX = "jaxserve: serving "
 
 class ServerProcess:
     """`python -m jaxserve.cli serve ARGS`; `url` is the base URL (`http://HOST:PORT/v1`) once the
-    engine is warm. stderr (logs, compile progress) goes to `stderr` (a file) so the pipe can
-    never fill and stall the server."""
+    engine is warm, `startup_lines` what stdout said until then (e.g. `jaxserve: gRPC on ...`).
+    stderr (logs, compile progress) goes to `stderr` (a file) so the pipe can never fill and
+    stall the server."""
 
     def __init__(self, args: Sequence[str], stderr: IO, *, cwd: Path | None = None,
                  ready_timeout_s: float = 600.0):
         self.proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", *args],
                                      cwd=cwd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        self.startup_lines: list[str] = []
         try:
             self.url = self._read_url(ready_timeout_s)
         except BaseException:
@@ -51,6 +53,7 @@ class ServerProcess:
                 break
             if line is None:
                 raise RuntimeError(f"the server exited with {self.proc.wait()} before serving")
+            self.startup_lines.append(line)
             if line.startswith(_READY_PREFIX):
                 return line.split(" at ", 1)[1].strip()
         raise TimeoutError(f"no '{_READY_PREFIX.strip()}' line within {timeout_s:.0f} s")
