@@ -8,7 +8,13 @@ step, so a metrics scrape never reads state mid-update.
 
 `num_queued` (sequences accepted and not yet running) is what a server's admission limit reads:
 the scheduler's waiting count of the last snapshot plus the sequences submitted since, both
-updated under one lock so a request is never counted twice or not at all.
+updated under one lock so a request is never counted twice or not at all. `admit` applies that
+limit with shedding: when the queue is full, a request displaces never-started requests of less
+important priorities (`LLMEngine.shed`) instead of being refused.
+
+A request that ends by running out of time or by being shed raises a typed error from `generate`
+after the outputs it already produced: DeadlineExceeded (finish_reason "deadline"), QueueTimeout
+("queue_timeout"), EngineOverloaded ("shed"); the front ends map those to 504 / 429 / 503.
 
 If a step raises, the engine is dead: every open stream gets EngineDead and new requests are
 refused, rather than serving from a cache and scheduler in an unknown state.
@@ -24,9 +30,14 @@ from collections import deque
 from typing import AsyncIterator, Callable
 
 from jaxserve.engine import EngineStats, LLMEngine
-from jaxserve.errors import EngineDead, InvalidRequest, RequestFailed
+from jaxserve.errors import (DeadlineExceeded, EngineDead, EngineOverloaded, InvalidRequest,
+                             JaxServeError, QueueTimeout, RequestFailed)
 from jaxserve.outputs import RequestOutput
+from jaxserve.request import QoS
 from jaxserve.sampling import SamplingParams
+
+# A hint for clients refused or shed by a full queue: a step or a few frees seats.
+OVERLOADED_RETRY_AFTER_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +57,10 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        # (command, request id, sequences it adds)
+        # (command, request id, change to the queued sequences: +n for an add, -n for a shed)
         self._inbox: deque[tuple[Callable[[], object], str | None, int]] = deque()
-        self._unadded = 0  # sequences submitted and not yet in a published snapshot
+        self._unadded = 0  # that change, summed over commands not yet in a published snapshot
+        self._shedding = 0  # sequences being shed, not yet in a published snapshot
         self._wake = threading.Condition()
         self._streams: dict[str, _Stream] = {}  # touched by both threads, one key at a time
         self._stats = engine.stats()
@@ -81,16 +93,42 @@ class AsyncEngine:
 
     # ---- caller side (any asyncio loop) ------------------------------------------------------
 
+    def admit(self, num_seqs: int, max_queued: int | None, priority: int = 0) -> None:
+        """Apply the global queue limit before a request of num_seqs sequences is generated (and
+        before any response bytes go out): when the queued sequences plus these pass max_queued,
+        shed enough never-started sequences of less important priorities (a command the engine
+        runs before its next step), or raise EngineOverloaded when there are not that many.
+        Approximate by the requests admitted at the same moment, and by requests that start
+        between the last snapshot and the shed (they are not shed: the queue then exceeds the
+        limit until they leave it)."""
+        if max_queued is None:
+            return
+        with self._wake:
+            queued = self._stats.num_waiting + self._unadded
+            over = queued + num_seqs - max_queued
+            if over <= 0:
+                return
+            sheddable = sum(c for p, c in self._stats.num_new_by_priority.items()
+                            if p > priority) - self._shedding
+            if sheddable < over:
+                raise EngineOverloaded(f"the request queue is full ({queued} sequences wait for "
+                                       f"a slot); retry later", OVERLOADED_RETRY_AFTER_S)
+            self._shedding += over
+            self._inbox.append((lambda: self.engine.shed(priority, over), None, -over))
+            self._unadded -= over
+            self._wake.notify()
+
     async def generate(self, prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0, *,
+                       qos: QoS | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative), the last one finished. Leaving the loop early
-        (break, cancellation, client gone) aborts the request and frees its pages."""
+        (break, cancellation, client gone) aborts the request and frees its pages. `qos`: see
+        `LLMEngine.prepare`; a request that runs out of time or is shed raises (module doc)."""
         if not self.is_running:
             raise EngineDead(f"the engine is not running ({self._dead or 'shut down'})")
         if request_id is None:
             request_id = f"req-{uuid.uuid4().hex}"
-        prepared = self.engine.prepare(request_id, prompt, params, priority)
+        prepared = self.engine.prepare(request_id, prompt, params, priority, qos=qos)
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         stream = self._streams[request_id] = _Stream(asyncio.get_running_loop())
@@ -107,6 +145,8 @@ class AsyncEngine:
                     finished = True
                     raise RequestFailed(f"request {request_id} failed: {item.error}")
                 finished = item.finished
+                if finished and (error := _outcome_error(request_id, item)) is not None:
+                    raise error
                 yield item
                 if finished:
                     return
@@ -155,6 +195,8 @@ class AsyncEngine:
                 with self._wake:
                     self._stats = stats
                     self._unadded -= sum(sequences for _, _, sequences in commands)
+                    self._shedding += sum(sequences for _, _, sequences in commands
+                                          if sequences < 0)
                 for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - every stream must hear of it
@@ -168,3 +210,17 @@ class AsyncEngine:
         stream = self._streams.get(request_id) if request_id is not None else None
         if stream is not None:
             stream.put(item)
+
+
+def _outcome_error(request_id: str, out: RequestOutput) -> JaxServeError | None:
+    """The typed error for a request that ended by running out of time or by being shed."""
+    reasons = {c.finish_reason for c in out.outputs}
+    if "deadline" in reasons:
+        return DeadlineExceeded(f"request {request_id} passed its deadline")
+    if "queue_timeout" in reasons:
+        return QueueTimeout(f"request {request_id} waited its tenant's max_queue_time_s without "
+                            f"starting; retry later", OVERLOADED_RETRY_AFTER_S)
+    if "shed" in reasons:
+        return EngineOverloaded(f"request {request_id} was shed from the full queue for a more "
+                                f"important one; retry later", OVERLOADED_RETRY_AFTER_S)
+    return None

@@ -7,7 +7,10 @@ the detokenized text, max_tokens, max_model_len), text (incremental detokenizati
 a tail that could still become a stop string), logprobs and the counters behind the metrics.
 
 Every request ends exactly once: `step()` returns one final RequestOutput (finished=True) for it,
-whether it stopped, ran out of length or was aborted, and by then all its pages are back.
+whether it stopped, ran out of length or was aborted, and by then all its pages are back. A request
+that runs out of time (its QoS deadline: finish_reason "deadline"; its queue deadline:
+"queue_timeout") or is shed from a full queue ("shed", see `shed`) ends as a whole: all its n
+sequences end together with that reason.
 The engine is single-threaded; `jaxserve.async_engine.AsyncEngine` runs it on its own thread.
 """
 
@@ -22,7 +25,7 @@ from typing import Any, Sequence
 from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from jaxserve.errors import ContextLengthExceeded, InvalidRequest
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from jaxserve.request import Request, RequestStatus
+from jaxserve.request import QoS, Request, RequestStatus
 from jaxserve.sampling import SamplingParams, SamplingRow
 from jaxserve.scheduler import Scheduler
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -30,7 +33,13 @@ from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger(__name__)
 
 _FINISH_REASON = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                  RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "abort"}
+                  RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "abort",
+                  RequestStatus.FINISHED_DEADLINE: "deadline",
+                  RequestStatus.FINISHED_QUEUE_TIMEOUT: "queue_timeout",
+                  RequestStatus.FINISHED_SHED: "shed"}
+# Outcomes that end every sequence of the request, whichever sequence met them first.
+_WHOLE_REQUEST = frozenset({RequestStatus.FINISHED_DEADLINE, RequestStatus.FINISHED_QUEUE_TIMEOUT,
+                            RequestStatus.FINISHED_SHED})
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,7 @@ class EngineStats:
     prompt_tokens: int  # prompt tokens of requests that produced their first token
     generation_tokens: int
     num_requests_finished: int
+    num_new_by_priority: dict[int, int]  # waiting sequences never admitted (sheddable)
 
 
 @dataclass(frozen=True)
@@ -57,7 +67,11 @@ class PreparedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    priority: int = 0
+    qos: QoS = QoS()
+
+    @property
+    def priority(self) -> int:
+        return self.qos.priority
 
 
 @dataclass(eq=False)
@@ -133,9 +147,15 @@ class LLMEngine:
     # ---- requests in -------------------------------------------------------------------------
 
     def prepare(self, request_id: str, prompt: str | dict | Sequence[int],
-                params: SamplingParams | None = None, priority: int = 0) -> PreparedRequest:
+                params: SamplingParams | None = None, priority: int = 0, *,
+                qos: QoS | None = None) -> PreparedRequest:
         """Validate a request without touching engine state: InvalidRequest or
-        ContextLengthExceeded for anything that could never run."""
+        ContextLengthExceeded for anything that could never run. `qos` (tenant, class, weight,
+        deadlines) comes from the gateway; without it, `priority` alone (lower first)."""
+        if qos is None:
+            qos = QoS(priority=priority)
+        elif priority not in (0, qos.priority):
+            raise InvalidRequest("give the priority in qos, not both", "priority")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"sampling params must be SamplingParams, got "
@@ -159,7 +179,7 @@ class LLMEngine:
         if pages > pool:
             raise ContextLengthExceeded(
                 f"the request needs {pages} KV pages but the pool has {pool}", "max_tokens")
-        return PreparedRequest(request_id, text, ids, params, priority)
+        return PreparedRequest(request_id, text, ids, params, qos)
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -178,9 +198,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | dict | Sequence[int] | None = None,
                     params: SamplingParams | None = None, priority: int = 0, *,
-                    prepared: PreparedRequest | None = None) -> None:
+                    qos: QoS | None = None, prepared: PreparedRequest | None = None) -> None:
         if prepared is None:
-            prepared = self.prepare(request_id, prompt, params, priority)
+            prepared = self.prepare(request_id, prompt, params, priority, qos=qos)
         if prepared.request_id in self._groups:
             raise InvalidRequest(f"request id {prepared.request_id!r} is already in use",
                                  "request_id")
@@ -190,10 +210,14 @@ class LLMEngine:
         # unshown until the next token proves they do not start one.
         if p.stop and not p.include_stop_str_in_output:
             group.holdback = max(len(s) for s in p.stop) - 1
+        q = prepared.qos
         for i in range(p.n):
             request = Request(f"{next(self._seq_ids)}:{prepared.request_id}",
-                              list(prepared.prompt_token_ids), p, priority=prepared.priority,
-                              arrival_time=group.metrics.arrival_time)
+                              list(prepared.prompt_token_ids), p,
+                              arrival_time=group.metrics.arrival_time, priority=q.priority,
+                              tenant=q.tenant, weight=q.weight,
+                              kv_page_fraction=q.kv_page_fraction, deadline=q.deadline,
+                              queue_deadline=q.queue_deadline, max_tokens=p.max_tokens)
             detok = IncrementalDetokenizer(self.tokenizer,
                                            skip_special_tokens=p.skip_special_tokens,
                                            prompt_ids=prepared.prompt_token_ids)
@@ -210,12 +234,32 @@ class LLMEngine:
         group = self._groups.get(request_id)
         if group is None:
             return False
-        for seq in group.seqs:
-            if seq.finish_reason is None:
-                self.scheduler.abort(seq.request.request_id)
-                self._finish(seq, "abort")
+        self._end_group(group, RequestStatus.FINISHED_ABORTED)
         self._pending.append(self._close(group))
         return True
+
+    def shed(self, below: int, num_seqs: int) -> list[str]:
+        """Make room in a full queue for a request of priority `below`: end waiting requests of
+        less important priorities that have not started (none of their sequences was ever
+        admitted), in `Scheduler.shed_order`, until at least num_seqs sequences are gone or none
+        is left. Returns their ids; their final outputs (finish_reason "shed", nothing
+        generated) come with the next step."""
+        chosen: dict[str, _Group] = {}
+        freed = 0
+        for request in self.scheduler.shed_order(below):
+            if freed >= num_seqs:
+                break
+            group, _ = self._by_seq[request.request_id]
+            rid = group.prepared.request_id
+            if rid not in chosen and all(s.finish_reason is None and
+                                         s.request.status == RequestStatus.WAITING
+                                         for s in group.seqs):
+                chosen[rid] = group
+                freed += len(group.seqs)
+        for group in chosen.values():  # after iterating: ending changes the queue
+            self._end_group(group, RequestStatus.FINISHED_SHED)
+            self._pending.append(self._close(group))
+        return list(chosen)
 
     def has_unfinished(self) -> bool:
         return bool(self._groups) or bool(self._pending)
@@ -227,8 +271,13 @@ class LLMEngine:
         changed: dict[str, _Group] = {}
         out = self.scheduler.schedule()
         for request in self.scheduler.take_finished():
-            group, seq = self._by_seq[request.request_id]
+            entry = self._by_seq.get(request.request_id)
+            if entry is None:  # a sibling's outcome ended it earlier in this loop
+                continue
+            group, seq = entry
             self._finish(seq, _FINISH_REASON[request.status])
+            if request.status in _WHOLE_REQUEST:
+                self._end_group(group, request.status)
             changed[group.prepared.request_id] = group
         if out is not None:
             now = time.monotonic()
@@ -309,11 +358,15 @@ class LLMEngine:
         """End a request whose host-side processing raised: its pages go back, and its final
         output carries the error (the front ends answer that request alone with a 500)."""
         group.error = f"{type(error).__name__}: {error}"
+        self._end_group(group, RequestStatus.FINISHED_ABORTED)
+        self._pending.append(self._close(group))
+
+    def _end_group(self, group: _Group, status: RequestStatus) -> None:
+        """End the request's unfinished sequences with `status`; their pages go back."""
         for seq in group.seqs:
             if seq.finish_reason is None:
-                self.scheduler.abort(seq.request.request_id)
-                self._finish(seq, "abort")
-        self._pending.append(self._close(group))
+                self.scheduler.finish_request(seq.request.request_id, status)
+                self._finish(seq, _FINISH_REASON[status])
 
     def _stop(self, seq: _Sequence, reason: str, text: str) -> None:
         seq.text = text
@@ -350,7 +403,7 @@ class LLMEngine:
         return EngineStats(s.num_running, s.num_waiting, s.pages_in_use, s.pages_cached_free,
                            s.num_pages, s.prefix_cache_queries, s.prefix_cache_hits,
                            s.num_preemptions, self._prompt_tokens, self._generation_tokens,
-                           self._num_finished)
+                           self._num_finished, s.num_new_by_priority)
 
 
 def _find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:

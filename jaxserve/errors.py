@@ -36,7 +36,42 @@ class ContextLengthExceeded(InvalidRequest):
 
 
 class EngineOverloaded(JaxServeError):
-    """The engine cannot take more requests right now."""
+    """The engine cannot take more requests right now (HTTP 503 `overloaded`): the queue is full,
+    or the request was shed from it for a more important one. `retry_after`: seconds, a hint."""
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RateLimitExceeded(JaxServeError):
+    """A tenant's limit refuses the request (HTTP 429 `rate_limit_exceeded`). `retry_after`:
+    seconds until the same request would pass, None when it never can (larger than the limit)."""
+
+    def __init__(self, message: str, retry_after: float | None = None, param: str | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.param = param
+
+
+class QueueTimeout(RateLimitExceeded):
+    """The request waited its tenant's max_queue_time_s without starting; nothing was generated."""
+
+
+class DeadlineExceeded(JaxServeError):
+    """The request's deadline passed, queued or mid-generation (HTTP 504 `deadline_exceeded`)."""
+
+
+class Unauthenticated(JaxServeError):
+    """Missing or unknown API key (HTTP 401 `invalid_api_key`, gRPC UNAUTHENTICATED)."""
+
+
+class IdempotencyConflict(JaxServeError):
+    """A request with this Idempotency-Key is still being processed (HTTP 409)."""
+
+
+class IdempotencyMismatch(JaxServeError):
+    """This Idempotency-Key was used with a different request body (HTTP 422)."""
 
 
 class EngineDead(JaxServeError):

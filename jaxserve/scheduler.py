@@ -2,28 +2,38 @@
 
 Plain Python and numpy (no JAX): `schedule()` returns a padded `BatchPlan` and the rows it holds;
 `update_from_output()` takes the sampled token ids back. Each step:
+0. requests past their deadline end (FINISHED_DEADLINE), queued or running, and requests never
+   started by their queue deadline end (FINISHED_QUEUE_TIMEOUT): their pages go back at once and
+   no step is spent on them;
 1. running requests with one token left (decodes), most important first;
 2. prefill chunks of running requests that are part-way through their prompt (or a recompute);
-3. waiting and preempted requests, by (priority, arrival), as far as the token budget, the sequence
-   limit and the free pages allow. A chunk is cut to what the budget and the pool can take, so a
-   long prompt is spread across steps while the decodes keep flowing. With prefix caching, a
-   request whose next uncached page another running request is computing right now (n > 1
-   siblings, the same prompt twice) is passed over until that page is cached: it is computed once.
+3. waiting and preempted requests in the fair queue's order (`jaxserve.fair_queue`: strict
+   priority, then start-time fair queuing by tokens among the tenants of a priority), as far as
+   the token budget, the sequence limit and the free pages allow. A chunk is cut to what the
+   budget and the pool can take, so a long prompt is spread across steps while the decodes keep
+   flowing. With prefix caching, a request whose next uncached page another running request is
+   computing right now (n > 1 siblings, the same prompt twice) is passed over until that page is
+   cached: it is computed once. A tenant with a KV page budget (`kv_page_fraction`) whose running
+   requests hold it is passed over (its requests wait; a running request is never preempted for
+   its own tenant's budget, and a tenant holding no page may always start one request, so a
+   request larger than the budget still runs).
 When a running request cannot get a page, the least important running request not yet in this
 step (largest priority value, then most recently admitted) is preempted (possibly the request
 itself) instead of failing; then the step admits nobody (pages are short: admitting would only
 churn). A waiting request of strictly higher priority than a running one, finding no sequence slot
 or no page, preempts it the same way. A request preempted in a step is not readmitted in it.
 The engine decides when a request stops (eos, max_tokens, stop strings) and calls
-`finish_request`; the scheduler itself only ends requests that can never run (FINISHED_ERROR) or
-outgrow max_model_len (FINISHED_LENGTH): see `take_finished`.
+`finish_request`; the scheduler itself ends requests that can never run (FINISHED_ERROR), outgrow
+max_model_len (FINISHED_LENGTH) or run out of time (above): see `take_finished`.
 """
 
 from __future__ import annotations
 
-import bisect
+import heapq
+import itertools
+import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -32,6 +42,7 @@ from jaxserve.batch import (BatchPlan, SeqChunk, make_plan, pick_token_bucket, s
 from jaxserve.cache import KVCacheManager
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import ConfigError, ContextLengthExceeded, InvalidRequest
+from jaxserve.fair_queue import FairQueue
 from jaxserve.request import Request, RequestStatus
 
 
@@ -82,11 +93,12 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens
     prefix_cache_hits: int  # tokens
     num_preemptions: int  # total since start
+    num_new_by_priority: dict[int, int]  # waiting requests never admitted, per priority
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_pages: int):
+                 num_pages: int, clock: Callable[[], float] = time.monotonic):
         if (not scheduler_config.enable_chunked_prefill
                 and scheduler_config.max_num_batched_tokens < scheduler_config.max_model_len):
             # Without chunking a prompt must fit one step, or it would wait forever.
@@ -100,13 +112,15 @@ class Scheduler:
                                     cache_config.enable_prefix_caching)
         self.token_buckets = token_buckets(scheduler_config.max_num_batched_tokens)
         self.pages_per_seq = -(-scheduler_config.max_model_len // cache_config.page_size)
-        self.waiting: list[Request] = []  # sorted by _order, preempted requests included
+        self.clock = clock  # the deadlines' clock (time.monotonic); tests inject their own
+        self.waiting = FairQueue()  # preempted requests included
         self.running: list[Request] = []  # in admission order
         self._requests: dict[str, Request] = {}
-        self._order: dict[str, tuple] = {}  # request_id -> (priority, arrival_time, arrival_seq)
         self._admitted_at: dict[str, int] = {}  # request_id -> admission counter, for victims
-        self._num_added = 0
         self._num_admissions = 0
+        # (time, tie-break, request id, queue deadline?) with stale entries skipped when popped
+        self._deadlines: list[tuple[float, int, str, bool]] = []
+        self._deadline_count = itertools.count()
         self._finished: list[Request] = []  # ended by the scheduler, not yet taken by the engine
         self.num_preemptions = 0
 
@@ -124,9 +138,11 @@ class Scheduler:
                 f"{self.config.max_model_len}", "prompt")
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
-        self._order[request.request_id] = (request.priority, request.arrival_time, self._num_added)
-        self._num_added += 1
-        self._enqueue(request)
+        self.waiting.push(request)
+        for when, queue_only in ((request.deadline, False), (request.queue_deadline, True)):
+            if when is not None:
+                heapq.heappush(self._deadlines, (when, next(self._deadline_count),
+                                                 request.request_id, queue_only))
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -151,9 +167,15 @@ class Scheduler:
             self.waiting.remove(request)
         self.cache.free(request)
         request.status = status
-        del self._order[request_id]
+        self.waiting.settle(request)
         self._admitted_at.pop(request_id, None)
         return True
+
+    def shed_order(self, below: int) -> Iterator[Request]:
+        """Waiting requests never admitted, of priorities after `below`, in the order to shed
+        them (see `FairQueue.shed_order`); end them with `finish_request(.., FINISHED_SHED)`
+        after iterating."""
+        return self.waiting.shed_order(below)
 
     def take_finished(self) -> list[Request]:
         """Requests the scheduler ended itself since the last call (FINISHED_ERROR: can never fit
@@ -164,6 +186,7 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput | None:
+        self._expire(self.clock())
         for r in list(self.running):
             if r.num_tokens > self.config.max_model_len:
                 self._end(r, RequestStatus.FINISHED_LENGTH)
@@ -220,7 +243,8 @@ class Scheduler:
             num_pages=self.cache.num_usable_pages,
             prefix_cache_queries=self.cache.prefix_cache_queries,
             prefix_cache_hits=self.cache.prefix_cache_hits,
-            num_preemptions=self.num_preemptions)
+            num_preemptions=self.num_preemptions,
+            num_new_by_priority=self.waiting.num_new_by_priority())
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -256,11 +280,13 @@ class Scheduler:
     def _preempt_for_priority(self, step: _Step) -> None:
         """Make room for the head of the queue by preempting running requests of strictly lower
         priority, when it has no sequence slot or not a single free page."""
+        held = self._pages_by_tenant()
         while self.waiting and self.running:
-            head = self.waiting[0]
+            head = self.waiting.peek()
             victim = max(self.running, key=self._victim_key)
             if victim.priority <= head.priority or (
-                    self.cache.pages_for(head.num_tokens) > self.cache.num_usable_pages):
+                    self.cache.pages_for(head.num_tokens) > self.cache.num_usable_pages) or (
+                    self._over_budget(head, 1, held)):
                 return
             if (len(self.running) < self.config.max_num_seqs and
                     self.cache.num_allocatable_tokens(head, self.cache.lookup_prefix(head)) > 0):
@@ -270,31 +296,60 @@ class Scheduler:
 
     def _admit_waiting(self, step: _Step) -> None:
         in_flight = self.cache.pages_in_flight(self.running) if self.waiting else set()
-        for request in [r for r in self.waiting if r not in step.preempted]:
-            if step.budget == 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            if self.cache.pages_for(request.num_tokens) > self.cache.num_usable_pages:
-                self._end(request, RequestStatus.FINISHED_ERROR)
-                continue
-            cached = self.cache.lookup_prefix(request)
-            if self.cache.next_page_in_flight(request, cached, in_flight):
-                continue  # its next page is being computed: admit it once that page is cached
-            remaining = request.num_tokens - len(cached) * self.page_size
-            n = min(remaining, step.budget, self.cache.num_allocatable_tokens(request, cached))
-            if n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
-                break  # the queue waits for room in order; nobody overtakes for lack of pages
-            admitted = self.cache.admit(request, cached, n)
-            assert admitted, "num_allocatable_tokens promised room"
-            if request.status == RequestStatus.WAITING:
-                request.num_cached_prompt_tokens = min(request.num_computed_tokens,
-                                                       request.num_prompt_tokens)
-            self.waiting.remove(request)
-            request.status = RequestStatus.RUNNING
-            self._admitted_at[request.request_id] = self._num_admissions
-            self._num_admissions += 1
-            self.running.append(request)
-            step.add(request, n)
-            in_flight |= self.cache.pages_in_flight([request])
+        held = self._pages_by_tenant()
+        with self.waiting.admission_pass() as order:
+            for request in order:
+                if step.budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                    break
+                if request in step.preempted:
+                    order.pass_over(request)
+                    continue
+                if self.cache.pages_for(request.num_tokens) > self.cache.num_usable_pages:
+                    self._end(request, RequestStatus.FINISHED_ERROR)
+                    continue
+                cached = self.cache.lookup_prefix(request)
+                if self.cache.next_page_in_flight(request, cached, in_flight):
+                    order.pass_over(request)  # admit it once that page is cached
+                    continue
+                remaining = request.num_tokens - len(cached) * self.page_size
+                n = min(remaining, step.budget,
+                        self.cache.num_allocatable_tokens(request, cached))
+                if n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
+                    break  # the queue waits for room in order; nobody overtakes for lack of pages
+                pages = self.cache.pages_for(len(cached) * self.page_size + n)
+                if self._over_budget(request, pages, held):
+                    order.pass_over(request)
+                    continue
+                order.admit(request)
+                self._start(request, cached, n, step)
+                held[request.tenant] = held.get(request.tenant, 0) + pages
+                in_flight |= self.cache.pages_in_flight([request])
+
+    def _start(self, request: Request, cached: list[int], n: int, step: _Step) -> None:
+        admitted = self.cache.admit(request, cached, n)
+        assert admitted, "num_allocatable_tokens promised room"
+        if request.status == RequestStatus.WAITING:
+            request.num_cached_prompt_tokens = min(request.num_computed_tokens,
+                                                   request.num_prompt_tokens)
+        request.status = RequestStatus.RUNNING
+        self._admitted_at[request.request_id] = self._num_admissions
+        self._num_admissions += 1
+        self.running.append(request)
+        step.add(request, n)
+
+    def _pages_by_tenant(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for r in self.running:
+            held[r.tenant] = held.get(r.tenant, 0) + len(r.page_table)
+        return held
+
+    def _over_budget(self, request: Request, pages: int, held: dict[str, int]) -> bool:
+        """Whether admitting the request with `pages` pages would take its tenant past its KV
+        page budget (a tenant holding no page may always start one request)."""
+        if request.kv_page_fraction is None or not held.get(request.tenant):
+            return False
+        budget = max(1, int(request.kv_page_fraction * self.cache.num_usable_pages))
+        return held[request.tenant] + pages > budget
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -303,13 +358,26 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         del self._admitted_at[request.request_id]
         self.num_preemptions += 1
-        self._enqueue(request)
+        self.waiting.push_front(request)
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         self.finish_request(request.request_id, status)
         self._finished.append(request)
 
-    def _enqueue(self, request: Request) -> None:
-        # A preempted request goes back to its original place: FCFS within its priority.
-        keys = [self._order[r.request_id] for r in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, self._order[request.request_id]), request)
+    def _expire(self, now: float) -> None:
+        """End the requests whose deadline passed, and those not started by their queue
+        deadline."""
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            when, _, request_id, queue_only = heapq.heappop(heap)
+            r = self._requests.get(request_id)
+            if r is None:
+                continue  # ended already
+            if queue_only:
+                if r.queue_deadline == when and r.status == RequestStatus.WAITING:
+                    self._end(r, RequestStatus.FINISHED_QUEUE_TIMEOUT)
+            elif r.deadline == when:
+                self._end(r, RequestStatus.FINISHED_DEADLINE)
+        if len(heap) > 2 * len(self._requests) + 64:  # mostly requests that ended in time
+            self._deadlines = [e for e in heap if e[2] in self._requests]
+            heapq.heapify(self._deadlines)
