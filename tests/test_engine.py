@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 from jax import monitoring
@@ -344,3 +345,81 @@ async def _until(predicate, timeout_s: float = 30.0) -> None:
         while not predicate():
             await asyncio.sleep(0.005)
     await asyncio.wait_for(poll(), timeout_s)
+
+
+def test_deadlines_queue_timeouts_and_shedding_end_whole_requests(tiny_path):
+    """Each outcome ends every sequence of its request at once, with its own finish reason, and
+    frees the pages; through AsyncEngine each is a typed error, and a full queue sheds a
+    less important never-started request instead of refusing a more important one."""
+    from jaxserve.errors import DeadlineExceeded, EngineOverloaded, QueueTimeout
+    from jaxserve.request import QoS, ServiceClass
+
+    engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=1,
+                                  max_num_batched_tokens=32, max_model_len=128,
+                                  strict_compile=True, progress=False)
+    now = [0.0]
+    engine.scheduler.clock = lambda: now[0]
+    long = SamplingParams(max_tokens=50, ignore_eos=True)
+    batch = QoS(priority=ServiceClass.BATCH)
+    engine.add_request("run", [5, 6, 7], long, qos=QoS(deadline=3.0))
+    engine.add_request("queued", [5, 6], long.replace(n=2), qos=QoS(queue_deadline=2.0))
+    engine.add_request("batch", [8, 9], long, qos=batch)
+    engine.add_request("batch2", [8, 9, 10], long, qos=batch)
+    finals = {}
+
+    def step():
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in finals
+                finals[out.request_id] = out
+        now[0] += 1
+
+    step()  # t = 0: "run" takes the only seat
+    assert engine.shed(ServiceClass.BATCH, 1) == []  # nothing less important than batch
+    assert engine.shed(ServiceClass.STANDARD, 1) == ["batch2"]  # the newest batch request
+    for _ in range(4):  # t = 1: batch2's final; t = 2: "queued" times out; t = 3: "run" expires
+        step()
+    while engine.has_unfinished():
+        step()
+    reasons = {rid: [(c.finish_reason, len(c.token_ids)) for c in out.outputs]
+               for rid, out in finals.items()}
+    assert reasons == {"batch2": [("shed", 0)], "queued": [("queue_timeout", 0)] * 2,
+                       "run": [("deadline", 3)], "batch": [("length", 50)]}
+    assert_no_leaks(engine)
+
+    engine.scheduler.clock = time.monotonic
+    async_engine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def last(stream):
+        async for out in stream:
+            pass
+        return out
+
+    async def main():
+        hold = async_engine.generate([5, 6, 7], SamplingParams(max_tokens=120, ignore_eos=True),
+                                     "hold")
+        await hold.__anext__()  # it holds the only seat
+        low = asyncio.ensure_future(last(async_engine.generate([5, 6], params, "low", qos=batch)))
+        await _until(lambda: async_engine.stats().num_new_by_priority == {ServiceClass.BATCH: 1})
+        with pytest.raises(EngineOverloaded):  # a batch request cannot displace another
+            async_engine.admit(1, max_queued=1, priority=ServiceClass.BATCH)
+        async_engine.admit(1, max_queued=1, priority=ServiceClass.STANDARD)  # displaces "low"
+        with pytest.raises(EngineOverloaded, match="shed") as shed:
+            await low
+        assert shed.value.retry_after > 0
+        late = last(async_engine.generate([5, 6], params, "late",
+                                          qos=QoS(deadline=time.monotonic() + 0.2)))
+        timeout = last(async_engine.generate(
+            [5, 6], params, "timeout", qos=QoS(queue_deadline=time.monotonic() + 0.2)))
+        results = await asyncio.gather(late, timeout, return_exceptions=True)
+        await hold.aclose()
+        await _until(lambda: async_engine.stats().num_running == 0)
+        return results
+
+    try:
+        late, timeout = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert isinstance(late, DeadlineExceeded) and isinstance(timeout, QueueTimeout)
+    assert_no_leaks(engine)

@@ -8,6 +8,7 @@ preemption changes the outputs, which are compared with the same hash over the p
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,11 +54,22 @@ class FakeRunner:
 
 
 @dataclass
+class Clock:
+    """The scheduler's clock in tests: one unit per step (Run.step advances it)."""
+
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
 class Run:
     """Drives a scheduler like the engine does; records what tests assert on."""
 
     sched: Scheduler
     max_tokens: dict[str, int]
+    clock: Clock = None
     runner: FakeRunner = None
     ends: dict[str, list[RequestStatus]] = field(default_factory=dict)
     requests: dict[str, Request] = field(default_factory=dict)
@@ -67,6 +79,7 @@ class Run:
 
     def __post_init__(self):
         self.runner = FakeRunner(self.sched.cache.num_pages, self.sched.page_size)
+        self.clock = self.sched.clock
 
     def add(self, request: Request, max_tokens: int) -> None:
         self.requests[request.request_id] = request
@@ -89,6 +102,12 @@ class Run:
         out = sched.schedule()
         for r in sched.take_finished():
             self.end(r)
+        now = self.clock.now
+        for r in list(sched.running) + list(sched.waiting):  # nothing expired is left
+            assert r.deadline is None or r.deadline > now, r.request_id
+            assert (r.queue_deadline is None or r.queue_deadline > now
+                    or r.status != RequestStatus.WAITING), r.request_id
+        self.clock.now += 1
         if out is None:
             assert not sched.has_unfinished(), "livelock: requests left but nothing scheduled"
             return False
@@ -137,7 +156,8 @@ def make(num_pages=64, page_size=4, max_num_seqs=8, max_num_batched_tokens=32, m
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, enable_chunked_prefill=chunked),
-                      CacheConfig(page_size=page_size, enable_prefix_caching=prefix), num_pages)
+                      CacheConfig(page_size=page_size, enable_prefix_caching=prefix), num_pages,
+                      clock=Clock())
     return Run(sched, {})
 
 
@@ -361,6 +381,110 @@ def test_token_slice_equals_slicing_all_token_ids(prompt_len, num_out, data):
     assert r.token_slice(start, stop) == r.all_token_ids[start:stop]
 
 
+# ---- tenants, classes, deadlines ---------------------------------------------------------------
+
+
+def first_steps(run: Run) -> list[str]:
+    """Request ids in the order they were first scheduled."""
+    seen = []
+    for rows in run.steps:
+        seen += [rid for rid, _, _ in rows if rid not in seen]
+    return seen
+
+
+def test_deadline_ends_a_request_queued_or_running_and_frees_its_pages_at_once():
+    run = make(max_num_seqs=1)
+    run.add(Request("running", prompt(1, 8), deadline=3.0), max_tokens=20)
+    run.add(Request("queued", prompt(2, 8), deadline=2.0), max_tokens=20)
+    run.add(Request("fine", prompt(3, 8)), max_tokens=3)
+    for _ in range(3):  # t = 0, 1, 2: prefill + 2 decodes; "queued" expires at t = 2
+        run.step()
+    assert run.ends == {"queued": [RequestStatus.FINISHED_DEADLINE]}
+    assert run.sched.cache.num_pages_in_use == 3  # "running": 10 tokens in 4-token pages
+    run.step()  # t = 3: "running" expires before anything is scheduled; "fine" starts
+    assert run.ends["running"] == [RequestStatus.FINISHED_DEADLINE]
+    assert run.steps[-1] == [("fine", 8, False)]
+    assert run.requests["running"].output_token_ids == reference(prompt(1, 8), 3)
+    assert not run.requests["queued"].output_token_ids
+    run.run()
+    assert run.ends["fine"] == [RequestStatus.FINISHED_LENGTH]
+
+
+def test_queue_timeout_ends_only_requests_that_never_started():
+    run = make(max_num_seqs=1)
+    run.add(Request("low", prompt(1, 8), queue_deadline=1.5), max_tokens=6)
+    run.step()  # t = 0: "low" starts
+    run.add(Request("high", prompt(2, 8), priority=-1), max_tokens=3)
+    run.add(Request("queued", prompt(3, 8), queue_deadline=2.0), max_tokens=3)
+    run.run()  # t = 1: "high" preempts "low" for the seat; t = 2: "queued" times out
+    assert run.preemptions == ["low"]
+    assert run.ends["queued"] == [RequestStatus.FINISHED_QUEUE_TIMEOUT]
+    assert "queued" not in first_steps(run)
+    assert run.ends["low"] == run.ends["high"] == [RequestStatus.FINISHED_LENGTH]
+    assert run.requests["low"].output_token_ids == reference(prompt(1, 8), 6)
+
+
+def test_kv_page_budget_makes_only_the_tenants_own_requests_wait():
+    run = make(num_pages=33, page_size=4, max_num_batched_tokens=64)  # 32 pages
+    # a's budget: 8 pages. Each request: 20 prompt tokens (5 pages) + 4 outputs (6 pages).
+    for rid, tenant in (("a1", "a"), ("a2", "a"), ("b1", "b"), ("b2", "b")):
+        run.add(Request(rid, prompt(len(run.requests), 20), tenant=tenant,
+                        kv_page_fraction=0.25 if tenant == "a" else None), max_tokens=4)
+    run.run()
+    assert [rid for rid, _, _ in run.steps[0]] == ["a1", "b1", "b2"]  # a2: 5 + 5 > 8 pages
+    a1_last = max(i for i, rows in enumerate(run.steps) if any(r == "a1" for r, _, _ in rows))
+    a2_first = min(i for i, rows in enumerate(run.steps) if any(r == "a2" for r, _, _ in rows))
+    assert a2_first == a1_last + 1
+    for r in run.requests.values():
+        assert r.output_token_ids == reference(r.prompt_token_ids, 4)
+
+
+def test_a_flooding_tenant_does_not_delay_another_tenants_next_start():
+    for flood in (10, 200):
+        run = make(max_num_seqs=2, num_pages=257)
+        for i in range(flood):
+            run.add(Request(f"a{i}", prompt(i, 6), tenant="a"), max_tokens=4)
+        for _ in range(3):
+            run.step()
+        started = len(first_steps(run))
+        run.add(Request("b", prompt(999, 6), tenant="b"), max_tokens=4)
+        run.run(max_steps=5000)
+        assert first_steps(run)[started] == "b", flood  # the next seat that frees is b's
+
+
+def test_backlogged_tenants_share_the_computed_tokens_by_weight():
+    run = make(num_pages=257, page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    weights = {"a": 1, "b": 2, "c": 4}
+    for i in range(60):
+        for k, (t, w) in enumerate(weights.items()):
+            run.add(Request(f"{t}{i}", prompt(1000 * k + i, 8), tenant=t, weight=w,
+                            max_tokens=8), max_tokens=8)
+    served = dict.fromkeys(weights, 0)
+    while all(any(r.tenant == t for r in run.sched.waiting) for t in weights):
+        run.step()
+        for rid, n, _ in run.steps[-1]:
+            served[run.requests[rid].tenant] += n
+    total = sum(served.values())
+    assert total > 1000
+    for t, w in weights.items():
+        assert abs(served[t] / total - w / sum(weights.values())) < 0.04, served
+
+
+def test_shed_victims_come_from_less_important_classes_and_never_started():
+    run = make(max_num_seqs=1)
+    run.add(Request("batch-old", prompt(1, 6), priority=1), max_tokens=3)
+    run.step()  # it runs: never a shed victim
+    for rid, prio in (("batch-new", 1), ("std", 0), ("batch-newest", 1)):
+        run.add(Request(rid, prompt(len(rid), 6), priority=prio), max_tokens=3)
+    assert [r.request_id for r in run.sched.shed_order(-1)] == ["batch-newest", "batch-new",
+                                                                "std"]
+    assert [r.request_id for r in run.sched.shed_order(0)] == ["batch-newest", "batch-new"]
+    victim = next(run.sched.shed_order(0))
+    assert run.finish(victim.request_id, RequestStatus.FINISHED_SHED)
+    run.run()
+    assert run.ends["batch-newest"] == [RequestStatus.FINISHED_SHED]
+
+
 # ---- properties over random workloads ---------------------------------------------------------
 
 STEMS = [prompt(100 + i, 24) for i in range(3)]
@@ -381,12 +505,23 @@ def workloads(draw):
         "max_tokens": st.integers(1, 12),
         "priority": st.integers(0, 2),
         "arrives": st.integers(0, 8),  # step at which the request is added
+        "tenant": st.integers(0, 2),
+        "deadline": st.none() | st.integers(1, 30),  # steps after arrival
+        "queue_deadline": st.none() | st.integers(1, 10),
     }), min_size=1, max_size=10))
     aborts = draw(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 3), st.booleans()),
                            max_size=3))
+    sheds = draw(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 1), st.integers(1, 3)),
+                          max_size=2))  # (step, shed below this priority, how many)
+    # per tenant: (weight, kv_page_fraction)
+    tenants = draw(st.lists(st.tuples(st.integers(1, 4), st.none() | st.sampled_from([0.3, 0.6])),
+                            min_size=3, max_size=3))
     return dict(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs, budget=budget,
                 prefix=draw(st.booleans()), chunked=draw(st.booleans()), requests=requests,
-                aborts=aborts)
+                aborts=aborts, sheds=sheds, tenants=tenants)
+
+
+_TIMED_OUT = (RequestStatus.FINISHED_DEADLINE, RequestStatus.FINISHED_QUEUE_TIMEOUT)
 
 
 @settings(max_examples=400, deadline=None)
@@ -394,14 +529,24 @@ def workloads(draw):
 def test_random_workloads(w):
     """Every request ends exactly once; no page leaks (invariants after every step, all pages free
     at the end); budget, max_num_seqs and decode-first order hold each step (checked in Run.step);
-    outputs equal the reference whatever the batching, chunking, prefix sharing and preemption;
-    a request errors iff its KV can never fit the pool; aborts at any moment free everything."""
+    outputs equal the reference whatever the batching, chunking, prefix sharing, preemption,
+    tenants' shares and KV budgets; a request errors iff its KV can never fit the pool; aborts,
+    sheds and deadlines at any moment free everything; nothing expired is ever scheduled (Run.step);
+    a queue timeout or a shed ends a request that never started, with nothing generated."""
     run = make(num_pages=w["num_pages"], page_size=w["page_size"], max_num_seqs=w["max_num_seqs"],
                max_num_batched_tokens=w["budget"] if w["chunked"] else 64, max_model_len=64,
                prefix=w["prefix"],
                chunked=w["chunked"])
     pending = sorted(enumerate(w["requests"]), key=lambda x: x[1]["arrives"])
-    aborted = set()
+    aborted, shed = set(), set()
+
+    def shed_some(step: int):
+        for at, below, count in w["sheds"]:
+            if at == step:
+                for r in list(itertools.islice(run.sched.shed_order(below), count)):
+                    assert r.priority > below and r.status == RequestStatus.WAITING
+                    assert run.finish(r.request_id, RequestStatus.FINISHED_SHED)
+                    shed.add(r.request_id)
 
     def abort(step: int, mid: bool):
         for at, idx, when in w["aborts"]:
@@ -415,9 +560,15 @@ def test_random_workloads(w):
         assert step < 3000, "no progress"
         while pending and pending[0][1]["arrives"] <= step:
             i, d = pending.pop(0)
+            weight, kv_fraction = w["tenants"][d["tenant"]]
             run.add(Request(f"r{i}", STEMS[d["stem"]][:d["shared"]] + d["tail"],
-                            priority=d["priority"]), d["max_tokens"])
+                            priority=d["priority"], tenant=f"t{d['tenant']}", weight=weight,
+                            kv_page_fraction=kv_fraction, max_tokens=d["max_tokens"],
+                            deadline=None if d["deadline"] is None else step + d["deadline"],
+                            queue_deadline=None if d["queue_deadline"] is None
+                            else step + d["queue_deadline"]), d["max_tokens"])
         abort(step, False)
+        shed_some(step)
         run.before_update = lambda _, s=step: abort(s, True)
         if not run.step() and pending:
             pending[0][1]["arrives"] = step + 1  # idle: jump to the next arrival
@@ -427,11 +578,21 @@ def test_random_workloads(w):
     event("preempted", stats.num_preemptions > 0)
     event("prefix hits", stats.prefix_cache_hits > 0)
     event("aborted", bool(aborted))
+    event("shed", bool(shed))
     event("errored", any(v == [RequestStatus.FINISHED_ERROR] for v in run.ends.values()))
+    event("timed out", any(v[0] in _TIMED_OUT for v in run.ends.values()))
     usable = w["num_pages"] - 1
     for rid, r in run.requests.items():
+        m = run.max_tokens[rid]
+        assert r.output_token_ids == reference(r.prompt_token_ids, m)[:len(r.output_token_ids)]
         if rid in aborted:
             assert run.ends[rid] == [RequestStatus.FINISHED_ABORTED]
+            continue
+        if rid in shed or run.ends[rid] == [RequestStatus.FINISHED_QUEUE_TIMEOUT]:
+            assert not r.output_token_ids and r.num_cached_prompt_tokens == 0, rid
+            continue
+        if run.ends[rid] == [RequestStatus.FINISHED_DEADLINE]:
+            assert r.deadline is not None
             continue
         m = run.max_tokens[rid]
         if -(-(r.num_prompt_tokens + m - 1) // w["page_size"]) > usable:
