@@ -53,6 +53,8 @@ class RegistryEntry:
     engine_defaults: dict
     # Files unpacked beside `file` (e.g. an encoder's config.json and tokenizer.json).
     extra_files: tuple[str, ...] = ()
+    pricing: dict = field(default_factory=dict)  # [pricing], read by jaxserve.gateway.usage
+    config_path: Path | None = None  # the TOML file it came from
 
     @property
     def local_path(self) -> Path:
@@ -73,7 +75,8 @@ def registry() -> dict[str, RegistryEntry]:
         entries[data["name"]] = RegistryEntry(
             name=data["name"], format=data["format"], pypi=src["pypi"], file=src["file"],
             sha256=src["sha256"], engine_defaults=dict(data.get("engine", {})),
-            extra_files=tuple(src.get("extra_files", ())))
+            extra_files=tuple(src.get("extra_files", ())), pricing=data.get("pricing", {}),
+            config_path=toml_path)
     return entries
 
 

@@ -1,0 +1,241 @@
+"""The tenants file (`--tenants FILE`, TOML): who may call the server, with which keys, limits and
+scheduling class. Without a file there is one open tenant, `default`, with no limits.
+
+    [tenant.acme]
+    api_keys = ["sk-acme-1"]          # or api_key_sha256 = ["<64 hex>"]: the file holds no secret
+    priority = "interactive"          # "interactive" > "standard" > "batch" (strict)
+    weight = 4                        # share among the tenants of one class
+    requests_per_minute = 600
+    tokens_per_minute = 200000        # prompt + max_tokens reserved at admission, settled at the end
+    max_concurrent_requests = 32      # sequences queued + running (n > 1 counts n)
+    max_queue_time_s = 30             # not started by then: refused, nothing generated
+    request_timeout_s = 600           # upper bound on any request's deadline
+    max_tokens_cap = 4096             # max_tokens above it: 400; the default when left out
+    models = ["*"]                    # model names it may use (globs); others: 404
+    kv_page_fraction = 0.5            # KV page budget: over it, its new requests wait
+    policy = "strict"                 # policy pack (safety filters)
+    audit_content = false             # audit records carry prompt/output text
+    audit_retention_days = 30
+    cache_sharing_group = "acme-org"  # prefix cache shared with tenants of the same group
+
+Every value is checked where the file is read: a bad one is one ConfigError naming the file, the
+tenant and the field. Plain keys are hashed (sha256) as soon as they are read and only the digests
+are kept, so no key is ever in a repr, a log line or an error message.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from jaxserve.errors import ConfigError, InvalidRequest, ModelNotFound
+from jaxserve.request import ServiceClass
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # also a metrics label value
+_HEX_DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
+
+
+def hash_key(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    key_digests: tuple[bytes, ...] = field(default=(), repr=False)  # sha256 of each API key
+    priority: ServiceClass = ServiceClass.STANDARD
+    weight: float = 1.0
+    requests_per_minute: int | None = None  # None: no limit (every limit below alike)
+    tokens_per_minute: int | None = None
+    max_concurrent_requests: int | None = None
+    max_queue_time_s: float | None = None
+    request_timeout_s: float | None = None
+    max_tokens_cap: int | None = None
+    models: tuple[str, ...] = ("*",)
+    kv_page_fraction: float | None = None
+    policy: str | None = None  # None: the pack named "default"
+    audit_content: bool = False
+    audit_retention_days: int | None = None  # None: kept until pruned by hand
+    cache_sharing_group: str | None = None  # None: its prefix cache pages are its own
+
+    def check_model(self, model: str) -> None:
+        """404 for a model the tenant may not use: its existence is not revealed."""
+        if not any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models):
+            raise ModelNotFound(f"The model '{model}' does not exist")
+
+    def max_tokens(self, requested: int | None) -> int | None:
+        """The max_tokens to use: the request's, at most max_tokens_cap (400 above it), or the
+        cap when the request leaves it out (None: up to the context)."""
+        cap = self.max_tokens_cap
+        if requested is None or cap is None:
+            return cap if requested is None else requested
+        if requested > cap:
+            raise InvalidRequest(f"max_tokens is {requested} but this API key may ask for at "
+                                 f"most {cap}", "max_tokens")
+        return requested
+
+
+DEFAULT_TENANT = Tenant("default")
+
+
+@dataclass(frozen=True)
+class Tenants:
+    """The tenants by name and by key digest; `open` when no file was given (no auth, no limits)."""
+
+    tenants: dict[str, Tenant]
+    by_digest: dict[bytes, str] = field(repr=False)
+    path: Path | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.path is None
+
+    def get(self, name: str) -> Tenant:
+        """A tenant by name (the batch runner's --tenant)."""
+        try:
+            return self.tenants[name]
+        except KeyError:
+            raise ConfigError(f"unknown tenant {name!r}; the tenants file defines "
+                              f"{', '.join(sorted(self.tenants))}") from None
+
+
+def open_tenants() -> Tenants:
+    return Tenants({"default": DEFAULT_TENANT}, {})
+
+
+# ---- the file ----------------------------------------------------------------------------------
+
+
+def load_tenants(path: str | Path) -> Tenants:
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the tenants file: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    extra = set(data) - {"tenant"}
+    if extra:
+        raise ConfigError(f"{path}: unknown top-level field(s) {sorted(extra)}; tenants are "
+                          f"[tenant.NAME] tables")
+    tables = data.get("tenant")
+    if not isinstance(tables, dict) or not tables:
+        raise ConfigError(f"{path}: no tenant defined; add a [tenant.NAME] table")
+    tenants: dict[str, Tenant] = {}
+    by_digest: dict[bytes, str] = {}
+    for name, table in tables.items():
+        where = f"{path}: tenant.{name}"
+        if not _NAME.match(name):
+            raise ConfigError(f"{where}: a tenant name is 1-64 letters, digits, '_', '.', '-' "
+                              f"and starts with a letter or digit")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: must be a table ([tenant.{name}])")
+        tenant = _tenant(name, table, where)
+        for digest in tenant.key_digests:
+            other = by_digest.get(digest)
+            if other is not None:
+                raise ConfigError(f"{where}: an API key is also a key of tenant {other!r} "
+                                  f"(each key belongs to one tenant)")
+            by_digest[digest] = name
+        tenants[name] = tenant
+    return Tenants(tenants, by_digest, path)
+
+
+def _tenant(name: str, table: dict[str, Any], where: str) -> Tenant:
+    unknown = set(table) - set(_FIELDS) - {"api_keys", "api_key_sha256"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; known: "
+                          f"{sorted(set(_FIELDS) | {'api_keys', 'api_key_sha256'})}")
+    digests = [hash_key(k) for k in _strings(table.get("api_keys", []), f"{where}.api_keys")]
+    for i, h in enumerate(_strings(table.get("api_key_sha256", []),
+                                   f"{where}.api_key_sha256")):
+        if not _HEX_DIGEST.match(h):
+            raise ConfigError(f"{where}.api_key_sha256[{i}]: not a sha256 hex digest "
+                              f"(64 hex digits)")
+        digests.append(bytes.fromhex(h))
+    if not digests:
+        raise ConfigError(f"{where}: no key; give api_keys or api_key_sha256")
+    if len(set(digests)) != len(digests):
+        raise ConfigError(f"{where}: the same API key is given twice")
+    values = {f: parse(table[f], f"{where}.{f}") for f, parse in _FIELDS.items() if f in table}
+    return Tenant(name, tuple(digests), **values)
+
+
+def _strings(value: Any, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{where}: must be a list of non-empty strings")
+    return value
+
+
+def _number(value: Any, where: str, *, integer: bool, low: float, low_open: bool = False,
+            high: float | None = None) -> float:
+    # bool is an int in Python but never a number in a config file
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+        raise ConfigError(f"{where}: must be {'an integer' if integer else 'a number'}, got "
+                          f"{value!r}")
+    if value < low or (low_open and value == low) or (high is not None and value > high):
+        bound = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high else "")
+        raise ConfigError(f"{where}: must be {bound}, got {value}")
+    return value
+
+
+def _positive_int(value: Any, where: str) -> int:
+    return int(_number(value, where, integer=True, low=1))
+
+
+def _positive(value: Any, where: str) -> float:
+    return float(_number(value, where, integer=False, low=0, low_open=True))
+
+
+def _fraction(value: Any, where: str) -> float:
+    return float(_number(value, where, integer=False, low=0, low_open=True, high=1))
+
+
+def _priority(value: Any, where: str) -> ServiceClass:
+    names = [c.name.lower() for c in ServiceClass]
+    if value not in names:
+        raise ConfigError(f"{where}: must be one of {names}, got {value!r}")
+    return ServiceClass[value.upper()]
+
+
+def _globs(value: Any, where: str) -> tuple[str, ...]:
+    return tuple(_strings(value, where))
+
+
+def _name(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ConfigError(f"{where}: must be a name (1-64 letters, digits, '_', '.', '-'), got "
+                          f"{value!r}")
+    return value
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: must be true or false, got {value!r}")
+    return value
+
+
+_FIELDS: dict[str, Callable[[Any, str], Any]] = {
+    "priority": _priority,
+    "weight": _positive,
+    "requests_per_minute": _positive_int,
+    "tokens_per_minute": _positive_int,
+    "max_concurrent_requests": _positive_int,
+    "max_queue_time_s": _positive,
+    "request_timeout_s": _positive,
+    "max_tokens_cap": _positive_int,
+    "models": _globs,
+    "kv_page_fraction": _fraction,
+    "policy": _name,
+    "audit_content": _bool,
+    "audit_retention_days": _positive_int,
+    "cache_sharing_group": _name,
+}
