@@ -6,7 +6,7 @@ scheduling class. Without a file there is one open tenant, `default`, with no li
     priority = "interactive"          # "interactive" > "standard" > "batch" (strict)
     weight = 4                        # share among the tenants of one class
     requests_per_minute = 600
-    tokens_per_minute = 200000        # prompt + max_tokens reserved at admission, settled at the end
+    tokens_per_minute = 200000        # prompt + max_tokens reserved, settled at the end
     max_concurrent_requests = 32      # sequences queued + running (n > 1 counts n)
     max_queue_time_s = 30             # not started by then: refused, nothing generated
     request_timeout_s = 600           # upper bound on any request's deadline
