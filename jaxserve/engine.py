@@ -8,8 +8,8 @@ a tail that could still become a stop string), logprobs and the counters behind 
 
 Every request ends exactly once: `step()` returns one final RequestOutput (finished=True) for it,
 whether it stopped, ran out of length or was aborted, and by then all its pages are back. A request
-that runs out of time (its QoS deadline: finish_reason "deadline"; its queue deadline:
-"queue_timeout") or is shed from a full queue ("shed", see `shed`) ends as a whole: all its n
+that runs out of time (its QoS deadline: finish_reason "deadline"; its queue deadline, when none
+of its sequences has started: "queue_timeout") or is shed from a full queue ("shed", see `shed`) ends as a whole: all its n
 sequences end together with that reason.
 The engine is single-threaded; `jaxserve.async_engine.AsyncEngine` runs it on its own thread.
 """
@@ -286,6 +286,8 @@ class LLMEngine:
                 group, seq = self._by_seq[s.request.request_id]
                 if group.metrics.first_scheduled_time is None:
                     group.metrics.first_scheduled_time = now
+                    for sibling in group.seqs:  # the request started: no longer "queued"
+                        sibling.request.queue_deadline = None
                 rows.append(SamplingRow(group.prepared.params, seq.seed,
                                         s.request.prompt_token_ids, s.request.output_token_ids)
                             if s.samples else None)

@@ -220,14 +220,17 @@ class FairQueue:
         return None
 
     def _tidy(self, tq: _TenantQueue) -> None:
-        """Forget what no longer matters: an idle tenant at or behind V, an empty level."""
+        """Forget what no longer matters: idle tenants at or behind V, an empty level."""
         level = tq.level
+        idle = [tq]
         if not level.num_waiting:
-            # Idle level (SFQ): V moves to the largest finish tag, so a tenant's past use stops
-            # counting against it once nobody waits.
+            # Idle level (SFQ): V moves to the largest finish tag, so past use stops counting
+            # against anyone once nobody waits.
             level.vtime = max([level.vtime] + [q.finish for q in level.tenants.values()])
-        if not tq.requests and not tq.num_charged and tq.finish <= level.vtime:
-            del level.tenants[tq.tenant]
+            idle = list(level.tenants.values())
+        for q in idle:
+            if not q.requests and not q.num_charged and q.finish <= level.vtime:
+                del level.tenants[q.tenant]
         if not level.tenants:
             del self._levels[level.priority]
 

@@ -354,7 +354,7 @@ def test_deadlines_queue_timeouts_and_shedding_end_whole_requests(tiny_path):
     from jaxserve.errors import DeadlineExceeded, EngineOverloaded, QueueTimeout
     from jaxserve.request import QoS, ServiceClass
 
-    engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=1,
+    engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=2,
                                   max_num_batched_tokens=32, max_model_len=128,
                                   strict_compile=True, progress=False)
     now = [0.0]
@@ -362,6 +362,8 @@ def test_deadlines_queue_timeouts_and_shedding_end_whole_requests(tiny_path):
     long = SamplingParams(max_tokens=50, ignore_eos=True)
     batch = QoS(priority=ServiceClass.BATCH)
     engine.add_request("run", [5, 6, 7], long, qos=QoS(deadline=3.0))
+    # One of its sequences starts at once: the other, still waiting at t = 2, is not timed out.
+    engine.add_request("started", [5, 7], long.replace(n=2), qos=QoS(queue_deadline=1.5))
     engine.add_request("queued", [5, 6], long.replace(n=2), qos=QoS(queue_deadline=2.0))
     engine.add_request("batch", [8, 9], long, qos=batch)
     engine.add_request("batch2", [8, 9, 10], long, qos=batch)
@@ -374,7 +376,7 @@ def test_deadlines_queue_timeouts_and_shedding_end_whole_requests(tiny_path):
                 finals[out.request_id] = out
         now[0] += 1
 
-    step()  # t = 0: "run" takes the only seat
+    step()  # t = 0: "run" and one of "started" take the two seats
     assert engine.shed(ServiceClass.BATCH, 1) == []  # nothing less important than batch
     assert engine.shed(ServiceClass.STANDARD, 1) == ["batch2"]  # the newest batch request
     for _ in range(4):  # t = 1: batch2's final; t = 2: "queued" times out; t = 3: "run" expires
@@ -384,7 +386,8 @@ def test_deadlines_queue_timeouts_and_shedding_end_whole_requests(tiny_path):
     reasons = {rid: [(c.finish_reason, len(c.token_ids)) for c in out.outputs]
                for rid, out in finals.items()}
     assert reasons == {"batch2": [("shed", 0)], "queued": [("queue_timeout", 0)] * 2,
-                       "run": [("deadline", 3)], "batch": [("length", 50)]}
+                       "run": [("deadline", 3)], "started": [("length", 50)] * 2,
+                       "batch": [("length", 50)]}
     assert_no_leaks(engine)
 
     engine.scheduler.clock = time.monotonic
@@ -397,9 +400,9 @@ def test_deadlines_queue_timeouts_and_shedding_end_whole_requests(tiny_path):
         return out
 
     async def main():
-        hold = async_engine.generate([5, 6, 7], SamplingParams(max_tokens=120, ignore_eos=True),
-                                     "hold")
-        await hold.__anext__()  # it holds the only seat
+        hold = async_engine.generate(
+            [5, 6, 7], SamplingParams(max_tokens=120, ignore_eos=True, n=2), "hold")
+        await hold.__anext__()  # it holds both seats
         low = asyncio.ensure_future(last(async_engine.generate([5, 6], params, "low", qos=batch)))
         await _until(lambda: async_engine.stats().num_new_by_priority == {ServiceClass.BATCH: 1})
         with pytest.raises(EngineOverloaded):  # a batch request cannot displace another
