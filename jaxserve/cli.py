@@ -1,4 +1,5 @@
-"""`jaxserve fetch | convert | generate | serve | batch | index | search | audit | policy`.
+"""`jaxserve fetch | convert | generate | serve | batch | manifest | index | search | audit |
+policy`.
 
 Every error a user can cause surfaces as a JaxServeError and is printed as one line on stderr with
 exit code 1 — never a traceback. Progress goes to stderr so stdout carries only the result (with
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from jaxserve.audit.cli import add_audit_command
 from jaxserve.batch_infer import add_batch_arguments
-from jaxserve.engine_args import add_engine_arguments
+from jaxserve.engine_args import DTYPES, add_engine_arguments, add_engine_flags
 from jaxserve.errors import ContextLengthExceeded, InvalidRequest, JaxServeError
 from jaxserve.model_registry import ModelSpec
 from jaxserve.safety.cli import add_policy_command
@@ -155,6 +156,16 @@ def cmd_batch(args) -> int:
     return run_batch(args)
 
 
+def cmd_manifest(args) -> int:
+    from jaxserve.engine_args import engine_args
+    from jaxserve.fleet.deployment import VersionSpec
+    from jaxserve.fleet.manifest import manifest_of
+
+    spec = VersionSpec("manifest", args.model, args.dtype, tuple(sorted(engine_args(args).items())))
+    print(json.dumps(manifest_of(spec).to_dict(), indent=2))
+    return 0
+
+
 # ---------------------------------------------------------------- index, search (RAG)
 
 
@@ -213,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="write an orbax checkpoint that loads faster than SRC")
     c.add_argument("src", help="registered model name, .gguf file or HF directory")
     c.add_argument("dst", help="new directory for the checkpoint")
-    c.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    c.add_argument("--dtype", choices=DTYPES, default=None)
     c.set_defaults(func=cmd_convert)
 
     g = sub.add_parser("generate", help="generate from one prompt")
@@ -240,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_batch_arguments(b)
     b.set_defaults(func=cmd_batch)
 
+    m = sub.add_parser("manifest", help="print a model version's content-addressed manifest "
+                                        "(weight and tokenizer sha256, settings, price) as JSON")
+    m.add_argument("model", help="registered model name or path, as --model takes")
+    add_engine_flags(m)
+    m.set_defaults(func=cmd_manifest)
+
     ix = sub.add_parser("index", help="chunk, embed and index files into a RAG collection")
     _add_rag_arguments(ix)
     ix.add_argument("paths", nargs="+", type=Path,
@@ -264,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "compile_cache_dir"):  # every command that builds an engine
+            from jaxserve.engine_args import configure_compile_cache
+
+            configure_compile_cache(args)
         return args.func(args)
     except JaxServeError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -114,8 +114,13 @@ class LLMEngine:
                                   eos_token_ids=self.eos_token_ids, mesh=mesh,
                                   strict=strict_compile)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_pages)
+        started = time.perf_counter()
         if warmup:
             self.runner.warmup(progress)
+        # Time to ready, for the start-up line: compiling (or loading from the persistent
+        # compilation cache) every program; from_model adds the weights' load time.
+        self.compile_seconds = time.perf_counter() - started
+        self.load_seconds = 0.0
         self._groups: dict[str, _Group] = {}
         self._by_seq: dict[str, tuple[_Group, _Sequence]] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborts, sent with the next step
@@ -134,15 +139,26 @@ class LLMEngine:
         from jaxserve.tokenizer import load_tokenizer
         from jaxserve.weights import load_model
 
+        import jax
+
         spec = resolve(model)
+        started = time.perf_counter()
         model_config, params = load_model(spec, dtype, mesh)
+        params = jax.block_until_ready(params)
+        load_seconds = time.perf_counter() - started
         config = make_engine_config(model_config, {**spec.engine_defaults, **engine_args})
-        return cls(config, params, load_tokenizer(spec), mesh=mesh,
-                   strict_compile=strict_compile, warmup=warmup, progress=progress)
+        engine = cls(config, params, load_tokenizer(spec), mesh=mesh,
+                     strict_compile=strict_compile, warmup=warmup, progress=progress)
+        engine.load_seconds = load_seconds
+        return engine
 
     @property
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
+
+    def close(self) -> None:
+        """Free the device memory (weights, KV cache, programs); the engine is unusable after."""
+        self.runner.close()
 
     # ---- requests in -------------------------------------------------------------------------
 

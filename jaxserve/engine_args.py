@@ -1,4 +1,5 @@
-"""The command-line flags that configure an engine, shared by `serve`, `generate` and `batch`.
+"""The command-line flags that configure an engine, shared by `serve`, `generate`, `batch` and
+`manifest`, and the same settings as a deployment file's version table spells them.
 
 Flags left out (None) fall back to the model's registry defaults (configs/*.toml), then to the
 config dataclasses' defaults."""
@@ -6,12 +7,30 @@ config dataclasses' defaults."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16")
+# Engine settings by their keyword name (the flag is --name-with-dashes) and value type.
+ENGINE_FLAG_TYPES = {
+    "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int, "page_size": int,
+    "num_pages": int, "kv_cache_memory_fraction": float, "enable_prefix_caching": bool,
+    "enable_chunked_prefill": bool,
+}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="registered model name or path (GGUF file, "
                         "HF directory with config.json + *.safetensors, or orbax checkpoint)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    add_engine_flags(parser)
+    parser.add_argument("--compile-cache-dir", default=None,
+                        help="JAX's persistent compilation cache: a second start of the same "
+                             "model skips XLA compilation (default: the jaxserve cache's xla/; "
+                             "'' turns it off)")
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The engine settings without --model (for commands that name the model otherwise)."""
+    parser.add_argument("--dtype", choices=DTYPES, default=None)
     g = parser.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, help="context length (prompt + output)")
     g.add_argument("--max-num-seqs", type=int, help="sequences per step")
@@ -26,11 +45,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    default=None)
 
 
-_ENGINE_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
-                 "num_pages", "kv_cache_memory_fraction", "enable_prefix_caching",
-                 "enable_chunked_prefill")
-
-
 def engine_args(args: argparse.Namespace) -> dict:
     """The flags the user set, as LLMEngine.from_model keyword arguments."""
-    return {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
+    return {k: getattr(args, k) for k in ENGINE_FLAG_TYPES if getattr(args, k, None) is not None}
+
+
+def configure_compile_cache(args: argparse.Namespace) -> None:
+    """Turn on JAX's persistent compilation cache for a command that builds an engine."""
+    from jaxserve.compile_cache import default_compile_cache_dir, enable_compile_cache
+
+    if args.compile_cache_dir != "":
+        enable_compile_cache(Path(args.compile_cache_dir) if args.compile_cache_dir
+                             else default_compile_cache_dir())

@@ -96,3 +96,15 @@ class AlreadyExists(JaxServeError):
 
 class RequestFailed(JaxServeError):
     """One request failed inside the engine; the engine and the other requests go on."""
+
+
+class Conflict(JaxServeError):
+    """The request contradicts the current state (a version still routed to, one still loading)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class InsufficientMemory(JaxServeError):
+    """A model version does not fit in the memory that is free."""

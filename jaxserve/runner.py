@@ -59,24 +59,31 @@ def _host_available_bytes() -> int:
     raise ConfigError("cannot read the available memory; set CacheConfig.num_pages")
 
 
+def free_memory_bytes(device: jax.Device) -> int:
+    """What the device can still allocate (a CPU's is the host's available memory)."""
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return _host_available_bytes()
+
+
 def num_pages_for(config: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig,
-                  device: jax.Device) -> int:
+                  device: jax.Device, memory_bytes: int | None = None) -> int:
     """Pool size (null page included): the explicit `num_pages`, or `kv_cache_memory_fraction` of
-    the device memory left after the weights loaded.
+    `memory_bytes` (default: the device memory left after the weights loaded; a fleet passes the
+    budget its versions split).
 
     On a CPU the "device memory" is the host's, shared with everything else in the process, so the
     pool is capped at what max_num_seqs sequences of max_model_len tokens can use at once."""
     if cache.num_pages is not None:
         return cache.num_pages
     page_bytes = kv_page_bytes(config, cache.page_size, cache.dtype or config.dtype)
-    stats = device.memory_stats() or {}
-    if "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        num_pages = int(free * cache.kv_cache_memory_fraction) // page_bytes
-    else:
+    if memory_bytes is None:
+        memory_bytes = free_memory_bytes(device)
+    num_pages = int(memory_bytes * cache.kv_cache_memory_fraction) // page_bytes
+    if "bytes_limit" not in (device.memory_stats() or {}):
         pages_per_seq = -(-scheduler.max_model_len // cache.page_size)
-        num_pages = min(int(_host_available_bytes() * cache.kv_cache_memory_fraction) // page_bytes,
-                        scheduler.max_num_seqs * pages_per_seq + 1)
+        num_pages = min(num_pages, scheduler.max_num_seqs * pages_per_seq + 1)
     if num_pages < 2:
         raise ConfigError(
             f"no room for the KV cache: a page needs {page_bytes} bytes; lower max_model_len, use "
@@ -184,6 +191,13 @@ class ModelRunner:
                         disable=not progress):
             self._program(key)
         self._warm = True
+
+    def close(self) -> None:
+        """Free the device memory now (params, KV cache, programs) rather than when the garbage
+        collector finds the last reference; the runner is unusable afterwards."""
+        for leaf in jax.tree.leaves((self.params, self.kv_cache)):
+            leaf.delete()
+        self._programs.clear()
 
     # ---- one step ----------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """`jaxserve serve`: HTTP (and optionally gRPC) servers over one AsyncEngine.
 
 The HTTP server listens first, so /health answers and /ready says "warming up" while weights load
-and every program compiles; then the engine attaches and /ready turns 200. The bound URL is printed
-on stdout (port 0 picks a free one). SIGINT/SIGTERM stop the servers, then the engine thread.
+and every program compiles; then the engine attaches and /ready turns 200, and stdout says how long
+that took (weights, compilation, total). The bound URL is printed on stdout (port 0 picks a free
+one). SIGINT/SIGTERM stop the servers, then the engine thread.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 from jaxserve.config import ServerConfig
@@ -55,6 +57,7 @@ async def serve(args: argparse.Namespace) -> int:
     from jaxserve.server.rag_routes import add_rag_routes
     from jaxserve.server.tls import TlsConfig
 
+    started = time.perf_counter()
     config = ServerConfig(host=args.host, port=args.port, grpc_port=args.grpc_port,
                           served_model_name=args.served_model_name,
                           keepalive_seconds=args.keepalive_seconds, log_prompts=args.log_prompts,
@@ -82,6 +85,9 @@ async def serve(args: argparse.Namespace) -> int:
             await loop.run_in_executor(None, _warm_rag, rag)
         engine = AsyncEngine(llm_engine)
         attach_engine(app, engine, rag)
+        print(f"jaxserve: ready in {time.perf_counter() - started:.1f} s (load "
+              f"{llm_engine.load_seconds:.1f} s, compile {llm_engine.compile_seconds:.1f} s)",
+              flush=True)
         if config.grpc_port is not None:
             grpc_server, grpc_port = await start_grpc_server(
                 engine, config.host, config.grpc_port, model_name, rag=rag,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
-import json
 
 from aiohttp import web
 
@@ -20,6 +19,7 @@ from jaxserve.errors import InvalidRequest
 from jaxserve.rag.collection import check_search_args
 from jaxserve.rag.documents import parse_documents
 from jaxserve.rag.service import RagService, check_collection_name
+from jaxserve.server.json_body import read_object
 
 RAG_KEY = web.AppKey("rag", RagService)
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
@@ -30,20 +30,6 @@ async def _call(request: web.Request, method: str, *args):
     service = request.app[RAG_KEY]
     return await asyncio.get_running_loop().run_in_executor(
         None, functools.partial(getattr(service, method), *args))
-
-
-async def _object(request: web.Request, allowed: set[str]) -> dict:
-    try:
-        body = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise InvalidRequest(f"Unrecognized request argument supplied: {unknown[0]}",
-                             param=unknown[0])
-    return body
 
 
 def _embedding_inputs(body: dict) -> list[str]:
@@ -63,7 +49,7 @@ def _embedding_inputs(body: dict) -> list[str]:
 
 async def embeddings(request: web.Request) -> web.Response:
     service = request.app[RAG_KEY]
-    body = await _object(request, _EMBEDDING_FIELDS)
+    body = await read_object(request, _EMBEDDING_FIELDS)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required and must be a string", param="model")
@@ -89,7 +75,7 @@ async def embeddings(request: web.Request) -> web.Response:
 
 
 async def create_collection(request: web.Request) -> web.Response:
-    body = await _object(request, {"name"})
+    body = await read_object(request, {"name"})
     collection = await _call(request, "create_collection", body.get("name"))
     return web.json_response(collection.info(), status=201)
 
@@ -110,7 +96,7 @@ async def delete_collection(request: web.Request) -> web.Response:
 
 async def upsert_documents(request: web.Request) -> web.Response:
     name = check_collection_name(request.match_info["name"])
-    docs = parse_documents((await _object(request, {"documents"})).get("documents"))
+    docs = parse_documents((await read_object(request, {"documents"})).get("documents"))
     chunks = await _call(request, "upsert", name, docs)
     return web.json_response({"collection": name, "documents": len(docs), "chunks": chunks})
 
@@ -125,7 +111,7 @@ async def delete_document(request: web.Request) -> web.Response:
 async def search(request: web.Request) -> web.Response:
     service = request.app[RAG_KEY]
     name = check_collection_name(request.match_info["name"])
-    body = await _object(request, {"query", "top_k", "mode"})
+    body = await read_object(request, {"query", "top_k", "mode"})
     query, top_k, mode = body.get("query"), body.get("top_k", 5), body.get("mode", "hybrid")
     check_search_args(query, top_k, mode, service.config.search.max_top_k)
     results = await _call(request, "search", name, query, top_k, mode)

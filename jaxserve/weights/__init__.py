@@ -19,8 +19,41 @@ def load_host(spec: ModelSpec, dtype: str = "float32") -> tuple[ModelConfig, dic
         from jaxserve.weights.safetensors import load_hf
 
         return load_hf(spec.path, dtype)
-    raise WeightsError(f"{spec.name} is a {spec.format!r} model, not a generative (Llama-family) "
-                       f"one: it serves embeddings and retrieval (jaxserve index / search)")
+    raise _not_generative(spec)
+
+
+def _not_generative(spec: ModelSpec) -> WeightsError:
+    return WeightsError(f"{spec.name} is a {spec.format!r} model, not a generative (Llama-family) "
+                        f"one: it serves embeddings and retrieval (jaxserve index / search)")
+
+
+def read_config(spec: ModelSpec, dtype: str | None = None) -> ModelConfig:
+    """The model's ModelConfig without reading its tensors, in the dtype `load_model` would give
+    it (None: f32 for GGUF / HF, as saved for orbax)."""
+    if spec.format == "orbax":
+        from jaxserve.weights.checkpoint import config_from_dict, read_meta
+
+        config = config_from_dict(read_meta(spec.path)["config"])
+        return config.replace(dtype=dtype) if dtype is not None else config
+    if spec.format == "gguf":
+        from jaxserve.weights.gguf import read_gguf_config
+
+        return read_gguf_config(spec.path, dtype or "float32")
+    if spec.format == "hf":
+        from jaxserve.weights.safetensors import read_hf_config
+
+        return read_hf_config(spec.path, dtype or "float32")
+    raise _not_generative(spec)
+
+
+def param_bytes(config: ModelConfig) -> int:
+    """Device bytes of the parameters (before any sharding)."""
+    import numpy as np
+
+    from jaxserve.models import llama
+
+    return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+               for s in jax.tree.leaves(llama.param_shapes(config)))
 
 
 def load_model(spec: ModelSpec, dtype: str | None = None,

@@ -126,6 +126,11 @@ def config_from_gguf(reader, path: Path, dtype: str = "float32") -> ModelConfig:
     )
 
 
+def read_gguf_config(path: Path, dtype: str = "float32") -> ModelConfig:
+    """The ModelConfig alone (the tensors are memory-mapped, not read)."""
+    return config_from_gguf(_open(Path(path)), Path(path), dtype)
+
+
 def load_gguf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
     """Read a GGUF file: (ModelConfig, parameter tree of host numpy arrays in `dtype`)."""
     from gguf import quants

@@ -79,16 +79,21 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return out
 
 
+def read_hf_config(path: Path, dtype: str = "float32") -> ModelConfig:
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        return config_from_hf(cfg, Path(path).name, dtype)
+    except (OSError, ValueError, KeyError, ConfigError) as e:
+        raise WeightsError(f"{Path(path) / 'config.json'}: unreadable or incomplete ({e})") \
+            from None
+
+
 def load_hf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
     """Read an HF directory: (ModelConfig, parameter tree of host numpy arrays in `dtype`)."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-        config = config_from_hf(cfg, path.name, dtype)
-    except (OSError, ValueError, KeyError, ConfigError) as e:
-        raise WeightsError(f"{path / 'config.json'}: unreadable or incomplete ({e})") from None
+    config = read_hf_config(path, dtype)
     try:
         files = _tensor_files(path)
         handles = {f: safe_open(str(f), framework="np") for f in set(files.values())}

@@ -1,0 +1,381 @@
+"""The Fleet: model versions (one engine each) and the routes between them, changed at run time.
+
+- **Load** (`load`): the version is checked and its memory planned at once (a version that does
+  not fit is an InsufficientMemory before anything is allocated); weights load and every program
+  compiles on the fleet's loading thread, one version at a time; only then is it `ready`.
+- **Routes** are immutable objects swapped under a lock (`set_route`, `rollback`, the canary
+  gate): a request selects under the same lock, so it sees one whole setting, and a version
+  routed to is always ready. `rollback` swaps the current and previous settings (a second
+  rollback re-applies what the first undid).
+- **Select** (`select`): a route name picks a version by weight (sticky: a stable hash of the
+  user or API key) plus its shadow copies; a version name addresses that version. The Lease the
+  caller gets counts the request in flight until it finishes.
+- **Unload** (`unload`): refused while a route sends the version traffic; else the version drains
+  (no new requests, in-flight ones finish) and then its memory is freed.
+- **Canary gate**: each finished routed request enters its route's window; a non-incumbent version
+  breaching its ratio gets weight 0 at once, logged and counted.
+
+Thread-safe: the admin API, request handlers and the loading and draining threads all call in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+from jaxserve.errors import (AlreadyExists, ConfigError, Conflict, EngineOverloaded,
+                             InvalidRequest, ModelNotFound, NotFound)
+from jaxserve.fleet.canary import CanaryMonitor, Sample, Trip
+from jaxserve.fleet.deployment import VersionSpec, load_deployment
+from jaxserve.fleet.loader import EngineLoader, Prepared
+from jaxserve.fleet.memory import check_fits
+from jaxserve.fleet.routing import Route, choose, shadows, sticky_unit
+from jaxserve.fleet.versions import Counters, Lease, Version, VersionState
+
+log = logging.getLogger("jaxserve.fleet")
+
+_GONE = (VersionState.UNLOADED, VersionState.FAILED)
+
+
+class Fleet:
+    def __init__(self, loader=None, *, headroom_fraction: float = 0.05,
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic):
+        self._loader = loader if loader is not None else EngineLoader()
+        # The budget the versions' kv_cache_memory_fraction split: what was free at the start.
+        self.memory_budget_bytes = self._loader.free_bytes()
+        self._headroom = int(headroom_fraction * self.memory_budget_bytes)
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # any state change, in_flight included
+        self._versions: dict[str, Version] = {}
+        self._routes: dict[str, Route] = {}  # replaced whole on every change, never mutated
+        self._previous: dict[str, Route | None] = {}
+        self._monitors: dict[str, CanaryMonitor] = {}
+        self._counters: dict[tuple[str | None, str], Counters] = {}  # (route, version)
+        self._trips: deque[Trip] = deque(maxlen=100)
+        self._loading = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-fleet-load")
+
+    @classmethod
+    def from_deployment(cls, path: Path, loader=None, **kwargs) -> "Fleet":
+        """Load every version of a deployment file (blocking until all are ready) and install its
+        routes. Any problem with the file is one ConfigError naming it and the field."""
+        deployment = load_deployment(path)
+        fleet = cls(loader, **kwargs)
+        try:
+            prepared = []
+            for spec in deployment.versions:  # all checked before anything loads
+                try:
+                    prepared.append(fleet._loader.prepare(spec, fleet.memory_budget_bytes))
+                except InvalidRequest as e:
+                    field = f"version.{spec.name}" + (f".{e.param}" if e.param else "")
+                    raise ConfigError(f"{path}: {field}: {e}") from None
+            for spec, p in zip(deployment.versions, prepared):
+                fleet._admit(spec, p)
+            for spec in deployment.versions:
+                version = fleet.wait(spec.name)
+                if version.state is not VersionState.READY:
+                    raise ConfigError(f"{path}: version.{spec.name}: loading failed: "
+                                      f"{version.error}")
+            for route in deployment.routes:
+                fleet.set_route(route)
+        except BaseException:
+            fleet.shutdown()
+            raise
+        return fleet
+
+    # ---- versions ----------------------------------------------------------------------------
+
+    def load(self, spec: VersionSpec) -> Version:
+        """Admit a version and start loading it; returns at once (state `loading`)."""
+        return self._admit(spec, self._loader.prepare(spec, self.memory_budget_bytes))
+
+    def _admit(self, spec: VersionSpec, prepared: Prepared) -> Version:
+        with self._lock:
+            existing = self._versions.get(spec.name)
+            if existing is not None and existing.state not in _GONE:
+                raise AlreadyExists(f"version {spec.name!r} exists ({existing.state.value})",
+                                    param="name")
+            if spec.name in self._routes:
+                raise InvalidRequest(f"{spec.name!r} is a route's name; a version needs its own",
+                                     param="name")
+            reserved = sum(v.memory.total_bytes for v in self._versions.values()
+                           if v.state is VersionState.LOADING)
+            check_fits(spec.name, prepared.memory, self._loader.free_bytes(), reserved,
+                       self._headroom)
+            version = self._versions[spec.name] = Version(spec, prepared.memory, prepared.pricing)
+            for key in [k for k in self._counters if k[1] == spec.name]:
+                del self._counters[key]  # a reused name starts its counts afresh
+        self._loading.submit(self._load, version, prepared)
+        log.info("version %s: loading %s", spec.name, spec.model)
+        return version
+
+    def _load(self, version: Version, prepared: Prepared) -> None:
+        try:
+            loaded = self._loader.load(version.spec, prepared)
+        except BaseException as e:  # noqa: BLE001 - the version says why; the fleet goes on
+            log.exception("version %s: loading failed", version.name)
+            with self._lock:
+                version.state, version.error = VersionState.FAILED, f"{type(e).__name__}: {e}"
+                self._changed.notify_all()
+            return
+        with self._lock:
+            version.engine, version.manifest = loaded.engine, loaded.manifest
+            version.load_seconds, version.compile_seconds = (loaded.load_seconds,
+                                                             loaded.compile_seconds)
+            version.state = VersionState.READY
+            self._changed.notify_all()
+        log.info("version %s: ready as %s (load %.1f s, compile %.1f s)", version.name,
+                 loaded.manifest.id, loaded.load_seconds, loaded.compile_seconds)
+
+    def wait(self, name: str, timeout: float | None = None) -> Version:
+        """Block until the version is neither loading nor draining (or the timeout passes)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            version = self._version(name)
+            while version.state in (VersionState.LOADING, VersionState.DRAINING):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._changed.wait(left)
+            return version
+
+    def unload(self, name: str) -> Version:
+        """Drain, then free the version (returns at once, state `draining`). Refused (Conflict)
+        while a route gives it weight or shadow traffic, or while it loads."""
+        with self._lock:
+            version = self._version(name)
+            if version.state is VersionState.LOADING:
+                raise Conflict(f"version {name!r} is loading; unload it once it is ready",
+                               param="name")
+            if version.state in (VersionState.DRAINING, VersionState.UNLOADED):
+                return version
+            users = sorted(r.name for r in self._routes.values() if r.names(name))
+            if users:
+                raise Conflict(f"version {name!r} still gets traffic from route(s) "
+                               f"{', '.join(users)}; set its weight and shadow there to 0 first",
+                               param="name")
+            if version.state is VersionState.FAILED:
+                version.state = VersionState.UNLOADED
+                self._changed.notify_all()
+                return version
+            version.state = VersionState.DRAINING
+            self._changed.notify_all()
+        threading.Thread(target=self._drain, args=(version,), daemon=True,
+                         name=f"jaxserve-fleet-drain-{name}").start()
+        log.info("version %s: draining (%d in flight)", name, version.in_flight)
+        return version
+
+    def _drain(self, version: Version) -> None:
+        with self._changed:
+            while version.in_flight:
+                self._changed.wait()
+            engine, version.engine = version.engine, None  # None: shutdown() took it
+        if engine is not None:
+            try:
+                self._loader.unload(engine)
+            except Exception:  # noqa: BLE001 - it is out of service either way
+                log.exception("version %s: unloading raised", version.name)
+        with self._lock:
+            version.state = VersionState.UNLOADED
+            self._changed.notify_all()
+        log.info("version %s: unloaded", version.name)
+
+    def _version(self, name: str) -> Version:
+        version = self._versions.get(name)
+        if version is None:
+            raise NotFound(f"no version {name!r}", param="name")
+        return version
+
+    # ---- routes ------------------------------------------------------------------------------
+
+    def _check_route(self, route: Route) -> None:
+        if route.name in self._versions and self._versions[route.name].state not in _GONE:
+            raise InvalidRequest(f"{route.name!r} is a version's name; a route needs its own",
+                                 param="route")
+        for kind, shares in (("weights", route.weights), ("shadow", route.shadow)):
+            for name, share in shares:
+                version = self._versions.get(name)
+                if version is None:
+                    raise InvalidRequest(f"'{kind}.{name}' names no version", param=f"{kind}.{name}")
+                if share > 0 and version.state is not VersionState.READY:
+                    raise Conflict(f"version {name!r} is {version.state.value}; only a ready "
+                                   f"version can take traffic", param=f"{kind}.{name}")
+
+    def _swap(self, route: Route, previous: Route | None) -> None:
+        self._routes = {**self._routes, route.name: route}
+        self._previous[route.name] = previous
+        self._changed.notify_all()
+
+    def set_route(self, route: Route) -> Route:
+        """Create or replace a route (all at once)."""
+        with self._lock:
+            self._check_route(route)
+            self._swap(route, self._routes.get(route.name))
+        log.info("route %s: %s", route.name, route.to_dict())
+        return route
+
+    def route(self, name: str) -> Route | None:
+        return self._routes.get(name)
+
+    def rollback(self, name: str) -> Route:
+        """Restore the route's previous settings (and keep the current ones as the previous)."""
+        with self._lock:
+            current = self._routes.get(name)
+            if current is None:
+                raise NotFound(f"no route {name!r}", param="route")
+            previous = self._previous.get(name)
+            if previous is None:
+                raise Conflict(f"route {name!r} has no previous settings to roll back to",
+                               param="route")
+            self._check_route(previous)
+            self._swap(previous, current)
+        log.info("route %s: rolled back to %s", name, previous.to_dict())
+        return previous
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def select(self, model: str, *, user: str | None = None,
+               api_key: str | None = None) -> Lease:
+        """The lease for one request to `model` (a route or a version name)."""
+        with self._lock:
+            route = self._routes.get(model)
+            if route is None:
+                return self._lease(None, self._addressed(model), shadow=False)
+            key = {"user": user, "api_key": api_key}.get(route.sticky)
+            unit = sticky_unit(route.name, key) if key is not None else self._rng.random()
+            ready = self._is_ready
+            primary = choose(route, unit, ready)
+            if primary is None:
+                raise EngineOverloaded(f"route {model!r} has no ready version")
+            copies = shadows(route, primary, [self._rng.random() for _ in route.shadow], ready)
+            lease = self._lease(route.name, self._versions[primary], shadow=False)
+            lease.shadows = tuple(self._lease(route.name, self._versions[v], shadow=True)
+                                  for v in copies)
+            return lease
+
+    def _is_ready(self, name: str) -> bool:
+        version = self._versions.get(name)
+        return version is not None and version.state is VersionState.READY
+
+    def _addressed(self, name: str) -> Version:
+        version = self._versions.get(name)
+        if version is None or version.state in _GONE:
+            raise ModelNotFound(f"unknown model {name!r}; routes: {', '.join(sorted(self._routes))}"
+                                f"; versions: {', '.join(self.ready_versions())}")
+        if version.state is VersionState.LOADING:
+            raise EngineOverloaded(f"version {name!r} is still loading")
+        if version.state is VersionState.DRAINING:
+            raise ModelNotFound(f"version {name!r} is being unloaded")
+        return version
+
+    def _lease(self, route: str | None, version: Version, shadow: bool) -> Lease:
+        version.in_flight += 1
+        return Lease(self, route, version, shadow)
+
+    def _release(self, lease: Lease) -> None:
+        with self._lock:
+            if lease.done:
+                raise RuntimeError("a lease ends exactly once")
+            lease.done = True
+            lease.version.in_flight -= 1
+            self._changed.notify_all()
+
+    def _finish(self, lease: Lease, *, error: bool, ttft: float | None, prompt_tokens: int,
+                completion_tokens: int, token_agreement: float | None) -> None:
+        version = lease.version
+        cost = (version.pricing.cost(prompt_tokens, completion_tokens)
+                if version.pricing is not None else None)
+        with self._lock:
+            self._release(lease)
+            c = self._counters.setdefault((lease.route, version.name), Counters())
+            if lease.shadow:
+                c.shadow_requests += 1
+                c.shadow_errors += error
+                if token_agreement is not None:
+                    c.shadow_compared += 1
+                    c.shadow_token_agreement_sum += token_agreement
+                return
+            c.requests += 1
+            c.errors += error
+            c.prompt_tokens += prompt_tokens
+            c.completion_tokens += completion_tokens
+            c.cost_usd += cost or 0.0
+            if lease.route is None:
+                return
+            now = self._clock()
+            monitor = self._monitors.setdefault(lease.route, CanaryMonitor())
+            monitor.record(version.name, Sample(now, error, ttft,
+                                                prompt_tokens + completion_tokens, cost))
+            for trip in monitor.evaluate(self._routes[lease.route], now):
+                self._trip(trip, monitor)
+
+    def _trip(self, trip: Trip, monitor: CanaryMonitor) -> None:
+        route = self._routes[trip.route]
+        self._swap(route.with_weight(trip.version, 0.0), route)
+        monitor.forget(trip.version)
+        self._counters.setdefault((trip.route, trip.version), Counters()).canary_trips += 1
+        self._trips.append(trip)
+        log.warning(trip.message())
+
+    # ---- views -------------------------------------------------------------------------------
+
+    def ready_versions(self) -> list[str]:
+        return sorted(n for n, v in self._versions.items() if v.state is VersionState.READY)
+
+    def version_info(self, name: str) -> dict:
+        with self._lock:
+            version = self._version(name)
+            totals = Counters()
+            for (_, v), c in self._counters.items():
+                if v == name:
+                    totals = totals.add(c)
+            return {**version.to_dict(), "counters": totals.to_dict()}
+
+    def versions_info(self) -> list[dict]:
+        with self._lock:
+            return [self.version_info(n) for n in sorted(self._versions)]
+
+    def route_info(self, name: str) -> dict:
+        with self._lock:
+            route = self._routes.get(name)
+            if route is None:
+                raise NotFound(f"no route {name!r}", param="route")
+            monitor, now = self._monitors.get(name), self._clock()
+            window = route.canary.window_seconds if route.canary is not None else 300.0
+            names = sorted({v for v, _ in route.weights + route.shadow})
+            versions = {}
+            for v in names:
+                version = self._versions.get(v)
+                versions[v] = {
+                    "state": version.state.value if version is not None else None,
+                    "weight": route.weight(v), "shadow": dict(route.shadow).get(v, 0.0),
+                    "counters": self._counters.get((name, v), Counters()).to_dict(),
+                    "window": monitor.stats(v, now, window).to_dict() if monitor else None}
+            return {**route.to_dict(), "has_previous": self._previous.get(name) is not None,
+                    "versions": versions,
+                    "canary_trips": [dataclasses.asdict(t) for t in self._trips
+                                     if t.route == name]}
+
+    def routes_info(self) -> list[dict]:
+        with self._lock:
+            return [self.route_info(n) for n in sorted(self._routes)]
+
+    def shutdown(self) -> None:
+        """Stop loading and shut every engine down (in-flight requests end with EngineDead)."""
+        self._loading.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            engines = [v.engine for v in self._versions.values() if v.engine is not None]
+            for version in self._versions.values():
+                version.engine = None
+                version.state = VersionState.UNLOADED
+            self._changed.notify_all()
+        for engine in engines:
+            self._loader.unload(engine)

@@ -1,0 +1,68 @@
+"""Turning a VersionSpec into a serving engine: check it and plan its memory (fast, metadata only),
+then load the weights, compile every program and hash its manifest (slow, on the fleet's loading
+thread); and back again, freeing the device memory.
+
+The Fleet holds a loader rather than building engines itself, so its routing, draining and memory
+accounting are tested with fake engines in milliseconds; this is the real one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.fleet.deployment import Pricing, VersionSpec
+from jaxserve.fleet.manifest import FileHashCache, Manifest, build_manifest, resolve_version
+from jaxserve.fleet.memory import MemoryPlan, plan_memory
+
+
+@dataclass(frozen=True)
+class Prepared:
+    memory: MemoryPlan
+    pricing: Pricing | None
+    detail: Any = None  # the loader's own (the real one: the ResolvedVersion)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    engine: Any  # AsyncEngine
+    manifest: Manifest
+    load_seconds: float
+    compile_seconds: float
+
+
+class EngineLoader:
+    """One LLMEngine + AsyncEngine per version, on the default device."""
+
+    def __init__(self, *, strict_compile: bool = False, progress: bool = False,
+                 hashes: FileHashCache | None = None):
+        self.strict_compile = strict_compile
+        self.progress = progress
+        self.hashes = hashes or FileHashCache()
+
+    def free_bytes(self) -> int:
+        import jax
+
+        from jaxserve.runner import free_memory_bytes
+
+        return free_memory_bytes(jax.devices()[0])
+
+    def prepare(self, spec: VersionSpec, budget_bytes: int) -> Prepared:
+        resolved = resolve_version(spec)
+        return Prepared(plan_memory(resolved.engine_config, budget_bytes), resolved.pricing,
+                        resolved)
+
+    def load(self, spec: VersionSpec, prepared: Prepared) -> Loaded:
+        from jaxserve.async_engine import AsyncEngine
+        from jaxserve.engine import LLMEngine
+
+        engine = LLMEngine.from_model(
+            spec.model, dtype=spec.dtype, strict_compile=self.strict_compile,
+            progress=self.progress,
+            **{**dict(spec.engine_args), "num_pages": prepared.memory.num_pages})
+        manifest = build_manifest(prepared.detail, engine.tokenizer.chat_template, self.hashes)
+        return Loaded(AsyncEngine(engine), manifest, engine.load_seconds, engine.compile_seconds)
+
+    def unload(self, engine) -> None:
+        engine.shutdown()
+        engine.engine.close()

@@ -1,0 +1,58 @@
+"""Device memory for several versions: each version's KV pool is its `kv_cache_memory_fraction`
+of the fleet's memory budget (the free memory measured when the fleet was made), so fractions
+split one budget instead of each taking a share of whatever the versions before it left. Before
+anything is allocated, a version's weights + KV pool are checked against the memory free now: a
+version that does not fit is an InsufficientMemory naming the numbers, not an out-of-memory crash
+half-way through loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+from jaxserve.config import EngineConfig
+from jaxserve.errors import InsufficientMemory
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weights_bytes: int
+    kv_cache_bytes: int
+    num_pages: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_cache_bytes
+
+    def to_dict(self) -> dict:
+        return {"weights_bytes": self.weights_bytes, "kv_cache_bytes": self.kv_cache_bytes,
+                "num_pages": self.num_pages}
+
+
+def plan_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
+    from jaxserve.runner import kv_page_bytes, num_pages_for
+    from jaxserve.weights import param_bytes
+
+    num_pages = num_pages_for(config.model, config.cache, config.scheduler, jax.devices()[0],
+                              memory_bytes=budget_bytes)
+    page = kv_page_bytes(config.model, config.cache.page_size,
+                         config.cache.dtype or config.model.dtype)
+    return MemoryPlan(param_bytes(config.model), num_pages * page, num_pages)
+
+
+def check_fits(name: str, plan: MemoryPlan, free_bytes: int, reserved_bytes: int,
+               headroom_bytes: int) -> None:
+    """`reserved_bytes`: what versions still loading will take (planned, not yet allocated);
+    `headroom_bytes`: kept free for activations and compilation."""
+    available = free_bytes - reserved_bytes - headroom_bytes
+    if plan.total_bytes > available:
+        mib = 1 << 20
+        raise InsufficientMemory(
+            f"version {name} does not fit: it needs {plan.total_bytes / mib:.0f} MiB (weights "
+            f"{plan.weights_bytes / mib:.0f} MiB + KV cache {plan.kv_cache_bytes / mib:.0f} MiB, "
+            f"{plan.num_pages} pages) but {max(available, 0) / mib:.0f} MiB are free ("
+            f"{free_bytes / mib:.0f} MiB free, {reserved_bytes / mib:.0f} MiB promised to versions "
+            f"loading, {headroom_bytes / mib:.0f} MiB headroom); unload a version or lower its "
+            f"kv_cache_memory_fraction / num_pages / max_model_len")

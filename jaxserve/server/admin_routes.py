@@ -1,0 +1,138 @@
+"""The admin API: model versions and routes of a Fleet, changed while traffic flows.
+
+`add_admin_routes(app, fleet, admin_key)` registers, on the app built by
+`jaxserve.server.http.build_app` (whose middleware turns typed errors into OpenAI error bodies):
+
+    GET    /admin/v1/versions                 versions: state, manifest, memory, counters
+    GET    /admin/v1/versions/{name}
+    POST   /admin/v1/versions                 {"name", "model", ...engine flags} -> 202, loading
+    DELETE /admin/v1/versions/{name}          drain, then unload -> 202 (409 while routed to)
+    GET    /admin/v1/routes                   routes: weights, sticky, shadow, canary, counters
+    PUT    /admin/v1/routes/{route}           {"weights"?, "sticky"?, "shadow"?, "canary"?}
+    POST   /admin/v1/routes/{route}/rollback  the previous settings
+
+Every route needs `Authorization: Bearer KEY` (compared in constant time): 401 otherwise. Calls
+that read files (a version's metadata) run in the executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import hmac
+
+from aiohttp import web
+
+from jaxserve.errors import (ConfigError, Conflict, InsufficientMemory, InvalidRequest,
+                             TokenizerError, WeightsError)
+from jaxserve.fleet.deployment import parse_route, parse_version
+from jaxserve.fleet.fleet import Fleet
+from jaxserve.server.json_body import read_object
+from jaxserve.server.protocol import error_body
+
+FLEET_KEY = web.AppKey("admin_fleet", Fleet)
+_KEY_DIGEST = web.AppKey("admin_key_digest", bytes)
+# The admin API's own errors; the rest (400 InvalidRequest, 404 NotFound / ModelNotFound, 409
+# AlreadyExists) go through the app's error middleware like every other route's.
+_STATUS = ((Conflict, 409, "conflict"), (InsufficientMemory, 409, "insufficient_memory"),
+           ((WeightsError, TokenizerError, ConfigError), 400, "invalid_model"))
+
+
+def _digest(key: str) -> bytes:
+    # Comparing digests keeps the comparison constant-time whatever the key's length.
+    return hashlib.sha256(key.encode()).digest()
+
+
+def _authorized(request: web.Request) -> bool:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        _digest(token.strip()), request.app[_KEY_DIGEST])
+
+
+def _admin(handler):
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        if not _authorized(request):
+            return web.json_response(
+                error_body("the admin API needs 'Authorization: Bearer <admin key>'",
+                           "invalid_request_error", code="invalid_api_key"),
+                status=401, headers={"WWW-Authenticate": "Bearer"})
+        try:
+            return await handler(request)
+        except tuple(t for t, _, _ in _STATUS) as exc:
+            status, code = next((s, c) for t, s, c in _STATUS if isinstance(exc, t))
+            return web.json_response(error_body(str(exc), "invalid_request_error",
+                                                getattr(exc, "param", None), code),
+                                     status=status)
+    return wrapped
+
+
+async def _in_executor(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+@_admin
+async def list_versions(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": request.app[FLEET_KEY].versions_info()})
+
+
+@_admin
+async def get_version(request: web.Request) -> web.Response:
+    return web.json_response(request.app[FLEET_KEY].version_info(request.match_info["name"]))
+
+
+@_admin
+async def load_version(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET_KEY]
+    body = await read_object(request)
+    if "name" not in body:
+        raise InvalidRequest("'name' is required", param="name")
+    name = body.pop("name")
+    spec = parse_version(name, body)
+    version = await _in_executor(fleet.load, spec)
+    return web.json_response(fleet.version_info(version.name), status=202,
+                             headers={"Location": f"/admin/v1/versions/{version.name}"})
+
+
+@_admin
+async def unload_version(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET_KEY]
+    version = fleet.unload(request.match_info["name"])
+    return web.json_response(fleet.version_info(version.name), status=202)
+
+
+@_admin
+async def list_routes(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": request.app[FLEET_KEY].routes_info()})
+
+
+@_admin
+async def put_route(request: web.Request) -> web.Response:
+    fleet, name = request.app[FLEET_KEY], request.match_info["route"]
+    route = fleet.set_route(parse_route(name, await read_object(request), base=fleet.route(name)))
+    return web.json_response(fleet.route_info(route.name))
+
+
+@_admin
+async def rollback_route(request: web.Request) -> web.Response:
+    fleet = request.app[FLEET_KEY]
+    route = fleet.rollback(request.match_info["route"])
+    return web.json_response(fleet.route_info(route.name))
+
+
+def add_admin_routes(app: web.Application, fleet: Fleet, admin_key: str) -> None:
+    """Serve the admin API for `fleet`, guarded by `admin_key`; call before the server starts."""
+    if not admin_key:
+        raise ConfigError("the admin key must not be empty")
+    app[FLEET_KEY] = fleet
+    app[_KEY_DIGEST] = _digest(admin_key)
+    app.add_routes([
+        web.get("/admin/v1/versions", list_versions),
+        web.post("/admin/v1/versions", load_version),
+        web.get("/admin/v1/versions/{name}", get_version),
+        web.delete("/admin/v1/versions/{name}", unload_version),
+        web.get("/admin/v1/routes", list_routes),
+        web.put("/admin/v1/routes/{route}", put_route),
+        web.post("/admin/v1/routes/{route}/rollback", rollback_route),
+    ])
