@@ -35,8 +35,9 @@ FLEET_KEY = web.AppKey("admin_fleet", Fleet)
 _KEY_DIGEST = web.AppKey("admin_key_digest", bytes)
 # The admin API's own errors; the rest (400 InvalidRequest, 404 NotFound / ModelNotFound, 409
 # AlreadyExists) go through the app's error middleware like every other route's.
-_STATUS = ((Conflict, 409, "conflict"), (InsufficientMemory, 409, "insufficient_memory"),
-           ((WeightsError, TokenizerError, ConfigError), 400, "invalid_model"))
+_STATUS = {Conflict: (409, "conflict"), InsufficientMemory: (409, "insufficient_memory"),
+           WeightsError: (400, "invalid_model"), TokenizerError: (400, "invalid_model"),
+           ConfigError: (400, "invalid_model")}
 
 
 def _digest(key: str) -> bytes:
@@ -60,8 +61,8 @@ def _admin(handler):
                 status=401, headers={"WWW-Authenticate": "Bearer"})
         try:
             return await handler(request)
-        except tuple(t for t, _, _ in _STATUS) as exc:
-            status, code = next((s, c) for t, s, c in _STATUS if isinstance(exc, t))
+        except tuple(_STATUS) as exc:
+            status, code = next(v for t, v in _STATUS.items() if isinstance(exc, t))
             return web.json_response(error_body(str(exc), "invalid_request_error",
                                                 getattr(exc, "param", None), code),
                                      status=status)
