@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
+import jax
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -81,8 +82,11 @@ def test_load_route_serve_rollback_and_unload(fleet, tiny_path, tmp_path):
     other = small_vocab_gguf(tmp_path / "other.gguf", seed=1)
 
     async def scenario(client):
-        post = lambda body: client.post("/admin/v1/versions", json=body, headers=AUTH)  # noqa: E731
-        put = lambda body: client.put("/admin/v1/routes/tiny", json=body, headers=AUTH)  # noqa: E731
+        def post(body):
+            return client.post("/admin/v1/versions", json=body, headers=AUTH)
+
+        def put(body):
+            return client.put("/admin/v1/routes/tiny", json=body, headers=AUTH)
 
         # load two versions: 202 at once, loading -> ready, every program compiled first
         r = await post({"name": "v1", "model": str(tiny_path), **ENGINE})
@@ -158,7 +162,7 @@ def test_load_route_serve_rollback_and_unload(fleet, tiny_path, tmp_path):
         lease.finish(prompt_tokens=2, completion_tokens=8)
         await wait_state(client, "v2", "unloaded")
         assert runner.kv_cache.is_deleted() and all(
-            leaf.is_deleted() for leaf in __import__("jax").tree.leaves(runner.params))
+            leaf.is_deleted() for leaf in jax.tree.leaves(runner.params))
 
         # rollback: back to both weighted, which names an unloaded version: 409
         r = await client.post("/admin/v1/routes/tiny/rollback", headers=AUTH)

@@ -108,21 +108,24 @@ def test_the_issues_example_parses(tmp_path):
         "smollm2", {"smol-v1": 90.0, "smol-v2": 10.0}, "user", {"smol-v2": 0.2})
 
 
+A = '[version.a]\nmodel = "m"\n'
+
+
 @pytest.mark.parametrize("text, field", [
-    ('[version.a]\nmodel = "m"\nmax_model_len = "long"', "version.a.max_model_len"),
-    ('[version.a]\nmodel = "m"\nmax_modle_len = 5', "version.a.max_modle_len"),
-    ('[version.a]\nmodel = "m"\nenable_prefix_caching = 1', "version.a.enable_prefix_caching"),
+    (A + 'max_model_len = "long"', "version.a.max_model_len"),
+    (A + 'max_modle_len = 5', "version.a.max_modle_len"),
+    (A + 'enable_prefix_caching = 1', "version.a.enable_prefix_caching"),
     ('[version.a]\nkv_cache_memory_fraction = 0.4', "version.a.model"),
-    ('[version.a]\nmodel = "m"\ndtype = "int8"', "version.a.dtype"),
-    ('[version.a]\nmodel = "m"\ngeneration = { temprature = 0.5 }', "version.a.generation.temprature"),
-    ('[version.a]\nmodel = "m"\npricing = { prompt_per_1m = -1 }', "version.a.pricing.prompt_per_1m"),
+    (A + 'dtype = "int8"', "version.a.dtype"),
+    (A + 'generation = { temprature = 0.5 }', "version.a.generation.temprature"),
+    (A + 'pricing = { prompt_per_1m = -1 }', "version.a.pricing.prompt_per_1m"),
     ('[version."a/b"]\nmodel = "m"', "version.a/b"),
-    ('[version.a]\nmodel = "m"\n[route.r]\nweights = { a = 1 }\nsticky = "cookie"', "route.r.sticky"),
-    ('[version.a]\nmodel = "m"\n[route.r]\nweights = { b = 1 }', "route.r.weights.b"),
-    ('[version.a]\nmodel = "m"\n[route.r]\nweights = { a = 0 }', "route.r.weights"),
-    ('[version.a]\nmodel = "m"\n[route.r]\nweights = { a = -5 }', "route.r.weights.a"),
-    ('[version.a]\nmodel = "m"\n[route.r]\nweights = { a = 1 }\nshadow = { a = 1.5 }', "route.r.shadow.a"),
-    ('[version.a]\nmodel = "m"\n[route.a]\nweights = { a = 1 }', "route.a"),
+    (A + '[route.r]\nweights = { a = 1 }\nsticky = "cookie"', "route.r.sticky"),
+    (A + '[route.r]\nweights = { b = 1 }', "route.r.weights.b"),
+    (A + '[route.r]\nweights = { a = 0 }', "route.r.weights"),
+    (A + '[route.r]\nweights = { a = -5 }', "route.r.weights.a"),
+    (A + '[route.r]\nweights = { a = 1 }\nshadow = { a = 1.5 }', "route.r.shadow.a"),
+    (A + '[route.a]\nweights = { a = 1 }', "route.a"),
     ('[version.a]\nmodel = "m"\n[route.r]\nweights = { a = 1 }\ncanary = { incumbent = "z" }',
      "route.r.canary.incumbent"),
     ('[version.a]\nmodel = "m"\n[route.r]\nweights = { a = 1 }\ncanary = { max_cost_ratio = 0.5 }',

@@ -150,3 +150,20 @@ def test_manifest_command_prints_json(tiny_path, capsys):
     assert printed["engine"]["max_model_len"] == 64 and printed["id"].startswith("fp_")
     assert cli.main(["manifest", "no-such-model"]) == 1
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_a_deployment_with_bad_values_fails_before_anything_loads(tiny_path, tmp_path):
+    from jaxserve.errors import ConfigError
+    from jaxserve.fleet.fleet import Fleet
+    from jaxserve.fleet.loader import EngineLoader
+
+    path = tmp_path / "deploy.toml"
+    for body, field in (("generation = { temperature = -1.0 }", "version.b.generation.temperature"),
+                        ("max_model_len = 4096", "version.b.max_model_len")):
+        path.write_text(f'[version.a]\nmodel = "{tiny_path}"\n'
+                        f'[version.b]\nmodel = "{tiny_path}"\n{body}\n')
+        with pytest.raises(ConfigError, match=f"^{path}: {field}: "):
+            Fleet.from_deployment(path, EngineLoader(hashes=FileHashCache(tmp_path / "h.json")))
+    path.write_text('[version.a]\nmodel = "no-such-model"\n')
+    with pytest.raises(ConfigError, match="version.a.model: unknown model 'no-such-model'"):
+        Fleet.from_deployment(path, EngineLoader(hashes=FileHashCache(tmp_path / "h.json")))

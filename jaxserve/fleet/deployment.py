@@ -96,7 +96,8 @@ def _table(value: Any, field: str) -> dict:
 def _unknown(table: dict, allowed: set, prefix: str) -> None:
     unknown = sorted(set(table) - allowed)
     if unknown:
-        raise _bad(f"{prefix}{unknown[0]}", f"is not a known field (known: {', '.join(sorted(allowed))})")
+        raise _bad(f"{prefix}{unknown[0]}",
+                   f"is not a known field (known: {', '.join(sorted(allowed))})")
 
 
 def _number(value: Any, field: str, *, lo: float = -math.inf, hi: float = math.inf) -> float:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from jaxserve.errors import (AlreadyExists, ConfigError, Conflict, EngineOverloaded,
-                             InvalidRequest, ModelNotFound, NotFound)
+                             InvalidRequest, ModelNotFound, NotFound, TokenizerError, WeightsError)
 from jaxserve.fleet.canary import CanaryMonitor, Sample, Trip
 from jaxserve.fleet.deployment import VersionSpec, load_deployment
 from jaxserve.fleet.loader import EngineLoader, Prepared
@@ -77,6 +77,8 @@ class Fleet:
                 except InvalidRequest as e:
                     field = f"version.{spec.name}" + (f".{e.param}" if e.param else "")
                     raise ConfigError(f"{path}: {field}: {e}") from None
+                except (ModelNotFound, WeightsError, TokenizerError, ConfigError) as e:
+                    raise ConfigError(f"{path}: version.{spec.name}.model: {e}") from None
             for spec, p in zip(deployment.versions, prepared):
                 fleet._admit(spec, p)
             for spec in deployment.versions:
@@ -204,7 +206,8 @@ class Fleet:
             for name, share in shares:
                 version = self._versions.get(name)
                 if version is None:
-                    raise InvalidRequest(f"'{kind}.{name}' names no version", param=f"{kind}.{name}")
+                    raise InvalidRequest(f"'{kind}.{name}' names no version",
+                                         param=f"{kind}.{name}")
                 if share > 0 and version.state is not VersionState.READY:
                     raise Conflict(f"version {name!r} is {version.state.value}; only a ready "
                                    f"version can take traffic", param=f"{kind}.{name}")

@@ -1,4 +1,5 @@
-"""Reading a JSON object body: malformed JSON, a non-object or an unknown field is a 400 naming it."""
+"""Reading a JSON object body: malformed JSON, a non-object or an unknown field is a 400 naming
+it."""
 
 from __future__ import annotations
 
