@@ -53,7 +53,7 @@ class RegistryEntry:
     engine_defaults: dict
     # Files unpacked beside `file` (e.g. an encoder's config.json and tokenizer.json).
     extra_files: tuple[str, ...] = ()
-    pricing: dict = field(default_factory=dict)  # [pricing], read by jaxserve.gateway.usage
+    pricing: dict = field(default_factory=dict)  # [pricing], read by jaxserve.pricing
     config_path: Path | None = None  # the TOML file it came from
 
     @property
@@ -64,26 +64,13 @@ class RegistryEntry:
         return [self.local_path.parent / Path(f).name for f in self.extra_files]
 
 
-def _model_tables() -> dict[str, dict]:
-    """Registered name -> its TOML, parsed."""
-    tables = {}
+def registry() -> dict[str, RegistryEntry]:
+    entries = {}
     for toml_path in sorted(configs_dir().glob("*.toml")):
         with open(toml_path, "rb") as f:
             data = tomllib.load(f)
-        if "source" in data:  # else a deployment config, not a model entry
-            tables[data["name"]] = data
-    return tables
-
-
-def model_table(model: str) -> dict:
-    """A registered model's whole TOML ({} for a path), for the sections other modules read
-    (e.g. [pricing])."""
-    return _model_tables().get(model, {})
-
-
-def registry() -> dict[str, RegistryEntry]:
-    entries = {}
-    for data in _model_tables().values():
+        if "source" not in data:
+            continue  # a deployment config, not a model entry
         src = data["source"]
         entries[data["name"]] = RegistryEntry(
             name=data["name"], format=data["format"], pypi=src["pypi"], file=src["file"],

@@ -93,7 +93,8 @@ def test_load_route_serve_rollback_and_unload(fleet, tiny_path, tmp_path):
         assert r.status == 202 and r.headers["Location"] == "/admin/v1/versions/v1"
         assert (await r.json())["state"] in ("loading", "ready")
         r = await post({"name": "v2", "model": str(other), **ENGINE,
-                        "generation": {"temperature": 0.0}, "pricing": {"prompt_per_1m": 1}})
+                        "generation": {"temperature": 0.0},
+                        "pricing": {"prompt_per_1m": 1, "completion_per_1m": 2}})
         assert r.status == 202
         v1 = await wait_state(client, "v1", "ready")
         v2 = await wait_state(client, "v2", "ready")
@@ -101,7 +102,7 @@ def test_load_route_serve_rollback_and_unload(fleet, tiny_path, tmp_path):
         weights = v1["manifest"]["weights"][0]
         assert weights["sha256"] == hashlib.sha256(tiny_path.read_bytes()).hexdigest()
         assert v1["system_fingerprint"] == v1["manifest"]["id"] != v2["system_fingerprint"]
-        assert v2["pricing"] == {"prompt_per_1m": 1.0, "completion_per_1m": 0.0}
+        assert v2["pricing"] == {"prompt_per_1m": 1.0, "completion_per_1m": 2.0}
         runner = fleet._versions["v1"].engine.engine.runner
         assert runner._warm and runner.strict
 

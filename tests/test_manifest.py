@@ -14,8 +14,9 @@ import pytest
 
 from jaxserve import cli
 from jaxserve.fleet import manifest as manifest_mod
-from jaxserve.fleet.deployment import Pricing, VersionSpec
+from jaxserve.fleet.deployment import VersionSpec
 from jaxserve.fleet.manifest import FileHashCache, manifest_of
+from jaxserve.pricing import Pricing
 from tests.test_weights import random_params, tiny, write_gguf
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -121,8 +122,7 @@ def test_price_comes_from_the_model_config_unless_the_version_sets_one(tiny_path
     configs.mkdir()
     (configs / "priced.toml").write_text(
         'name = "priced"\nformat = "gguf"\n[source]\npypi = "x==1"\nfile = "x/tiny.gguf"\n'
-        'sha256 = "0"\n[pricing]\nprompt_per_1m = 0.15\ncompletion_per_1m = 0.6\n'
-        'currency = "USD"  # read by others, ignored here\n')
+        'sha256 = "0"\n[pricing]\nprompt_per_1m = 0.15\ncompletion_per_1m = 0.6\n')
     (cache / "models" / "priced").mkdir(parents=True)
     shutil.copy(tiny_path, cache / "models" / "priced" / "tiny.gguf")
     monkeypatch.setenv("JAXSERVE_CONFIGS", str(configs))

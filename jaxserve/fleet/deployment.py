@@ -16,6 +16,7 @@ A bad value is an InvalidRequest whose `param` is the dotted field (`route.smoll
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import tomllib
@@ -26,6 +27,7 @@ from typing import Any
 from jaxserve.engine_args import DTYPES, ENGINE_FLAG_TYPES
 from jaxserve.errors import ConfigError, InvalidRequest
 from jaxserve.fleet.routing import STICKY_MODES, CanaryGate, Route
+from jaxserve.pricing import Pricing, parse_pricing
 
 # Names travel in URLs (/admin/v1/versions/{name}) and as the OpenAI `model` field.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
@@ -43,21 +45,6 @@ _CANARY_FIELDS = {"incumbent", "window_seconds", "min_requests", "max_error_rate
 
 
 @dataclass(frozen=True)
-class Pricing:
-    """USD per million tokens."""
-
-    prompt_per_1m: float
-    completion_per_1m: float
-
-    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        return (prompt_tokens * self.prompt_per_1m
-                + completion_tokens * self.completion_per_1m) / 1e6
-
-    def to_dict(self) -> dict:
-        return {"prompt_per_1m": self.prompt_per_1m, "completion_per_1m": self.completion_per_1m}
-
-
-@dataclass(frozen=True)
 class VersionSpec:
     """What a version is made of, as asked for (before the model is resolved)."""
 
@@ -71,7 +58,7 @@ class VersionSpec:
     def to_dict(self) -> dict:
         return {"name": self.name, "model": self.model, "dtype": self.dtype,
                 **dict(self.engine_args), "generation": dict(self.generation),
-                "pricing": self.pricing.to_dict() if self.pricing is not None else None}
+                "pricing": dataclasses.asdict(self.pricing) if self.pricing is not None else None}
 
 
 @dataclass(frozen=True)
@@ -136,13 +123,6 @@ def _shares(value: Any, field: str, hi: float) -> tuple[tuple[str, float], ...]:
 # ---------------------------------------------------------------- versions
 
 
-def parse_pricing(value: Any, field: str) -> Pricing:
-    table = _table(value, field)
-    _unknown(table, {"prompt_per_1m", "completion_per_1m"}, f"{field}.")
-    return Pricing(*(_number(table.get(k, 0.0), f"{field}.{k}", lo=0)
-                     for k in ("prompt_per_1m", "completion_per_1m")))
-
-
 def parse_version(name: str, table: Any, prefix: str = "") -> VersionSpec:
     """A version from its table (file) or body (admin API, where `name` is in the body too);
     `prefix` is what field names are reported under (`version.NAME.`)."""
@@ -161,8 +141,13 @@ def parse_version(name: str, table: Any, prefix: str = "") -> VersionSpec:
     _unknown(generation, set(GENERATION_FIELDS), f"{prefix}generation.")
     generation = tuple(sorted((k, _typed(v, GENERATION_FIELDS[k], f"{prefix}generation.{k}"))
                               for k, v in generation.items()))
-    pricing = (parse_pricing(table["pricing"], f"{prefix}pricing") if "pricing" in table
-               else None)
+    pricing = None
+    if "pricing" in table:
+        try:
+            pricing = parse_pricing(_table(table["pricing"], f"{prefix}pricing"),
+                                    f"{prefix}pricing")
+        except ConfigError as e:
+            raise InvalidRequest(str(e), param=f"{prefix}pricing") from None
     return VersionSpec(name, model, dtype, engine, generation, pricing)
 
 

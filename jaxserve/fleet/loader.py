@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jaxserve.fleet.deployment import Pricing, VersionSpec
+from jaxserve.fleet.deployment import VersionSpec
 from jaxserve.fleet.manifest import FileHashCache, Manifest, build_manifest, resolve_version
 from jaxserve.fleet.memory import MemoryPlan, plan_memory
+from jaxserve.pricing import Pricing
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ cache: a restart re-hashes only files that changed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,8 +24,9 @@ from pathlib import Path
 
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError, InvalidRequest
-from jaxserve.fleet.deployment import Pricing, VersionSpec, parse_pricing
-from jaxserve.model_registry import ModelSpec, cache_dir, model_table, resolve, sha256_of
+from jaxserve.fleet.deployment import VersionSpec
+from jaxserve.model_registry import ModelSpec, cache_dir, resolve, sha256_of
+from jaxserve.pricing import Pricing, pricing_for
 
 _TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -83,21 +85,6 @@ class ResolvedVersion:
                 "max_model_len": c.scheduler.max_model_len}
 
 
-def model_pricing(model: str) -> Pricing | None:
-    """A registered model's `[pricing]` (prompt_per_1m, completion_per_1m, USD); other keys there
-    belong to other readers and are left alone."""
-    table = model_table(model).get("pricing")
-    if table is None:
-        return None
-    if not isinstance(table, dict):
-        raise ConfigError(f"model {model!r}: [pricing] must be a table")
-    try:
-        return parse_pricing({k: table[k] for k in ("prompt_per_1m", "completion_per_1m")
-                              if k in table}, "pricing")
-    except InvalidRequest as e:
-        raise ConfigError(f"model {model!r}: {e}") from None
-
-
 def resolve_version(spec: VersionSpec) -> ResolvedVersion:
     """Find the model and check every setting against it (ModelNotFound, or InvalidRequest naming
     the field), reading only metadata."""
@@ -122,7 +109,7 @@ def resolve_version(spec: VersionSpec) -> ResolvedVersion:
         raise InvalidRequest(f"version {spec.name}: generation: {e}",
                              param=f"generation.{e.param}") from None
     return ResolvedVersion(spec, model, engine_config,
-                           spec.pricing if spec.pricing is not None else model_pricing(spec.model))
+                           spec.pricing if spec.pricing is not None else pricing_for(spec.model))
 
 
 @dataclass(frozen=True)
@@ -169,7 +156,8 @@ def build_manifest(resolved: ResolvedVersion, chat_template: str | None,
             "tokenizer": tokenizer,
             "generation": {k: list(v) if k == "stop" else v for k, v in resolved.spec.generation},
             "engine": resolved.engine_settings,
-            "pricing": resolved.pricing.to_dict() if resolved.pricing is not None else None}
+            "pricing": dataclasses.asdict(resolved.pricing) if resolved.pricing is not None
+            else None}
     # What the id covers: contents, not where they are (a single file's name is left out; a
     # directory's layout is part of the checkpoint).
     material = {**body, "model": None,

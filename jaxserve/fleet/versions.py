@@ -9,7 +9,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from jaxserve.fleet.deployment import Pricing, VersionSpec
+from jaxserve.fleet.deployment import VersionSpec
+from jaxserve.pricing import Pricing
 
 if TYPE_CHECKING:
     from jaxserve.fleet.fleet import Fleet
@@ -82,7 +83,7 @@ class Version:
                 "in_flight": self.in_flight, "memory": self.memory.to_dict(),
                 "load_seconds": self.load_seconds, "compile_seconds": self.compile_seconds,
                 "settings": self.spec.to_dict(),
-                "pricing": self.pricing.to_dict() if self.pricing is not None else None,
+                "pricing": dataclasses.asdict(self.pricing) if self.pricing is not None else None,
                 "manifest": self.manifest.to_dict() if self.manifest is not None else None}
 
 

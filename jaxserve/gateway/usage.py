@@ -1,51 +1,9 @@
-"""Usage and cost: per-model prices from the model's config TOML (configs/NAME.toml),
-
-    [pricing]
-    prompt_per_1m = 0.15        # USD per million prompt tokens
-    completion_per_1m = 0.60    # USD per million completion tokens
-
-and the `cost` (USD) a response's usage object carries when the model has prices.
-"""
+"""Usage and cost: the `cost` (USD) a response's usage object carries when the model has prices
+(`jaxserve.pricing`: the model config's [pricing] table)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from jaxserve.errors import ConfigError
-from jaxserve.model_registry import registry
-
-
-@dataclass(frozen=True)
-class Pricing:
-    prompt_per_1m: float
-    completion_per_1m: float
-
-    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        return (prompt_tokens * self.prompt_per_1m
-                + completion_tokens * self.completion_per_1m) / 1e6
-
-
-def pricing_for(model: str) -> Pricing | None:
-    """The registered model's prices; None when it has none (or is a path, not a name)."""
-    entry = registry().get(model)
-    if entry is None or not entry.pricing:
-        return None
-    return parse_pricing(entry.pricing, f"{entry.config_path}: pricing")
-
-
-def parse_pricing(table: dict, where: str) -> Pricing:
-    fields = ("prompt_per_1m", "completion_per_1m")
-    unknown = set(table) - set(fields)
-    if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; known: {list(fields)}")
-    values = {}
-    for f in fields:
-        v = table.get(f)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
-            raise ConfigError(f"{where}.{f}: must be a number >= 0 (USD per million tokens), "
-                              f"got {v!r}")
-        values[f] = float(v)
-    return Pricing(**values)
+from jaxserve.pricing import Pricing, parse_pricing, pricing_for  # noqa: F401 - the gateway's API
 
 
 def with_cost(usage: dict, pricing: Pricing | None) -> dict:
