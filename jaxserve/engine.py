@@ -135,9 +135,9 @@ class LLMEngine:
                    **engine_args: Any) -> "LLMEngine":
         """Load a registered model name or a path (GGUF, HF directory, orbax checkpoint).
         engine_args: the fields of CacheConfig and SchedulerConfig, over the registry's defaults."""
-        from jaxserve.model_registry import resolve
         import jax
 
+        from jaxserve.model_registry import resolve
         from jaxserve.tokenizer import load_tokenizer
         from jaxserve.weights import load_model
 
