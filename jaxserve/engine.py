@@ -6,6 +6,13 @@ owns what the scheduler leaves to it: when a sequence stops (EOS, stop token ids
 the detokenized text, max_tokens, max_model_len), text (incremental detokenization, holding back
 a tail that could still become a stop string), logprobs and the counters behind the metrics.
 
+A request with `structured_outputs` has its constraint compiled in `prepare` (a constraint the
+grammar library cannot enforce is an InvalidRequest there, before anything runs) and each of its
+sequences holds a matcher. A step enqueues the forward, fills the token bitmask of the constrained
+rows on the host while the device computes, then samples with it; each sampled token advances
+the matcher, and a sequence whose grammar is complete finishes with "stop". Steps without a
+constrained row skip the bitmask altogether.
+
 Every request ends exactly once: `step()` returns one final RequestOutput (finished=True) for it,
 whether it stopped, ran out of length or was aborted, and by then all its pages are back. A request
 that runs out of time (its QoS deadline: finish_reason "deadline"; its queue deadline, when none
@@ -22,12 +29,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
+
 from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from jaxserve.errors import ContextLengthExceeded, InvalidRequest
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from jaxserve.request import QoS, Request, RequestStatus
 from jaxserve.sampling import SamplingParams, SamplingRow
 from jaxserve.scheduler import Scheduler
+from jaxserve.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -68,6 +78,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     qos: QoS = QoS()
+    grammar: CompiledGrammar | None = None  # params.structured_outputs, compiled
 
     @property
     def priority(self) -> int:
@@ -81,6 +92,7 @@ class _Sequence:
     seed: int
     detokenizer: IncrementalDetokenizer
     logprobs: list[TokenLogprob] | None
+    matcher: GrammarMatcher | None = None  # where the sequence is in its grammar, if constrained
     text: str = ""  # what is shown: the detokenized text, cut at a stop string
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -114,6 +126,8 @@ class LLMEngine:
                                   eos_token_ids=self.eos_token_ids, mesh=mesh,
                                   strict=strict_compile)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_pages)
+        self.grammars = GrammarCompiler(tokenizer, vocab_size=config.model.vocab_size,
+                                        eos_token_ids=self.eos_token_ids)
         started = time.perf_counter()
         if warmup:
             self.runner.warmup(progress)
@@ -166,8 +180,9 @@ class LLMEngine:
                 params: SamplingParams | None = None, priority: int = 0, *,
                 qos: QoS | None = None) -> PreparedRequest:
         """Validate a request without touching engine state: InvalidRequest or
-        ContextLengthExceeded for anything that could never run. `qos` (tenant, class, weight,
-        deadlines) comes from the gateway; without it, `priority` alone (lower first)."""
+        ContextLengthExceeded for anything that could never run (a structured-output constraint
+        is compiled here, on the caller's thread). `qos` (tenant, class, weight, deadlines) comes
+        from the gateway; without it, `priority` alone (lower first)."""
         if qos is None:
             qos = QoS(priority=priority)
         elif priority not in (0, qos.priority):
@@ -195,7 +210,9 @@ class LLMEngine:
         if pages > pool:
             raise ContextLengthExceeded(
                 f"the request needs {pages} KV pages but the pool has {pool}", "max_tokens")
-        return PreparedRequest(request_id, text, ids, params, qos)
+        grammar = (self.grammars.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
+        return PreparedRequest(request_id, text, ids, params, qos, grammar)
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -238,7 +255,8 @@ class LLMEngine:
                                            skip_special_tokens=p.skip_special_tokens,
                                            prompt_ids=prepared.prompt_token_ids)
             seq = _Sequence(i, request, p.sequence_seed(i), detok,
-                            [] if p.logprobs is not None else None)
+                            [] if p.logprobs is not None else None,
+                            prepared.grammar.matcher() if prepared.grammar else None)
             self.scheduler.add_request(request)
             group.seqs.append(seq)
             self._by_seq[request.request_id] = (group, seq)
@@ -297,8 +315,8 @@ class LLMEngine:
             changed[group.prepared.request_id] = group
         if out is not None:
             now = time.monotonic()
-            rows = []
-            for s in out.scheduled:
+            rows, constrained = [], []
+            for i, s in enumerate(out.scheduled):
                 group, seq = self._by_seq[s.request.request_id]
                 if group.metrics.first_scheduled_time is None:
                     group.metrics.first_scheduled_time = now
@@ -307,7 +325,13 @@ class LLMEngine:
                 rows.append(SamplingRow(group.prepared.params, seq.seed,
                                         s.request.prompt_token_ids, s.request.output_token_ids)
                             if s.samples else None)
-            result = self.runner.step(out.plan, rows)
+                if s.samples and seq.matcher is not None:
+                    constrained.append((seq.matcher, i))
+            logits = self.runner.forward(out.plan)  # enqueued: the host goes on meanwhile
+            result = None
+            if any(r is not None for r in rows):
+                result = self.runner.sample(logits, rows,
+                                            self._token_bitmask(constrained, logits.shape[0]))
             row_of = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
             sampled = result.token_ids if result is not None else ()
             now = time.monotonic()
@@ -329,6 +353,16 @@ class LLMEngine:
             outputs.append(self._close(group) if group.finished else self._output(group))
         return outputs
 
+    def _token_bitmask(self, constrained: list[tuple[GrammarMatcher, int]],
+                       num_rows: int) -> np.ndarray | None:
+        """The allowed tokens of the constrained rows (every token on the others, padding
+        included); None when no sampling row is constrained: the step skips the bitmask."""
+        if not constrained:
+            return None
+        bitmask = np.full((num_rows, self.runner.bitmask_width), -1, np.int32)
+        self.grammars.fill_bitmask(constrained, bitmask)
+        return bitmask
+
     def _on_token(self, group: _Group, seq: _Sequence, token: int, result, row: int,
                   now: float) -> None:
         m = group.metrics
@@ -343,6 +377,8 @@ class LLMEngine:
             top = list(zip(result.top_token_ids[row, :k].tolist(),
                            result.top_logprobs[row, :k].tolist()))
             seq.logprobs.append(TokenLogprob(float(result.logprobs[row]), top))
+        if seq.matcher is not None:
+            seq.matcher.accept(token)  # a refusal raises: this request fails alone
         request = seq.request
         num_out = len(request.output_token_ids)
         stop_token = num_out > p.min_tokens - 1 and (
@@ -366,6 +402,10 @@ class LLMEngine:
                 end = at + len(stop) if p.include_stop_str_in_output else at
                 self._stop(seq, "stop", text[:end])
                 return
+        if seq.matcher is not None and seq.matcher.is_finished:
+            # The grammar admits nothing more (min_tokens cannot outlast it).
+            self._stop(seq, "stop", seq.detokenizer.text + seq.detokenizer.finish())
+            return
         if num_out >= p.max_tokens or request.num_tokens >= self.max_model_len:
             self._stop(seq, "length", seq.detokenizer.text + seq.detokenizer.finish())
             return
@@ -395,6 +435,7 @@ class LLMEngine:
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         seq.finish_reason = reason
+        seq.matcher = None
         del self._by_seq[seq.request.request_id]
 
     # ---- outputs -----------------------------------------------------------------------------

@@ -5,7 +5,13 @@ donated KV cache and the logits of the rows that sample (the LM head runs on `lo
 only), then the sampler on those rows. They are compiled separately because their variants are
 independent: the forward varies with the token bucket, the sampler with the row count, the
 penalty-history width (0 unless a row uses penalties) and the top-logprobs width (0 or 20), so
-two small tables replace one product of both.
+two small tables replace one product of both. Steps with a structured-output row run a third,
+small program between them (per row count): the token bitmask applied to the logits; other steps
+never run it.
+
+`forward` and `sample` are separate calls: the forward is only enqueued (JAX dispatches
+asynchronously), so what the host does before `sample` (the sampler metadata, the grammar
+bitmasks of constrained rows) overlaps the device's work.
 
 Every program is compiled ahead of time at warmup into a table keyed by its shapes. Serving only
 looks programs up, so a shape that was not warmed cannot compile silently: with `strict` it raises
@@ -23,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import sampling
+from jaxserve import sampler
 from jaxserve.batch import BatchPlan, next_power_of_two, seq_bucket, token_buckets
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.errors import ConfigError
@@ -41,7 +47,7 @@ class StepOutput(NamedTuple):
 
     token_ids: np.ndarray  # i32[S]
     logprobs: np.ndarray  # f32[S]: of the sampled token
-    top_token_ids: np.ndarray  # i32[S, K], K = 0 or sampling.MAX_LOGPROBS
+    top_token_ids: np.ndarray  # i32[S, K], K = 0 or MAX_LOGPROBS
     top_logprobs: np.ndarray  # f32[S, K]
 
 
@@ -132,6 +138,7 @@ class ModelRunner:
                                         out_shardings=(kv_sharding, self._replicated))
         self.token_buckets = token_buckets(scheduler_config.max_num_batched_tokens)
         self.history_buckets = (next_power_of_two(scheduler_config.max_model_len),)
+        self.bitmask_width = sampler.bitmask_width(config.vocab_size)
         self.pages_per_seq = -(-scheduler_config.max_model_len // self.page_size)
         self._programs: dict[tuple, Callable] = {}
         self.num_serving_compiles = 0
@@ -153,12 +160,16 @@ class ModelRunner:
     def _compile(self, key: tuple) -> Callable:
         if key[0] == "forward":
             lowered = self._forward_jit.lower(self.params, self.kv_cache, self._plan_spec(key[1]))
+        elif key[0] == "bitmask":
+            lowered = jax.jit(sampler.apply_token_bitmask).lower(
+                self._spec((key[1], self.config.vocab_size), jnp.float32),
+                self._spec((key[1], self.bitmask_width), jnp.int32))
         else:
             _, rows, history_width, top_width = key
-            md = sampling.make_sampling_metadata([], rows, eos_token_ids=self.eos_token_ids)
+            md = sampler.make_sampling_metadata([], rows, eos_token_ids=self.eos_token_ids)
             md = md._replace(history_token_ids=np.zeros((rows, history_width), np.int32))
             logits = self._spec((rows, self.config.vocab_size), jnp.float32)
-            sample = jax.jit(functools.partial(sampling.sample, num_top_logprobs=top_width))
+            sample = jax.jit(functools.partial(sampler.sample, num_top_logprobs=top_width))
             lowered = sample.lower(logits, jax.tree.map(lambda x: self._spec(x.shape, x.dtype), md))
         return lowered.compile()
 
@@ -175,12 +186,13 @@ class ModelRunner:
 
     def program_keys(self) -> list[tuple]:
         """Every program serving can need: one forward per token bucket, and per row count the
-        sampler with and without penalties and top logprobs."""
+        sampler with and without penalties and top logprobs, and the token-bitmask step."""
         keys = [("forward", t) for t in self.token_buckets]
         rows = sorted({seq_bucket(t, self.scheduler_config.max_num_seqs)
                        for t in self.token_buckets})
         keys += [("sample", s, h, k) for s in rows for h in (0, *self.history_buckets)
-                 for k in (0, sampling.MAX_LOGPROBS)]
+                 for k in (0, sampler.MAX_LOGPROBS)]
+        keys += [("bitmask", s) for s in rows]
         return keys
 
     def warmup(self, progress: bool = True) -> None:
@@ -204,18 +216,31 @@ class ModelRunner:
     def _put(self, tree):
         return jax.device_put(tree, self._replicated)
 
-    def step(self, plan: BatchPlan,
-             rows: Sequence[sampling.SamplingRow | None]) -> StepOutput | None:
-        """Run the plan; sample the rows that are not None (row i is the plan's sequence i).
-        None when no row samples (every sequence is part-way through its prompt)."""
+    def forward(self, plan: BatchPlan) -> jax.Array:
+        """Enqueue the model over the plan; the logits of its sampling rows, f32[S, V] on the
+        device (still being computed when this returns)."""
         forward = self._program(("forward", plan.token_ids.shape[0]))
         self.kv_cache, logits = forward(self.params, self.kv_cache, self._put(plan))
-        if all(r is None for r in rows):
-            return None
-        num_rows = plan.logits_indices.shape[0]
-        md = sampling.make_sampling_metadata(rows, num_rows, eos_token_ids=self.eos_token_ids,
-                                             history_buckets=self.history_buckets)
-        top_width = sampling.top_logprobs_width(rows)
+        return logits
+
+    def sample(self, logits: jax.Array, rows: Sequence[sampler.SamplingRow | None],
+               token_bitmask: np.ndarray | None = None) -> StepOutput:
+        """Draw a token for each row that is not None (row i is the plan's sequence i).
+        token_bitmask: i32[S, bitmask_width] for the S rows of `logits` (all bits set on the
+        unconstrained ones), or None when no row is constrained. The sampler metadata and the
+        bitmask go to the device in one transfer."""
+        num_rows = logits.shape[0]
+        md = sampler.make_sampling_metadata(rows, num_rows, eos_token_ids=self.eos_token_ids,
+                                            history_buckets=self.history_buckets)
+        if token_bitmask is None:
+            md = self._put(md)
+        else:
+            if token_bitmask.shape != (num_rows, self.bitmask_width):
+                raise ValueError(f"token bitmask of shape {token_bitmask.shape} for "
+                                 f"{(num_rows, self.bitmask_width)}")
+            md, token_bitmask = self._put((md, token_bitmask))
+            logits = self._program(("bitmask", num_rows))(logits, token_bitmask)
+        top_width = sampler.top_logprobs_width(rows)
         sample = self._program(("sample", num_rows, md.history_token_ids.shape[1], top_width))
-        out = sample(logits, self._put(md))
+        out = sample(logits, md)
         return StepOutput(*jax.device_get(tuple(out)))

@@ -302,6 +302,10 @@ class Tokenizer:
 
     # ------------------------------------------------------------ properties
 
+    def to_json(self) -> str:
+        """The tokenizer as HF tokenizer.json text (what llguidance builds its token index from)."""
+        return self._backend.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)

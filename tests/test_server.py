@@ -612,7 +612,7 @@ def test_warmup_then_ready_then_engine_failure(tiny_path, caplog):
 
         # A failing step kills the engine (its cache state is unknown); the server stays up,
         # says so on /ready, and answers each request with an error instead of hanging.
-        llm_engine.runner.step = fail
+        llm_engine.runner.forward = fail
         with pytest.raises(openai.APIError, match="engine step failed"):
             list(client.completions.create(model="tiny", prompt="hi", max_tokens=5,
                                            stream=True))

@@ -1,0 +1,144 @@
+"""Grammar-constrained decoding with llguidance: compile a constraint for the model's tokenizer,
+keep each sequence's matcher, and fill the token bitmask of a step's constrained rows.
+
+llguidance was chosen over xgrammar by measurement (benchmarks/grammar_backends.py, numbers in
+benchmarks/RESULTS.md): it compiles a schema in about a millisecond instead of tens to thousands,
+refuses the JSON-schema keywords it cannot enforce instead of ignoring them, takes our
+`tokenizers` JSON as it is, and needs no torch. Its per-token mask costs tens of microseconds per
+row on one core, computed on the host while the device runs the forward.
+
+Host side only: no JAX. A compiled grammar is an llguidance matcher in its initial state; every
+sequence gets a copy of it (a copy costs about a microsecond). Compiled grammars are cached by the
+constraint (kind and canonical text) in a bounded LRU, so agents that send the same schema on
+every request compile it once.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+from typing import Sequence
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from jaxserve.errors import InvalidRequest
+from jaxserve.structured.params import StructuredOutputsParams
+
+# JSON is generated the way json.dumps writes it by default (", " and ": ", no other
+# whitespace): free whitespace lets a small model pad forever, and this layout is what models
+# read most. Anything a schema can express is still reachable.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_ANY_OBJECT = '{"type":"object"}'
+
+
+class GrammarViolation(RuntimeError):
+    """A sampled token the matcher refused: the bitmask and the matcher disagree (a bug), or the
+    matcher hit one of llguidance's resource limits mid-generation."""
+
+
+def grammar_text(constraint: StructuredOutputsParams) -> str:
+    """The llguidance grammar for a constraint (not yet checked: compiling does that)."""
+    kind = constraint.kind
+    try:
+        if kind in ("json", "json_object"):
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                constraint.json if kind == "json" else _ANY_OBJECT, overrides=_JSON_OPTIONS)
+        if kind == "choice":
+            return llguidance.grammar_from("choice", list(constraint.choice))
+        # "grammar": Lark as llguidance reads it, or GBNF converted to it.
+        return llguidance.grammar_from(kind, getattr(constraint, kind))
+    except ValueError as e:
+        raise _invalid(constraint, str(e)) from None
+
+
+def _invalid(constraint: StructuredOutputsParams, error: str) -> InvalidRequest:
+    # llguidance's messages span lines (a caret under the culprit): one line for a 400.
+    message = re.sub(r"\s+", " ", error).strip()[:400]
+    what = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex",
+            "choice": "choice", "grammar": "grammar"}[constraint.kind]
+    return InvalidRequest(f"'{constraint.param}': the {what} cannot be enforced: {message}",
+                          param=constraint.param)
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar: advanced with each token it samples. Sequences
+    are never rolled back in this engine (preemption recomputes the KV cache but keeps the
+    generated tokens), so neither is a matcher; it is dropped when its sequence ends."""
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self._matcher = matcher
+
+    def accept(self, token_id: int) -> None:
+        if not self._matcher.consume_token(int(token_id)):
+            raise GrammarViolation(f"token {token_id} refused by the grammar: "
+                                   f"{self._matcher.get_error()}")
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar is complete and admits nothing more (EOS included, once it was taken)."""
+        return self._matcher.is_stopped()
+
+    @property
+    def is_accepting(self) -> bool:
+        """What was generated so far is a complete match (it may still go on)."""
+        return self._matcher.is_accepting()
+
+
+class CompiledGrammar:
+    """A constraint compiled for one tokenizer; `matcher()` starts a sequence on it."""
+
+    def __init__(self, template: llguidance.LLMatcher):
+        self._template = template
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self._template.deep_copy())
+
+
+class GrammarCompiler:
+    """Compiles constraints for one model (its tokenizer, vocabulary size and EOS ids), caches
+    them, and fills token bitmasks. `compile` may run on any thread (the engine calls it where
+    requests are prepared); the tokenizer index llguidance needs is built on first use (~1 s for
+    a 49k vocabulary), so engines that never see a constraint never pay for it."""
+
+    def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: Sequence[int],
+                 cache_size: int = 128):
+        self._tokenizer_source = tokenizer  # a jaxserve Tokenizer: read on first use
+        self.vocab_size = vocab_size
+        self._eos = sorted(set(eos_token_ids))
+        self._lock = threading.Lock()
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        self._cached = functools.lru_cache(maxsize=cache_size)(self._compile)
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_source.to_json(), n_vocab=self.vocab_size,
+                    eos_token=self._eos)
+                self._executor = llguidance.LLExecutor()
+            return self._ll_tokenizer
+
+    def compile(self, constraint: StructuredOutputsParams) -> CompiledGrammar:
+        """InvalidRequest naming constraint.param if llguidance cannot enforce it."""
+        return self._cached(constraint)
+
+    def cache_info(self):
+        return self._cached.cache_info()
+
+    def _compile(self, constraint: StructuredOutputsParams) -> CompiledGrammar:
+        template = llguidance.LLMatcher(self._tokenizer(), grammar_text(constraint), log_level=0)
+        if template.is_error():
+            raise _invalid(constraint, template.get_error())
+        return CompiledGrammar(template)
+
+    def fill_bitmask(self, rows: Sequence[tuple[GrammarMatcher, int]],
+                     bitmask: np.ndarray) -> None:
+        """Write each matcher's allowed tokens into bitmask[row] (i32[R, ceil(V / 32)], C order);
+        other rows are left as they are. Runs the rows in parallel on llguidance's threads."""
+        if rows:
+            llguidance.numpy.fill_next_token_bitmask_par(
+                self._executor, [(m._matcher, row) for m, row in rows], bitmask)
