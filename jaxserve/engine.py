@@ -146,9 +146,10 @@ class LLMEngine:
     @classmethod
     def from_model(cls, model: str, *, dtype: str | None = None, mesh=None,
                    strict_compile: bool = False, warmup: bool = True, progress: bool = True,
-                   **engine_args: Any) -> "LLMEngine":
+                   chat_template: str | None = None, **engine_args: Any) -> "LLMEngine":
         """Load a registered model name or a path (GGUF, HF directory, orbax checkpoint).
-        engine_args: the fields of CacheConfig and SchedulerConfig, over the registry's defaults."""
+        engine_args: the fields of CacheConfig and SchedulerConfig, over the registry's defaults.
+        chat_template: a jinja chat template (a file, or the text) instead of the model's."""
         import jax
 
         from jaxserve.model_registry import resolve
@@ -161,7 +162,7 @@ class LLMEngine:
         params = jax.block_until_ready(params)
         load_seconds = time.perf_counter() - started
         config = make_engine_config(model_config, {**spec.engine_defaults, **engine_args})
-        engine = cls(config, params, load_tokenizer(spec), mesh=mesh,
+        engine = cls(config, params, load_tokenizer(spec, chat_template), mesh=mesh,
                      strict_compile=strict_compile, warmup=warmup, progress=progress)
         engine.load_seconds = load_seconds
         return engine

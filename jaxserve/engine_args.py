@@ -14,7 +14,7 @@ DTYPES = ("float32", "bfloat16")
 ENGINE_FLAG_TYPES = {
     "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int, "page_size": int,
     "num_pages": int, "kv_cache_memory_fraction": float, "enable_prefix_caching": bool,
-    "enable_chunked_prefill": bool,
+    "enable_chunked_prefill": bool, "chat_template": str,
 }
 
 
@@ -43,6 +43,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    default=None)
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                    default=None)
+    g.add_argument("--chat-template", help="a jinja chat template file (or the template itself) "
+                   "to use instead of the model's")
 
 
 def engine_args(args: argparse.Namespace) -> dict:

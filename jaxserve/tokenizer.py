@@ -19,6 +19,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as Backend
 
 from jaxserve.errors import InvalidRequest, ModelNotFound, TokenizerError
+from jaxserve.tools.functions import FunctionTool
+from jaxserve.tools.prompt import chat_messages, template_uses_tools
 
 # ---------------------------------------------------------------- GGUF pre-tokenizers
 
@@ -249,7 +251,8 @@ class Tokenizer:
         return None if token is None else self._backend.token_to_id(token)
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> Tokenizer:
+    def from_gguf(cls, path: str | Path, *, chat_template: str | None = None) -> Tokenizer:
+        """chat_template: overrides the file's (as `--chat-template` does)."""
         path = Path(path)
         meta = _gguf_fields(path)
         kind = meta.get("tokenizer.ggml.model")
@@ -278,12 +281,13 @@ class Tokenizer:
                    bos_token=tokens[bos] if bos is not None else None,
                    eos_token=tokens[eos] if eos is not None else None,
                    extra_eos_token_ids=extra_eos,
-                   chat_template=meta.get("tokenizer.chat_template"))
+                   chat_template=chat_template or meta.get("tokenizer.chat_template"))
 
     @classmethod
-    def from_file(cls, path: str | Path) -> Tokenizer:
+    def from_file(cls, path: str | Path, *, chat_template: str | None = None) -> Tokenizer:
         """From an HF tokenizer.json, or a directory holding one (with tokenizer_config.json,
-        chat_template.jinja and generation_config.json read when present)."""
+        chat_template.jinja and generation_config.json read when present). chat_template
+        overrides the directory's."""
         path = Path(path)
         json_path = path / "tokenizer.json" if path.is_dir() else path
         if not json_path.is_file():
@@ -298,7 +302,7 @@ class Tokenizer:
                    bos_token=_token_content(config.get("bos_token")),
                    eos_token=_token_content(config.get("eos_token")),
                    extra_eos_token_ids=_generation_eos_ids(directory),
-                   chat_template=_config_chat_template(config, directory))
+                   chat_template=chat_template or _config_chat_template(config, directory))
 
     # ------------------------------------------------------------ properties
 
@@ -348,15 +352,27 @@ class Tokenizer:
                                  f"prompt (completions) instead of chat messages")
         return _compile_template(self.chat_template)
 
+    @cached_property
+    def template_uses_tools(self) -> bool:
+        """The chat template renders tools itself (it reads the `tools` variable); otherwise
+        tools and tool messages go through jaxserve's Hermes-style fallback."""
+        return self.chat_template is not None and template_uses_tools(self.chat_template)
+
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = True) -> list[int] | str:
+                            tokenize: bool = True,
+                            tools: Sequence[FunctionTool] = ()) -> list[int] | str:
         """Render `messages` with the model's template; with `tokenize`, the ids (the template
-        writes its own special tokens, so none are added)."""
+        writes its own special tokens, so none are added). Tools, assistant tool calls and tool
+        results go to the template when it handles them, else through the built-in fallback
+        (`jaxserve.tools.prompt`)."""
+        template = self._template
+        native = self.template_uses_tools
+        messages = chat_messages(messages, tools, native=native)
+        extra = {"tools": [t.to_openai() for t in tools] or None} if native else {}
         try:
-            text = self._template.render(messages=list(messages),
-                                         add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "",
-                                         eos_token=self.eos_token or "")
+            text = template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                   **extra)
         except _TemplateRaised as e:
             raise InvalidRequest(f"the chat template rejected the messages: {e}",
                                  param="messages") from None
@@ -451,8 +467,28 @@ def tokenizer_source(spec) -> str | None:
     return read_meta(spec.path).get("tokenizer_source")
 
 
-def load_tokenizer(spec) -> Tokenizer:
+def read_chat_template(value: str) -> str:
+    """`--chat-template`, as vLLM takes it: a file holding a jinja chat template, or the template
+    itself. Checked to compile, so a bad one fails at start."""
+    path = Path(value)
+    try:
+        source = path.read_text() if path.is_file() else None
+    except OSError as e:
+        raise TokenizerError(f"--chat-template {value}: unreadable ({e})") from None
+    if source is None:
+        if "{{" not in value and "{%" not in value:
+            raise TokenizerError(f"--chat-template {value}: no such file")
+        source = value
+    _compile_template(source)
+    return source
+
+
+def load_tokenizer(spec, chat_template: str | None = None) -> Tokenizer:
+    """chat_template: `--chat-template` (a file or the template), overriding the model's."""
     source = tokenizer_source(spec)
     if source is None:
         raise ModelNotFound(f"{spec.path}: no tokenizer found (expected tokenizer.json)")
-    return Tokenizer.from_gguf(source) if source.endswith(".gguf") else Tokenizer.from_file(source)
+    template = read_chat_template(chat_template) if chat_template is not None else None
+    if source.endswith(".gguf"):
+        return Tokenizer.from_gguf(source, chat_template=template)
+    return Tokenizer.from_file(source, chat_template=template)

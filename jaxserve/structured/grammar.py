@@ -16,6 +16,7 @@ every request compile it once.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import threading
 from typing import Sequence
@@ -32,6 +33,11 @@ from jaxserve.structured.params import StructuredOutputsParams
 # read most. Anything a schema can express is still reachable.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANY_OBJECT = '{"type":"object"}'
+
+
+def lark_json(schema: dict) -> str:
+    """`%json {...}`: a JSON schema inside a Lark grammar, laid out as every JSON output is."""
+    return "%json " + json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
 
 
 class GrammarViolation(RuntimeError):
