@@ -148,10 +148,21 @@ def test_tool_choice():
 
 
 @pytest.fixture(scope="module")
-def smollm2_grammars(smollm2_path):
+def smollm2_tok(smollm2_path) -> Tokenizer:
+    return Tokenizer.from_gguf(smollm2_path)
+
+
+def _with_template(tok: Tokenizer, template: str | None) -> Tokenizer:
+    """SmolLM2's tokenizer with another chat template (as --chat-template builds it)."""
+    return Tokenizer(tok._backend, source=tok.source, bos_token=tok.bos_token,
+                     eos_token=tok.eos_token, chat_template=template)
+
+
+@pytest.fixture(scope="module")
+def smollm2_grammars(smollm2_tok):
     from jaxserve.structured.grammar import GrammarCompiler
 
-    tok = Tokenizer.from_gguf(smollm2_path)
+    tok = smollm2_tok
     return tok, GrammarCompiler(tok, vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids)
 
 
@@ -215,22 +226,18 @@ HISTORY = [
 ]
 
 
-def _tokenizer(smollm2_path, template=None) -> Tokenizer:
-    return Tokenizer.from_gguf(smollm2_path, chat_template=template)
-
-
-def test_template_with_tools_gets_them_and_objects_as_arguments(smollm2_path, tmp_path):
+def test_template_with_tools_gets_them_and_objects_as_arguments(smollm2_tok, tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text(NATIVE_TEMPLATE)
-    tok = _tokenizer(smollm2_path, read_chat_template(str(path)))
+    tok = _with_template(smollm2_tok, read_chat_template(str(path)))
     assert tok.template_uses_tools
     text = tok.apply_chat_template(HISTORY, tokenize=False, tools=parse_tools([WEATHER, ADD]))
     assert text.startswith("TOOLS:get_weather;add;|system:Be brief.|")
     assert text.endswith('|assistant:CALL get_weather {"city": "Paris"}|tool:18C|tool:19C|')
 
 
-def test_fallback_lists_tools_and_writes_calls_and_results_as_text(smollm2_path):
-    tok = _tokenizer(smollm2_path)  # SmolLM2's ChatML template knows nothing of tools
+def test_fallback_lists_tools_and_writes_calls_and_results_as_text(smollm2_tok):
+    tok = smollm2_tok  # SmolLM2's ChatML template knows nothing of tools
     assert not tok.template_uses_tools
     text = tok.apply_chat_template(HISTORY, tokenize=False, tools=parse_tools([WEATHER]))
     system = text.split("<|im_end|>")[0]
@@ -250,10 +257,16 @@ def test_fallback_lists_tools_and_writes_calls_and_results_as_text(smollm2_path)
 
 
 def test_chat_template_override(smollm2_path, tmp_path):
+    """--chat-template (a file or the text) replaces the model's template."""
     assert read_chat_template("{{ messages[0].content }}!") == "{{ messages[0].content }}!"
     with pytest.raises(TokenizerError, match="no such file"):
         read_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(TokenizerError, match="does not compile"):
         read_chat_template("{% for %}")
-    tok = _tokenizer(smollm2_path, "{{ messages[0].content }}!")
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0].content }}!")
+    from jaxserve.model_registry import resolve
+    from jaxserve.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve(str(smollm2_path)), str(path))
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi!"
