@@ -1,43 +1,52 @@
-"""Retrieval benchmark: embedding throughput vs sentence-transformers, retrieval quality on
-Python's pydoc topics, and FAISS recall@10 / QPS per index type at 100k+ vectors.
+"""Retrieval benchmark: embedding throughput vs sentence-transformers, retrieval quality against a
+naive baseline on two labelled corpora, and the index benchmarks of benchmarks/retrieval_index.py.
 
-    python benchmarks/retrieval.py [--texts 512] [--vectors 100000] [--queries 1000]
-                                   [--skip-embed] [--skip-quality] [--skip-faiss]
+    python benchmarks/retrieval.py [--texts 512] [--sweep] [--llm-rerank N]
+                                   [--skip-embed] [--skip-quality] [--skip-index] [index flags]
 
-Embedding: the same texts (chunks of pydoc topics, as indexing sees them) through jaxserve's Flax
+Embedding: the same texts (chunks of pydoc topics, as indexing makes them) through jaxserve's Flax
 encoder and, when the `bench` extra is installed, sentence-transformers (PyTorch) on the same
 weights in the same run; best of 3 after a warm-up pass (compiles every bucket used).
-Quality: every pydoc topic in full, one document each, against benchmarks/data/pydoc_queries.json.
-FAISS: synthetic clustered unit vectors (d=384, 200 overlapping Gaussian clusters; uniformly
-random vectors have no neighbourhood structure and say nothing about real embeddings); ground truth
-by exact search; queries are fresh draws from the same clusters. Rows print as markdown tables.
+
+Quality, on Python's pydoc topics (benchmarks/data/pydoc_queries.json) and NumPy's docstrings
+(benchmarks/data/numpy_queries.json), whole documents, recall@5 and top-1 by document:
+- the naive baseline: the same MiniLM, fixed 200-word chunks, dense and BM25 (bm25s) top 20
+  chunks each, reciprocal-rank fusion (k=60) of the chunk lists, top 5 chunks;
+- jaxserve's collections in their default configuration, every mode, with and without rerank;
+- `--sweep`: the measurements the defaults were chosen by (chunk size, overlap and boundaries;
+  document aggregation; fusion weights; rerank depth), and why chunk-level fusion lost to dense;
+- `--llm-rerank N`: the served LLM (SmolLM2-135M) as a pointwise reranker of the top N documents
+  ("Yes" vs "No" logprob), through the offline LLM API, for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import bm25s  # noqa: E402
+import faiss  # noqa: E402
 import numpy as np  # noqa: E402
-import pydoc_data.topics  # noqa: E402
 
 from jaxserve.rag.chunking import chunk_document  # noqa: E402
-from jaxserve.rag.config import IndexConfig, RagConfig  # noqa: E402
+from jaxserve.rag.config import ChunkerConfig, RagConfig, SearchConfig  # noqa: E402
 from jaxserve.rag.documents import Document  # noqa: E402
 from jaxserve.rag.embedder import Embedder  # noqa: E402
-from jaxserve.rag.evaluation import LabelledQuery, evaluate  # noqa: E402
+from jaxserve.rag.evaluation import CORPORA, Quality, evaluate, load_queries  # noqa: E402
+from jaxserve.rag.fusion import reciprocal_rank_fusion  # noqa: E402
 from jaxserve.rag.service import RagService  # noqa: E402
-from jaxserve.rag.vector_index import VectorIndex  # noqa: E402
 
-QUERIES = Path(__file__).resolve().parent / "data" / "pydoc_queries.json"
+DATA = Path(__file__).resolve().parent / "data"
+K = 5
 
 
 def _best_of(fn, repeats: int = 3) -> float:
@@ -51,8 +60,8 @@ def _best_of(fn, repeats: int = 3) -> float:
 
 def _texts(embedder: Embedder, n: int) -> list[str]:
     config = RagConfig("/unused").chunker
-    chunks = [c.text for topic, text in sorted(pydoc_data.topics.topics.items())
-              for c in chunk_document(topic, text, embedder.token_spans, config)]
+    chunks = [c.text for doc in CORPORA["pydoc"]()
+              for c in chunk_document(doc.id, doc.text, embedder.token_spans, config)]
     return chunks[:n]
 
 
@@ -67,10 +76,9 @@ def _sentence_transformers(model_dir: Path):
     return SentenceTransformer(modules=modules, device="cpu")
 
 
-def bench_embedding(n: int) -> None:
+def bench_embedding(embedder: Embedder, n: int) -> None:
     from jaxserve.model_registry import fetch
 
-    embedder = Embedder.load()
     texts = _texts(embedder, n)
     tokens = sum(len(i) for i in embedder.tokenize(texts))
     print(f"\n### Embedding throughput ({len(texts)} pydoc chunks, {tokens} tokens, "
@@ -99,120 +107,247 @@ def bench_embedding(n: int) -> None:
           f"jaxserve time / baseline time (< 1: jaxserve faster)")
 
 
-def bench_quality() -> None:
-    queries = [LabelledQuery(q["query"], frozenset(q["relevant"]))
-               for q in json.loads(QUERIES.read_text())["queries"]]
-    with tempfile.TemporaryDirectory() as tmp:
-        service = RagService(RagConfig(tmp))
-        service.create_collection("pydoc")
+class ChunkLevelPipeline:
+    """The naive pipeline: chunks, one dense and one BM25 ranking of chunks, RRF over the chunk
+    lists, the top chunks as they come (no document grouping). With 200-word chunks it is the
+    baseline; with jaxserve's former chunks (120-token windows) it is the former hybrid mode."""
+
+    def __init__(self, embedder: Embedder, chunks: list[tuple[str, str]], depth_per_result=4):
+        self.embedder, self.depth_per_result = embedder, depth_per_result
+        self.documents = [d for d, _ in chunks]
+        vectors, _ = embedder.embed([t for _, t in chunks])
+        self.index = faiss.IndexFlatIP(vectors.shape[1])
+        self.index.add(vectors)
+        self.bm25 = bm25s.BM25()
+        self.bm25.index(bm25s.tokenize([t for _, t in chunks], stopwords="en",
+                                       show_progress=False), show_progress=False)
+
+    @classmethod
+    def words(cls, embedder: Embedder, documents: list[Document], words: int = 200):
+        chunks = []
+        for doc in documents:
+            w = doc.text.split()
+            chunks += [(doc.id, " ".join(w[i:i + words])) for i in range(0, len(w), words)]
+        return cls(embedder, chunks)
+
+    def rankings(self, query: str, k: int) -> tuple[list[int], list[int]]:
+        depth = k * self.depth_per_result
+        _, dense = self.index.search(self.embedder.embed([query])[0], depth)
+        tokens = bm25s.tokenize([query], stopwords="en", show_progress=False)
+        rows, scores = self.bm25.retrieve(tokens, k=depth, show_progress=False, n_threads=1)
+        return dense[0].tolist(), [int(r) for r, s in zip(rows[0], scores[0]) if s > 0]
+
+    def search(self, query: str, k: int, mode: str = "hybrid") -> list[str]:
+        dense, lexical = self.rankings(query, k)
+        ranked = {"dense": dense, "bm25": lexical,
+                  "hybrid": [i for i, _ in reciprocal_rank_fusion([dense, lexical])]}[mode]
+        return [self.documents[i] for i in ranked[:k]]
+
+    def disagreement(self, queries) -> tuple[int, int]:
+        """(queries whose dense and BM25 top chunks are in a relevant document, those of them
+        whose fused top chunk is not): agreement on the document that chunk-level fusion loses."""
+        both = lost = 0
+        for q in queries:
+            dense, lexical = self.rankings(q.query, K)
+            if dense and lexical and {self.documents[dense[0]],
+                                      self.documents[lexical[0]]} <= q.relevant:
+                both += 1
+                fused = reciprocal_rank_fusion([dense, lexical])[0][0]
+                lost += self.documents[fused] not in q.relevant
+        return both, lost
+
+
+def _row(name: str, qualities: dict[str, Quality], extra: str = "") -> None:
+    cells = " | ".join(f"{q.recall_at_k:.3f} | {q.top1:.3f}" for q in qualities.values())
+    print(f"| {name} | {cells} |{extra}")
+
+
+def _header(first: str, corpora, extra: str = "") -> None:
+    cols = " | ".join(f"{c} recall@{K} | {c} top-1" for c in corpora)
+    print(f"\n| {first} | {cols} |{extra}")
+    print("|---" * (1 + 2 * len(corpora) + bool(extra)) + "|")
+
+
+class Corpora:
+    """Every labelled corpus indexed by one RagService (one collection each)."""
+
+    def __init__(self, embedder: Embedder, chunker: ChunkerConfig, directory: Path):
+        self.service = RagService(RagConfig(directory, chunker=chunker), embedder)
+        self.documents = {name: load() for name, load in CORPORA.items()}
+        self.queries = {name: load_queries(DATA / f"{name}_queries.json") for name in CORPORA}
+        self.chunks, t0 = {}, time.perf_counter()
+        for name, documents in self.documents.items():
+            self.service.create_collection(name)
+            self.chunks[name] = self.service.upsert(name, documents)
+        self.index_s = time.perf_counter() - t0
+
+    def quality(self, mode: str = "hybrid", rerank: bool = False,
+                search: SearchConfig | None = None) -> tuple[dict[str, Quality], float]:
+        """Per corpus quality, and the mean search latency in ms."""
+        out, calls, t0 = {}, 0, time.perf_counter()
+        for name, queries in self.queries.items():
+            collection = self.service.collection(name)
+            if search is not None:
+                collection.config = dataclasses.replace(collection.config, search=search)
+
+            def run(query: str, k: int) -> list[str]:
+                return [r.document_id for r in collection.search(query, k, mode, rerank)]
+
+            out[name] = evaluate(run, queries, K)
+            calls += len(queries)
+            collection.config = self.service.config
+        return out, 1000 * (time.perf_counter() - t0) / calls
+
+    def close(self) -> None:
+        self.service.close()
+
+
+def bench_quality(embedder: Embedder, sweep: bool, llm_rerank: int) -> None:
+    names = list(CORPORA)
+    counts = {n: len(load_queries(DATA / f"{n}_queries.json")) for n in names}
+    print(f"\n### Retrieval quality: {', '.join(f'{n} ({counts[n]} queries)' for n in names)}; "
+          f"recall@{K} and top-1 by document; latency = mean per search, this run")
+    docs = {n: load() for n, load in CORPORA.items()}
+    baselines = {n: ChunkLevelPipeline.words(embedder, docs[n]) for n in names}
+    queries = {n: load_queries(DATA / f"{n}_queries.json") for n in names}
+    _header("pipeline", names, " ms/search |")
+    for mode in ("dense", "bm25", "hybrid"):
         t0 = time.perf_counter()
-        chunks = service.upsert("pydoc", [Document(topic, text) for topic, text
-                                          in pydoc_data.topics.topics.items()])
-        index_s = time.perf_counter() - t0
-        print(f"\n### Quality: pydoc topics in full ({len(pydoc_data.topics.topics)} documents, "
-              f"{chunks} chunks, indexed in {index_s:.1f} s), {len(queries)} labelled queries\n")
-        print("| mode | recall@5 | top-1 |")
-        print("|---|---|---|")
-        for q in evaluate(service, "pydoc", queries, k=5):
-            print(f"| {q.mode} | {q.recall_at_k:.3f} | {q.top1:.3f} |")
-        service.close()
+        quality = {n: evaluate(lambda q, k: baselines[n].search(q, k, mode), queries[n], K)
+                   for n in names}
+        ms = 1000 * (time.perf_counter() - t0) / sum(counts.values())
+        _row(f"naive baseline (200-word chunks, chunk RRF), {mode}", quality, f" {ms:.0f} |")
+    with tempfile.TemporaryDirectory() as tmp:
+        corpora = Corpora(embedder, ChunkerConfig(), Path(tmp))
+        for mode in ("dense", "bm25", "hybrid"):
+            for rerank in (False, True):
+                quality, ms = corpora.quality(mode, rerank)
+                _row(f"jaxserve {mode}{' + rerank' if rerank else ''}"
+                     f"{' (default)' if mode == 'hybrid' and not rerank else ''}", quality,
+                     f" {ms:.0f} |")
+        print(f"\njaxserve chunks: {corpora.chunks} (indexed in {corpora.index_s:.0f} s); "
+              f"baseline chunks: { {n: len(b.documents) for n, b in baselines.items()} }")
+        if sweep:
+            sweep_search(corpora)
+        if llm_rerank:
+            bench_llm_rerank(corpora, llm_rerank)
+        corpora.close()
+    if sweep:
+        sweep_chunking(embedder, docs, queries)
 
 
-def _clustered(n: int, dim: int, centers: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    # Noise as large as the centres (norm ~1 each): clusters overlap, as topics do in real
-    # embeddings, so the nearest neighbours are not simply "the rest of my cluster".
-    x = centers[rng.integers(0, len(centers), n)] + rng.normal(0, 1 / dim ** 0.5, (n, dim))
-    x = x.astype(np.float32)
-    return x / np.linalg.norm(x, axis=1, keepdims=True)
+def sweep_search(corpora: Corpora) -> None:
+    """Search-time settings on the default chunks: aggregation, fusion weights, rerank depth."""
+    names = list(corpora.queries)
+    _header("search setting (hybrid unless said)", names, " ms/search |")
+    base = SearchConfig()
+    variants: list[tuple[str, str, bool, SearchConfig]] = [
+        (f"top_chunks={n}", "hybrid", False, dataclasses.replace(base, top_chunks=n))
+        for n in (1, 2, 3)]
+    variants += [(f"dense_weight={d}, bm25_weight={b}", "hybrid", False,
+                  dataclasses.replace(base, dense_weight=d, bm25_weight=b))
+                 for d, b in ((1.0, 0.5), (1.0, 0.75), (0.75, 1.0), (0.5, 1.0))]
+    variants += [(f"rrf_k={k}", "hybrid", False, dataclasses.replace(base, rrf_k=k))
+                 for k in (10, 30)]
+    variants += [(f"rerank, rerank_candidates={n}", "hybrid", True,
+                  dataclasses.replace(base, rerank_candidates=n)) for n in (5, 10, 20, 40)]
+    for name, mode, rerank, search in variants:
+        quality, ms = corpora.quality(mode, rerank, search)
+        _row(name, quality, f" {ms:.0f} |")
 
 
-def _recall(found: np.ndarray, truth: np.ndarray) -> float:
-    return float(np.mean([len(set(f) & set(t)) / len(t) for f, t in zip(found, truth)]))
+def sweep_chunking(embedder: Embedder, docs: dict[str, list[Document]], queries) -> None:
+    """Chunk size, overlap and boundaries (each re-embeds both corpora), and why chunk-level
+    fusion lost: the former default chunks through the chunk-level pipeline."""
+    names = list(docs)
+    print("\nWhy chunk-level hybrid lost (former default: 120-token windows, overlap 24, RRF of "
+          "chunk lists): queries whose dense and BM25 top chunks both lie in a relevant document, "
+          "and how many of those the fused top chunk misses:")
+    former = ChunkerConfig(chunk_tokens=120, overlap_tokens=24, boundaries="window")
+    for n in names:
+        chunks = [(d.id, c.text) for d in docs[n]
+                  for c in chunk_document(d.id, d.text, embedder.token_spans, former)]
+        pipeline = ChunkLevelPipeline(embedder, chunks)
+        both, lost = pipeline.disagreement(queries[n])
+        quality = {m: evaluate(lambda q, k: pipeline.search(q, k, m), queries[n], K)
+                   for m in ("dense", "bm25", "hybrid")}
+        print(f"- {n}: {lost} of {both}; chunk-level recall@{K} / top-1: " + ", ".join(
+            f"{m} {q.recall_at_k:.3f} / {q.top1:.3f}" for m, q in quality.items()))
+    _header("chunker (hybrid, document aggregation)", names, " chunks | index s |")
+    for tokens, overlap, boundaries in ((120, 24, "window"), (120, 0, "window"),
+                                        (120, 0, "structure"), (120, 24, "structure"),
+                                        (64, 0, "structure"), (64, 16, "structure"),
+                                        (250, 0, "structure")):
+        with tempfile.TemporaryDirectory() as tmp:
+            corpora = Corpora(embedder, ChunkerConfig(tokens, overlap, boundaries), Path(tmp))
+            quality, _ = corpora.quality()
+            _row(f"{boundaries} {tokens} tokens, overlap {overlap}", quality,
+                 f" {sum(corpora.chunks.values())} | {corpora.index_s:.0f} |")
+            corpora.close()
 
 
-def _qps(index: VectorIndex, queries: np.ndarray, k: int) -> tuple[np.ndarray, float, float]:
-    """(ids, QPS with all queries in one call, QPS one query per call on one thread)."""
-    import faiss
+def bench_llm_rerank(corpora: Corpora, n: int) -> None:
+    """SmolLM2 as a pointwise reranker: for each of the fused top n documents' best chunk, the
+    probability of " Yes" after a relevance question, batched through LLM.generate (prefix
+    caching on); documents reordered by it."""
+    from jaxserve import LLM, SamplingParams
 
-    batch_s = _best_of(lambda: index.search(queries, k))
-    _, ids = index.search(queries, k)
-    one = queries[:200]
-    # One query has little to split across threads, and OpenMP's barriers cost ~10x on a loaded
-    # machine: a server answering single queries runs them on one thread each.
-    threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    single_s = _best_of(lambda: [index.search(q[None], k) for q in one])
-    faiss.omp_set_num_threads(threads)
-    return ids, len(queries) / batch_s, len(one) / single_s
+    llm = LLM("smollm2-135m-instruct", warmup=False, progress=False)
+    tokenizer = llm.get_tokenizer()
+    yes, no = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("Yes", "No"))
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
+    names = list(corpora.queries)
+    quality, t0, calls = {}, time.perf_counter(), 0
+    for name in names:
+        collection = corpora.service.collection(name)
 
+        def run(query: str, k: int) -> list[str]:
+            results = collection.search(query, n)
+            prompts = [tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"Passage:\n{r.text}\n\nQuestion: {query}\n\n"
+                  "Does the passage answer the question? Answer Yes or No."}],
+                add_generation_prompt=True) for r in results]
+            outs = llm.generate(prompts, params)
 
-def bench_faiss(n: int, num_queries: int, dim: int = 384, k: int = 10) -> None:
-    import faiss
+            def p_yes(out) -> float:
+                top = dict(out.outputs[0].logprobs[0]) if out.outputs[0].logprobs else {}
+                return top.get(yes, -30.0) - top.get(no, -30.0)
+            order = sorted(range(len(results)), key=lambda i: -p_yes(outs[i]))
+            return [results[i].document_id for i in order][:k]
 
-    rng = np.random.default_rng(0)
-    centers = rng.normal(0, 1 / dim ** 0.5, (200, dim))
-    vectors = _clustered(n, dim, centers, rng)
-    queries = _clustered(num_queries, dim, centers, rng)
-    ids = np.arange(n, dtype=np.int64)
-    print(f"\n### FAISS: {n} clustered vectors, d={dim}, {num_queries} queries, recall@{k} vs "
-          f"exact, {faiss.omp_get_max_threads()} OpenMP threads\n")
-    print("| index | build s | recall@10 | QPS (batch of all queries) "
-          "| QPS (1 query/call, 1 thread) |")
-    print("|---|---|---|---|---|")
-    exact = VectorIndex(dim, IndexConfig(exact_max_vectors=n))
-    t0 = time.perf_counter()
-    exact.rebuild(ids, vectors)
-    build = time.perf_counter() - t0
-    assert exact.kind == "exact"
-    truth, batch_qps, single_qps = _qps(exact, queries, k)
-    print(f"| exact (IndexIDMap2 + IndexFlatIP) | {build:.2f} | 1.000 | {batch_qps:.0f} | "
-          f"{single_qps:.0f} |")
-    config = IndexConfig(exact_max_vectors=1)
-    hnsw = VectorIndex(dim, config)
-    t0 = time.perf_counter()
-    hnsw.rebuild(ids, vectors)
-    build = time.perf_counter() - t0
-    assert hnsw.kind == "hnsw"
-    for ef in (16, 32, 64, 128, 256):
-        hnsw.config = dataclasses.replace(config, hnsw_ef_search=ef)
-        found, batch_qps, single_qps = _qps(hnsw, queries, k)
-        print(f"| HNSW M={config.hnsw_m} efConstruction={config.hnsw_ef_construction} "
-              f"efSearch={ef} | {build:.1f} | {_recall(found, truth):.3f} | {batch_qps:.0f} | "
-              f"{single_qps:.0f} |")
-    # 10% deleted: tombstones filtered by an IDSelector during the graph search.
-    hnsw.config = config
-    dead = rng.choice(n, n // 10, replace=False)
-    live = np.setdiff1d(ids, dead)
-    nothing = np.zeros(0, np.int64), np.zeros((0, dim), np.float32)
-    for index in (hnsw, exact):
-        index.update(dead, *nothing, lambda: (live, vectors[live]))
-    assert hnsw.kind == "hnsw"  # 10% stays under the rebuild threshold: tombstones
-    truth, _, _ = _qps(exact, queries, k)
-    found, batch_qps, single_qps = _qps(hnsw, queries, k)
-    assert not set(found.ravel()) & set(dead.tolist())
-    print(f"| HNSW efSearch={config.hnsw_ef_search}, 10% deleted (tombstones) | - | "
-          f"{_recall(found, truth):.3f} | {batch_qps:.0f} | {single_qps:.0f} |")
+        quality[name] = evaluate(run, corpora.queries[name], K)
+        calls += len(corpora.queries[name])
+    ms = 1000 * (time.perf_counter() - t0) / calls
+    _header("LLM pointwise rerank", names, " ms/search |")
+    _row(f"hybrid + SmolLM2-135M rerank of top {n}", quality, f" {ms:.0f} |")
 
 
 def main() -> None:
+    from benchmarks import retrieval_index
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--texts", type=int, default=512)
-    p.add_argument("--vectors", type=int, default=100_000)
-    p.add_argument("--queries", type=int, default=1000)
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--llm-rerank", type=int, default=0, metavar="N")
     p.add_argument("--skip-embed", action="store_true")
     p.add_argument("--skip-quality", action="store_true")
-    p.add_argument("--skip-faiss", action="store_true")
+    p.add_argument("--skip-index", action="store_true")
+    retrieval_index.add_arguments(p)
     args = p.parse_args()
     import jax
 
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip()
     print(f"machine: {platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}"
-          f" ({jax.default_backend()}), date {time.strftime('%Y-%m-%d')}")
-    if not args.skip_embed:
-        bench_embedding(args.texts)
-    if not args.skip_quality:
-        bench_quality()
-    if not args.skip_faiss:
-        bench_faiss(args.vectors, args.queries)
+          f" ({jax.default_backend()}), date {time.strftime('%Y-%m-%d')}, commit {commit}")
+    if not (args.skip_embed and args.skip_quality):
+        embedder = Embedder.load()
+        if not args.skip_embed:
+            bench_embedding(embedder, args.texts)
+        if not args.skip_quality:
+            bench_quality(embedder, args.sweep, args.llm_rerank)
+    if not args.skip_index:
+        retrieval_index.run(args)
 
 
 if __name__ == "__main__":

@@ -193,7 +193,8 @@ def cmd_index(args) -> int:
 def cmd_search(args) -> int:
     service = _rag_service(args)
     try:
-        results = service.search(args.collection, args.query, args.top_k, args.mode)
+        results = service.search(args.collection, args.query, args.top_k, args.mode,
+                                 args.rerank)
     finally:
         service.close()
     if args.json:
@@ -269,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_rag_arguments(se)
     se.add_argument("query")
     se.add_argument("--mode", choices=("dense", "bm25", "hybrid"), default="hybrid")
+    se.add_argument("--rerank", action="store_true",
+                    help="rerank the best documents by late interaction (slower, often better)")
     se.add_argument("--top-k", type=int, default=5)
     se.add_argument("--json", action="store_true", help="print {\"results\": [...]} as JSON")
     se.set_defaults(func=cmd_search)

@@ -117,12 +117,60 @@ def test_errors_are_openai_error_bodies(service):
             ("POST", "/v1/embeddings", {"model": MINILM, "input": ""}, 400, "input"),
             ("POST", "/v1/embeddings", {"model": MINILM, "input": "x", "dimensions": 8}, 400,
              "dimensions"),
+            ("POST", "/v1/collections/kb/search", {"query": "q", "rerank": "yes"}, 400, "rerank"),
+            ("POST", "/v1/rerank", {"query": "q", "documents": []}, 400, "documents"),
+            ("POST", "/v1/rerank", {"query": "q", "documents": ["a", ""]}, 400, "documents"),
+            ("POST", "/v1/rerank", {"query": "q", "documents": "a"}, 400, "documents"),
+            ("POST", "/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 2}, 400, "top_n"),
+            ("POST", "/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, 400, "top_n"),
+            ("POST", "/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 1.5}, 400,
+             "top_n"),
+            ("POST", "/v1/rerank", {"model": "other", "query": "q", "documents": ["a"]}, 404,
+             "model"),
+            ("POST", "/v1/rerank", {"query": " ", "documents": ["a"]}, 400, "query"),
+            ("POST", "/v1/rerank", {"query": "q", "documents": ["a"], "rank_fields": []}, 400,
+             "rank_fields"),
         ]
         for method, path, body, status, param in cases:
             got_status, got = await _json(s, method, f"{url}{path}", body)
             assert (got_status, got["error"]["param"]) == (status, param), (path, body, got)
             assert got["error"]["type"] == "invalid_request_error" and got["error"]["message"]
     _serve(service, scenario)
+
+
+def test_rerank_shape_and_rerank_in_search(service):
+    texts = [d["text"] for d in DOCS]
+    query = "capital of France"
+
+    async def scenario(s, url):
+        top2 = await _json(s, "POST", f"{url}/v1/rerank",
+                           {"model": MINILM, "query": query, "documents": texts, "top_n": 2})
+        every = await _json(s, "POST", f"{url}/v1/rerank",
+                            {"query": query, "documents": [{"text": t} for t in texts],
+                             "top_n": 0, "return_documents": False})
+        await _json(s, "POST", f"{url}/v1/collections", {"name": "kb"})
+        await _json(s, "POST", f"{url}/v1/collections/kb/documents", {"documents": DOCS})
+        searched = await _json(s, "POST", f"{url}/v1/collections/kb/search",
+                               {"query": query, "top_k": 3, "rerank": True})
+        return top2, every, searched
+
+    (status, top2), (status_all, every), (status_search, searched) = _serve(service, scenario)
+    scores, num_tokens = service.rerank(query, texts)
+    order = np.argsort(-scores, kind="stable")
+    assert status == status_all == status_search == 200
+    assert top2["id"].startswith("rerank-") and top2["model"] == MINILM
+    assert top2["usage"] == {"total_tokens": num_tokens}
+    assert [r["index"] for r in top2["results"]] == order[:2].tolist()
+    assert [r["relevance_score"] for r in top2["results"]] == pytest.approx(
+        scores[order[:2]].tolist(), abs=1e-6)
+    assert [r["document"] for r in top2["results"]] == [{"text": texts[i]} for i in order[:2]]
+    assert [r["index"] for r in every["results"]] == order.tolist()
+    assert all(set(r) == {"index", "relevance_score"} for r in every["results"])
+    # search with rerank: the documents come back in the reranker's order, with its scores.
+    results = searched["results"]
+    assert [r["score"] for r in results] == pytest.approx(
+        service.rerank(query, [r["text"] for r in results])[0].tolist(), abs=1e-6)
+    assert [r["score"] for r in results] == sorted((r["score"] for r in results), reverse=True)
 
 
 def test_embeddings_with_the_openai_client(service):

@@ -1,8 +1,9 @@
 """BERT encoder (all-MiniLM-L6-v2 and other HF `BertModel`s) for sentence embeddings.
 
 `embed(params, config, input_ids, attention_mask)` is a pure function: token ids [B, L] and their
-mask -> L2-normalised mean-pooled embeddings [B, H]. Callers jit it per (B, L) bucket with `config`
-static (see jaxserve.rag.embedder).
+mask -> L2-normalised mean-pooled embeddings [B, H]; `token_vectors` returns the L2-normalised
+per-token states instead. Callers jit them per (B, L) bucket with `config` static (see
+jaxserve.rag.embedder).
 
 Layout: one encoder block is a linen module; the blocks' parameters are stacked on a leading axis
 and run with `jax.lax.scan`, as in jaxserve.models.llama, so compile time does not grow with depth.
@@ -124,6 +125,15 @@ def embed(params: dict, config: BertConfig, input_ids: jax.Array,
     pooled = (hidden * mask).sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1e-9)
     norm = jnp.linalg.norm(pooled, axis=-1, keepdims=True)
     return pooled / jnp.maximum(norm, 1e-12)  # as torch.nn.functional.normalize
+
+
+def token_vectors(params: dict, config: BertConfig, input_ids: jax.Array,
+                  attention_mask: jax.Array) -> jax.Array:
+    """L2-normalised last hidden states [B, L, H] (padding rows included: mask them after), the
+    per-token vectors a late-interaction scorer compares."""
+    hidden = encode(params, config, input_ids, attention_mask)
+    norm = jnp.linalg.norm(hidden, axis=-1, keepdims=True)
+    return hidden / jnp.maximum(norm, 1e-12)
 
 
 def init_params(config: BertConfig, rng: jax.Array) -> dict:

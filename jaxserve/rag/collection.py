@@ -19,12 +19,12 @@ from jaxserve.rag.chunking import chunk_document
 from jaxserve.rag.config import SEARCH_MODES, RagConfig
 from jaxserve.rag.documents import Document
 from jaxserve.rag.embedder import Embedder
-from jaxserve.rag.fusion import reciprocal_rank_fusion
+from jaxserve.rag.fusion import interleave, rank_documents, reciprocal_rank_fusion
+from jaxserve.rag.rerank import LateInteractionReranker
 from jaxserve.rag.store import DocumentChunks, Store
-from jaxserve.rag.vector_index import VectorIndex
+from jaxserve.rag.shards import ShardedIndex
 
 STORE_FILE = "store.sqlite3"
-INDEX_FILE = "vectors.faiss"
 # The index file is rewritten once this many chunks changed, or this fraction of the index.
 _MIN_UNSAVED = 1024
 _UNSAVED_FRACTION = 0.1
@@ -35,7 +35,9 @@ class SearchResult:
     document_id: str
     chunk_id: str  # "<document id>#<chunk index>": stable while the document is unchanged
     text: str
-    score: float  # dense: cosine similarity; bm25: BM25 score; hybrid: fused RRF score
+    # Its document's score: dense: cosine similarity and bm25: BM25 score of its best chunk
+    # (or the sum of its top_chunks best); hybrid: the fused RRF score; reranked: the reranker's.
+    score: float
     metadata: dict
     start: int  # character offsets of `text` in the document
     end: int
@@ -46,7 +48,7 @@ class SearchResult:
                 "end": self.end}
 
 
-def check_search_args(query, top_k, mode, max_top_k: int) -> None:
+def check_search_args(query, top_k, mode, max_top_k: int, rerank=False) -> None:
     if not isinstance(query, str) or not query.strip():
         raise InvalidRequest("'query' must be a non-empty string", param="query")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= max_top_k:
@@ -55,29 +57,29 @@ def check_search_args(query, top_k, mode, max_top_k: int) -> None:
     if mode not in SEARCH_MODES:
         raise InvalidRequest(f"'mode' must be one of {', '.join(SEARCH_MODES)}, got {mode!r}",
                              param="mode")
+    if not isinstance(rerank, bool):
+        raise InvalidRequest(f"'rerank' must be a boolean, got {rerank!r}", param="rerank")
 
 
 class Collection:
-    def __init__(self, name: str, directory: Path, embedder: Embedder, config: RagConfig):
+    def __init__(self, name: str, directory: Path, embedder: Embedder, config: RagConfig,
+                 reranker: LateInteractionReranker | None = None):
         self.name = name
         self.directory = directory
         self.embedder = embedder
+        self.reranker = reranker
         self.config = config
         self._lock = threading.Lock()
         directory.mkdir(parents=True, exist_ok=True)
         self._store = Store(directory / STORE_FILE)
-        self._index = VectorIndex(embedder.dim, config.index)
-        index_path = directory / INDEX_FILE
-        self._unsaved = 0  # chunks added or removed since the index file was written
-        if index_path.exists():
-            self._index_changed(self._index.load(index_path, self._store.live_ids(),
-                                                 self._all_vectors))
-        else:
-            self._index.rebuild(*self._all_vectors())
-            self._index_changed(self._index.num_live)
-        self._bm25: BM25Index | None = None  # built on the first lexical search after a change
+        self._index = ShardedIndex(embedder.dim, config.index)
+        self._unsaved = 0  # chunks added or removed since the index files were written
+        self._index_changed(self._index.load(directory, self._store.live_chunks(),
+                                             self._all_vectors))
+        # Built from the store on the first lexical search, then kept up to date in place.
+        self._bm25: BM25Index | None = None
 
-    def _all_vectors(self) -> tuple[np.ndarray, np.ndarray]:
+    def _all_vectors(self) -> tuple[np.ndarray, list[str], np.ndarray]:
         return self._store.all_vectors(self.embedder.dim)
 
     def _index_changed(self, num_chunks: int) -> None:
@@ -90,7 +92,7 @@ class Collection:
             self._save_index()
 
     def _save_index(self) -> None:
-        self._index.save(self.directory / INDEX_FILE)
+        self._index.save(self.directory)
         self._unsaved = 0
 
     def close(self, save: bool = True) -> None:
@@ -100,6 +102,7 @@ class Collection:
             if save and self._unsaved:
                 self._save_index()
             self._store.close()
+            self._index.close()
 
     def info(self) -> dict:
         with self._lock:
@@ -119,10 +122,13 @@ class Collection:
             start += len(chunks)
         with self._lock:
             removed, added, added_vectors = self._store.upsert(prepared)
-            self._index.update(removed, np.asarray(added, np.int64), added_vectors,
+            self._index.update(removed, np.asarray(added, np.int64),
+                               [doc.id for doc in prepared for _ in doc.chunks], added_vectors,
                                self._all_vectors)
             self._index_changed(len(removed) + len(added))
-            self._bm25 = None
+            if self._bm25 is not None:
+                self._bm25.remove([i for i, _ in removed])
+                self._bm25.add(added, [c.text for _, chunks in chunked for c in chunks])
         return len(added)
 
     def delete(self, document_id: str) -> None:
@@ -131,30 +137,52 @@ class Collection:
             if removed is None:
                 raise NotFound(f"collection {self.name!r} has no document {document_id!r}",
                                param="document_id")
-            self._index.update(removed, np.zeros(0, np.int64),
+            self._index.update([(i, document_id) for i in removed], np.zeros(0, np.int64), [],
                                np.zeros((0, self.embedder.dim), np.float32), self._all_vectors)
             self._index_changed(len(removed))
-            self._bm25 = None
+            if self._bm25 is not None:
+                self._bm25.remove(removed)
 
-    def search(self, query: str, top_k: int = 5, mode: str = "hybrid") -> list[SearchResult]:
-        check_search_args(query, top_k, mode, self.config.search.max_top_k)
-        # Hybrid fuses deeper lists than it returns, so a chunk ranked well by one retriever
-        # and moderately by the other can still surface.
-        depth = top_k * self.config.search.candidates_per_result if mode == "hybrid" else top_k
+    def search(self, query: str, top_k: int = 5, mode: str = "hybrid",
+               rerank: bool = False) -> list[SearchResult]:
+        """The best chunks of the best documents (see fusion.interleave); with `rerank`, the
+        fused top `rerank_candidates` documents are reordered by the reranker's score of their
+        best chunk."""
+        check_search_args(query, top_k, mode, self.config.search.max_top_k, rerank)
+        if rerank and self.reranker is None:
+            raise InvalidRequest("this server has no reranker", param="rerank")
+        cfg = self.config.search
+        depth = max(cfg.candidates, cfg.candidates_per_result * top_k)
         query_vector = self.embedder.embed([query])[0][0] if mode != "bm25" else None
         with self._lock:
             dense = self._dense(query_vector, depth) if mode != "bm25" else []
             lexical = self._lexical(query, depth) if mode != "dense" else []
-            if mode == "hybrid":
-                ranked = reciprocal_rank_fusion([[i for i, _ in dense], [i for i, _ in lexical]],
-                                                self.config.search.rrf_k)
-            else:
-                ranked = dense or lexical
-            ranked = ranked[:top_k]
-            rows = self._store.chunks([i for i, _ in ranked])
-        return [SearchResult(r.document_id, f"{r.document_id}#{r.index}", r.text, score,
-                             r.metadata, r.start, r.end)
-                for i, score in ranked if (r := rows.get(i)) is not None]
+            rows = self._store.chunks(list({i for i, _ in dense + lexical}))
+        document_of = {i: r.document_id for i, r in rows.items()}
+        if mode == "hybrid":
+            weights = [cfg.dense_weight, cfg.bm25_weight]
+            documents = reciprocal_rank_fusion(
+                [[d for d, _ in rank_documents(r, document_of, cfg.top_chunks)]
+                 for r in (dense, lexical)], cfg.rrf_k, weights)
+            chunk_order = [i for i, _ in reciprocal_rank_fusion(
+                [[i for i, _ in r] for r in (dense, lexical)], cfg.rrf_k, weights)]
+        else:
+            ranking = dense or lexical
+            documents = rank_documents(ranking, document_of, cfg.top_chunks)
+            chunk_order = [i for i, _ in ranking]
+        if rerank:
+            documents = self._rerank(query, documents, chunk_order, document_of, rows)
+        return [SearchResult(rows[i].document_id, f"{rows[i].document_id}#{rows[i].index}",
+                             rows[i].text, score, rows[i].metadata, rows[i].start, rows[i].end)
+                for i, score in interleave(documents, chunk_order, document_of, top_k)]
+
+    def _rerank(self, query: str, documents: list[tuple[str, float]], chunk_order: list[int],
+                document_of: dict[int, str], rows: dict) -> list[tuple[str, float]]:
+        head = documents[:self.config.search.rerank_candidates]
+        best = {d: i for d, i in ((document_of.get(i), i) for i in reversed(chunk_order))}
+        scores, _ = self.reranker.score(query, [rows[best[d]].text for d, _ in head])
+        order = np.argsort(-scores, kind="stable")
+        return [(head[j][0], float(scores[j])) for j in order] + documents[len(head):]
 
     def _dense(self, query_vector: np.ndarray, k: int) -> list[tuple[int, float]]:
         if self._index.num_live == 0:

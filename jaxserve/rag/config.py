@@ -42,16 +42,24 @@ class EmbedderConfig:
                               f"({self.max_length})")
 
 
+CHUNK_BOUNDARIES = ("structure", "window")
+
+
 @dataclass(frozen=True)
 class ChunkerConfig:
-    """Chunk sizes in encoder tokens. 120 + [CLS] + [SEP] (+ a few tokens where a chunk starts
-    inside a word) fits the 128-token bucket: a 128-token chunk would pad to 256 and cost twice."""
+    """Chunk sizes in encoder tokens (see jaxserve.rag.chunking for the two kinds of boundaries).
+    120 + [CLS] + [SEP] fits the 128-token bucket: a 128-token chunk would pad to 256 and cost
+    twice."""
 
     chunk_tokens: int = 120
     overlap_tokens: int = 24
+    boundaries: str = "structure"
 
     def __post_init__(self):
         _positive(self, "chunk_tokens")
+        if self.boundaries not in CHUNK_BOUNDARIES:
+            raise ConfigError(f"ChunkerConfig.boundaries must be one of {CHUNK_BOUNDARIES}, got "
+                              f"{self.boundaries!r}")
         if not 0 <= self.overlap_tokens < self.chunk_tokens:
             raise ConfigError(f"overlap_tokens must be in [0, chunk_tokens), got "
                               f"{self.overlap_tokens}")
@@ -59,28 +67,56 @@ class ChunkerConfig:
 
 @dataclass(frozen=True)
 class IndexConfig:
-    """Exact inner-product search up to `exact_max_vectors` vectors; HNSW above (graph search is
-    sub-linear; exact search is fast enough and has recall 1 below that size)."""
+    """Per index shard: exact inner-product search up to `exact_max_vectors` vectors (fast
+    enough there, recall 1); HNSW up to `ivfpq_min_vectors` (graph search is sub-linear); IVF-PQ
+    above (product-quantised codes, 1/32 of the memory of the vectors, trained on the shard's
+    vectors when it is built). `num_shards` splits a collection into that many index files by a
+    stable hash of the document id, searched in parallel (set when the collection is created:
+    reopening it with another count rebuilds the shards)."""
 
     exact_max_vectors: int = 50_000
     hnsw_m: int = 32
     hnsw_ef_construction: int = 80
     hnsw_ef_search: int = 128
+    ivfpq_min_vectors: int = 2_000_000
+    ivf_lists: int = 0  # 0: 4 * sqrt(vectors) at build time
+    ivf_nprobe: int = 32
+    pq_subquantizers: int = 48  # bytes per vector (8 bits each); must divide the dimension
+    num_shards: int = 1
     use_gpu: bool = True  # only has an effect when faiss.get_num_gpus() > 0
 
     def __post_init__(self):
-        _positive(self, "exact_max_vectors", "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search")
+        _positive(self, "exact_max_vectors", "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search",
+                  "ivfpq_min_vectors", "ivf_nprobe", "pq_subquantizers", "num_shards")
+        if self.ivf_lists < 0:
+            raise ConfigError(f"IndexConfig.ivf_lists must be >= 0, got {self.ivf_lists}")
+        if self.ivfpq_min_vectors <= self.exact_max_vectors:
+            raise ConfigError("IndexConfig.ivfpq_min_vectors must be > exact_max_vectors")
 
 
 @dataclass(frozen=True)
 class SearchConfig:
+    """How results are ranked (jaxserve.rag.fusion): each retriever returns its best
+    `max(candidates, candidates_per_result * top_k)` chunks; chunks are grouped into documents
+    (a document scores the sum of its `top_chunks` best chunk scores); hybrid fuses the two
+    document rankings by weighted RRF; `rerank` rescores the best `rerank_candidates` documents'
+    best chunks. Defaults chosen by measurement: benchmarks/RESULTS.md."""
+
     rrf_k: int = 60  # Cormack et al.'s constant: damps the weight of the very first ranks
-    # Hybrid fuses this many candidates per retriever per requested result.
+    candidates: int = 100
     candidates_per_result: int = 4
+    top_chunks: int = 1
+    dense_weight: float = 1.0
+    bm25_weight: float = 1.0
+    rerank_candidates: int = 20
     max_top_k: int = 100
 
     def __post_init__(self):
-        _positive(self, "rrf_k", "candidates_per_result", "max_top_k")
+        _positive(self, "rrf_k", "candidates", "candidates_per_result", "top_chunks",
+                  "rerank_candidates", "max_top_k")
+        if self.dense_weight < 0 or self.bm25_weight < 0 or not (self.dense_weight
+                                                                 + self.bm25_weight):
+            raise ConfigError("SearchConfig weights must be >= 0 and not both 0")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ class Embedder:
         self._spans.no_padding()
         self._spans.no_truncation()
         self._embed = jax.jit(bert.embed, static_argnums=1)
+        self._token_vectors = jax.jit(bert.token_vectors, static_argnums=1)
 
     @classmethod
     def load(cls, embedder_config: EmbedderConfig = EmbedderConfig()) -> "Embedder":
@@ -73,18 +74,21 @@ class Embedder:
                           for n in (1 << i for i in range(self.max_length.bit_length() + 1))})
         return [(b, t) for b in rows for t in lengths]
 
-    def warmup(self) -> int:
-        """Compile every bucket now so that serving never waits for XLA; returns how many."""
+    def warmup(self, token_vectors: bool = False) -> int:
+        """Compile every bucket now so that serving never waits for XLA (with token_vectors, the
+        late-interaction reranker's programs too); returns how many."""
         buckets = self._buckets()
-        for rows, tokens in buckets:
-            ids = np.zeros((rows, tokens), np.int32)
-            jax.block_until_ready(self._embed(self.params, self.config, ids, ids))
-        return len(buckets)
+        fns = (self._embed, self._token_vectors) if token_vectors else (self._embed,)
+        for fn in fns:
+            for rows, tokens in buckets:
+                ids = np.zeros((rows, tokens), np.int32)
+                jax.block_until_ready(fn(self.params, self.config, ids, ids))
+        return len(buckets) * len(fns)
 
-    def embed_ids(self, ids: list[list[int]]) -> np.ndarray:
-        """Embeddings [N, dim] float32 of tokenised texts, in input order."""
+    def _batches(self, ids: list[list[int]]):
+        """(row indices, input_ids, mask) per bucketed batch: sorted by length so short texts do
+        not pay for long ones."""
         cfg = self.embedder_config
-        out = np.zeros((len(ids), self.dim), np.float32)
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         for start in range(0, len(order), cfg.max_batch):
             rows = order[start:start + cfg.max_batch]
@@ -95,8 +99,22 @@ class Embedder:
             for r, i in enumerate(rows):
                 input_ids[r, :len(ids[i])] = ids[i]
                 mask[r, :len(ids[i])] = 1
-            vectors = self._embed(self.params, self.config, input_ids, mask)
-            out[rows] = np.asarray(vectors)[:len(rows)]
+            yield rows, input_ids, mask
+
+    def embed_ids(self, ids: list[list[int]]) -> np.ndarray:
+        """Embeddings [N, dim] float32 of tokenised texts, in input order."""
+        out = np.zeros((len(ids), self.dim), np.float32)
+        for rows, input_ids, mask in self._batches(ids):
+            out[rows] = np.asarray(self._embed(self.params, self.config, input_ids, mask))[:len(rows)]
+        return out
+
+    def token_vectors(self, ids: list[list[int]]) -> list[np.ndarray]:
+        """Per text, its tokens' L2-normalised vectors [len(ids[i]), dim], in input order."""
+        out: list[np.ndarray] = [np.zeros((0, self.dim), np.float32)] * len(ids)
+        for rows, input_ids, mask in self._batches(ids):
+            vectors = np.asarray(self._token_vectors(self.params, self.config, input_ids, mask))
+            for r, i in enumerate(rows):
+                out[i] = vectors[r, :len(ids[i])]
         return out
 
     def embed(self, texts: list[str]) -> tuple[np.ndarray, int]:

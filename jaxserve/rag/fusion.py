@@ -1,19 +1,62 @@
-"""Reciprocal-rank fusion (Cormack, Clarke and Buettcher, SIGIR 2009).
+"""Rankings -> one ranking: document-level aggregation of chunk scores, weighted reciprocal-rank
+fusion (Cormack, Clarke and Buettcher, SIGIR 2009), and the interleaving that turns a document
+ranking back into chunk results.
 
-RRF adds 1 / (k + rank) over the rankings an item appears in. It needs no score calibration, which
-matters here: cosine similarities and BM25 scores live on unrelated scales.
+Why documents before fusion: on long documents the two retrievers often agree on the document
+but not on the chunk (dense ranks chunk 3 of a topic first, BM25 chunk 7), and chunk-level RRF
+cannot see that agreement: a chunk of another document that both rank moderately outscores both.
+Fusing document rankings counts the agreement (benchmarks/RESULTS.md, "why hybrid lost").
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 
-def reciprocal_rank_fusion(rankings: Sequence[Sequence[Hashable]],
-                           k: int = 60) -> list[tuple[Hashable, float]]:
-    """(item, fused score) best first; ranks start at 1; ties keep first-seen order."""
+def reciprocal_rank_fusion(rankings: Sequence[Sequence[Hashable]], k: int = 60,
+                           weights: Sequence[float] | None = None
+                           ) -> list[tuple[Hashable, float]]:
+    """(item, fused score) best first: the sum over rankings of weight / (k + rank); ranks start
+    at 1; ties keep first-seen order. RRF needs no score calibration, which matters here: cosine
+    similarities and BM25 scores live on unrelated scales."""
+    weights = [1.0] * len(rankings) if weights is None else weights
     scores: dict[Hashable, float] = {}
-    for ranking in rankings:
+    for ranking, weight in zip(rankings, weights, strict=True):
         for rank, item in enumerate(ranking, start=1):
-            scores[item] = scores.get(item, 0.0) + 1.0 / (k + rank)
+            scores[item] = scores.get(item, 0.0) + weight / (k + rank)
     return sorted(scores.items(), key=lambda kv: -kv[1])
+
+
+def rank_documents(chunks: Sequence[tuple[int, float]], document_of: Mapping[int, str],
+                   top_chunks: int = 1) -> list[tuple[str, float]]:
+    """A document ranking from a chunk ranking (chunk id, score), best first: a document scores
+    the sum of its `top_chunks` best chunks' scores (1: its best chunk). Chunks missing from
+    `document_of` (deleted meanwhile) are skipped."""
+    taken: dict[str, list[float]] = {}
+    for chunk_id, score in chunks:
+        document = document_of.get(chunk_id)
+        if document is not None and len(taken.setdefault(document, [])) < top_chunks:
+            taken[document].append(score)
+    return sorted(((d, sum(s)) for d, s in taken.items()), key=lambda kv: -kv[1])
+
+
+def interleave(documents: Sequence[tuple[str, float]], chunk_order: Sequence[int],
+               document_of: Mapping[int, str], top_k: int) -> list[tuple[int, float]]:
+    """Up to top_k (chunk id, document score): first each document's best chunk in document
+    order, then second-best chunks in the same order, and so on — a result list covers as many
+    documents as it can, yet a collection of one long document still fills top_k."""
+    per_document: dict[str, list[int]] = {d: [] for d, _ in documents}
+    for chunk_id in chunk_order:
+        document = document_of.get(chunk_id)
+        if document in per_document:
+            per_document[document].append(chunk_id)
+    out: list[tuple[int, float]] = []
+    depth = 0
+    while len(out) < top_k:
+        row = [(chunks[depth], score) for d, score in documents
+               if len(chunks := per_document[d]) > depth]
+        if not row:
+            return out
+        out += row[:top_k - len(out)]
+        depth += 1
+    return out

@@ -17,23 +17,25 @@ from jaxserve.rag.service import RagService
 
 @dataclass(frozen=True)
 class RagRequest:
-    """The `"rag": {"collection", "top_k", "mode"?}` option of a chat completion."""
+    """The `"rag": {"collection", "top_k"?, "mode"?, "rerank"?}` option of a chat completion."""
 
     collection: str
     top_k: int = 5
     mode: str = "hybrid"
+    rerank: bool = False
 
 
 def parse_rag_request(value: Any, max_top_k: int) -> RagRequest:
-    if not isinstance(value, dict) or set(value) - {"collection", "top_k", "mode"}:
-        raise InvalidRequest("'rag' must be an object with 'collection', 'top_k' and optionally "
-                             "'mode'", param="rag")
+    if not isinstance(value, dict) or set(value) - {"collection", "top_k", "mode", "rerank"}:
+        raise InvalidRequest("'rag' must be an object with 'collection' and optionally 'top_k', "
+                             "'mode' and 'rerank'", param="rag")
     collection = value.get("collection")
     if not isinstance(collection, str) or not collection:
         raise InvalidRequest("'rag.collection' must be a collection name", param="rag")
-    request = RagRequest(collection, value.get("top_k", 5), value.get("mode", "hybrid"))
+    request = RagRequest(collection, value.get("top_k", 5), value.get("mode", "hybrid"),
+                         value.get("rerank", False))
     # The query is checked later, once it is known (the last user message).
-    check_search_args("-", request.top_k, request.mode, max_top_k)
+    check_search_args("-", request.top_k, request.mode, max_top_k, request.rerank)
     return request
 
 
@@ -87,5 +89,6 @@ def augment_chat(service: RagService, messages: Sequence[dict],
                  rag: RagRequest) -> tuple[list[dict], list[dict]]:
     """Search `rag.collection` for the last user message and build the augmented messages and
     citations with the service's prompt template (blocking; raises NotFound / InvalidRequest)."""
-    results = service.search(rag.collection, retrieval_query(messages), rag.top_k, rag.mode)
+    results = service.search(rag.collection, retrieval_query(messages), rag.top_k, rag.mode,
+                             rag.rerank)
     return build_rag_messages(messages, results, service.config.prompt)

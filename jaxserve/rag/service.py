@@ -18,6 +18,7 @@ from jaxserve.rag.collection import Collection, SearchResult
 from jaxserve.rag.config import RagConfig
 from jaxserve.rag.documents import Document
 from jaxserve.rag.embedder import Embedder
+from jaxserve.rag.rerank import LateInteractionReranker
 
 # Names become directory names: no separators, no dot-only names, bounded length.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -50,8 +51,9 @@ class RagService:
         return self.config.embedder.model
 
     def warmup(self) -> int:
-        """Load the encoder and compile every bucket; returns the number of programs."""
-        return self.embedder.warmup()
+        """Load the encoder and compile every bucket, the reranker's too; returns the number of
+        programs."""
+        return self.embedder.warmup(token_vectors=True)
 
     def embed(self, texts: list[str]) -> tuple[np.ndarray, int]:
         return self.embedder.embed(texts)
@@ -83,7 +85,8 @@ class RagService:
                 directory = self._root / name
                 if not directory.is_dir():
                     raise NotFound(f"collection {name!r} does not exist", param="collection")
-                self._open[name] = Collection(name, directory, embedder, self.config)
+                self._open[name] = Collection(name, directory, embedder, self.config,
+                                              LateInteractionReranker(embedder))
             return self._open[name]
 
     def delete_collection(self, name: str) -> None:
@@ -103,9 +106,13 @@ class RagService:
     def delete_document(self, name: str, document_id: str) -> None:
         self.collection(name).delete(document_id)
 
-    def search(self, name: str, query: str, top_k: int = 5,
-               mode: str = "hybrid") -> list[SearchResult]:
-        return self.collection(name).search(query, top_k, mode)
+    def search(self, name: str, query: str, top_k: int = 5, mode: str = "hybrid",
+               rerank: bool = False) -> list[SearchResult]:
+        return self.collection(name).search(query, top_k, mode, rerank)
+
+    def rerank(self, query: str, documents: list[str]) -> tuple[np.ndarray, int]:
+        """(relevance score per document, tokens read): the reranker `search(rerank=True)` uses."""
+        return LateInteractionReranker(self.embedder).score(query, documents)
 
     def close(self) -> None:
         with self._lock:

@@ -68,13 +68,14 @@ class Store:
     def close(self) -> None:
         self._db.close()
 
-    def upsert(self, documents: list[DocumentChunks]) -> tuple[list[int], list[int], np.ndarray]:
-        """Replace or insert documents in one transaction: (removed chunk ids, new chunk ids,
-        their vectors)."""
+    def upsert(self, documents: list[DocumentChunks]
+               ) -> tuple[list[tuple[int, str]], list[int], np.ndarray]:
+        """Replace or insert documents in one transaction: (removed (chunk id, document id)
+        pairs, new chunk ids in the documents' chunk order, their vectors)."""
         removed, added, vectors = [], [], []
         with self._db:
             for doc in documents:
-                removed += self._chunk_ids(doc.id)
+                removed += [(i, doc.id) for i in self._chunk_ids(doc.id)]
                 self._db.execute("DELETE FROM documents WHERE id = ?", (doc.id,))
                 self._db.execute("INSERT INTO documents VALUES (?, ?, ?)",
                                  (doc.id, doc.text, json.dumps(doc.metadata)))
@@ -110,14 +111,16 @@ class Store:
             [int(i) for i in ids])
         return {r[0]: StoredChunk(*r[:6], json.loads(r[6])) for r in rows}
 
-    def live_ids(self) -> set[int]:
-        return {r[0] for r in self._db.execute("SELECT id FROM chunks")}
+    def live_chunks(self) -> dict[int, str]:
+        """chunk id -> document id, of every chunk."""
+        return dict(self._db.execute("SELECT id, document_id FROM chunks"))
 
-    def all_vectors(self, dim: int) -> tuple[np.ndarray, np.ndarray]:
-        rows = self._db.execute("SELECT id, vector FROM chunks ORDER BY id").fetchall()
+    def all_vectors(self, dim: int) -> tuple[np.ndarray, list[str], np.ndarray]:
+        """(chunk ids, their document ids, their vectors [N, dim]) in id order."""
+        rows = self._db.execute("SELECT id, document_id, vector FROM chunks ORDER BY id").fetchall()
         ids = np.array([r[0] for r in rows], np.int64)
-        vectors = np.frombuffer(b"".join(r[1] for r in rows), np.float32).reshape(len(rows), dim)
-        return ids, vectors
+        vectors = np.frombuffer(b"".join(r[2] for r in rows), np.float32).reshape(len(rows), dim)
+        return ids, [r[1] for r in rows], vectors
 
     def all_texts(self) -> tuple[list[int], list[str]]:
         rows = self._db.execute("SELECT id, text FROM chunks ORDER BY id").fetchall()

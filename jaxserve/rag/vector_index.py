@@ -1,9 +1,11 @@
-"""FAISS inner-product index over chunk ids: exact below a size, HNSW above, GPU when present.
+"""FAISS inner-product index over chunk ids: exact below a size, HNSW above, IVF-PQ past a larger
+one, GPU when present (exact only).
 
 Vectors are L2-normalised, so inner product is cosine similarity. Ids are the store's chunk row ids
-(never reused), mapped by IndexIDMap2. Exact indexes delete for real; FAISS' HNSW cannot remove
+(never reused): IndexIDMap2 maps them for exact and HNSW, IVF lists hold them themselves. Exact and
+IVF-PQ indexes delete for real; FAISS' HNSW cannot remove
 points, so deleted ids there become tombstones that an IDSelector filters out of every search, and
-the graph is rebuilt once tombstones pass a quarter of it (or when the size calls for the other
+the graph is rebuilt once tombstones pass a quarter of it (or when the size calls for another
 kind). The store holds every live vector, so
 any index can be rebuilt from it; the saved file is a cache of that work, and loading it brings it
 level with the store.
@@ -26,34 +28,53 @@ class VectorIndex:
     def __init__(self, dim: int, config: IndexConfig):
         self.dim = dim
         self.config = config
-        self._cpu: faiss.IndexIDMap2 = self._new(0)
+        self._cpu: faiss.Index = self._new(np.zeros((0, dim), np.float32))
         self._device = None  # a GPU copy of an exact index, searched instead of _cpu
         self._tombstones: set[int] = set()
         self._selector: tuple | None = None  # (IDSelectorBatch, IDSelectorNot) of _tombstones
 
     @property
     def kind(self) -> str:
+        if isinstance(self._cpu, faiss.IndexIVF):
+            return "ivfpq"
         return "hnsw" if isinstance(faiss.downcast_index(self._cpu.index), faiss.IndexHNSW) \
             else "exact"
 
     @property
     def ids(self) -> np.ndarray:
-        return faiss.vector_to_array(self._cpu.id_map)
+        if self.kind != "ivfpq":
+            return faiss.vector_to_array(self._cpu.id_map)
+        lists = self._cpu.invlists
+        return np.concatenate([np.zeros(0, np.int64)] + [
+            faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i)).copy()
+            for i in range(self._cpu.nlist) if lists.list_size(i)])
 
     @property
     def num_live(self) -> int:
         return self._cpu.ntotal - len(self._tombstones)
 
     def _kind_for(self, num_vectors: int) -> str:
-        return "exact" if num_vectors <= self.config.exact_max_vectors else "hnsw"
+        if num_vectors <= self.config.exact_max_vectors:
+            return "exact"
+        return "hnsw" if num_vectors < self.config.ivfpq_min_vectors else "ivfpq"
 
-    def _new(self, num_vectors: int) -> faiss.IndexIDMap2:
-        if self._kind_for(num_vectors) == "exact":
-            inner = faiss.IndexFlatIP(self.dim)
-        else:
+    def _new(self, vectors: np.ndarray) -> faiss.Index:
+        """An empty index of the kind for this many vectors (IVF-PQ trained on them)."""
+        kind = self._kind_for(len(vectors))
+        if kind == "exact":
+            return faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim))
+        if kind == "hnsw":
             inner = faiss.IndexHNSWFlat(self.dim, self.config.hnsw_m, faiss.METRIC_INNER_PRODUCT)
             inner.hnsw.efConstruction = self.config.hnsw_ef_construction
-        return faiss.IndexIDMap2(inner)
+            return faiss.IndexIDMap2(inner)
+        lists = self.config.ivf_lists or int(4 * len(vectors) ** 0.5)
+        index = faiss.index_factory(self.dim, f"IVF{lists},PQ{self.config.pq_subquantizers}",
+                                    faiss.METRIC_INNER_PRODUCT)
+        # FAISS' advice: 30-256 training points per list; more buys nothing but time.
+        sample = np.random.default_rng(0).choice(len(vectors), min(len(vectors), 64 * lists),
+                                                 replace=False)
+        index.train(np.ascontiguousarray(vectors[np.sort(sample)], np.float32))
+        return index
 
     def _sync_device(self) -> None:
         self._device = None
@@ -62,7 +83,7 @@ class VectorIndex:
 
     def rebuild(self, ids: np.ndarray, vectors: np.ndarray) -> None:
         """Replace the whole index by these vectors, choosing the kind for their number."""
-        self._cpu = self._new(len(ids))
+        self._cpu = self._new(vectors)
         self._tombstones, self._selector = set(), None
         if len(ids):
             self._cpu.add_with_ids(np.ascontiguousarray(vectors, np.float32),
@@ -85,7 +106,7 @@ class VectorIndex:
         if rebuild:
             self.rebuild(*all_vectors())
             return
-        if len(removed) and self.kind == "exact":
+        if len(removed) and self.kind != "hnsw":
             self._cpu.remove_ids(faiss.IDSelectorBatch(removed))
         elif len(removed):
             self._tombstones.update(removed.tolist())
@@ -103,6 +124,9 @@ class VectorIndex:
         if self.kind == "exact":
             index = self._cpu if self._device is None else self._device
             return index.search(queries, k)
+        if self.kind == "ivfpq":
+            return self._cpu.search(queries, k, params=faiss.SearchParametersIVF(
+                nprobe=self.config.ivf_nprobe))
         params = faiss.SearchParametersHNSW(efSearch=max(self.config.hnsw_ef_search, k))
         if self._tombstones:
             params.sel = self._tombstone_selector()
@@ -141,4 +165,4 @@ class VectorIndex:
         self.update(removed, added_ids, added_vectors, all_vectors)
         if self._cpu is not loaded:  # rebuilt (another kind, or too many tombstones)
             return self.num_live
-        return len(added_ids) + (len(removed) if self.kind == "exact" else 0)
+        return len(added_ids) + (len(removed) if self.kind != "hnsw" else 0)

@@ -1,4 +1,5 @@
-"""HTTP routes of the retrieval pipeline: OpenAI embeddings and collections (documents, search).
+"""HTTP routes of the retrieval pipeline: OpenAI embeddings, rerank (the Cohere/Jina shape vLLM
+serves), and collections (documents, search).
 
 `add_rag_routes(app, service)` registers them on the app built by `jaxserve.server.http.build_app`
 (before the server starts), whose middleware maps typed errors to OpenAI error bodies: unknown
@@ -12,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import uuid
 
 from aiohttp import web
 
-from jaxserve.errors import InvalidRequest
+from jaxserve.errors import InvalidRequest, ModelNotFound
 from jaxserve.rag.collection import check_search_args
 from jaxserve.rag.documents import parse_documents
 from jaxserve.rag.service import RagService, check_collection_name
@@ -23,7 +25,9 @@ from jaxserve.server.json_body import read_object
 
 RAG_KEY = web.AppKey("rag", RagService)
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
+MAX_RERANK_DOCUMENTS = 1000  # Cohere's recommended maximum per request
 _EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
+_RERANK_FIELDS = {"model", "query", "documents", "top_n", "return_documents", "user"}
 
 
 async def _call(request: web.Request, method: str, *args):
@@ -74,6 +78,53 @@ async def embeddings(request: web.Request) -> web.Response:
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
 
 
+def _rerank_documents(body: dict) -> list[str]:
+    documents = body.get("documents")
+    if not isinstance(documents, list) or not documents:
+        raise InvalidRequest("'documents' must be a non-empty list of strings",
+                             param="documents")
+    if len(documents) > MAX_RERANK_DOCUMENTS:
+        raise InvalidRequest(f"'documents' takes at most {MAX_RERANK_DOCUMENTS} strings",
+                             param="documents")
+    # Cohere and Jina also take {"text": ...} objects.
+    texts = [d.get("text") if isinstance(d, dict) and set(d) == {"text"} else d
+             for d in documents]
+    if not all(isinstance(t, str) and t for t in texts):
+        raise InvalidRequest("'documents' must hold non-empty strings (or {\"text\": string} "
+                             "objects)", param="documents")
+    return texts
+
+
+async def rerank(request: web.Request) -> web.Response:
+    """POST /v1/rerank: {model?, query, documents, top_n?, return_documents?} -> {id, model,
+    results: [{index, relevance_score, document: {text}}] best first, usage}. top_n 0 or absent:
+    every document, as vLLM."""
+    service = request.app[RAG_KEY]
+    body = await read_object(request, _RERANK_FIELDS)
+    model = body.get("model", service.model_name)
+    if not isinstance(model, str) or model != service.model_name:
+        raise ModelNotFound(f"the reranking model is {service.model_name!r}, not {model!r}")
+    query = body.get("query")
+    if not isinstance(query, str) or not query.strip():
+        raise InvalidRequest("'query' must be a non-empty string", param="query")
+    documents = _rerank_documents(body)
+    top_n = body.get("top_n")
+    top_n = 0 if top_n is None else top_n
+    if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= len(documents):
+        raise InvalidRequest(f"'top_n' must be an integer in [1, {len(documents)}] (the number "
+                             f"of documents), or 0 for all, got {top_n!r}", param="top_n")
+    return_documents = body.get("return_documents", True)
+    if not isinstance(return_documents, bool):
+        raise InvalidRequest("'return_documents' must be a boolean", param="return_documents")
+    scores, num_tokens = await _call(request, "rerank", query, documents)
+    order = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n or len(documents)]
+    results = [{"index": i, "relevance_score": float(scores[i]),
+                **({"document": {"text": documents[i]}} if return_documents else {})}
+               for i in order]
+    return web.json_response({"id": f"rerank-{uuid.uuid4().hex}", "model": service.model_name,
+                              "results": results, "usage": {"total_tokens": num_tokens}})
+
+
 async def create_collection(request: web.Request) -> web.Response:
     body = await read_object(request, {"name"})
     collection = await _call(request, "create_collection", body.get("name"))
@@ -111,10 +162,11 @@ async def delete_document(request: web.Request) -> web.Response:
 async def search(request: web.Request) -> web.Response:
     service = request.app[RAG_KEY]
     name = check_collection_name(request.match_info["name"])
-    body = await read_object(request, {"query", "top_k", "mode"})
+    body = await read_object(request, {"query", "top_k", "mode", "rerank"})
     query, top_k, mode = body.get("query"), body.get("top_k", 5), body.get("mode", "hybrid")
-    check_search_args(query, top_k, mode, service.config.search.max_top_k)
-    results = await _call(request, "search", name, query, top_k, mode)
+    rerank = body.get("rerank", False)
+    check_search_args(query, top_k, mode, service.config.search.max_top_k, rerank)
+    results = await _call(request, "search", name, query, top_k, mode, rerank)
     return web.json_response({"results": [r.to_dict() for r in results]})
 
 
@@ -123,6 +175,7 @@ def add_rag_routes(app: web.Application, service: RagService) -> None:
     app[RAG_KEY] = service
     app.add_routes([
         web.post("/v1/embeddings", embeddings),
+        web.post("/v1/rerank", rerank),
         web.post("/v1/collections", create_collection),
         web.get("/v1/collections", list_collections),
         web.delete("/v1/collections/{name}", delete_collection),
