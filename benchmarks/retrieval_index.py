@@ -1,43 +1,35 @@
-"""Retrieval benchmark: embedding throughput vs sentence-transformers, retrieval quality on
-Python's pydoc topics, and FAISS recall@10 / QPS per index type at 100k+ vectors.
+"""Index benchmarks (run by benchmarks/retrieval.py, or alone): FAISS recall@10 and QPS against
+exact search per index kind, and sharded vs unsharded search.
 
-    python benchmarks/retrieval.py [--texts 512] [--vectors 100000] [--queries 1000]
-                                   [--skip-embed] [--skip-quality] [--skip-faiss]
+    python benchmarks/retrieval_index.py [--vectors 100000] [--queries 1000]
+                                         [--scale-vectors 1000000] [--scale-queries 200]
 
-Embedding: the same texts (chunks of pydoc topics, as indexing sees them) through jaxserve's Flax
-encoder and, when the `bench` extra is installed, sentence-transformers (PyTorch) on the same
-weights in the same run; best of 3 after a warm-up pass (compiles every bucket used).
-Quality: every pydoc topic in full, one document each, against benchmarks/data/pydoc_queries.json.
-FAISS: synthetic clustered unit vectors (d=384, 200 overlapping Gaussian clusters; uniformly
-random vectors have no neighbourhood structure and say nothing about real embeddings); ground truth
-by exact search; queries are fresh draws from the same clusters. Rows print as markdown tables.
+All vectors are synthetic (no text is embedded: embedding 1M chunks would take ~8 h on this CPU):
+clustered unit vectors, d=384, 200 overlapping Gaussian clusters (uniformly random vectors have
+no neighbourhood structure and say nothing about real embeddings); ground truth by exact search;
+queries are fresh draws from the same clusters. Rows print as markdown tables.
+- `--vectors`: exact vs HNSW (efSearch sweep; 10% deleted through tombstones).
+- `--scale-vectors`: exact vs IVF-PQ (nprobe sweep), and a collection's ShardedIndex with 1 vs
+  4 exact shards searched in parallel (same vectors, documents routed by their id's hash).
+FAISS GPU is measured only where faiss.get_num_gpus() > 0; otherwise that row says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import faiss  # noqa: E402
 import numpy as np  # noqa: E402
-import pydoc_data.topics  # noqa: E402
 
-from jaxserve.rag.chunking import chunk_document  # noqa: E402
-from jaxserve.rag.config import IndexConfig, RagConfig  # noqa: E402
-from jaxserve.rag.documents import Document  # noqa: E402
-from jaxserve.rag.embedder import Embedder  # noqa: E402
-from jaxserve.rag.evaluation import LabelledQuery, evaluate  # noqa: E402
-from jaxserve.rag.service import RagService  # noqa: E402
+from jaxserve.rag.config import IndexConfig  # noqa: E402
+from jaxserve.rag.shards import ShardedIndex  # noqa: E402
 from jaxserve.rag.vector_index import VectorIndex  # noqa: E402
-
-QUERIES = Path(__file__).resolve().parent / "data" / "pydoc_queries.json"
 
 
 def _best_of(fn, repeats: int = 3) -> float:
@@ -49,88 +41,23 @@ def _best_of(fn, repeats: int = 3) -> float:
     return min(times)
 
 
-def _texts(embedder: Embedder, n: int) -> list[str]:
-    config = RagConfig("/unused").chunker
-    chunks = [c.text for topic, text in sorted(pydoc_data.topics.topics.items())
-              for c in chunk_document(topic, text, embedder.token_spans, config)]
-    return chunks[:n]
-
-
-def _sentence_transformers(model_dir: Path):
-    try:
-        from sentence_transformers import SentenceTransformer, models
-    except ImportError:
-        return None
-    # The cached directory holds the HF model only: rebuild all-MiniLM-L6-v2's pipeline.
-    modules = [models.Transformer(str(model_dir), max_seq_length=256),
-               models.Pooling(384, pooling_mode="mean"), models.Normalize()]
-    return SentenceTransformer(modules=modules, device="cpu")
-
-
-def bench_embedding(n: int) -> None:
-    from jaxserve.model_registry import fetch
-
-    embedder = Embedder.load()
-    texts = _texts(embedder, n)
-    tokens = sum(len(i) for i in embedder.tokenize(texts))
-    print(f"\n### Embedding throughput ({len(texts)} pydoc chunks, {tokens} tokens, "
-          f"mean {tokens / len(texts):.0f})\n")
-    print("| implementation | batch | sentences/s | tokens/s | ratio |")
-    print("|---|---|---|---|---|")
-    ours, _ = embedder.embed(texts)  # compiles the buckets these texts use
-    jax_s = _best_of(lambda: embedder.embed(texts))
-    print(f"| jaxserve Flax BERT (JAX {__import__('jax').__version__}) | "
-          f"{embedder.embedder_config.max_batch} | {len(texts) / jax_s:.1f} | "
-          f"{tokens / jax_s:.0f} | 1.00 |")
-    st = _sentence_transformers(fetch("all-minilm-l6-v2", quiet=True).parent)
-    if st is None:
-        print("\nsentence-transformers is not installed (pip install -e '.[bench]'): no baseline")
-        return
-    import torch
-
-    for batch in (16, 32):
-        theirs = st.encode(texts, batch_size=batch, convert_to_numpy=True)
-        st_s = _best_of(lambda: st.encode(texts, batch_size=batch, convert_to_numpy=True))
-        print(f"| sentence-transformers (torch {torch.__version__}, {torch.get_num_threads()} "
-              f"threads) | {batch} | {len(texts) / st_s:.1f} | {tokens / st_s:.0f} | "
-              f"{jax_s / st_s:.2f} |")
-    cosine = (ours * theirs).sum(1)
-    print(f"\nagreement: min cosine {cosine.min():.6f} over {len(texts)} texts; ratio = "
-          f"jaxserve time / baseline time (< 1: jaxserve faster)")
-
-
-def bench_quality() -> None:
-    queries = [LabelledQuery(q["query"], frozenset(q["relevant"]))
-               for q in json.loads(QUERIES.read_text())["queries"]]
-    with tempfile.TemporaryDirectory() as tmp:
-        service = RagService(RagConfig(tmp))
-        service.create_collection("pydoc")
-        t0 = time.perf_counter()
-        chunks = service.upsert("pydoc", [Document(topic, text) for topic, text
-                                          in pydoc_data.topics.topics.items()])
-        index_s = time.perf_counter() - t0
-        print(f"\n### Quality: pydoc topics in full ({len(pydoc_data.topics.topics)} documents, "
-              f"{chunks} chunks, indexed in {index_s:.1f} s), {len(queries)} labelled queries\n")
-        print("| mode | recall@5 | top-1 |")
-        print("|---|---|---|")
-        for q in evaluate(service, "pydoc", queries, k=5):
-            print(f"| {q.mode} | {q.recall_at_k:.3f} | {q.top1:.3f} |")
-        service.close()
-
-
 def _clustered(n: int, dim: int, centers: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     # Noise as large as the centres (norm ~1 each): clusters overlap, as topics do in real
-    # embeddings, so the nearest neighbours are not simply "the rest of my cluster".
-    x = centers[rng.integers(0, len(centers), n)] + rng.normal(0, 1 / dim ** 0.5, (n, dim))
-    x = x.astype(np.float32)
-    return x / np.linalg.norm(x, axis=1, keepdims=True)
+    # embeddings, so the nearest neighbours are not simply "the rest of my cluster". Made in
+    # blocks of float32: 1M x 384 float64 temporaries would take 3 GB.
+    out = np.empty((n, dim), np.float32)
+    for start in range(0, n, 65536):
+        m = min(65536, n - start)
+        x = centers[rng.integers(0, len(centers), m)] + rng.normal(0, 1 / dim ** 0.5, (m, dim))
+        out[start:start + m] = x / np.linalg.norm(x, axis=1, keepdims=True)
+    return out
 
 
 def _recall(found: np.ndarray, truth: np.ndarray) -> float:
     return float(np.mean([len(set(f) & set(t)) / len(t) for f, t in zip(found, truth)]))
 
 
-def _qps(index: VectorIndex, queries: np.ndarray, k: int) -> tuple[np.ndarray, float, float]:
+def _qps(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, float, float]:
     """(ids, QPS with all queries in one call, QPS one query per call on one thread)."""
     import faiss
 
@@ -194,10 +121,84 @@ def bench_faiss(n: int, num_queries: int, dim: int = 384, k: int = 10) -> None:
           f"{_recall(found, truth):.3f} | {batch_qps:.0f} | {single_qps:.0f} |")
 
 
-def add_arguments(p) -> None:
+def bench_scale(n: int, num_queries: int, dim: int = 384, k: int = 10) -> None:
+    """IVF-PQ and shards at n vectors. At most one index of full vectors is alive at a time
+    (1M x 384 float32 = 1.5 GB each, beside the 1.5 GB of vectors)."""
+    rng = np.random.default_rng(1)
+    centers = rng.normal(0, 1 / dim ** 0.5, (200, dim))
+    vectors = _clustered(n, dim, centers, rng)
+    queries = _clustered(num_queries, dim, centers, rng)
+    ids = np.arange(n, dtype=np.int64)
+    print(f"\n### FAISS at scale: {n} clustered vectors, d={dim}, {num_queries} queries, "
+          f"recall@{k} vs exact, {faiss.omp_get_max_threads()} OpenMP threads\n")
+    print("| index | build s | recall@10 | QPS (batch of all queries) "
+          "| QPS (1 query/call, 1 thread) | ratio to exact (1 query/call) |")
+    print("|---|---|---|---|---|---|")
+    exact = VectorIndex(dim, IndexConfig(exact_max_vectors=n, ivfpq_min_vectors=n + 1))
+    t0 = time.perf_counter()
+    exact.rebuild(ids, vectors)
+    build = time.perf_counter() - t0
+    truth, batch_qps, exact_single = _qps(exact, queries, k)
+    print(f"| exact (IndexFlatIP) | {build:.1f} | 1.000 | {batch_qps:.0f} | {exact_single:.1f} "
+          f"| 1.00 |")
+    del exact
+    lists = int(n ** 0.5)
+    config = IndexConfig(exact_max_vectors=1, ivfpq_min_vectors=2, ivf_lists=lists)
+    ivf = VectorIndex(dim, config)
+    t0 = time.perf_counter()
+    ivf.rebuild(ids, vectors)
+    build = time.perf_counter() - t0
+    assert ivf.kind == "ivfpq"
+    for nprobe in (8, 16, 32, 64, 128):
+        ivf.config = dataclasses.replace(config, ivf_nprobe=nprobe)
+        found, batch_qps, single_qps = _qps(ivf, queries, k)
+        print(f"| IVF{lists},PQ{config.pq_subquantizers} nprobe={nprobe} | {build:.0f} | "
+              f"{_recall(found, truth):.3f} | {batch_qps:.0f} | {single_qps:.0f} | "
+              f"{single_qps / exact_single:.1f} |")
+    del ivf
+    print("| FAISS GPU (exact, IVF-PQ) | - | not measured | not measured | not measured | - |"
+          if faiss.get_num_gpus() == 0 else "| FAISS GPU | GPU present: run with use_gpu |")
+    bench_shards(ids, vectors, queries, truth, k)
+
+
+def bench_shards(ids, vectors, queries, truth, k: int) -> None:
+    documents = [f"doc-{i}" for i in range(len(ids))]
+    n, dim = vectors.shape
+    print(f"\n### Sharded collection index: {n} vectors, exact shards searched in parallel "
+          f"(thread pool, FAISS releases the GIL), merged top-{k}\n")
+    print("| shards | build s | recall@10 vs one index | QPS (batch) | QPS (1 query/call, "
+          "1 OpenMP thread per shard) | ratio to 1 shard |")
+    print("|---|---|---|---|---|---|")
+    base = None
+    for num_shards in (1, 4):
+        index = ShardedIndex(dim, IndexConfig(exact_max_vectors=n, ivfpq_min_vectors=n + 1,
+                                              num_shards=num_shards))
+        t0 = time.perf_counter()
+        index.rebuild(ids, documents, vectors)
+        build = time.perf_counter() - t0
+        found, batch_qps, single_qps = _qps(index, queries, k)
+        base = base or single_qps
+        print(f"| {num_shards} | {build:.1f} | {_recall(found, truth):.3f} | {batch_qps:.0f} | "
+              f"{single_qps:.1f} | {single_qps / base:.2f} |")
+        index.close()
+        del index
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vectors", type=int, default=100_000)
     p.add_argument("--queries", type=int, default=1000)
+    p.add_argument("--scale-vectors", type=int, default=1_000_000)
+    p.add_argument("--scale-queries", type=int, default=200)
 
 
 def run(args) -> None:
-    bench_faiss(args.vectors, args.queries)
+    if args.vectors:
+        bench_faiss(args.vectors, args.queries)
+    if args.scale_vectors:
+        bench_scale(args.scale_vectors, args.scale_queries)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    run(parser.parse_args())

@@ -105,7 +105,8 @@ class Embedder:
         """Embeddings [N, dim] float32 of tokenised texts, in input order."""
         out = np.zeros((len(ids), self.dim), np.float32)
         for rows, input_ids, mask in self._batches(ids):
-            out[rows] = np.asarray(self._embed(self.params, self.config, input_ids, mask))[:len(rows)]
+            vectors = self._embed(self.params, self.config, input_ids, mask)
+            out[rows] = np.asarray(vectors)[:len(rows)]
         return out
 
     def token_vectors(self, ids: list[list[int]]) -> list[np.ndarray]:
