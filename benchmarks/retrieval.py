@@ -42,18 +42,10 @@ from jaxserve.rag.embedder import Embedder  # noqa: E402
 from jaxserve.rag.evaluation import CORPORA, Quality, evaluate, load_queries  # noqa: E402
 from jaxserve.rag.fusion import reciprocal_rank_fusion  # noqa: E402
 from jaxserve.rag.service import RagService  # noqa: E402
+from benchmarks.retrieval_index import best_of  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 K = 5
-
-
-def _best_of(fn, repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def _texts(embedder: Embedder, n: int) -> list[str]:
@@ -84,7 +76,7 @@ def bench_embedding(embedder: Embedder, n: int) -> None:
     print("| implementation | batch | sentences/s | tokens/s | ratio |")
     print("|---|---|---|---|---|")
     ours, _ = embedder.embed(texts)  # compiles the buckets these texts use
-    jax_s = _best_of(lambda: embedder.embed(texts))
+    jax_s = best_of(lambda: embedder.embed(texts))
     print(f"| jaxserve Flax BERT (JAX {__import__('jax').__version__}) | "
           f"{embedder.embedder_config.max_batch} | {len(texts) / jax_s:.1f} | "
           f"{tokens / jax_s:.0f} | 1.00 |")
@@ -96,7 +88,7 @@ def bench_embedding(embedder: Embedder, n: int) -> None:
 
     for batch in (16, 32):
         theirs = st.encode(texts, batch_size=batch, convert_to_numpy=True)
-        st_s = _best_of(lambda: st.encode(texts, batch_size=batch, convert_to_numpy=True))
+        st_s = best_of(lambda: st.encode(texts, batch_size=batch, convert_to_numpy=True))
         print(f"| sentence-transformers (torch {torch.__version__}, {torch.get_num_threads()} "
               f"threads) | {batch} | {len(texts) / st_s:.1f} | {tokens / st_s:.0f} | "
               f"{jax_s / st_s:.2f} |")
@@ -237,18 +229,31 @@ def bench_quality(embedder: Embedder, sweep: bool, llm_rerank: int) -> None:
 def sweep_search(corpora: Corpora) -> None:
     """Search-time settings on the default chunks: aggregation, fusion weights, rerank depth."""
     names = list(corpora.queries)
-    _header("search setting (hybrid unless said)", names, " ms/search |")
+    _header("search setting (default chunks)", names, " ms/search |")
     base = SearchConfig()
+    r = dataclasses.replace
     variants: list[tuple[str, str, bool, SearchConfig]] = [
-        (f"top_chunks={n}", "hybrid", False, dataclasses.replace(base, top_chunks=n))
-        for n in (1, 2, 3)]
-    variants += [(f"dense_weight={d}, bm25_weight={b}", "hybrid", False,
-                  dataclasses.replace(base, dense_weight=d, bm25_weight=b))
-                 for d, b in ((1.0, 0.5), (1.0, 0.75), (0.75, 1.0), (0.5, 1.0))]
-    variants += [(f"rrf_k={k}", "hybrid", False, dataclasses.replace(base, rrf_k=k))
-                 for k in (10, 30)]
+        ("defaults", "hybrid", False, base),
+        ("no length penalties, no openings (chunk grouping + RRF only)", "hybrid", False,
+         r(base, dense_length_penalty=0, bm25_length_penalty=0, opening_weight=0)),
+        ("no length penalties", "hybrid", False,
+         r(base, dense_length_penalty=0, bm25_length_penalty=0)),
+        ("no openings ranking (opening_weight=0)", "hybrid", False, r(base, opening_weight=0)),
+        ("opening_weight=1", "hybrid", False, r(base, opening_weight=1)),
+        ("opening_weight=3", "hybrid", False, r(base, opening_weight=3)),
+        ("length penalties 0.01 / 0.25", "hybrid", False,
+         r(base, dense_length_penalty=0.01, bm25_length_penalty=0.25)),
+        ("length penalties 0.03 / 1.0", "hybrid", False,
+         r(base, dense_length_penalty=0.03, bm25_length_penalty=1.0)),
+        ("top_chunks=2", "hybrid", False, r(base, top_chunks=2)),
+        ("dense_weight=1, bm25_weight=0.5", "hybrid", False, r(base, bm25_weight=0.5)),
+        ("dense_weight=0.5, bm25_weight=1", "hybrid", False, r(base, dense_weight=0.5)),
+        ("rrf_k=10", "hybrid", False, r(base, rrf_k=10)),
+        ("dense, no length penalty", "dense", False, r(base, dense_length_penalty=0)),
+        ("bm25, no length penalty", "bm25", False, r(base, bm25_length_penalty=0)),
+    ]
     variants += [(f"rerank, rerank_candidates={n}", "hybrid", True,
-                  dataclasses.replace(base, rerank_candidates=n)) for n in (5, 10, 20, 40)]
+                  r(base, rerank_candidates=n)) for n in (5, 10, 20)]
     for name, mode, rerank, search in variants:
         quality, ms = corpora.quality(mode, rerank, search)
         _row(name, quality, f" {ms:.0f} |")
@@ -286,8 +291,8 @@ def sweep_chunking(embedder: Embedder, docs: dict[str, list[Document]], queries)
 
 def bench_llm_rerank(corpora: Corpora, n: int) -> None:
     """SmolLM2 as a pointwise reranker: for each of the fused top n documents' best chunk, the
-    probability of " Yes" after a relevance question, batched through LLM.generate (prefix
-    caching on); documents reordered by it."""
+    logprob of "Yes" less that of "No" after a relevance question, batched through
+    LLM.generate (prefix caching on); documents reordered by it."""
     from jaxserve import LLM, SamplingParams
 
     llm = LLM("smollm2-135m-instruct", warmup=False, progress=False)
@@ -301,16 +306,18 @@ def bench_llm_rerank(corpora: Corpora, n: int) -> None:
 
         def run(query: str, k: int) -> list[str]:
             results = collection.search(query, n)
-            prompts = [tokenizer.apply_chat_template(
+            prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
                 [{"role": "user", "content": f"Passage:\n{r.text}\n\nQuestion: {query}\n\n"
-                  "Does the passage answer the question? Answer Yes or No."}],
-                add_generation_prompt=True) for r in results]
+                  "Does the passage answer the question? Answer Yes or No."}])}
+                for r in results]
             outs = llm.generate(prompts, params)
 
-            def p_yes(out) -> float:
-                top = dict(out.outputs[0].logprobs[0]) if out.outputs[0].logprobs else {}
+            def yes_margin(out) -> float:
+                # logprob(Yes) - logprob(No) among the top 20; absent means below them.
+                top = dict(out.outputs[0].logprobs[0].top)
                 return top.get(yes, -30.0) - top.get(no, -30.0)
-            order = sorted(range(len(results)), key=lambda i: -p_yes(outs[i]))
+            margins = [yes_margin(o) for o in outs]
+            order = sorted(range(len(results)), key=lambda i: -margins[i])
             return [results[i].document_id for i in order][:k]
 
         quality[name] = evaluate(run, corpora.queries[name], K)

@@ -32,7 +32,7 @@ from jaxserve.rag.shards import ShardedIndex  # noqa: E402
 from jaxserve.rag.vector_index import VectorIndex  # noqa: E402
 
 
-def _best_of(fn, repeats: int = 3) -> float:
+def best_of(fn, repeats: int = 3) -> float:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -59,55 +59,66 @@ def _recall(found: np.ndarray, truth: np.ndarray) -> float:
 
 def _qps(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, float, float]:
     """(ids, QPS with all queries in one call, QPS one query per call on one thread)."""
-    import faiss
-
-    batch_s = _best_of(lambda: index.search(queries, k))
+    batch_s = best_of(lambda: index.search(queries, k))
     _, ids = index.search(queries, k)
     one = queries[:200]
     # One query has little to split across threads, and OpenMP's barriers cost ~10x on a loaded
     # machine: a server answering single queries runs them on one thread each.
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1)
-    single_s = _best_of(lambda: [index.search(q[None], k) for q in one])
+    single_s = best_of(lambda: [index.search(q[None], k) for q in one])
     faiss.omp_set_num_threads(threads)
     return ids, len(queries) / batch_s, len(one) / single_s
 
 
-def bench_faiss(n: int, num_queries: int, dim: int = 384, k: int = 10) -> None:
-    import faiss
+def _built(dim: int, config: IndexConfig, ids, vectors, kind: str) -> tuple[VectorIndex, float]:
+    """A VectorIndex of these vectors, and the seconds its build took."""
+    index = VectorIndex(dim, config)
+    t0 = time.perf_counter()
+    index.rebuild(ids, vectors)
+    assert index.kind == kind, (index.kind, kind)
+    return index, time.perf_counter() - t0
 
-    rng = np.random.default_rng(0)
+
+def _sweep(index: VectorIndex, field: str, values, queries, truth, k: int, label: str,
+           baseline_qps: float | None = None) -> None:
+    """One row per value of an IndexConfig search field; `label` has a {} for the value."""
+    config = index.config
+    for value in values:
+        index.config = dataclasses.replace(config, **{field: value})
+        found, batch_qps, single_qps = _qps(index, queries, k)
+        ratio = f" {single_qps / baseline_qps:.1f} |" if baseline_qps else ""
+        print(f"| {label.format(value)} | {_recall(found, truth):.3f} | {batch_qps:.0f} | "
+              f"{single_qps:.0f} |{ratio}")
+    index.config = config
+
+
+def _data(n: int, num_queries: int, dim: int, seed: int):
+    """(ids, vectors, queries): n clustered vectors and fresh queries from the same clusters."""
+    rng = np.random.default_rng(seed)
     centers = rng.normal(0, 1 / dim ** 0.5, (200, dim))
     vectors = _clustered(n, dim, centers, rng)
-    queries = _clustered(num_queries, dim, centers, rng)
-    ids = np.arange(n, dtype=np.int64)
+    return np.arange(n, dtype=np.int64), vectors, _clustered(num_queries, dim, centers, rng)
+
+
+def bench_faiss(n: int, num_queries: int, dim: int = 384, k: int = 10) -> None:
+    ids, vectors, queries = _data(n, num_queries, dim, seed=0)
+    rng = np.random.default_rng(2)
     print(f"\n### FAISS: {n} clustered vectors, d={dim}, {num_queries} queries, recall@{k} vs "
           f"exact, {faiss.omp_get_max_threads()} OpenMP threads\n")
     print("| index | build s | recall@10 | QPS (batch of all queries) "
           "| QPS (1 query/call, 1 thread) |")
     print("|---|---|---|---|---|")
-    exact = VectorIndex(dim, IndexConfig(exact_max_vectors=n))
-    t0 = time.perf_counter()
-    exact.rebuild(ids, vectors)
-    build = time.perf_counter() - t0
-    assert exact.kind == "exact"
+    exact, build = _built(dim, IndexConfig(exact_max_vectors=n), ids, vectors, "exact")
     truth, batch_qps, single_qps = _qps(exact, queries, k)
     print(f"| exact (IndexIDMap2 + IndexFlatIP) | {build:.2f} | 1.000 | {batch_qps:.0f} | "
           f"{single_qps:.0f} |")
     config = IndexConfig(exact_max_vectors=1)
-    hnsw = VectorIndex(dim, config)
-    t0 = time.perf_counter()
-    hnsw.rebuild(ids, vectors)
-    build = time.perf_counter() - t0
-    assert hnsw.kind == "hnsw"
-    for ef in (16, 32, 64, 128, 256):
-        hnsw.config = dataclasses.replace(config, hnsw_ef_search=ef)
-        found, batch_qps, single_qps = _qps(hnsw, queries, k)
-        print(f"| HNSW M={config.hnsw_m} efConstruction={config.hnsw_ef_construction} "
-              f"efSearch={ef} | {build:.1f} | {_recall(found, truth):.3f} | {batch_qps:.0f} | "
-              f"{single_qps:.0f} |")
+    hnsw, build = _built(dim, config, ids, vectors, "hnsw")
+    _sweep(hnsw, "hnsw_ef_search", (16, 32, 64, 128, 256), queries, truth, k,
+           f"HNSW M={config.hnsw_m} efConstruction={config.hnsw_ef_construction} efSearch={{}}"
+           f" | {build:.1f}")
     # 10% deleted: tombstones filtered by an IDSelector during the graph search.
-    hnsw.config = config
     dead = rng.choice(n, n // 10, replace=False)
     live = np.setdiff1d(ids, dead)
     nothing = np.zeros(0, np.int64), np.zeros((0, dim), np.float32)
@@ -124,37 +135,23 @@ def bench_faiss(n: int, num_queries: int, dim: int = 384, k: int = 10) -> None:
 def bench_scale(n: int, num_queries: int, dim: int = 384, k: int = 10) -> None:
     """IVF-PQ and shards at n vectors. At most one index of full vectors is alive at a time
     (1M x 384 float32 = 1.5 GB each, beside the 1.5 GB of vectors)."""
-    rng = np.random.default_rng(1)
-    centers = rng.normal(0, 1 / dim ** 0.5, (200, dim))
-    vectors = _clustered(n, dim, centers, rng)
-    queries = _clustered(num_queries, dim, centers, rng)
-    ids = np.arange(n, dtype=np.int64)
+    ids, vectors, queries = _data(n, num_queries, dim, seed=1)
     print(f"\n### FAISS at scale: {n} clustered vectors, d={dim}, {num_queries} queries, "
           f"recall@{k} vs exact, {faiss.omp_get_max_threads()} OpenMP threads\n")
     print("| index | build s | recall@10 | QPS (batch of all queries) "
           "| QPS (1 query/call, 1 thread) | ratio to exact (1 query/call) |")
     print("|---|---|---|---|---|---|")
-    exact = VectorIndex(dim, IndexConfig(exact_max_vectors=n, ivfpq_min_vectors=n + 1))
-    t0 = time.perf_counter()
-    exact.rebuild(ids, vectors)
-    build = time.perf_counter() - t0
+    exact, build = _built(dim, IndexConfig(exact_max_vectors=n, ivfpq_min_vectors=n + 1), ids,
+                          vectors, "exact")
     truth, batch_qps, exact_single = _qps(exact, queries, k)
     print(f"| exact (IndexFlatIP) | {build:.1f} | 1.000 | {batch_qps:.0f} | {exact_single:.1f} "
           f"| 1.00 |")
     del exact
     lists = int(n ** 0.5)
     config = IndexConfig(exact_max_vectors=1, ivfpq_min_vectors=2, ivf_lists=lists)
-    ivf = VectorIndex(dim, config)
-    t0 = time.perf_counter()
-    ivf.rebuild(ids, vectors)
-    build = time.perf_counter() - t0
-    assert ivf.kind == "ivfpq"
-    for nprobe in (8, 16, 32, 64, 128):
-        ivf.config = dataclasses.replace(config, ivf_nprobe=nprobe)
-        found, batch_qps, single_qps = _qps(ivf, queries, k)
-        print(f"| IVF{lists},PQ{config.pq_subquantizers} nprobe={nprobe} | {build:.0f} | "
-              f"{_recall(found, truth):.3f} | {batch_qps:.0f} | {single_qps:.0f} | "
-              f"{single_qps / exact_single:.1f} |")
+    ivf, build = _built(dim, config, ids, vectors, "ivfpq")
+    _sweep(ivf, "ivf_nprobe", (8, 16, 32, 64, 128), queries, truth, k,
+           f"IVF{lists},PQ{config.pq_subquantizers} nprobe={{}} | {build:.0f}", exact_single)
     del ivf
     print("| FAISS GPU (exact, IVF-PQ) | - | not measured | not measured | not measured | - |"
           if faiss.get_num_gpus() == 0 else "| FAISS GPU | GPU present: run with use_gpu |")

@@ -158,18 +158,24 @@ class Collection:
             dense = self._dense(query_vector, depth) if mode != "bm25" else []
             lexical = self._lexical(query, depth) if mode != "dense" else []
             rows = self._store.chunks(list({i for i, _ in dense + lexical}))
-        document_of = {i: r.document_id for i, r in rows.items()}
+            document_of = {i: r.document_id for i, r in rows.items()}
+            num_chunks, openings = self._store.document_shape(list(set(document_of.values())))
+        dense_documents = rank_documents(dense, document_of, cfg.top_chunks,
+                                         cfg.dense_length_penalty, num_chunks)
+        lexical_documents = rank_documents(lexical, document_of, cfg.top_chunks,
+                                           cfg.bm25_length_penalty, num_chunks)
         if mode == "hybrid":
-            weights = [cfg.dense_weight, cfg.bm25_weight]
+            opening = {d: float(np.frombuffer(v, np.float32) @ query_vector)
+                       for d, v in openings.items()}
+            weights = [cfg.dense_weight, cfg.bm25_weight, cfg.opening_weight]
             documents = reciprocal_rank_fusion(
-                [[d for d, _ in rank_documents(r, document_of, cfg.top_chunks)]
-                 for r in (dense, lexical)], cfg.rrf_k, weights)
+                [[d for d, _ in dense_documents], [d for d, _ in lexical_documents],
+                 sorted(opening, key=lambda d: -opening[d])], cfg.rrf_k, weights)
             chunk_order = [i for i, _ in reciprocal_rank_fusion(
-                [[i for i, _ in r] for r in (dense, lexical)], cfg.rrf_k, weights)]
+                [[i for i, _ in dense], [i for i, _ in lexical]], cfg.rrf_k, weights[:2])]
         else:
-            ranking = dense or lexical
-            documents = rank_documents(ranking, document_of, cfg.top_chunks)
-            chunk_order = [i for i, _ in ranking]
+            documents = dense_documents or lexical_documents
+            chunk_order = [i for i, _ in dense or lexical]
         if rerank:
             documents = self._rerank(query, documents, chunk_order, document_of, rows)
         return [SearchResult(rows[i].document_id, f"{rows[i].document_id}#{rows[i].index}",

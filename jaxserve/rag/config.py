@@ -53,7 +53,7 @@ class ChunkerConfig:
 
     chunk_tokens: int = 120
     overlap_tokens: int = 24
-    boundaries: str = "structure"
+    boundaries: str = "window"
 
     def __post_init__(self):
         _positive(self, "chunk_tokens")
@@ -98,25 +98,32 @@ class IndexConfig:
 class SearchConfig:
     """How results are ranked (jaxserve.rag.fusion): each retriever returns its best
     `max(candidates, candidates_per_result * top_k)` chunks; chunks are grouped into documents
-    (a document scores the sum of its `top_chunks` best chunk scores); hybrid fuses the two
-    document rankings by weighted RRF; `rerank` rescores the best `rerank_candidates` documents'
+    (a document scores the sum of its `top_chunks` best chunk scores, less a length penalty per
+    retriever times ln(its chunks)); hybrid fuses, by weighted RRF, the dense and BM25 document
+    rankings and the candidates ranked by their opening chunk's cosine similarity (the opening
+    says what a document is about); `rerank` rescores the best `rerank_candidates` documents'
     best chunks. Defaults chosen by measurement: benchmarks/RESULTS.md."""
 
     rrf_k: int = 60  # Cormack et al.'s constant: damps the weight of the very first ranks
     candidates: int = 100
     candidates_per_result: int = 4
     top_chunks: int = 1
+    dense_length_penalty: float = 0.02  # cosine similarity per ln(chunks)
+    bm25_length_penalty: float = 0.5  # BM25 score per ln(chunks)
     dense_weight: float = 1.0
     bm25_weight: float = 1.0
+    opening_weight: float = 2.0
     rerank_candidates: int = 20
     max_top_k: int = 100
 
     def __post_init__(self):
         _positive(self, "rrf_k", "candidates", "candidates_per_result", "top_chunks",
                   "rerank_candidates", "max_top_k")
-        if self.dense_weight < 0 or self.bm25_weight < 0 or not (self.dense_weight
-                                                                 + self.bm25_weight):
-            raise ConfigError("SearchConfig weights must be >= 0 and not both 0")
+        weights = (self.dense_weight, self.bm25_weight, self.opening_weight)
+        if min(weights) < 0 or not sum(weights):
+            raise ConfigError("SearchConfig weights must be >= 0 and not all 0")
+        if self.dense_length_penalty < 0 or self.bm25_length_penalty < 0:
+            raise ConfigError("SearchConfig length penalties must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ Fusing document rankings counts the agreement (benchmarks/RESULTS.md, "why hybri
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 
 
@@ -28,16 +29,22 @@ def reciprocal_rank_fusion(rankings: Sequence[Sequence[Hashable]], k: int = 60,
 
 
 def rank_documents(chunks: Sequence[tuple[int, float]], document_of: Mapping[int, str],
-                   top_chunks: int = 1) -> list[tuple[str, float]]:
+                   top_chunks: int = 1, length_penalty: float = 0.0,
+                   num_chunks: Mapping[str, int] | None = None) -> list[tuple[str, float]]:
     """A document ranking from a chunk ranking (chunk id, score), best first: a document scores
-    the sum of its `top_chunks` best chunks' scores (1: its best chunk). Chunks missing from
-    `document_of` (deleted meanwhile) are skipped."""
+    the sum of its `top_chunks` best chunks' scores (1: its best chunk), less
+    `length_penalty * ln(its number of chunks)`. Why the penalty: the best of n chunk scores
+    grows with n even for an unrelated document (the maximum of n noisy draws), so long
+    documents that mention everything otherwise outrank the short one about the query. Chunks
+    missing from `document_of` (deleted meanwhile) are skipped."""
     taken: dict[str, list[float]] = {}
     for chunk_id, score in chunks:
         document = document_of.get(chunk_id)
         if document is not None and len(taken.setdefault(document, [])) < top_chunks:
             taken[document].append(score)
-    return sorted(((d, sum(s)) for d, s in taken.items()), key=lambda kv: -kv[1])
+    counts = num_chunks or {}
+    return sorted(((d, sum(s) - length_penalty * math.log(counts.get(d, 1)))
+                   for d, s in taken.items()), key=lambda kv: -kv[1])
 
 
 def interleave(documents: Sequence[tuple[str, float]], chunk_order: Sequence[int],

@@ -111,6 +111,19 @@ class Store:
             [int(i) for i in ids])
         return {r[0]: StoredChunk(*r[:6], json.loads(r[6])) for r in rows}
 
+    def document_shape(self, document_ids: list[str]) -> tuple[dict[str, int], dict[str, bytes]]:
+        """(number of chunks, vector of the opening chunk as float32 bytes) per document."""
+        if not document_ids:
+            return {}, {}
+        marks = ",".join("?" * len(document_ids))
+        counts = dict(self._db.execute(
+            f"SELECT document_id, COUNT(*) FROM chunks WHERE document_id IN ({marks}) "
+            f"GROUP BY document_id", document_ids))
+        openings = dict(self._db.execute(
+            f"SELECT document_id, vector FROM chunks WHERE idx = 0 AND document_id IN ({marks})",
+            document_ids))
+        return counts, openings
+
     def live_chunks(self) -> dict[int, str]:
         """chunk id -> document id, of every chunk."""
         return dict(self._db.execute("SELECT id, document_id FROM chunks"))
