@@ -1,7 +1,7 @@
 """Retrieval benchmark: embedding throughput vs sentence-transformers, retrieval quality against a
 naive baseline on two labelled corpora, and the index benchmarks of benchmarks/retrieval_index.py.
 
-    python benchmarks/retrieval.py [--texts 512] [--sweep] [--llm-rerank N]
+    python benchmarks/retrieval.py [--texts 512] [--sweep] [--sweep-chunking] [--llm-rerank N]
                                    [--skip-embed] [--skip-quality] [--skip-index] [index flags]
 
 Embedding: the same texts (chunks of pydoc topics, as indexing makes them) through jaxserve's Flax
@@ -13,8 +13,9 @@ Quality, on Python's pydoc topics (benchmarks/data/pydoc_queries.json) and NumPy
 - the naive baseline: the same MiniLM, fixed 200-word chunks, dense and BM25 (bm25s) top 20
   chunks each, reciprocal-rank fusion (k=60) of the chunk lists, top 5 chunks;
 - jaxserve's collections in their default configuration, every mode, with and without rerank;
-- `--sweep`: the measurements the defaults were chosen by (chunk size, overlap and boundaries;
-  document aggregation; fusion weights; rerank depth), and why chunk-level fusion lost to dense;
+- `--sweep`: the search settings the defaults were chosen by (length penalties, the openings
+  ranking, aggregation, fusion weights, rerank depth); `--sweep-chunking`: chunk size, overlap
+  and boundaries (re-embeds both corpora per setting), and why chunk-level fusion lost to dense;
 - `--llm-rerank N`: the served LLM (SmolLM2-135M) as a pointwise reranker of the top N documents
   ("Yes" vs "No" logprob), through the offline LLM API, for comparison.
 """
@@ -192,7 +193,7 @@ class Corpora:
         self.service.close()
 
 
-def bench_quality(embedder: Embedder, sweep: bool, llm_rerank: int) -> None:
+def bench_quality(embedder: Embedder, sweep: bool, sweep_chunks: bool, llm_rerank: int) -> None:
     names = list(CORPORA)
     counts = {n: len(load_queries(DATA / f"{n}_queries.json")) for n in names}
     print(f"\n### Retrieval quality: {', '.join(f'{n} ({counts[n]} queries)' for n in names)}; "
@@ -222,7 +223,7 @@ def bench_quality(embedder: Embedder, sweep: bool, llm_rerank: int) -> None:
         if llm_rerank:
             bench_llm_rerank(corpora, llm_rerank)
         corpora.close()
-    if sweep:
+    if sweep_chunks:
         sweep_chunking(embedder, docs, queries)
 
 
@@ -241,10 +242,9 @@ def sweep_search(corpora: Corpora) -> None:
         ("no openings ranking (opening_weight=0)", "hybrid", False, r(base, opening_weight=0)),
         ("opening_weight=1", "hybrid", False, r(base, opening_weight=1)),
         ("opening_weight=3", "hybrid", False, r(base, opening_weight=3)),
-        ("length penalties 0.01 / 0.25", "hybrid", False,
-         r(base, dense_length_penalty=0.01, bm25_length_penalty=0.25)),
-        ("length penalties 0.03 / 1.0", "hybrid", False,
-         r(base, dense_length_penalty=0.03, bm25_length_penalty=1.0)),
+        ("dense_length_penalty=0.01", "hybrid", False, r(base, dense_length_penalty=0.01)),
+        ("dense_length_penalty=0.03", "hybrid", False, r(base, dense_length_penalty=0.03)),
+        ("bm25_length_penalty=0.5", "hybrid", False, r(base, bm25_length_penalty=0.5)),
         ("top_chunks=2", "hybrid", False, r(base, top_chunks=2)),
         ("dense_weight=1, bm25_weight=0.5", "hybrid", False, r(base, bm25_weight=0.5)),
         ("dense_weight=0.5, bm25_weight=1", "hybrid", False, r(base, dense_weight=0.5)),
@@ -333,6 +333,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--texts", type=int, default=512)
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--sweep-chunking", action="store_true")
     p.add_argument("--llm-rerank", type=int, default=0, metavar="N")
     p.add_argument("--skip-embed", action="store_true")
     p.add_argument("--skip-quality", action="store_true")
@@ -350,7 +351,7 @@ def main() -> None:
         if not args.skip_embed:
             bench_embedding(embedder, args.texts)
         if not args.skip_quality:
-            bench_quality(embedder, args.sweep, args.llm_rerank)
+            bench_quality(embedder, args.sweep, args.sweep_chunking, args.llm_rerank)
     if not args.skip_index:
         retrieval_index.run(args)
 

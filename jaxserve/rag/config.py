@@ -109,7 +109,7 @@ class SearchConfig:
     candidates_per_result: int = 4
     top_chunks: int = 1
     dense_length_penalty: float = 0.02  # cosine similarity per ln(chunks)
-    bm25_length_penalty: float = 0.5  # BM25 score per ln(chunks)
+    bm25_length_penalty: float = 0.0  # BM25 score per ln(chunks)
     dense_weight: float = 1.0
     bm25_weight: float = 1.0
     opening_weight: float = 2.0
