@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bm25s  # noqa: E402
 import faiss  # noqa: E402
+import numpy as np  # noqa: E402
 
 from jaxserve.rag.chunking import chunk_document  # noqa: E402
 from jaxserve.rag.config import ChunkerConfig, RagConfig, SearchConfig  # noqa: E402
@@ -103,10 +104,12 @@ class ChunkLevelPipeline:
     lists, the top chunks as they come (no document grouping). With 200-word chunks it is the
     baseline; with jaxserve's former chunks (120-token windows) it is the former hybrid mode."""
 
-    def __init__(self, embedder: Embedder, chunks: list[tuple[str, str]], depth_per_result=4):
+    def __init__(self, embedder: Embedder, chunks: list[tuple[str, str]], depth_per_result=4,
+                 vectors: np.ndarray | None = None):
         self.embedder, self.depth_per_result = embedder, depth_per_result
         self.documents = [d for d, _ in chunks]
-        vectors, _ = embedder.embed([t for _, t in chunks])
+        if vectors is None:
+            vectors, _ = embedder.embed([t for _, t in chunks])
         self.index = faiss.IndexFlatIP(vectors.shape[1])
         self.index.add(vectors)
         self.bm25 = bm25s.BM25()
@@ -134,18 +137,28 @@ class ChunkLevelPipeline:
                   "hybrid": [i for i, _ in reciprocal_rank_fusion([dense, lexical])]}[mode]
         return [self.documents[i] for i in ranked[:k]]
 
-    def disagreement(self, queries) -> tuple[int, int]:
-        """(queries whose dense and BM25 top chunks are in a relevant document, those of them
-        whose fused top chunk is not): agreement on the document that chunk-level fusion loses."""
-        both = lost = 0
+    def why_hybrid_lost(self, queries) -> str:
+        """Where chunk-level fusion goes wrong: result slots spent on an already listed document,
+        and, on the queries exactly one retriever gets right at top-1, how often fusion does and
+        how long (in chunks) the documents it wrongly puts first are."""
+        length = {d: self.documents.count(d) for d in set(self.documents)}
+        repeats, split, fused_right, wrong, right = [], 0, 0, [], []
         for q in queries:
             dense, lexical = self.rankings(q.query, K)
-            if dense and lexical and {self.documents[dense[0]],
-                                      self.documents[lexical[0]]} <= q.relevant:
-                both += 1
-                fused = reciprocal_rank_fusion([dense, lexical])[0][0]
-                lost += self.documents[fused] not in q.relevant
-        return both, lost
+            fused = [i for i, _ in reciprocal_rank_fusion([dense, lexical])]
+            top5 = [self.documents[i] for i in fused[:K]]
+            repeats.append(len(top5) - len(set(top5)))
+            hits = [bool(r) and self.documents[r[0]] in q.relevant for r in (dense, lexical)]
+            if hits[0] != hits[1]:
+                split += 1
+                fused_right += top5[0] in q.relevant
+            if top5 and top5[0] not in q.relevant:
+                wrong.append(length[top5[0]])
+                right.append(min(length.get(d, 0) for d in q.relevant))
+        return (f"{np.mean(repeats):.1f} of {K} slots repeat a listed document; "
+                f"{fused_right} of {split} split queries fused right; wrong first documents: "
+                f"median {np.median(wrong) if wrong else 0:.0f} chunks, the right ones "
+                f"{np.median(right) if right else 0:.0f}")
 
 
 def _row(name: str, qualities: dict[str, Quality], extra: str = "") -> None:
@@ -189,6 +202,15 @@ class Corpora:
             collection.config = self.service.config
         return out, 1000 * (time.perf_counter() - t0) / calls
 
+    def former_pipeline(self, name: str) -> ChunkLevelPipeline:
+        """The chunk-level pipeline over this collection's stored chunks and vectors."""
+        store = self.service.collection(name)._store  # a benchmark may read the store directly
+        ids, documents, vectors = store.all_vectors(self.service.embedder.dim)
+        texts = dict(zip(*store.all_texts()))
+        return ChunkLevelPipeline(self.service.embedder,
+                                  [(d, texts[i]) for i, d in zip(ids.tolist(), documents)],
+                                  vectors=vectors)
+
     def close(self) -> None:
         self.service.close()
 
@@ -218,64 +240,52 @@ def bench_quality(embedder: Embedder, sweep: bool, sweep_chunks: bool, llm_reran
                  f" {ms:.0f} |")
         print(f"\njaxserve chunks: {corpora.chunks} (indexed in {corpora.index_s:.0f} s); "
               f"baseline chunks: { {n: len(b.documents) for n, b in baselines.items()} }")
+        print("\nWhy chunk-level hybrid lost: the same chunks and vectors as the jaxserve rows, "
+              "ranked as chunks (former pipeline: RRF of the top 20 chunks of each retriever):")
+        for n in names:
+            former = corpora.former_pipeline(n)
+            quality = {m: evaluate(lambda q, k: former.search(q, k, m), queries[n], K)
+                       for m in ("dense", "bm25", "hybrid")}
+            print(f"- {n}: " + ", ".join(f"{m} {q.recall_at_k:.3f} / {q.top1:.3f}"
+                                         for m, q in quality.items())
+                  + f"; {former.why_hybrid_lost(queries[n])}")
         if sweep:
             sweep_search(corpora)
         if llm_rerank:
             bench_llm_rerank(corpora, llm_rerank)
         corpora.close()
     if sweep_chunks:
-        sweep_chunking(embedder, docs, queries)
+        sweep_chunking(embedder, names)
 
 
 def sweep_search(corpora: Corpora) -> None:
     """Search-time settings on the default chunks: aggregation, fusion weights, rerank depth."""
     names = list(corpora.queries)
     _header("search setting (default chunks)", names, " ms/search |")
-    base = SearchConfig()
-    r = dataclasses.replace
-    variants: list[tuple[str, str, bool, SearchConfig]] = [
-        ("defaults", "hybrid", False, base),
-        ("no length penalties, no openings (chunk grouping + RRF only)", "hybrid", False,
-         r(base, dense_length_penalty=0, bm25_length_penalty=0, opening_weight=0)),
-        ("no length penalties", "hybrid", False,
-         r(base, dense_length_penalty=0, bm25_length_penalty=0)),
-        ("no openings ranking (opening_weight=0)", "hybrid", False, r(base, opening_weight=0)),
-        ("opening_weight=1", "hybrid", False, r(base, opening_weight=1)),
-        ("opening_weight=3", "hybrid", False, r(base, opening_weight=3)),
-        ("dense_length_penalty=0.01", "hybrid", False, r(base, dense_length_penalty=0.01)),
-        ("dense_length_penalty=0.03", "hybrid", False, r(base, dense_length_penalty=0.03)),
-        ("bm25_length_penalty=0.5", "hybrid", False, r(base, bm25_length_penalty=0.5)),
-        ("top_chunks=2", "hybrid", False, r(base, top_chunks=2)),
-        ("dense_weight=1, bm25_weight=0.5", "hybrid", False, r(base, bm25_weight=0.5)),
-        ("dense_weight=0.5, bm25_weight=1", "hybrid", False, r(base, dense_weight=0.5)),
-        ("rrf_k=10", "hybrid", False, r(base, rrf_k=10)),
-        ("dense, no length penalty", "dense", False, r(base, dense_length_penalty=0)),
-        ("bm25, no length penalty", "bm25", False, r(base, bm25_length_penalty=0)),
-    ]
-    variants += [(f"rerank, rerank_candidates={n}", "hybrid", True,
-                  r(base, rerank_candidates=n)) for n in (5, 10, 20)]
-    for name, mode, rerank, search in variants:
-        quality, ms = corpora.quality(mode, rerank, search)
+    # (row, mode, rerank, SearchConfig fields that differ from the defaults)
+    variants = [("defaults", "hybrid", False, {}),
+                ("no length penalties, no openings (grouping + RRF only)", "hybrid", False,
+                 {"dense_length_penalty": 0, "opening_weight": 0}),
+                ("no length penalty", "hybrid", False, {"dense_length_penalty": 0}),
+                ("no openings ranking", "hybrid", False, {"opening_weight": 0})]
+    variants += [(f"{field}={value}", "hybrid", False, {field: value}) for field, value in (
+        ("opening_weight", 1), ("opening_weight", 3), ("dense_length_penalty", 0.01),
+        ("dense_length_penalty", 0.03), ("bm25_length_penalty", 0.5), ("top_chunks", 2),
+        ("bm25_weight", 0.5), ("dense_weight", 0.5), ("rrf_k", 10))]
+    variants += [("dense, no length penalty", "dense", False, {"dense_length_penalty": 0}),
+                 ("bm25, with bm25_length_penalty=0.5", "bm25", False,
+                  {"bm25_length_penalty": 0.5})]
+    variants += [(f"rerank, rerank_candidates={n}", "hybrid", True, {"rerank_candidates": n})
+                 for n in (5, 10, 20)]
+    for name, mode, rerank, fields in variants:
+        quality, ms = corpora.quality(mode, rerank,
+                                      dataclasses.replace(SearchConfig(), **fields))
         _row(name, quality, f" {ms:.0f} |")
 
 
-def sweep_chunking(embedder: Embedder, docs: dict[str, list[Document]], queries) -> None:
-    """Chunk size, overlap and boundaries (each re-embeds both corpora), and why chunk-level
-    fusion lost: the former default chunks through the chunk-level pipeline."""
-    names = list(docs)
-    print("\nWhy chunk-level hybrid lost (former default: 120-token windows, overlap 24, RRF of "
-          "chunk lists): queries whose dense and BM25 top chunks both lie in a relevant document, "
-          "and how many of those the fused top chunk misses:")
-    former = ChunkerConfig(chunk_tokens=120, overlap_tokens=24, boundaries="window")
-    for n in names:
-        chunks = [(d.id, c.text) for d in docs[n]
-                  for c in chunk_document(d.id, d.text, embedder.token_spans, former)]
-        pipeline = ChunkLevelPipeline(embedder, chunks)
-        both, lost = pipeline.disagreement(queries[n])
-        quality = {m: evaluate(lambda q, k: pipeline.search(q, k, m), queries[n], K)
-                   for m in ("dense", "bm25", "hybrid")}
-        print(f"- {n}: {lost} of {both}; chunk-level recall@{K} / top-1: " + ", ".join(
-            f"{m} {q.recall_at_k:.3f} / {q.top1:.3f}" for m, q in quality.items()))
+def sweep_chunking(embedder: Embedder, names: list[str]) -> None:
+    """Chunk size, overlap and boundaries, with the default search (each re-embeds both
+    corpora)."""
     _header("chunker (hybrid, document aggregation)", names, " chunks | index s |")
     for tokens, overlap, boundaries in ((120, 24, "window"), (120, 0, "window"),
                                         (120, 0, "structure"), (120, 24, "structure"),
