@@ -20,10 +20,12 @@ from tests.rag_helpers import minilm_embedder
 pytestmark = pytest.mark.slow
 DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
 OPENING_CHARS = {"pydoc": 1200, "numpy": 600}
-# Floors under what the slices measure (in the comments), far above chance (5 of 79 or 415
-# documents): a broken encoder, index, fusion or reranker falls below.
-FLOORS = {("pydoc", False): (0.0, 0.0), ("pydoc", True): (0.0, 0.0),
-          ("numpy", False): (0.0, 0.0), ("numpy", True): (0.0, 0.0)}
+# (recall@5, top-1) floors under what the slices measure, far above chance (5 of 79 or 415
+# documents): a broken encoder, index, fusion or reranker falls below. Measured: pydoc 0.969 /
+# 0.844, reranked 0.969 / 0.812; numpy 1.000 / 0.885. The reranker is checked on pydoc only
+# (the smaller set: it encodes 20 passages per query).
+FLOORS = {("pydoc", False): (0.90, 0.75), ("pydoc", True): (0.90, 0.70),
+          ("numpy", False): (0.95, 0.80)}
 
 
 @pytest.mark.parametrize("corpus", list(CORPORA))
@@ -42,7 +44,7 @@ def test_recall_at_5_and_top1(tmp_path, corpus):
     service.upsert(corpus, [Document(d.id, d.text[:OPENING_CHARS[corpus]])
                             for d in CORPORA[corpus]()])
     queries = load_queries(DATA / f"{corpus}_queries.json")
-    for rerank in (False, True):
+    for rerank in (False, True) if (corpus, True) in FLOORS else (False,):
         quality = evaluate(lambda q, k: [r.document_id for r in service.search(
             corpus, q, k, "hybrid", rerank)], queries, k=5)
         print(f"{corpus} (first {OPENING_CHARS[corpus]} chars), hybrid, rerank={rerank}: "

@@ -89,3 +89,24 @@ def test_save_and_reconcile_with_the_store(tmp_path):
         store.add(2)
         reloaded.load(path, set(store.vectors), store.all)
         assert sorted(_found(reloaded, store)) == sorted(store.vectors)
+
+
+def test_ivfpq_past_its_size_deletes_for_real_and_reconciles(tmp_path):
+    config = IndexConfig(exact_max_vectors=20, ivfpq_min_vectors=300, ivf_lists=8,
+                         ivf_nprobe=8, pq_subquantizers=4)  # nprobe = every list: no misses
+    store, index = Store(), VectorIndex(DIM, config)
+    index.update([], *store.add(200), store.all)
+    assert index.kind == "hnsw"
+    index.update([], *store.add(150), store.all)  # 350 >= 300: rebuilt and trained as IVF-PQ
+    assert index.kind == "ivfpq" and index.num_live == 350
+    index.update(store.remove([5, 6, 7]), *store.add(5), store.all)  # real removal, no rebuild
+    found = _found(index, store)
+    assert sorted(found) == sorted(store.vectors) and index.num_live == 352
+    assert sorted(index.ids.tolist()) == sorted(store.vectors)
+    path = tmp_path / "v.faiss"
+    index.save(path)
+    store.remove([10])
+    store.add(1)
+    reloaded = VectorIndex(DIM, config)
+    assert reloaded.load(path, set(store.vectors), store.all) == 2  # one deletion, one addition
+    assert reloaded.kind == "ivfpq" and sorted(_found(reloaded, store)) == sorted(store.vectors)

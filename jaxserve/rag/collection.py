@@ -193,7 +193,8 @@ class Collection:
     def _dense(self, query_vector: np.ndarray, k: int) -> list[tuple[int, float]]:
         if self._index.num_live == 0:
             return []
-        scores, ids = self._index.search(query_vector[None], k)
+        scores, ids = self._index.search(
+            query_vector[None], k, lambda ids: self._store.vectors_of(ids, self.embedder.dim))
         return [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i >= 0]
 
     def _lexical(self, query: str, k: int) -> list[tuple[int, float]]:

@@ -82,12 +82,16 @@ class IndexConfig:
     ivf_lists: int = 0  # 0: 4 * sqrt(vectors) at build time
     ivf_nprobe: int = 32
     pq_subquantizers: int = 48  # bytes per vector (8 bits each); must divide the dimension
+    # IVF-PQ re-scores this many candidates per result exactly, with vectors read from SQLite
+    # (PQ codes alone found 0.19 of the true top 10 at 1M vectors: benchmarks/RESULTS.md).
+    ivfpq_refine: int = 10
     num_shards: int = 1
     use_gpu: bool = True  # only has an effect when faiss.get_num_gpus() > 0
 
     def __post_init__(self):
         _positive(self, "exact_max_vectors", "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search",
-                  "ivfpq_min_vectors", "ivf_nprobe", "pq_subquantizers", "num_shards")
+                  "ivfpq_min_vectors", "ivf_nprobe", "pq_subquantizers", "ivfpq_refine",
+                  "num_shards")
         if self.ivf_lists < 0:
             raise ConfigError(f"IndexConfig.ivf_lists must be >= 0, got {self.ivf_lists}")
         if self.ivfpq_min_vectors <= self.exact_max_vectors:

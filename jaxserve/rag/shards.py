@@ -102,13 +102,15 @@ class ShardedIndex:
             if gone or new.any():
                 shard.update(gone, added_ids[new], added_vectors[new], for_shard(i))
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(scores [Q, k'], ids [Q, k']), k' = min(k, live chunks); missing ids are -1."""
+    def search(self, queries: np.ndarray, k: int,
+               vectors_of=None) -> tuple[np.ndarray, np.ndarray]:
+        """(scores [Q, k'], ids [Q, k']), k' = min(k, live chunks); missing ids are -1.
+        `vectors_of`: see VectorIndex.search."""
         live = [s for s in self.shards if s.num_live]
         if len(live) == 1:
-            return live[0].search(queries, k)
+            return live[0].search(queries, k, vectors_of)
         k = max(1, min(k, self.num_live))
-        results = list(self._pool.map(lambda s: s.search(queries, k), live))
+        results = list(self._pool.map(lambda s: s.search(queries, k, vectors_of), live))
         return merge_top_k([s for s, _ in results], [i for _, i in results], k)
 
     def save(self, directory: Path) -> None:

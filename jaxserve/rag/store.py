@@ -124,6 +124,13 @@ class Store:
             document_ids))
         return counts, openings
 
+    def vectors_of(self, ids: np.ndarray, dim: int) -> np.ndarray:
+        """The vectors [len(ids), dim] of these live chunk ids, in their order."""
+        ids = [int(i) for i in ids]
+        marks = ",".join("?" * len(ids))
+        found = dict(self._db.execute(f"SELECT id, vector FROM chunks WHERE id IN ({marks})", ids))
+        return np.frombuffer(b"".join(found[i] for i in ids), np.float32).reshape(len(ids), dim)
+
     def live_chunks(self) -> dict[int, str]:
         """chunk id -> document id, of every chunk."""
         return dict(self._db.execute("SELECT id, document_id FROM chunks"))

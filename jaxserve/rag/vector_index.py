@@ -24,6 +24,19 @@ from jaxserve.rag.config import IndexConfig
 _REBUILD_TOMBSTONE_FRACTION = 0.25
 
 
+def _refine(queries: np.ndarray, candidates: np.ndarray, vectors_of,
+            k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The exact top k of each query's candidate ids (-1: none)."""
+    scores = np.full((len(queries), k), -np.inf, np.float32)
+    ids = np.full((len(queries), k), -1, np.int64)
+    for row, (query, found) in enumerate(zip(queries, candidates, strict=True)):
+        found = found[found >= 0]
+        exact = vectors_of(found) @ query
+        best = np.argsort(-exact, kind="stable")[:k]
+        scores[row, :len(best)], ids[row, :len(best)] = exact[best], found[best]
+    return scores, ids
+
+
 class VectorIndex:
     def __init__(self, dim: int, config: IndexConfig):
         self.dim = dim
@@ -117,16 +130,23 @@ class VectorIndex:
         if len(removed) or len(added_ids):
             self._sync_device()
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(scores [Q, k], ids [Q, k]); missing results have id -1."""
+    def search(self, queries: np.ndarray, k: int,
+               vectors_of=None) -> tuple[np.ndarray, np.ndarray]:
+        """(scores [Q, k], ids [Q, k]); missing results have id -1. `vectors_of(ids)` -> their
+        exact vectors [len(ids), dim]: IVF-PQ then re-scores its best `ivfpq_refine` * k
+        candidates exactly (product-quantised scores alone cannot order close neighbours)."""
         queries = np.ascontiguousarray(queries, np.float32)
         k = max(1, min(k, self.num_live))
         if self.kind == "exact":
             index = self._cpu if self._device is None else self._device
             return index.search(queries, k)
         if self.kind == "ivfpq":
-            return self._cpu.search(queries, k, params=faiss.SearchParametersIVF(
-                nprobe=self.config.ivf_nprobe))
+            params = faiss.SearchParametersIVF(nprobe=self.config.ivf_nprobe)
+            if vectors_of is None or self.config.ivfpq_refine <= 1:
+                return self._cpu.search(queries, k, params=params)
+            _, candidates = self._cpu.search(
+                queries, min(self.num_live, k * self.config.ivfpq_refine), params=params)
+            return _refine(queries, candidates, vectors_of, k)
         params = faiss.SearchParametersHNSW(efSearch=max(self.config.hnsw_ef_search, k))
         if self._tombstones:
             params.sel = self._tombstone_selector()
