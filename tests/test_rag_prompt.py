@@ -61,10 +61,15 @@ def test_parse_rag_request():
     assert parse_rag_request({"collection": "c"}, 100) == RagRequest("c", 5, "hybrid")
     assert parse_rag_request({"collection": "c", "top_k": 3, "mode": "bm25"}, 100) == \
         RagRequest("c", 3, "bm25")
+    assert parse_rag_request({"collection": "c", "rerank": True}, 100) == \
+        RagRequest("c", 5, "hybrid", True)
     for bad in ({}, {"collection": ""}, {"collection": "c", "top_k": 0},
                 {"collection": "c", "mode": "x"}, {"collection": "c", "extra": 1}, "c"):
         with pytest.raises(InvalidRequest):
             parse_rag_request(bad, 100)
+    with pytest.raises(InvalidRequest) as error:
+        parse_rag_request({"collection": "c", "rerank": "yes"}, 100)
+    assert error.value.param == "rerank"
 
 
 def test_prompt_config_validation():
