@@ -150,17 +150,21 @@ def bench_scale(n: int, num_queries: int, shards: bool = True, dim: int = 384,
           f"| 1.00 |")
     del exact
     lists = int(n ** 0.5)
-    config = IndexConfig(exact_max_vectors=1, ivfpq_min_vectors=2, ivf_lists=lists)
-    ivf, build = _built(dim, config, ids, vectors, "ivfpq")
-    label = f"IVF{lists},PQ{config.pq_subquantizers}"
-    _sweep(ivf, "ivf_nprobe", (8, 32, 128), queries, truth, k,
-           f"{label} nprobe={{}}, PQ scores only | {build:.0f}", exact_single)
-    # The collection's search: the 10 * k best PQ candidates re-scored with exact vectors
-    # (read from SQLite there; from this array here, ids being row numbers).
-    _sweep(ivf, "ivf_nprobe", (8, 16, 32, 64), queries, truth, k,
-           f"{label} nprobe={{}}, refine x{config.ivfpq_refine} | {build:.0f}", exact_single,
-           vectors_of=lambda found: vectors[found])
-    del ivf
+    for pq in (48, 96):
+        config = IndexConfig(exact_max_vectors=1, ivfpq_min_vectors=2, ivf_lists=lists,
+                             pq_subquantizers=pq)
+        ivf, build = _built(dim, config, ids, vectors, "ivfpq")
+        label = f"IVF{lists},PQ{pq}"
+        _sweep(ivf, "ivf_nprobe", (8, 32, 128), queries, truth, k,
+               f"{label} nprobe={{}}, PQ scores only | {build:.0f}", exact_single)
+        # The collection's search: the refine * k best PQ candidates re-scored with exact
+        # vectors (read from SQLite there; from this array here, ids being row numbers).
+        for refine in (10, 50):
+            ivf.config = dataclasses.replace(config, ivfpq_refine=refine)
+            _sweep(ivf, "ivf_nprobe", (8, 32), queries, truth, k,
+                   f"{label} nprobe={{}}, refine x{refine} | {build:.0f}", exact_single,
+                   vectors_of=lambda found: vectors[found])
+        del ivf
     print("| FAISS GPU (exact, IVF-PQ) | - | not measured | not measured | not measured | - |"
           if faiss.get_num_gpus() == 0 else "| FAISS GPU | GPU present: run with use_gpu |")
     if shards:
