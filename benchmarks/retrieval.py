@@ -271,7 +271,7 @@ def sweep_search(corpora: Corpora) -> None:
     variants += [(f"{field}={value}", "hybrid", False, {field: value}) for field, value in (
         ("opening_weight", 1), ("opening_weight", 3), ("dense_length_penalty", 0.01),
         ("dense_length_penalty", 0.03), ("bm25_length_penalty", 0.5), ("top_chunks", 2),
-        ("bm25_weight", 0.5), ("dense_weight", 0.5), ("rrf_k", 10))]
+        ("bm25_weight", 1.0), ("dense_weight", 0.5), ("rrf_k", 10))]
     variants += [("dense, no length penalty", "dense", False, {"dense_length_penalty": 0}),
                  ("bm25, with bm25_length_penalty=0.5", "bm25", False,
                   {"bm25_length_penalty": 0.5})]

@@ -115,7 +115,7 @@ class SearchConfig:
     dense_length_penalty: float = 0.02  # cosine similarity per ln(chunks)
     bm25_length_penalty: float = 0.0  # BM25 score per ln(chunks)
     dense_weight: float = 1.0
-    bm25_weight: float = 1.0
+    bm25_weight: float = 0.5
     opening_weight: float = 2.0
     rerank_candidates: int = 20
     max_top_k: int = 100
