@@ -103,6 +103,14 @@ def test_ivfpq_past_its_size_deletes_for_real_and_reconciles(tmp_path):
     found = _found(index, store)
     assert sorted(found) == sorted(store.vectors) and index.num_live == 352
     assert sorted(index.ids.tolist()) == sorted(store.vectors)
+    # With exact vectors to re-score its candidates, the top 5 is the exact top 5.
+    query = store.rng.normal(size=(1, DIM)).astype(np.float32)
+    ids, vectors = store.all()
+    exact = ids[np.argsort(-(vectors @ query[0]))[:5]]
+    scores, found = index.search(query, 5, lambda some: np.stack([store.vectors[int(i)]
+                                                                   for i in some]))
+    assert found[0].tolist() == exact.tolist()
+    np.testing.assert_allclose(scores[0], np.sort(vectors @ query[0])[::-1][:5], rtol=1e-5)
     path = tmp_path / "v.faiss"
     index.save(path)
     store.remove([10])
