@@ -255,12 +255,13 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer,
                                            skip_special_tokens=p.skip_special_tokens,
                                            prompt_ids=prepared.prompt_token_ids)
-            seq = _Sequence(i, request, p.sequence_seed(i), detok,
-                            [] if p.logprobs is not None else None,
-                            prepared.grammar.matcher() if prepared.grammar else None)
-            self.scheduler.add_request(request)
-            group.seqs.append(seq)
-            self._by_seq[request.request_id] = (group, seq)
+            group.seqs.append(_Sequence(i, request, p.sequence_seed(i), detok,
+                                        [] if p.logprobs is not None else None,
+                                        prepared.grammar.matcher() if prepared.grammar else None))
+        # The n sequences enter the scheduler's queue in one step.
+        self.scheduler.add_requests([seq.request for seq in group.seqs])
+        for seq in group.seqs:
+            self._by_seq[seq.request.request_id] = (group, seq)
         self._groups[prepared.request_id] = group
 
     def abort(self, request_id: str) -> bool:

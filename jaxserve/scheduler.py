@@ -127,22 +127,30 @@ class Scheduler:
     # ---- requests in and out -----------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self._requests:
-            raise InvalidRequest(f"request id {request.request_id!r} is already in use",
-                                 "request_id")
-        if not request.prompt_token_ids:
-            raise InvalidRequest("the prompt must contain at least one token", "prompt")
-        if request.num_tokens > self.config.max_model_len:
-            raise ContextLengthExceeded(
-                f"the request has {request.num_tokens} tokens but max_model_len is "
-                f"{self.config.max_model_len}", "prompt")
-        request.status = RequestStatus.WAITING
-        self._requests[request.request_id] = request
-        self.waiting.push(request)
-        for when, queue_only in ((request.deadline, False), (request.queue_deadline, True)):
-            if when is not None:
-                heapq.heappush(self._deadlines, (when, next(self._deadline_count),
-                                                 request.request_id, queue_only))
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[Request]) -> None:
+        """Queue requests (e.g. the n sequences of one API request) in one step, all or none;
+        each costs the fair queue's O(log T), whatever the queue's length."""
+        ids = {r.request_id for r in requests}
+        for request in requests:
+            if request.request_id in self._requests or len(ids) < len(requests):
+                raise InvalidRequest(f"request id {request.request_id!r} is already in use",
+                                     "request_id")
+            if not request.prompt_token_ids:
+                raise InvalidRequest("the prompt must contain at least one token", "prompt")
+            if request.num_tokens > self.config.max_model_len:
+                raise ContextLengthExceeded(
+                    f"the request has {request.num_tokens} tokens but max_model_len is "
+                    f"{self.config.max_model_len}", "prompt")
+        for request in requests:
+            request.status = RequestStatus.WAITING
+            self._requests[request.request_id] = request
+            self.waiting.push(request)
+            for when, queue_only in ((request.deadline, False), (request.queue_deadline, True)):
+                if when is not None:
+                    heapq.heappush(self._deadlines, (when, next(self._deadline_count),
+                                                     request.request_id, queue_only))
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)

@@ -9,6 +9,7 @@ preemption changes the outputs, which are compared with the same hash over the p
 from __future__ import annotations
 
 import itertools
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -344,6 +345,54 @@ def test_add_request_validation():
     with pytest.raises(ContextLengthExceeded):
         run.sched.add_request(Request("long", list(range(9))))
     assert run.sched.stats().num_waiting == 1
+
+
+def test_add_requests_is_all_or_nothing_and_keeps_arrival_order():
+    run = make(max_num_seqs=1)
+    run.sched.add_requests([Request("a", [1]), Request("b", [2])])
+    for bad in ([Request("c", [1]), Request("c", [2])], [Request("d", [1]), Request("a", [2])],
+                [Request("e", [1]), Request("f", [])]):
+        with pytest.raises(InvalidRequest):
+            run.sched.add_requests(bad)
+    assert run.sched.stats().num_waiting == 2
+    run.sched.add_requests([Request(f"n{i}", [3]) for i in range(3)])
+    assert [r.request_id for r in run.sched.waiting] == ["a", "b", "n0", "n1", "n2"]  # FIFO
+
+
+def _python_lines(fn) -> int:
+    """How many Python lines run while fn() does (jaxserve's and its libraries'): an operation
+    count, not a time."""
+    count = 0
+
+    def trace(frame, event, arg):
+        nonlocal count
+        count += event == "line"
+        return trace
+
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_admitting_n_sequences_costs_the_same_behind_a_long_queue():
+    """Issue 12: n = 1,000,000 once froze the engine in n sorted inserts of O(W) each. Queuing
+    128 sequences behind 20,000 waiting runs no more Python than behind 100 (the old insert
+    rebuilt a W-long key list for every sequence)."""
+    def lines_to_add(waiting: int) -> int:
+        sched = make(num_pages=8, max_num_seqs=1).sched
+        for start in range(0, waiting, 1000):
+            sched.add_requests([Request(f"w{i}", [1, 2]) for i in range(start,
+                                                                    min(waiting, start + 1000))])
+        new = [Request(f"seq{i}", [3, 4]) for i in range(128)]
+        lines = _python_lines(lambda: sched.add_requests(new))
+        assert sched.stats().num_waiting == waiting + 128
+        return lines
+
+    short, long = lines_to_add(100), lines_to_add(20_000)
+    assert long <= 1.2 * short, (short, long)
 
 
 def test_abort_between_schedule_and_update_skips_the_row_and_frees_pages():
