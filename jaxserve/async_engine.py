@@ -18,13 +18,23 @@ after the outputs it already produced: DeadlineExceeded (finish_reason "deadline
 
 If a step raises, the engine is dead: every open stream gets EngineDead and new requests are
 refused, rather than serving from a cache and scheduler in an unknown state.
+
+Liveness: the loop takes at most `max_sequences_per_step` sequences' worth of commands from its
+inbox per step, so a burst of admissions waits its turn while running requests keep stepping; and
+it publishes a heartbeat (the time it last completed a step, or woke with work). A watchdog thread
+reports the engine stalled once work is pending and no step has completed for `stall_timeout`
+seconds (a wedged device call, a step that never returns), logging the engine thread's stack, so
+/ready and gRPC health can turn not-ready and an operator can see where it hangs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
+import time
+import traceback
 import uuid
 from collections import deque
 from typing import AsyncIterator, Callable
@@ -55,8 +65,14 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, *, stall_timeout: float | None = 60.0,
+                 max_sequences_per_step: int | None = None):
+        """`stall_timeout` None: no stall detection. `max_sequences_per_step` defaults to four
+        times the engine's max_num_seqs."""
         self.engine = engine
+        self.stall_timeout = stall_timeout
+        self.max_sequences_per_step = (max_sequences_per_step
+                                       or 4 * engine.config.scheduler.max_num_seqs)
         # (command, request id, change to the queued sequences: +n for an add, -n for a shed)
         self._inbox: deque[tuple[Callable[[], object], str | None, int]] = deque()
         self._unadded = 0  # that change, summed over commands not yet in a published snapshot
@@ -66,8 +82,14 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._dead: BaseException | None = None
         self._stopping = False
+        self._busy = False  # the loop has work (set and cleared by the engine thread)
+        self._heartbeat = time.monotonic()  # last step completed, or woke with work
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
+        self._watchdog_stop = threading.Event()
+        if stall_timeout is not None:
+            threading.Thread(target=self._watchdog, name="jaxserve-engine-watchdog",
+                             daemon=True).start()
 
     @property
     def tokenizer(self):
@@ -90,6 +112,20 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._dead is None and not self._stopping
+
+    @property
+    def stalled_for(self) -> float:
+        """Seconds since the loop last made progress while it has work (0 when idle)."""
+        return time.monotonic() - self._heartbeat if self._busy else 0.0
+
+    @property
+    def is_stalled(self) -> bool:
+        return self.stall_timeout is not None and self.stalled_for > self.stall_timeout
+
+    def engine_thread_stack(self) -> str:
+        """Where the engine thread is now (for logs when it hangs)."""
+        frame = sys._current_frames().get(self._thread.ident)  # noqa: SLF001 - documented use
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(not running)"
 
     # ---- caller side (any asyncio loop) ------------------------------------------------------
 
@@ -165,25 +201,43 @@ class AsyncEngine:
             self._unadded += sequences
             self._wake.notify()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop; open streams end with EngineDead."""
+    def shutdown(self, timeout: float = 30.0) -> bool:
+        """Stop the loop; open streams end with EngineDead. False if the engine thread did not
+        end within `timeout` (it is wedged in a step)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         self._thread.join(timeout)
+        self._watchdog_stop.set()
+        return not self._thread.is_alive()
 
     # ---- engine thread -----------------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        return bool(self._inbox) or self._stopping or self.engine.has_unfinished()
+
+    def _take_commands(self) -> list:
+        """The inbox's oldest commands, up to max_sequences_per_step sequences (at least one
+        command; an abort counts one)."""
+        commands, sequences = [], 0
+        while self._inbox and (not commands or sequences < self.max_sequences_per_step):
+            commands.append(self._inbox.popleft())
+            sequences += max(1, commands[-1][2])
+        return commands
 
     def _run(self) -> None:
         try:
             while True:
                 with self._wake:
-                    while not (self._inbox or self._stopping or self.engine.has_unfinished()):
-                        self._wake.wait()
+                    if not self._has_work():
+                        self._busy = False
+                        while not self._has_work():
+                            self._wake.wait()
+                        self._heartbeat = time.monotonic()  # the stall clock starts with work
+                        self._busy = True
                     if self._stopping:
                         raise EngineDead("the engine was shut down")
-                    commands = list(self._inbox)
-                    self._inbox.clear()
+                    commands = self._take_commands()
                 for command, request_id, _ in commands:
                     try:
                         command()
@@ -197,14 +251,34 @@ class AsyncEngine:
                     self._unadded -= sum(sequences for _, _, sequences in commands)
                     self._shedding += sum(sequences for _, _, sequences in commands
                                           if sequences < 0)
+                    self._heartbeat = time.monotonic()
                 for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - every stream must hear of it
             if not isinstance(e, EngineDead):
                 log.exception("engine step failed; the engine is dead")
             self._dead = e if isinstance(e, EngineDead) else EngineDead(f"engine step failed: {e}")
+            self._busy = False
             for stream in list(self._streams.values()):
                 stream.put(self._dead)
+
+    def _watchdog(self) -> None:
+        """Log a stall once when it starts (with the engine thread's stack) and once when it
+        ends."""
+        logged = False
+        while not self._watchdog_stop.wait(min(1.0, self.stall_timeout / 4)):
+            if self.is_stalled and not logged:
+                s = self._stats
+                log.error("engine stalled: no step completed for %.1f s while work is pending "
+                          "(%d running, %d waiting, %d commands in the inbox); engine thread "
+                          "stack:\n%s", self.stalled_for, s.num_running, s.num_waiting,
+                          len(self._inbox), self.engine_thread_stack())
+                logged = True
+            elif logged and not self.is_stalled:
+                log.warning("engine progressing again")
+                logged = False
+            if not self._thread.is_alive():
+                return
 
     def _deliver(self, request_id: str | None, item) -> None:
         stream = self._streams.get(request_id) if request_id is not None else None

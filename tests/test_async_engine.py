@@ -1,0 +1,135 @@
+"""AsyncEngine's loop, driven over a scripted engine (no model): a burst of admissions is taken a
+bounded slice per step while running requests keep stepping; a step that never returns is reported
+as a stall (with the engine thread's stack) and shutdown says the thread is wedged."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from types import SimpleNamespace
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine import EngineStats, PreparedRequest
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling import SamplingParams
+
+
+class ScriptedEngine:
+    """LLMEngine's surface as AsyncEngine uses it. Every request finishes at the first step after
+    it was added; `log` records ("add", sequences) and ("step", None) in order; a step can be
+    held on `gate` to pile commands up in the inbox, or made to hang forever."""
+
+    def __init__(self, max_num_seqs: int = 4):
+        self.config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=max_num_seqs))
+        self.log: list[tuple[str, int | None]] = []
+        self.pending: list[PreparedRequest] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.hang = threading.Event()
+
+    def prepare(self, request_id, prompt, params, priority=0, *, qos=None) -> PreparedRequest:
+        return PreparedRequest(request_id, None, [1], params or SamplingParams())
+
+    def add_request(self, request_id, *, prepared: PreparedRequest) -> None:
+        self.log.append(("add", prepared.params.n))
+        self.pending.append(prepared)
+
+    def abort(self, request_id) -> bool:
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending)
+
+    def step(self) -> list[RequestOutput]:
+        self.log.append(("step", None))
+        self.gate.wait()
+        while self.hang.is_set():
+            wedged_in_a_step()
+        done, self.pending = self.pending, []
+        return [RequestOutput(p.request_id, None, [1],
+                              [CompletionOutput(i, "x", [7], "length") for i in range(p.params.n)],
+                              finished=True) for p in done]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, len(self.pending), 0, 0, 10, 0, 0, 0, 0, 0, 0, {})
+
+
+def wedged_in_a_step() -> None:
+    time.sleep(0.01)
+
+
+def wait_for(predicate, what: str, deadline_s: float = 30.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not predicate():
+        assert time.monotonic() < end, f"gave up waiting for {what}"
+        time.sleep(0.01)
+
+
+async def until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.01)
+
+
+async def _generate(engine: AsyncEngine, n: int) -> list:
+    return [out async for out in engine.generate([1], SamplingParams(n=n))]
+
+
+def test_a_burst_is_admitted_a_bounded_slice_per_step():
+    scripted = ScriptedEngine()
+    engine = AsyncEngine(scripted, max_sequences_per_step=16, stall_timeout=None)
+
+    async def main():
+        scripted.gate.clear()  # hold the loop in its first step while 60 requests of n = 4 arrive
+        first = asyncio.ensure_future(_generate(engine, 1))
+        await until(lambda: scripted.log)
+        burst = [asyncio.ensure_future(_generate(engine, 4)) for _ in range(60)]
+        await until(lambda: engine.num_queued >= 240)
+        scripted.gate.set()
+        return await first, await asyncio.gather(*burst)
+
+    try:
+        first, burst = asyncio.run(main())
+    finally:
+        scripted.gate.set()
+        assert engine.shutdown(10)
+    assert first[-1].finished and all(len(b[-1].outputs) == 4 for b in burst)
+    # Between two steps at most 16 sequences were admitted: 240 took at least 15 steps.
+    added = 0
+    for kind, sequences in scripted.log:
+        added = added + sequences if kind == "add" else 0
+        assert added <= 16
+    assert sum(1 for kind, _ in scripted.log if kind == "step") >= 15
+    assert engine.num_queued == 0
+
+
+def test_a_step_that_never_returns_is_a_stall_with_the_engine_stack(caplog):
+    caplog.set_level(logging.INFO, logger="jaxserve.async_engine")
+    scripted = ScriptedEngine()
+    engine = AsyncEngine(scripted, stall_timeout=0.3)
+    try:
+        assert not engine.is_stalled  # idle is not stalled, however long
+        time.sleep(0.5)
+        assert not engine.is_stalled and engine.stalled_for == 0
+        scripted.hang.set()
+
+        async def main():
+            task = asyncio.ensure_future(_generate(engine, 1))
+            while not engine.is_stalled:
+                await asyncio.sleep(0.01)
+            task.cancel()  # the client gives up; the engine is still stuck in its step
+
+        asyncio.run(asyncio.wait_for(main(), 30))
+        wait_for(lambda: any("engine stalled" in r.getMessage() for r in caplog.records),
+                 "the stall to be logged")
+        message = next(r.getMessage() for r in caplog.records
+                       if "engine stalled" in r.getMessage())
+        assert "wedged_in_a_step" in message and "in step" in message
+        assert not engine.shutdown(0.5)  # the thread cannot leave a step that never returns
+        scripted.hang.clear()  # the step returns after all: the thread ends
+        wait_for(lambda: not engine._thread.is_alive(), "the engine thread to end")
+        assert not engine.is_stalled
+    finally:
+        scripted.hang.clear()
+        engine.shutdown(10)
