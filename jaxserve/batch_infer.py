@@ -18,6 +18,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+from jaxserve.config import RequestLimits
+from jaxserve.errors import InvalidRequest, ModelNotFound, RequestFailed, error_reply
+from jaxserve.server.validation import load_json
+
 URL_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
@@ -41,16 +45,16 @@ class BatchLine:
 
 
 def _invalid(message: str, param: str | None = None) -> tuple[int, dict]:
-    return 400, {"error": {"message": message, "type": "invalid_request_error", "param": param,
-                           "code": None}}
+    return error_reply(InvalidRequest(message, param))
 
 
 def parse_line(number: int, text: str) -> BatchLine:
-    """Parse one input line; a malformed line becomes an error result, never an exception."""
+    """Parse one input line; a malformed line becomes an error result, never an exception.
+    A line is held to the server's limits on JSON (nesting, valid Unicode)."""
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        return BatchLine(number, None, error=_invalid(f"line {number} is not valid JSON: {e}"))
+        obj = load_json(text, RequestLimits().max_json_depth)
+    except InvalidRequest as e:
+        return BatchLine(number, None, error=_invalid(f"line {number}: {e}", e.param))
     if not isinstance(obj, dict):
         return BatchLine(number, None, error=_invalid(f"line {number} is not a JSON object"))
     custom_id = obj.get("custom_id")
@@ -123,18 +127,6 @@ def result_line(item: BatchLine, status: int, body: dict) -> dict:
             "error": None}
 
 
-def error_status(error: Exception) -> tuple[int, dict]:
-    """Status and body for a request the serving layer refused (same mapping as HTTP)."""
-    from jaxserve.errors import ContextLengthExceeded, ModelNotFound
-    if isinstance(error, ModelNotFound):
-        return 404, {"error": {"message": str(error), "type": "invalid_request_error",
-                               "param": "model", "code": "model_not_found"}}
-    code = "context_length_exceeded" if isinstance(error, ContextLengthExceeded) else None
-    status, body = _invalid(str(error), getattr(error, "param", None))
-    body["error"]["code"] = code
-    return status, body
-
-
 class ResultWriter:
     """Appends one whole line per result and flushes it, so the file is always resumable."""
 
@@ -151,7 +143,6 @@ class ResultWriter:
 
 async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progress) -> dict:
     """Run every item on `serving` (an OpenAIServing) concurrently; returns summary counts."""
-    from jaxserve.errors import InvalidRequest, ModelNotFound, RequestFailed
     counts = {"succeeded": 0, "failed": 0, "completion_tokens": 0}
     start = time.monotonic()  # not progress.start_t: tqdm stamps that with time.time()
 
@@ -173,12 +164,10 @@ async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progr
         try:
             gen = serving.prepare(item.kind, item.body)
             body = await gen.response()
-        except (InvalidRequest, ModelNotFound) as e:  # the engine's checks may refuse it too
-            finish(item, *error_status(e))
-            return
-        except RequestFailed as e:  # this request alone failed in the engine: a 500 line
-            finish(item, 500, {"error": {"message": str(e), "type": "server_error",
-                                         "param": None, "code": None}})
+        # A refused request (the engine's checks may refuse it too), or one that alone failed in
+        # the engine (a 500 line): each its own line, the batch goes on.
+        except (InvalidRequest, ModelNotFound, RequestFailed) as e:
+            finish(item, *error_reply(e))
             return
         except BaseException:
             if gen is not None:

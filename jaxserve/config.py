@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from jaxserve.errors import ConfigError
 
 _DTYPES = ("float32", "bfloat16", "float16")
+# Top logprobs per token: the sampler's compiled width (a static shape), so a request limit can
+# lower it but never raise it.
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,29 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """What one API request may ask for. Every limit is a 400 naming the field when exceeded, and
+    shows in GET /openapi.json (the request models are built from these values)."""
+
+    max_n: int = 128  # choices per prompt (`n`, and `best_of`): OpenAI's own limit
+    max_prompts: int = 128  # prompts in one completions request
+    max_stop: int = 16  # stop strings per request
+    max_stop_length: int = 256  # characters per stop string
+    max_logprobs: int = MAX_LOGPROBS  # `top_logprobs` (chat), `logprobs` (completions)
+    max_messages: int = 1024  # messages in one chat
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_json_depth: int = 64  # nesting of arrays and objects in a body
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < (0 if f.name == "max_logprobs" else 1):
+                raise ConfigError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+        if self.max_logprobs > MAX_LOGPROBS:
+            raise ConfigError(f"max_logprobs must be <= {MAX_LOGPROBS} (the sampler's compiled "
+                              f"width), got {self.max_logprobs}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -122,12 +148,21 @@ class ServerConfig:
     keepalive_seconds: float = 5.0
     log_prompts: bool = False
     max_queued_requests: int | None = None  # None: no limit
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Not ready (/ready 503, gRPC NOT_SERVING) once no engine step has completed this long while
+    # work is pending; the stall is logged with the engine thread's stack.
+    engine_stall_timeout: float = 60.0
+    # SIGTERM: in-flight requests get this long to finish, then are aborted.
+    shutdown_timeout: float = 20.0
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65536), got {self.port}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ConfigError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        for name in ("engine_stall_timeout", "shutdown_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -204,16 +204,36 @@ class LLMEngine:
         if len(ids) > max_len:
             raise ContextLengthExceeded(
                 f"the prompt has {len(ids)} tokens but max_model_len is {max_len}", "prompt")
-        page_size, pool = self.config.cache.page_size, self.runner.num_pages - 1
-        if params.max_tokens is None:  # as much as the context and the page pool allow
-            params = params.replace(max_tokens=max(1, min(max_len, pool * page_size) - len(ids)))
-        pages = -(-min(len(ids) + params.max_tokens, max_len) // page_size)
-        if pages > pool:
-            raise ContextLengthExceeded(
-                f"the request needs {pages} KV pages but the pool has {pool}", "max_tokens")
+        params = self.fit_kv_pool([len(ids)], params)
         grammar = (self.grammars.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         return PreparedRequest(request_id, text, ids, params, qos, grammar)
+
+    @property
+    def num_kv_pages(self) -> int:
+        """Usable pages of the KV pool (the null page excluded)."""
+        return self.runner.num_pages - 1
+
+    def fit_kv_pool(self, prompt_lens: Sequence[int], params: SamplingParams) -> SamplingParams:
+        """Check a request of several prompts, each run `params.n` times, against what the KV pool
+        can ever hold: all its sequences at their longest at once, so one request can never ask
+        for more than the whole pool (ContextLengthExceeded at once, never a queue forever).
+        A missing max_tokens becomes as many as the context and the sequences' even share of the
+        pool allow. Returns params with max_tokens set."""
+        page_size, pool = self.config.cache.page_size, self.num_kv_pages
+        max_len = self.max_model_len
+        seqs = params.n * len(prompt_lens)
+        if params.max_tokens is None:
+            share = pool // seqs * page_size
+            params = params.replace(max_tokens=max(1, min(max_len, share) - max(prompt_lens)))
+        pages = params.n * sum(-(-min(p + params.max_tokens, max_len) // page_size)
+                               for p in prompt_lens)
+        if pages > pool:
+            what = "" if seqs == 1 else f" for its {seqs} sequences"
+            param = "max_tokens" if seqs == 1 else "n" if params.n > 1 else "prompt"
+            raise ContextLengthExceeded(
+                f"the request needs {pages} KV pages{what} but the pool has {pool}", param)
+        return params
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

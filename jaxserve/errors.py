@@ -1,6 +1,8 @@
-"""Errors a user can hit. Each is typed so the front ends map it once to an HTTP / gRPC status."""
+"""Errors a user can hit, and the one table that maps each to an HTTP / gRPC / batch status."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class JaxServeError(Exception):
@@ -108,3 +110,66 @@ class Conflict(JaxServeError):
 
 class InsufficientMemory(JaxServeError):
     """A model version does not fit in the memory that is free."""
+
+
+@dataclass(frozen=True)
+class ErrorStatus:
+    """How one kind of error reaches a client: HTTP status (also a batch line's status_code),
+    gRPC status code name, and the OpenAI error body's `type` and `code`."""
+
+    http: int
+    grpc: str  # a grpc.StatusCode name; this module stays free of grpc
+    type: str
+    code: str | None = None
+
+
+# The one table from typed errors to statuses; the first matching class wins (subclasses first).
+_STATUS_TABLE: tuple[tuple[type[Exception], ErrorStatus], ...] = (
+    (ModelNotFound, ErrorStatus(404, "NOT_FOUND", "invalid_request_error", "model_not_found")),
+    (NotFound, ErrorStatus(404, "NOT_FOUND", "invalid_request_error", "not_found")),
+    (AlreadyExists, ErrorStatus(409, "ALREADY_EXISTS", "invalid_request_error", "already_exists")),
+    (ContextLengthExceeded, ErrorStatus(400, "INVALID_ARGUMENT", "invalid_request_error",
+                                        "context_length_exceeded")),
+    (InvalidRequest, ErrorStatus(400, "INVALID_ARGUMENT", "invalid_request_error")),
+    (EngineOverloaded, ErrorStatus(503, "RESOURCE_EXHAUSTED", "server_error", "overloaded")),
+    (EngineDead, ErrorStatus(503, "UNAVAILABLE", "server_error", "overloaded")),
+    # the gateway's (QueueTimeout is a RateLimitExceeded), as their docstrings say
+    (RateLimitExceeded, ErrorStatus(429, "RESOURCE_EXHAUSTED", "rate_limit_error",
+                                    "rate_limit_exceeded")),
+    (DeadlineExceeded, ErrorStatus(504, "DEADLINE_EXCEEDED", "timeout_error",
+                                   "deadline_exceeded")),
+    (Unauthenticated, ErrorStatus(401, "UNAUTHENTICATED", "invalid_request_error",
+                                  "invalid_api_key")),
+    (IdempotencyConflict, ErrorStatus(409, "ABORTED", "invalid_request_error",
+                                      "idempotency_conflict")),
+    (IdempotencyMismatch, ErrorStatus(422, "FAILED_PRECONDITION", "invalid_request_error",
+                                      "idempotency_key_reused")),
+    # the fleet's (the admin API)
+    (Conflict, ErrorStatus(409, "FAILED_PRECONDITION", "invalid_request_error", "conflict")),
+    (InsufficientMemory, ErrorStatus(409, "RESOURCE_EXHAUSTED", "invalid_request_error",
+                                     "insufficient_memory")),
+)
+_INTERNAL = ErrorStatus(500, "INTERNAL", "server_error")
+
+
+def error_status(error: BaseException) -> ErrorStatus:
+    """The status of any exception; anything untyped (RequestFailed included) is internal."""
+    for cls, status in _STATUS_TABLE:
+        if isinstance(error, cls):
+            return status
+    return _INTERNAL
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_reply(error: BaseException) -> tuple[int, dict]:
+    """The HTTP status (a batch line's status_code too) and OpenAI error body of any exception."""
+    status = error_status(error)
+    message = (str(error) if isinstance(error, JaxServeError)
+               else f"internal error: {type(error).__name__}: {error}")
+    # An unknown model names `model`; other errors name their field, if any.
+    param = "model" if isinstance(error, ModelNotFound) else getattr(error, "param", None)
+    return status.http, error_body(message, status.type, param, status.code)

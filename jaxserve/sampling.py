@@ -16,10 +16,10 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
+from jaxserve.config import MAX_LOGPROBS  # the sampler's compiled top-logprobs width
 from jaxserve.errors import InvalidRequest
 from jaxserve.structured.params import StructuredOutputsParams
 
-MAX_LOGPROBS = 20
 # Bounds the static width of the per-row "blocked ids" array the sampler masks while min_tokens
 # holds back EOS and stop tokens, so that width never depends on a request.
 MAX_STOP_TOKEN_IDS = 64

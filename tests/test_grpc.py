@@ -437,16 +437,21 @@ def test_16_concurrent_streams_equal_golden(smollm2, smollm2_golden):
 
 
 def test_typed_errors_map_to_grpc_and_http_statuses():
-    """One table per front end: a full queue is RESOURCE_EXHAUSTED / 503, a dead engine
-    UNAVAILABLE / 503, a bad request INVALID_ARGUMENT / 400."""
-    from jaxserve.errors import EngineDead, EngineOverloaded, InvalidRequest, ModelNotFound
+    """One table (jaxserve.errors) for both front ends: a full queue is RESOURCE_EXHAUSTED / 503,
+    a dead engine UNAVAILABLE / 503, a bad request INVALID_ARGUMENT / 400, ..."""
+    from jaxserve.errors import (DeadlineExceeded, EngineDead, EngineOverloaded, InvalidRequest,
+                                 ModelNotFound, QueueTimeout, RequestFailed, Unauthenticated)
     from jaxserve.server.grpc import status_for
     from jaxserve.server.http import _error_status
 
     cases = [(EngineOverloaded("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
              (EngineDead("gone"), grpc.StatusCode.UNAVAILABLE, 503),
              (InvalidRequest("bad", "top_p"), grpc.StatusCode.INVALID_ARGUMENT, 400),
-             (ModelNotFound("nope"), grpc.StatusCode.NOT_FOUND, 404)]
+             (ModelNotFound("nope"), grpc.StatusCode.NOT_FOUND, 404),
+             (QueueTimeout("waited too long"), grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+             (DeadlineExceeded("late"), grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+             (Unauthenticated("who?"), grpc.StatusCode.UNAUTHENTICATED, 401),
+             (RequestFailed("one request"), grpc.StatusCode.INTERNAL, 500)]
     for error, code, http_status in cases:
         assert status_for(error) == code
         assert _error_status(error)[0] == http_status

@@ -1,12 +1,21 @@
 """OpenAI request parsing (no engine, no I/O): every field is used or rejected with a 400 that
-names it; known fields we do not implement pass only at their neutral value."""
+names it; known fields we do not implement pass only at their neutral value; the request limits;
+hostile JSON (lone surrogates, deep nesting); and any JSON value at all parses or is a typed 4xx."""
 
 from __future__ import annotations
 
-import pytest
+import functools
+import json
 
-from jaxserve.errors import InvalidRequest
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxserve.config import RequestLimits
+from jaxserve.errors import ConfigError, InvalidRequest, error_status
 from jaxserve.server.protocol import parse_chat_request, parse_completion_request
+from jaxserve.server.request_models import request_models
+from jaxserve.server.validation import load_json
 
 MSGS = [{"role": "user", "content": "Hi"}]
 
@@ -131,3 +140,107 @@ def test_body_must_be_an_object():
     for body in ([], "x", None, 3):
         with pytest.raises(InvalidRequest, match="JSON object"):
             parse_chat_request(body)
+
+
+# ---------------------------------------------------------------- request limits
+
+
+@pytest.mark.parametrize("parse, fields, param", [
+    (chat, {"n": 129}, "n"),
+    (chat, {"n": 1_000_000}, "n"),
+    (chat, {"n": 129, "best_of": 129}, "n"),
+    (completion, {"best_of": 200}, "best_of"),
+    (completion, {"prompt": ["a"] * 129}, "prompt"),
+    (completion, {"prompt": [[1]] * 129}, "prompt"),
+    (chat, {"stop": ["s"] * 17}, "stop"),
+    (chat, {"stop": "x" * 257}, "stop"),
+    (chat, {"stop": ["ok", "x" * 257]}, "stop"),
+    (chat, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (chat, {"messages": MSGS * 1025}, "messages"),
+])
+def test_default_limits_name_the_field(parse, fields, param):
+    with pytest.raises(InvalidRequest) as e:
+        parse(**fields)
+    assert e.value.param == param, str(e.value)
+
+
+def test_limits_are_configurable_and_shape_the_schema():
+    limits = RequestLimits(max_n=4, max_prompts=2, max_stop=1, max_stop_length=3,
+                           max_logprobs=2, max_messages=2)
+    body = {"model": "m", "messages": MSGS}
+    assert parse_chat_request({**body, "n": 4}, limits).sampling_params.n == 4
+    for fields, param in [({"n": 5}, "n"), ({"stop": ["a", "b"]}, "stop"),
+                          ({"stop": "abcd"}, "stop"), ({"messages": MSGS * 3}, "messages"),
+                          ({"logprobs": True, "top_logprobs": 3}, "top_logprobs")]:
+        with pytest.raises(InvalidRequest) as e:
+            parse_chat_request({**body, **fields}, limits)
+        assert e.value.param == param
+    with pytest.raises(InvalidRequest, match=r"'logprobs' must be in \[0, 2\]"):
+        parse_completion_request({"model": "m", "prompt": "a", "logprobs": 3}, limits)
+    with pytest.raises(InvalidRequest) as e:
+        parse_completion_request({"model": "m", "prompt": ["a", "b", "c"]}, limits)
+    assert e.value.param == "prompt" and "at most 2" in str(e.value)
+    # The published schema carries the same numbers: one definition for both.
+    schema = request_models(limits).chat.model_json_schema()
+    assert {"maximum": 4, "type": "integer"} in schema["properties"]["n"]["anyOf"]
+    assert schema["properties"]["messages"]["maxItems"] == 2
+    with pytest.raises(ConfigError):
+        RequestLimits(max_logprobs=21)  # the sampler's compiled width
+    with pytest.raises(ConfigError):
+        RequestLimits(max_n=0)
+
+
+# ---------------------------------------------------------------- hostile JSON
+
+
+def test_lone_surrogates_nesting_and_non_json_numbers_are_400s():
+    body = json.dumps({"model": "m", "prompt": ["fine", "\ud800 not unicode"]})
+    assert "\\ud800" in body  # valid JSON: the escape is legal, the text it makes is not
+    with pytest.raises(InvalidRequest, match="not valid Unicode") as e:
+        load_json(body, 64)
+    assert e.value.param == "prompt"
+    with pytest.raises(InvalidRequest, match="not valid Unicode") as e:
+        load_json('{"\\udc00": 1}', 64)  # a key
+    assert e.value.param is None
+    for deep in ("[" * 5000 + "]" * 5000, '{"a": ' * 100_000 + "1" + "}" * 100_000):
+        with pytest.raises(InvalidRequest, match="nests deeper than 64"):
+            load_json(deep, 64)
+    assert load_json("[" * 64 + "]" * 64, 64) == functools.reduce(lambda x, _: [x], range(63), [])
+    with pytest.raises(InvalidRequest, match="nests deeper than 3") as e:
+        load_json('{"messages": [{"content": [1]}]}', 3)
+    assert e.value.param == "messages"
+    for text in ('{"temperature": NaN}', '{"n": Infinity}', '{"seed": ' + "9" * 5000 + "}",
+                 b"\xff\xfe{", "{not json"):
+        with pytest.raises(InvalidRequest, match="malformed JSON"):
+            load_json(text, 64)
+
+
+# ---------------------------------------------------------------- property: any JSON value
+
+
+_SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+            | st.text(max_size=12) | st.sampled_from(["\ud800", "a\udfffb", "", "user"]))
+_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)
+
+
+def _near_valid(model, base: dict) -> st.SearchStrategy:
+    """A valid body with a few of the model's own fields set to arbitrary values: past the
+    unknown-field check into each field's validation, and on into SamplingParams."""
+    return st.dictionaries(st.sampled_from(sorted(model.model_fields)), _JSON,
+                           max_size=3).map(lambda d: {**base, **d})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["chat", "completion"]), body=st.one_of(
+    _JSON, _near_valid(request_models().chat, {"model": "m", "messages": MSGS}),
+    _near_valid(request_models().completion, {"model": "m", "prompt": "Hi"})))
+def test_any_json_is_a_parsed_request_or_a_typed_4xx(kind, body):
+    parse = parse_chat_request if kind == "chat" else parse_completion_request
+    try:
+        parsed = parse(load_json(json.dumps(body), 64))
+    except InvalidRequest as e:  # ContextLengthExceeded included
+        assert 400 <= error_status(e).http < 500 and str(e)
+        assert e.param is None or isinstance(e.param, str)
+        return
+    assert parsed.kind == kind and parsed.prompts and parsed.sampling_params.n >= 1

@@ -26,6 +26,7 @@ from jaxserve.engine import LLMEngine
 from jaxserve.server.http import attach_engine, build_app, start_server
 from jaxserve.server.openai_serving import with_keepalive
 from jaxserve.server.process import ServerProcess
+from jaxserve.server.rag_routes import add_rag_routes
 from tests.test_cli import ROOT, tiny_gguf
 from tests.test_engine import assert_no_leaks
 
@@ -67,11 +68,14 @@ class ServerThread:
     """The aiohttp app on its own event-loop thread (as `jaxserve serve` runs it), so the tests
     can use blocking clients too. Bound to 127.0.0.1 on a free port."""
 
-    def __init__(self, model_name: str, **config):
+    def __init__(self, model_name: str, rag=None, **config):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.app = build_app(ServerConfig(port=0, **config), model_name)
+        self.rag = rag
+        if rag is not None:  # a RagService: its routes too
+            add_rag_routes(self.app, rag)
         self.runner, port = self._call(start_server(self.app, "127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{port}"
 
@@ -79,7 +83,7 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
 
     def attach(self, engine: AsyncEngine) -> None:
-        self.loop.call_soon_threadsafe(attach_engine, self.app, engine)
+        self.loop.call_soon_threadsafe(attach_engine, self.app, engine, self.rag)
         wait_for(lambda: http_get(f"{self.url}/ready").status_code == 200, "ready")
 
     def stop(self) -> None:
@@ -588,6 +592,23 @@ def test_warmup_then_ready_then_engine_failure(tiny_path, caplog):
         r = http_post(f"{srv.url}/v1/chat/completions",
                       {**_CHAT, "model": "tiny", "max_tokens": 60})
         assert r.status_code == 400 and "KV pages" in r.json()["error"]["message"]
+        # A request must fit the pool as a whole: two 40-token sequences need 6 of the 5 pages,
+        # whether they are n = 2 choices or two prompts; one of them fits.
+        for fields, param in (({"prompt": [5] * 20, "n": 2}, "n"),
+                              ({"prompt": [[5] * 20, [6] * 20]}, "prompt")):
+            r = http_post(f"{srv.url}/v1/completions", {"model": "tiny", "max_tokens": 20,
+                                                        **fields})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param, err
+            assert "needs 6 KV pages for its 2 sequences but the pool has 5" in err["message"]
+        r = http_post(f"{srv.url}/v1/completions", {"model": "tiny", "prompt": [5] * 20,
+                                                    "max_tokens": 20, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
+        # Without max_tokens, n chat choices share the pool: 2 pages (32 tokens) each.
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "system",
+                                                                    "content": "x"}], n=2,
+                                           extra_body={"ignore_eos": True})
+        assert r.usage.prompt_tokens + r.usage.completion_tokens // 2 == 32
 
         # One request failing on its own (here: its host-side token handling) is a 500 for that
         # request only; the next request is served.

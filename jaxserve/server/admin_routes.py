@@ -24,19 +24,20 @@ import hmac
 
 from aiohttp import web
 
-from jaxserve.errors import (ConfigError, Conflict, InsufficientMemory, InvalidRequest,
-                             TokenizerError, WeightsError)
+from jaxserve.errors import (ConfigError, InvalidRequest, TokenizerError, WeightsError,
+                             error_body)
 from jaxserve.fleet.deployment import parse_route, parse_version
 from jaxserve.fleet.fleet import Fleet
 from jaxserve.server.json_body import read_object
-from jaxserve.server.protocol import error_body
+from jaxserve.server.openapi import Route, add_routes
 
 FLEET_KEY = web.AppKey("admin_fleet", Fleet)
 _KEY_DIGEST = web.AppKey("admin_key_digest", bytes)
-# The admin API's own errors; the rest (400 InvalidRequest, 404 NotFound / ModelNotFound, 409
-# AlreadyExists) go through the app's error middleware like every other route's.
-_STATUS = {Conflict: (409, "conflict"), InsufficientMemory: (409, "insufficient_memory"),
-           WeightsError: (400, "invalid_model"), TokenizerError: (400, "invalid_model"),
+# The admin API's own reading of errors that elsewhere are the server's (a model it cannot load is
+# the caller's 400 here); the rest (400 InvalidRequest, 404 NotFound / ModelNotFound, 409
+# AlreadyExists / Conflict / InsufficientMemory) go through the app's error middleware and the
+# one table in jaxserve.errors, like every other route's.
+_STATUS = {WeightsError: (400, "invalid_model"), TokenizerError: (400, "invalid_model"),
            ConfigError: (400, "invalid_model")}
 
 
@@ -128,12 +129,21 @@ def add_admin_routes(app: web.Application, fleet: Fleet, admin_key: str) -> None
         raise ConfigError("the admin key must not be empty")
     app[FLEET_KEY] = fleet
     app[_KEY_DIGEST] = _digest(admin_key)
-    app.add_routes([
-        web.get("/admin/v1/versions", list_versions),
-        web.post("/admin/v1/versions", load_version),
-        web.get("/admin/v1/versions/{name}", get_version),
-        web.delete("/admin/v1/versions/{name}", unload_version),
-        web.get("/admin/v1/routes", list_routes),
-        web.put("/admin/v1/routes/{route}", put_route),
-        web.post("/admin/v1/routes/{route}/rollback", rollback_route),
+    # Described in /openapi.json without body or answer schemas: the fleet parses these bodies
+    # itself (jaxserve.fleet.deployment), with no request model to publish yet.
+    errors, tags = (400, 401, 404, 409), ("admin",)
+    add_routes(app, [
+        Route("GET", "/admin/v1/versions", list_versions, "Model versions", errors=errors,
+              tags=tags),
+        Route("POST", "/admin/v1/versions", load_version, "Load a version", ok_status=202,
+              errors=errors, tags=tags),
+        Route("GET", "/admin/v1/versions/{name}", get_version, "One version", errors=errors,
+              tags=tags),
+        Route("DELETE", "/admin/v1/versions/{name}", unload_version, "Drain, then unload",
+              ok_status=202, errors=errors, tags=tags),
+        Route("GET", "/admin/v1/routes", list_routes, "Routes", errors=errors, tags=tags),
+        Route("PUT", "/admin/v1/routes/{route}", put_route, "Change a route", errors=errors,
+              tags=tags),
+        Route("POST", "/admin/v1/routes/{route}/rollback", rollback_route,
+              "Back to the previous settings", errors=errors, tags=tags),
     ])

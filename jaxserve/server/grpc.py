@@ -12,8 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.errors import (AlreadyExists, EngineDead, EngineOverloaded, InvalidRequest,
-                             JaxServeError, ModelNotFound, NotFound)
+from jaxserve.config import RequestLimits
+from jaxserve.errors import InvalidRequest, JaxServeError, error_status
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.server.openai_serving import OpenAIServing
@@ -47,25 +47,17 @@ def completion_body(request: pb.GenerateRequest) -> dict:
 
 
 def status_for(error: Exception) -> grpc.StatusCode:
-    """The gRPC status of a typed user error (ContextLengthExceeded is an InvalidRequest)."""
-    if isinstance(error, (ModelNotFound, NotFound)):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(error, AlreadyExists):
-        return grpc.StatusCode.ALREADY_EXISTS
-    if isinstance(error, EngineOverloaded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(error, EngineDead):
-        return grpc.StatusCode.UNAVAILABLE
-    if isinstance(error, InvalidRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    return grpc.StatusCode.INTERNAL
+    """The gRPC status of an error, from the one table in jaxserve.errors."""
+    return grpc.StatusCode[error_status(error).grpc]
 
 
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, engine, model_name: str, rag: RagService | None = None,
-                 max_queued_requests: int | None = None):
+                 max_queued_requests: int | None = None,
+                 limits: RequestLimits = RequestLimits()):
         self.engine = engine
-        self.serving = OpenAIServing(engine, model_name, max_queued_requests=max_queued_requests)
+        self.serving = OpenAIServing(engine, model_name, max_queued_requests=max_queued_requests,
+                                     limits=limits)
         self.model_name = model_name
         self.rag = rag
 
@@ -120,7 +112,8 @@ class GenerationService(pb_grpc.GenerationServicer):
 
 class EngineHealthServicer(health.aio.HealthServicer):
     """gRPC health that turns NOT_SERVING once the engine loop has died (a probe restarts the
-    process), whatever status was set while it ran."""
+    process) or while it is stalled (no step for the stall timeout while work waits), whatever
+    status was set while it ran."""
 
     def __init__(self, engine):
         super().__init__()
@@ -128,7 +121,7 @@ class EngineHealthServicer(health.aio.HealthServicer):
 
     async def Check(self, request, context):
         response = await super().Check(request, context)
-        if not self._engine.is_running:
+        if not self._engine.is_running or self._engine.is_stalled:
             return health_pb2.HealthCheckResponse(
                 status=health_pb2.HealthCheckResponse.NOT_SERVING)
         return response
@@ -138,15 +131,16 @@ async def start_grpc_server(engine, host: str, port: int, model_name: str,
                             health_servicer: health.aio.HealthServicer | None = None,
                             rag: RagService | None = None,
                             max_queued_requests: int | None = None,
-                            credentials: grpc.ServerCredentials | None = None):
+                            credentials: grpc.ServerCredentials | None = None,
+                            limits: RequestLimits = RequestLimits()):
     """Start serving on host:port (0 picks a free port); returns (server, bound_port). With
-    `rag`, Embed answers with its encoder (else UNIMPLEMENTED); `max_queued_requests` as in
-    OpenAIServing; with `credentials`, over TLS.
+    `rag`, Embed answers with its encoder (else UNIMPLEMENTED); `max_queued_requests` and
+    `limits` as in OpenAIServing; with `credentials`, over TLS.
 
     Health reports SERVING for the service and for "" once this returns, so call it after
     the engine has warmed up."""
     server = grpc.aio.server()
-    service = GenerationService(engine, model_name, rag, max_queued_requests)
+    service = GenerationService(engine, model_name, rag, max_queued_requests, limits)
     pb_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health_servicer or EngineHealthServicer(engine)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

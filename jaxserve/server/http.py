@@ -1,10 +1,11 @@
 """aiohttp OpenAI-compatible front end: chat and text completions (SSE streaming), models,
-tokenize/detokenize, health/ready, Prometheus metrics.
+tokenize/detokenize, health/ready, Prometheus metrics, and GET /openapi.json describing them all.
 
-The handlers only translate: protocol.py parses requests, the AsyncEngine generates, this module
-streams. A client that goes away (mid-stream or while waiting for a non-streaming answer) cancels
-its handler — the server runs with handler cancellation on — and the `finally` blocks abort its
-engine requests, so their KV pages return at once.
+The handlers only translate: a body is read within the request limits (size, nesting, Unicode)
+and validated by its request model, protocol.py turns it into engine requests, the AsyncEngine
+generates, this module streams. A client that goes away (mid-stream or while waiting for a
+non-streaming answer) cancels its handler — the server runs with handler cancellation on — and
+the `finally` blocks abort its engine requests, so their KV pages return at once.
 """
 
 from __future__ import annotations
@@ -13,16 +14,19 @@ import asyncio
 import json
 import logging
 import ssl
-from typing import Any
 
 from aiohttp import web
 
 from jaxserve.config import ServerConfig
-from jaxserve.errors import (AlreadyExists, ContextLengthExceeded, EngineDead, EngineOverloaded,
-                             InvalidRequest, JaxServeError, ModelNotFound, NotFound)
+from jaxserve.errors import (EngineOverloaded, InvalidRequest, JaxServeError, error_reply,
+                             error_status)
 from jaxserve.server import protocol
+from jaxserve.server import response_models as out
+from jaxserve.server.json_body import LIMITS_KEY, parse_body, read_json
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.openai_serving import Generation, OpenAIServing
+from jaxserve.server.openapi import ROUTES_KEY, Route, add_routes, openapi_document
+from jaxserve.server.request_models import DetokenizeRequest, request_models
 
 log = logging.getLogger("jaxserve.server")
 
@@ -36,6 +40,8 @@ class _State:
         self.model_name = model_name
         self.serving: OpenAIServing | None = None
         self.metrics = ServerMetrics(self._stats, model_name)
+        self.shutting_down = False  # set on SIGTERM: not ready while in-flight requests drain
+        self.openapi: dict | None = None  # built on first request, once every route is added
 
     def _stats(self):
         return None if self.serving is None else self.serving.engine.stats()
@@ -43,7 +49,7 @@ class _State:
     def attach(self, engine, rag=None) -> None:
         self.serving = OpenAIServing(engine, self.model_name, self.metrics,
                                      self.config.log_prompts, rag,
-                                     self.config.max_queued_requests)
+                                     self.config.max_queued_requests, self.config.limits)
 
     def require_serving(self) -> OpenAIServing:
         if self.serving is None:
@@ -55,24 +61,11 @@ STATE_KEY = web.AppKey("state", _State)
 
 
 def _error_status(exc: Exception) -> tuple[int, dict]:
-    """The one place where typed errors become HTTP statuses and OpenAI error bodies."""
-    if isinstance(exc, ModelNotFound):
-        return 404, protocol.error_body(str(exc), "invalid_request_error", "model",
-                                        "model_not_found")
-    if isinstance(exc, NotFound):  # a RAG collection or document
-        return 404, protocol.error_body(str(exc), "invalid_request_error", exc.param, "not_found")
-    if isinstance(exc, AlreadyExists):
-        return 409, protocol.error_body(str(exc), "invalid_request_error", exc.param,
-                                        "already_exists")
-    if isinstance(exc, ContextLengthExceeded):
-        return 400, protocol.error_body(str(exc), "invalid_request_error", exc.param,
-                                        "context_length_exceeded")
-    if isinstance(exc, InvalidRequest):
-        return 400, protocol.error_body(str(exc), "invalid_request_error", exc.param)
-    if isinstance(exc, (EngineOverloaded, EngineDead)):
-        return 503, protocol.error_body(str(exc), "server_error", code="overloaded")
-    log.exception("request failed", exc_info=exc)
-    return 500, protocol.error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error")
+    """Status and OpenAI error body of an exception (the table is jaxserve.errors'); a 500 is
+    logged with its traceback."""
+    if error_status(exc).http == 500:
+        log.exception("request failed", exc_info=exc)
+    return error_reply(exc)
 
 
 def _map_error(exc: Exception) -> web.Response:
@@ -94,16 +87,9 @@ async def _errors_middleware(request: web.Request, handler):
         return _map_error(exc)
 
 
-async def _json_body(request: web.Request) -> Any:
-    try:
-        return await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"malformed JSON body: {exc}") from None
-
-
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state: _State = request.app[STATE_KEY]
-    gen = await state.require_serving().prepare_async(kind, await _json_body(request))
+    gen = await state.require_serving().prepare_async(kind, await read_json(request))
     status = "error"
     try:
         if gen.parsed.stream:
@@ -157,7 +143,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "completion")
 
 
-async def models(request: web.Request) -> web.Response:
+async def models_route(request: web.Request) -> web.Response:
     state: _State = request.app[STATE_KEY]
     serving = state.require_serving()
     return web.json_response({"object": "list", "data": [{
@@ -165,29 +151,19 @@ async def models(request: web.Request) -> web.Response:
         "owned_by": "jaxserve", "max_model_len": serving.engine.max_model_len}]})
 
 
-async def _object_body(request: web.Request, serving: OpenAIServing) -> dict:
-    body = await _json_body(request)
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    if "model" in body:
-        serving.check_model(body["model"])
-    return body
-
-
 async def tokenize(request: web.Request) -> web.Response:
-    serving = request.app[STATE_KEY].require_serving()
-    body = await _object_body(request, serving)
+    state: _State = request.app[STATE_KEY]
+    serving = state.require_serving()
+    body = await parse_body(request, request_models(state.config.limits).tokenize)
+    if body.model is not None:
+        serving.check_model(body.model)
     tok = serving.tokenizer
-    if isinstance(body.get("prompt"), str):
-        add_special = body.get("add_special_tokens", True)
-        if not isinstance(add_special, bool):
-            raise InvalidRequest("'add_special_tokens' must be a boolean",
-                                 param="add_special_tokens")
-        ids = tok.encode(body["prompt"], add_special_tokens=add_special)
-    elif isinstance(body.get("messages"), list):
-        parsed = protocol.parse_chat_request({"model": serving.model_name,
-                                              "messages": body["messages"]})
-        ids = tok.apply_chat_template(parsed.prompts[0], add_generation_prompt=True)
+    if body.prompt is not None:
+        add_special = body.add_special_tokens is not False
+        ids = tok.encode(body.prompt, add_special_tokens=add_special)
+    elif body.messages is not None:
+        ids = tok.apply_chat_template(protocol.flatten_messages(body.messages),
+                                      add_generation_prompt=True)
     else:
         raise InvalidRequest("give 'prompt' (a string) or 'messages' (a list)", param="prompt")
     return web.json_response({"tokens": list(ids), "count": len(ids),
@@ -196,11 +172,11 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     serving = request.app[STATE_KEY].require_serving()
-    body = await _object_body(request, serving)
-    if not protocol.is_token_list(body.get("tokens")):
-        raise InvalidRequest("'tokens' must be a list of token ids", param="tokens")
-    serving.check_token_ids(body["tokens"], "tokens")
-    return web.json_response({"prompt": serving.tokenizer.decode(body["tokens"],
+    body = await parse_body(request, DetokenizeRequest)
+    if body.model is not None:
+        serving.check_model(body.model)
+    serving.check_token_ids(body.tokens, "tokens")
+    return web.json_response({"prompt": serving.tokenizer.decode(body.tokens,
                                                                  skip_special_tokens=False)})
 
 
@@ -210,10 +186,15 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     state: _State = request.app[STATE_KEY]
+    if state.shutting_down:
+        return web.json_response({"status": "shutting down"}, status=503)
     if state.serving is None:
         return web.json_response({"status": "warming up"}, status=503)
-    if not state.serving.engine.is_running:  # the engine loop died: a balancer should move on
+    engine = state.serving.engine
+    if not engine.is_running:  # the engine loop died: a balancer should move on
         return web.json_response({"status": "engine stopped"}, status=503)
+    if engine.is_stalled:  # no step for --engine-stall-timeout while work waits
+        return web.json_response({"status": "engine stalled"}, status=503)
     return web.json_response({"status": "ready"})
 
 
@@ -222,19 +203,55 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    state: _State = request.app[STATE_KEY]
+    if state.openapi is None:
+        state.openapi = openapi_document(request.app[ROUTES_KEY], "jaxserve", _version())
+    return web.json_response(state.openapi)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jaxserve")
+    except PackageNotFoundError:
+        return "0"
+
+
+def _routes(config: ServerConfig) -> list[Route]:
+    models = request_models(config.limits)
+    gen = (400, 404, 500, 503)
+    return [
+        Route("POST", "/v1/chat/completions", chat_completions, "Chat completion (OpenAI)",
+              models.chat, out.ChatCompletion, chunk=out.ChatCompletionChunk, errors=gen,
+              tags=("openai",)),
+        Route("POST", "/v1/completions", completions, "Text completion (OpenAI)",
+              models.completion, out.Completion, chunk=out.CompletionChunk, errors=gen,
+              tags=("openai",)),
+        Route("GET", "/v1/models", models_route, "The served model", ok=out.ModelList,
+              errors=(503,), tags=("openai",)),
+        Route("POST", "/tokenize", tokenize, "Prompt or chat messages -> token ids",
+              models.tokenize, out.Tokens, errors=(400, 404, 503), tags=("tokens",)),
+        Route("POST", "/detokenize", detokenize, "Token ids -> text", DetokenizeRequest,
+              out.Detokenized, errors=(400, 404, 503), tags=("tokens",)),
+        Route("GET", "/health", health, "Alive (200 from the start, while warming up too)",
+              ok=out.Status, tags=("operations",)),
+        Route("GET", "/ready", ready, "Ready to generate: 200, else 503 with the reason",
+              ok=out.Status, errors=(503,), tags=("operations",)),
+        Route("GET", "/metrics", metrics, "Prometheus metrics", ok="text/plain",
+              tags=("operations",)),
+        Route("GET", "/openapi.json", openapi, "This description (OpenAPI 3.1)",
+              tags=("operations",)),
+    ]
+
+
 def build_app(config: ServerConfig, model_name: str) -> web.Application:
-    app = web.Application(middlewares=[_errors_middleware], client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=[_errors_middleware],
+                          client_max_size=config.limits.max_body_bytes)
     app[STATE_KEY] = _State(config, model_name)
-    app.add_routes([
-        web.post("/v1/chat/completions", chat_completions),
-        web.post("/v1/completions", completions),
-        web.get("/v1/models", models),
-        web.post("/tokenize", tokenize),
-        web.post("/detokenize", detokenize),
-        web.get("/health", health),
-        web.get("/ready", ready),
-        web.get("/metrics", metrics),
-    ])
+    app[LIMITS_KEY] = config.limits
+    add_routes(app, _routes(config))
     return app
 
 
@@ -244,13 +261,21 @@ def attach_engine(app: web.Application, engine, rag=None) -> None:
     app[STATE_KEY].attach(engine, rag)
 
 
+def begin_shutdown(app: web.Application) -> None:
+    """/ready answers 503 from now on, so balancers stop sending while requests drain."""
+    app[STATE_KEY].shutting_down = True
+
+
 async def start_server(app: web.Application, host: str, port: int,
-                       ssl_context: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
+                       ssl_context: ssl.SSLContext | None = None,
+                       shutdown_timeout: float = 60.0) -> tuple[web.AppRunner, int]:
     """Start listening (HTTPS with `ssl_context`); returns the runner (for cleanup) and the bound
-    port (port 0 picks one)."""
+    port (port 0 picks one). `runner.cleanup()` lets in-flight requests run up to
+    `shutdown_timeout`, then cancels them."""
     # handler_cancellation: a client that disconnects cancels its handler, whose finally aborts
     # the engine request.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=shutdown_timeout)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()

@@ -3,23 +3,46 @@
 The HTTP server listens first, so /health answers and /ready says "warming up" while weights load
 and every program compiles; then the engine attaches and /ready turns 200, and stdout says how long
 that took (weights, compilation, total). The bound URL is printed on stdout (port 0 picks a free
-one). SIGINT/SIGTERM stop the servers, then the engine thread.
+one).
+
+SIGINT/SIGTERM end the process within a bounded time: /ready turns 503 and the listeners close,
+in-flight requests get --shutdown-timeout to finish and are then cancelled (which aborts their
+engine requests), then the engine thread stops. If it does not (a step that never returns), its
+stack is logged and the process exits with status 1 instead of hanging; a deadline timer, and a
+second signal, end it in any case. A signal during warmup exits at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import faulthandler
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
-from jaxserve.config import ServerConfig
+from jaxserve.config import RequestLimits, ServerConfig
 from jaxserve.errors import ModelNotFound
 
 log = logging.getLogger("jaxserve.server")
+_DEFAULTS = ServerConfig()
+_ENGINE_STOP_S = 5.0  # for the engine thread to leave its loop once the drain is over
+_DEADLINE_MARGIN_S = 15.0  # beyond drain + engine stop, before the process is ended regardless
+_LIMIT_HELP = {
+    "max_n": "largest `n` (and `best_of`) a request may ask",
+    "max_prompts": "most prompts in one completions request",
+    "max_stop": "most stop strings in one request",
+    "max_stop_length": "longest stop string, in characters",
+    "max_logprobs": "largest `top_logprobs` (chat) / `logprobs` (completions), at most 20",
+    "max_messages": "most messages in one chat request",
+    "max_body_bytes": "largest request body, in bytes",
+    "max_json_depth": "deepest nesting of arrays and objects in a request body",
+}
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +61,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="refuse new requests (HTTP 503, gRPC RESOURCE_EXHAUSTED) while this "
                              "many sequences wait for a slot (default: no limit)")
+    parser.add_argument("--engine-stall-timeout", type=float,
+                        default=_DEFAULTS.engine_stall_timeout,
+                        help="/ready and gRPC health turn not-ready, and the engine thread's "
+                             "stack is logged, once no step has completed this many seconds "
+                             "while work is pending (default: %(default)s)")
+    parser.add_argument("--shutdown-timeout", type=float, default=_DEFAULTS.shutdown_timeout,
+                        help="on SIGTERM, in-flight requests get this many seconds to finish "
+                             "before they are aborted (default: %(default)s)")
+    limits = parser.add_argument_group("request limits (a request past one is a 400 naming the "
+                                       "field)")
+    for f in dataclasses.fields(RequestLimits):
+        limits.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default,
+                            help=f"{_LIMIT_HELP[f.name]} (default: %(default)s)")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="retrieval collections live here (default: the jaxserve cache's rag/)")
     parser.add_argument("--no-rag", action="store_true",
@@ -46,6 +82,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve HTTPS and gRPC over TLS with this PEM certificate (chain)")
     parser.add_argument("--ssl-keyfile", type=Path, default=None,
                         help="the PEM private key of --ssl-certfile")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    limits = RequestLimits(**{f.name: getattr(args, f.name)
+                              for f in dataclasses.fields(RequestLimits)})
+    return ServerConfig(host=args.host, port=args.port, grpc_port=args.grpc_port,
+                        served_model_name=args.served_model_name,
+                        keepalive_seconds=args.keepalive_seconds, log_prompts=args.log_prompts,
+                        max_queued_requests=args.max_queued_requests, limits=limits,
+                        engine_stall_timeout=args.engine_stall_timeout,
+                        shutdown_timeout=args.shutdown_timeout)
+
+
+def _exit_now(code: int) -> None:
+    """End the process at once, whatever its threads are doing (they may never return)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _overdue() -> None:
+    log.error("shutdown did not finish in time; every thread's stack follows, then exit 1")
+    faulthandler.dump_traceback(all_threads=True)
+    _exit_now(1)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -58,10 +119,7 @@ async def serve(args: argparse.Namespace) -> int:
     from jaxserve.server.tls import TlsConfig
 
     started = time.perf_counter()
-    config = ServerConfig(host=args.host, port=args.port, grpc_port=args.grpc_port,
-                          served_model_name=args.served_model_name,
-                          keepalive_seconds=args.keepalive_seconds, log_prompts=args.log_prompts,
-                          max_queued_requests=args.max_queued_requests)
+    config = server_config(args)
     model_name = config.served_model_name or args.model
     tls = TlsConfig.from_args(args.ssl_certfile, args.ssl_keyfile)
     scheme = "https" if tls else "http"
@@ -70,20 +128,37 @@ async def serve(args: argparse.Namespace) -> int:
     if rag is not None:
         add_rag_routes(app, rag)
     runner, port = await start_server(app, config.host, config.port,
-                                      tls.ssl_context() if tls else None)
+                                      tls.ssl_context() if tls else None, config.shutdown_timeout)
     print(f"jaxserve: warming up {model_name}; health at {scheme}://{config.host}:{port}/health",
           flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second signal: no more waiting
+            _overdue()
+        stop.set()
+        deadline = threading.Timer(
+            config.shutdown_timeout + _ENGINE_STOP_S + _DEADLINE_MARGIN_S, _overdue)
+        deadline.daemon = True  # a shutdown that finishes in time does not wait for it
+        deadline.start()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
+    load = loop.run_in_executor(None, lambda: LLMEngine.from_model(
+        args.model, dtype=args.dtype, **engine_args(args)))
+    stopped = asyncio.ensure_future(stop.wait())
     engine = grpc_server = None
     try:
-        llm_engine = await loop.run_in_executor(None, lambda: LLMEngine.from_model(
-            args.model, dtype=args.dtype, **engine_args(args)))
+        await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not load.done():  # the warmup thread cannot be interrupted; nothing was served yet
+            log.info("stopped while warming up")
+            await runner.cleanup()
+            _exit_now(0)
+        llm_engine = load.result()
         if rag is not None:
             await loop.run_in_executor(None, _warm_rag, rag)
-        engine = AsyncEngine(llm_engine)
+        engine = AsyncEngine(llm_engine, stall_timeout=config.engine_stall_timeout)
         attach_engine(app, engine, rag)
         print(f"jaxserve: ready in {time.perf_counter() - started:.1f} s (load "
               f"{llm_engine.load_seconds:.1f} s, compile {llm_engine.compile_seconds:.1f} s)",
@@ -92,19 +167,36 @@ async def serve(args: argparse.Namespace) -> int:
             grpc_server, grpc_port = await start_grpc_server(
                 engine, config.host, config.grpc_port, model_name, rag=rag,
                 max_queued_requests=config.max_queued_requests,
-                credentials=tls.grpc_credentials() if tls else None)
+                credentials=tls.grpc_credentials() if tls else None, limits=config.limits)
             print(f"jaxserve: gRPC on {config.host}:{grpc_port}", flush=True)
         print(f"jaxserve: serving {model_name} at {scheme}://{config.host}:{port}/v1", flush=True)
-        await stop.wait()
+        await stopped
     finally:
-        if grpc_server is not None:
-            await grpc_server.stop(grace=1.0)
-        await runner.cleanup()
-        if engine is not None:
-            engine.shutdown()
+        wedged = await _shutdown(app, runner, grpc_server, engine, config.shutdown_timeout)
         if rag is not None:
             rag.close()
+    if wedged:
+        _exit_now(1)
     return 0
+
+
+async def _shutdown(app, runner, grpc_server, engine, timeout: float) -> bool:
+    """Drain, abort, stop the engine; True if its thread would not stop (it is wedged)."""
+    from jaxserve.server.http import begin_shutdown
+
+    begin_shutdown(app)
+    # Both front ends at once: listeners close, requests get `timeout`, then are cancelled and
+    # their `finally` blocks abort the engine requests.
+    drains = [runner.cleanup()] + ([grpc_server.stop(grace=timeout)] if grpc_server else [])
+    try:
+        await asyncio.wait_for(asyncio.gather(*drains), timeout + _ENGINE_STOP_S)
+    except asyncio.TimeoutError:
+        log.warning("requests were still open after the %.0f s drain", timeout)
+    if engine is None or engine.shutdown(_ENGINE_STOP_S):
+        return False
+    log.error("the engine thread did not stop (a step that never returns); its stack:\n%s",
+              engine.engine_thread_stack())
+    return True
 
 
 def _rag_service(data_dir: Path | None):

@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
+from jaxserve.config import RequestLimits
 from jaxserve.errors import (ContextLengthExceeded, EngineDead, EngineOverloaded, InvalidRequest,
                              ModelNotFound)
 from jaxserve.server import protocol
@@ -280,13 +281,15 @@ class OpenAIServing:
     """Parses, validates and starts OpenAI generations on one engine."""
 
     def __init__(self, engine, model_name: str, metrics=None, log_prompts: bool = False,
-                 rag=None, max_queued_requests: int | None = None):
+                 rag=None, max_queued_requests: int | None = None,
+                 limits: RequestLimits = RequestLimits()):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.log_prompts = log_prompts
         self.rag = rag  # a jaxserve.rag.service.RagService, or None: no retrieval
         self.max_queued_requests = max_queued_requests  # None: no admission limit
+        self.limits = limits
 
     @property
     def tokenizer(self):
@@ -331,7 +334,7 @@ class OpenAIServing:
 
     def _parse(self, kind: str, body: Any) -> protocol.ParsedRequest:
         parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
-        parsed = parse(body)
+        parsed = parse(body, self.limits)
         self.check_model(parsed.model)
         return parsed
 
@@ -341,6 +344,9 @@ class OpenAIServing:
         params = self._fit_context(parsed, prompt_ids)
         if not self.engine.is_running:
             raise EngineDead("the engine is not running; the server cannot generate")
+        if self.engine.is_stalled:  # a request now would only wait for nothing
+            raise EngineOverloaded("the engine has made no progress for a while (see GET "
+                                   "/ready); retry later")
         if self.max_queued_requests is not None:
             # Checked here, before a stream's headers go out, so a full queue is a 503 (or
             # RESOURCE_EXHAUSTED), never an error inside a 200 stream. Requests checked at the same
@@ -349,10 +355,9 @@ class OpenAIServing:
             if queued >= self.max_queued_requests:
                 raise EngineOverloaded(f"the request queue is full ({queued} sequences wait for a "
                                        f"slot); retry later")
-        # The engine's own checks (e.g. a KV pool too small for the request) run here, before a
-        # stream's headers go out, so they are still a 400 and not an error inside a 200 stream.
-        for ids in prompt_ids:
-            self.engine.engine.prepare("check", {"prompt_token_ids": ids}, params)
+        # The whole request against the KV pool, before a stream's headers go out, so it is still
+        # a 400 and not an error inside a 200 stream.
+        params = self.engine.engine.fit_kv_pool([len(p) for p in prompt_ids], params)
         return Generation(self, parsed, prompt_ids, params, citations)
 
     def _prompt_ids(self, parsed: protocol.ParsedRequest, prompt) -> list[int]:

@@ -1,0 +1,241 @@
+"""Every API request body as a pydantic model: what the parser checks and what GET /openapi.json
+describes are the same definitions.
+
+Strict types (no "1" for 1, no 1.5 for an int) and unknown fields refused ("Unrecognized request
+argument supplied"). The request limits (RequestLimits) are part of the types, so the models of a
+server are built from its limits by `request_models(limits)`. What depends on more than the body
+(prompt + max_tokens against the context, token ids against the vocabulary, sampling ranges that
+SamplingParams owns) is checked after parsing.
+
+Known OpenAI fields we do not implement are typed to accept only their neutral value and marked
+`x-neutral` (the error then says "not supported"); a field implemented later (tools,
+response_format) replaces its neutral type here.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from jaxserve.config import RequestLimits
+from jaxserve.errors import InvalidRequest
+from jaxserve.rag.config import SEARCH_MODES
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
+MAX_RERANK_DOCUMENTS = 1000  # Cohere's recommended maximum per request
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def neutral(accepted: str) -> Any:
+    """A field accepted only at its neutral value (or absent / null)."""
+    return Field(None, description=f"Not supported: accepted only as {accepted}.",
+                 json_schema_extra={"x-neutral": accepted})
+
+
+def _integral(value: Any) -> Any:
+    # JSON has one number type, and JSON Schema's "integer" includes 2.0: so does the parser
+    # (a bool is never an integer; 1.5 stays an error).
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def int_in(ge: int | None = None, le: int | None = None) -> Any:
+    """An Int within bounds (the bounds go on the int itself, so the schema says minimum and
+    maximum)."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] = Field(description="A string, or text parts joined in order.")
+
+
+class StreamOptions(Body):
+    include_usage: bool | None = None
+
+
+class RagOption(Body):
+    """jaxserve's retrieval-augmented chat: search `collection` for the last user message."""
+
+    collection: NonEmptyStr
+    top_k: Int | None = None
+    mode: Literal[SEARCH_MODES] | None = None
+    rerank: bool | None = None
+
+
+class ResponseFormatText(Body):
+    type: Literal["text"]
+
+
+class _Unsupported(Body):
+    """Known OpenAI fields this server does not implement, at their neutral value only."""
+
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = neutral("{}")
+    tools: Annotated[list[Any], Field(max_length=0)] | None = neutral("[]")
+    functions: Annotated[list[Any], Field(max_length=0)] | None = neutral("[]")
+    tool_choice: Literal["none"] | None = neutral('"none"')
+    function_call: Literal["none"] | None = neutral('"none"')
+    response_format: ResponseFormatText | None = neutral('{"type": "text"}')
+    store: Literal[False] | None = neutral("false")
+    suffix: Literal[""] | None = neutral('""')
+    parallel_tool_calls: None = neutral("null")
+    service_tier: None = neutral("null")
+    metadata: None = neutral("null")
+    modalities: None = neutral("null")
+    audio: None = neutral("null")
+    prediction: None = neutral("null")
+    reasoning_effort: None = neutral("null")
+    web_search_options: None = neutral("null")
+    user: str | None = Field(None, description="An opaque end-user id; not used.")
+
+
+@dataclass(frozen=True)
+class RequestModels:
+    chat: type[Body]
+    completion: type[Body]
+    tokenize: type[Body]
+
+
+@functools.cache
+def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
+    """The generation request models under `limits` (one set per limits value)."""
+    stop_str = Annotated[str, Field(min_length=1, max_length=limits.max_stop_length)]
+    top_n = int_in(0, limits.max_logprobs)
+    message_list = Annotated[list[ChatMessage],
+                             Field(min_length=1, max_length=limits.max_messages)]
+    few = Field(min_length=1, max_length=limits.max_prompts)
+
+    class _Generation(_Unsupported):
+        model: NonEmptyStr
+        stream: bool | None = None
+        stream_options: StreamOptions | None = None
+        stop: stop_str | Annotated[list[stop_str], Field(max_length=limits.max_stop)] | None = None
+        max_tokens: Int | None = None
+        n: int_in(le=limits.max_n) | None = None
+        best_of: int_in(le=limits.max_n) | None = Field(
+            None, description="Only 1 or `n` (both mean: return every sequence).")
+        temperature: float | None = None
+        top_p: float | None = None
+        seed: Int | None = None
+        presence_penalty: float | None = None
+        frequency_penalty: float | None = None
+        # vLLM's extras
+        top_k: Int | None = None
+        min_p: float | None = None
+        repetition_penalty: float | None = None
+        ignore_eos: bool | None = None
+        min_tokens: Int | None = None
+        stop_token_ids: list[Int] | None = None
+        skip_special_tokens: bool | None = None
+        include_stop_str_in_output: bool | None = None
+
+        @model_validator(mode="after")
+        def _combinations(self):
+            if self.stream_options is not None and not self.stream:
+                raise InvalidRequest("'stream_options' is only allowed when 'stream' is true",
+                                     param="stream_options")
+            if self.best_of not in (None, 1, self.n or 1):
+                raise InvalidRequest("'best_of' is not supported by this server (only 1 or n "
+                                     "is accepted)", param="best_of")
+            return self
+
+    class ChatCompletionRequest(_Generation):
+        messages: message_list
+        max_completion_tokens: Int | None = Field(None, description="Wins over `max_tokens`.")
+        logprobs: bool | None = None
+        top_logprobs: top_n | None = None
+        rag: RagOption | None = None
+
+        @model_validator(mode="after")
+        def _top_logprobs(self):
+            if self.top_logprobs is not None and not self.logprobs:
+                raise InvalidRequest("'top_logprobs' requires 'logprobs': true",
+                                     param="top_logprobs")
+            return self
+
+    class CompletionRequest(_Generation):
+        prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], few]
+                 | Annotated[list[Int], Field(min_length=1)]
+                 | Annotated[list[Annotated[list[Int], Field(min_length=1)]], few]) = Field(
+            description="A string, a list of strings, a list of token ids, or a list of such "
+                        "lists (each prompt gets `n` choices).")
+        echo: bool | None = None
+        logprobs: top_n | None = None
+
+        @model_validator(mode="after")
+        def _echo(self):
+            if self.echo and self.logprobs is not None:
+                raise InvalidRequest("'echo' with 'logprobs' (prompt logprobs) is not supported",
+                                     param="echo")
+            return self
+
+    class TokenizeRequest(Body):
+        model: str | None = None
+        prompt: str | None = None
+        messages: message_list | None = None
+        add_special_tokens: bool | None = None
+
+    return RequestModels(ChatCompletionRequest, CompletionRequest, TokenizeRequest)
+
+
+class DetokenizeRequest(Body):
+    model: str | None = None
+    tokens: list[Int]
+
+
+class EmbeddingRequest(Body):
+    model: str
+    input: str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Int | None = None
+    user: str | None = None
+
+
+class CreateCollectionRequest(Body):
+    name: str
+
+
+class DocumentIn(Body):
+    id: NonEmptyStr
+    text: str
+    metadata: dict[str, Any] | None = None
+
+
+class UpsertDocumentsRequest(Body):
+    documents: Annotated[list[DocumentIn], Field(min_length=1)]
+
+
+class SearchRequest(Body):
+    query: str
+    top_k: Int | None = None
+    mode: Literal[SEARCH_MODES] | None = None
+    rerank: bool | None = Field(None, description="Order the hits by the late-interaction "
+                                                  "reranker.")
+
+
+class RerankDocument(Body):
+    text: NonEmptyStr
+
+
+class RerankRequest(Body):
+    model: str | None = None
+    query: str
+    documents: Annotated[list[NonEmptyStr | RerankDocument],
+                         Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
+    top_n: Int | None = Field(None, description="How many of the best to return; 0 or absent: all.")
+    return_documents: bool | None = None
+    user: str | None = None

@@ -1,0 +1,248 @@
+"""The shapes of the API's JSON answers, for GET /openapi.json.
+
+The handlers build their bodies as plain dicts (a streamed chunk must not pay for a model); these
+models describe them, and the schemathesis test in the suite checks every answer of a real server
+against them, so a handler that drifts from its description fails there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Reply(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+FinishReason = Literal["stop", "length", "abort"] | None
+
+
+class Usage(Reply):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Citation(Reply):
+    document_id: str
+    chunk_id: str  # "<document id>#<chunk index>"
+    score: float
+
+
+class TopLogprob(Reply):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Reply):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(Reply):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(Reply):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(Reply):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    citations: list[Citation] | None = None
+
+
+class ChatDelta(Reply):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Reply):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletionChunk(Reply):
+    """One `data:` event of a streamed chat completion. `usage` is present (null until the last,
+    choice-less chunk) when `stream_options.include_usage` is set."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    citations: list[Citation] | None = None
+
+
+class CompletionLogprobs(Reply):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Reply):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+
+
+class Completion(Reply):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(Reply):
+    """One `data:` event of a streamed completion (`usage` as in ChatCompletionChunk)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(Reply):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(Reply):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Tokens(Reply):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class Detokenized(Reply):
+    prompt: str
+
+
+class Status(Reply):
+    """/health: "ok". /ready: "ready" (200), or "warming up", "engine stopped", "engine
+    stalled", "shutting down" (503)."""
+
+    status: str
+
+
+class ErrorDetail(Reply):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Reply):
+    error: ErrorDetail
+
+
+class Embedding(Reply):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(Reply):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embeddings(Reply):
+    object: Literal["list"]
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+
+
+class CollectionInfo(Reply):
+    name: str
+    documents: int
+    chunks: int
+    index: str
+
+
+class CollectionList(Reply):
+    object: Literal["list"]
+    data: list[CollectionInfo]
+
+
+class CollectionDeleted(Reply):
+    name: str
+    deleted: Literal[True]
+
+
+class DocumentsUpserted(Reply):
+    collection: str
+    documents: int
+    chunks: int
+
+
+class DocumentDeleted(Reply):
+    id: str
+    deleted: Literal[True]
+
+
+class SearchHit(Reply):
+    document_id: str
+    chunk_id: str  # "<document id>#<chunk index>"
+    text: str
+    score: float
+    metadata: dict[str, Any]
+    start: int
+    end: int
+
+
+class SearchResults(Reply):
+    results: list[SearchHit]
+
+
+class RerankedText(Reply):
+    text: str
+
+
+class RerankResult(Reply):
+    index: int
+    relevance_score: float
+    document: RerankedText | None = None  # left out with return_documents: false
+
+
+class RerankUsage(Reply):
+    total_tokens: int
+
+
+class Reranked(Reply):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
