@@ -1,0 +1,348 @@
+"""Soak test: N requests at concurrency C against a real `jaxserve serve`, mixing what a public
+endpoint sees: normal chats (plain and streamed), streams the client cuts after a few chunks,
+clients that give up while waiting, and malformed or hostile bodies (`"n": 1000000`, JSON nested
+5,000 deep, a lone UTF-16 surrogate, a body over the size limit, ...).
+
+Passes when every request ended exactly once, as its kind allows (an answer, a 4xx, or the
+client's own cancel), nothing answered 5xx or hung, and afterwards the server is idle (running,
+waiting and KV usage all 0 on /metrics) and still answers a chat. With --server-log (the server's
+stderr) it also checks the server's side: one access-log line per generation that started, none
+twice, none failed.
+
+    python benchmarks/soak.py --num-requests 2000 --concurrency 32     # starts jaxserve itself
+    python benchmarks/soak.py --base-url http://127.0.0.1:8000/v1 --max-body-bytes 16777216
+
+Exit status 0 when it passes; the last stdout line is the JSON report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+SMOLLM2 = "smollm2-135m-instruct"
+ROOT = Path(__file__).resolve().parents[1]
+_TIMEOUT_S = 300.0  # a request still open after this long has hung: a failure
+# (kind, weight): what a request is, and how often
+KINDS = (("chat", 24), ("stream", 12), ("stream_cut", 14), ("give_up", 10), ("n_huge", 5),
+         ("deep_json", 5), ("surrogate", 5), ("malformed", 4), ("unknown_field", 3),
+         ("bad_type", 3), ("many_stops", 3), ("too_large", 2), ("top_logprobs", 3),
+         ("unknown_model", 3), ("many_messages", 4))
+# What each kind may end as: "answer" (2xx), "4xx", "cancel" (the client hung up first).
+ALLOWED = {"chat": {"answer"}, "stream": {"answer"}, "stream_cut": {"cancel", "answer"},
+           "give_up": {"cancel", "answer"}}
+_WORDS = "the a river stone light quiet engine paper seven under over blue".split()
+
+
+@dataclass
+class Outcome:
+    kind: str
+    end: str  # answer | 4xx | cancel | 5xx | other | hung
+    status: int | None = None
+    detail: str = ""
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def _chat(model: str, rng: random.Random, **extra) -> dict:
+    content = _text(rng, rng.randint(3, 30))
+    return {"model": model, "messages": [{"role": "user", "content": content}],
+            "max_tokens": rng.randint(4, 24), "temperature": rng.choice([0, 0.7]), **extra}
+
+
+def hostile_body(kind: str, model: str, rng: random.Random, max_body_bytes: int) -> bytes:
+    """The raw body of a request that must be refused with a 4xx."""
+    chat = _chat(model, rng)
+    bodies = {
+        "n_huge": lambda: {**chat, "n": 1_000_000},
+        "surrogate": lambda: {"model": model, "prompt": "\ud800 " + _text(rng, 5)},
+        "unknown_field": lambda: {**chat, "frobnicate": True},
+        "bad_type": lambda: {**chat, "temperature": "hot"},
+        "many_stops": lambda: {**chat, "stop": [str(i) for i in range(40)]},
+        "top_logprobs": lambda: {**chat, "logprobs": True, "top_logprobs": 50},
+        "unknown_model": lambda: {**chat, "model": "no-such-model"},
+        "many_messages": lambda: {**chat, "messages": chat["messages"] * 5000},
+    }
+    if kind == "deep_json":
+        return b"[" * 5000 + b"]" * 5000
+    if kind == "malformed":
+        return b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", '
+    if kind == "too_large":
+        return json.dumps({**chat, "messages": [{"role": "user",
+                                                 "content": "x" * (max_body_bytes + 1)}]}).encode()
+    return json.dumps(bodies[kind]()).encode()
+
+
+def _classify(status: int) -> str:
+    return ("answer" if 200 <= status < 300 else "4xx" if 400 <= status < 500
+            else "5xx" if status >= 500 else "other")
+
+
+async def one(session: aiohttp.ClientSession, url: str, model: str, kind: str, seed: int,
+              max_body_bytes: int, long: int) -> Outcome:
+    """One request of `kind`; `long` is a max_tokens that fits the server's context."""
+    rng = random.Random(seed)
+    try:
+        if kind in ("chat", "stream"):
+            body = _chat(model, rng, stream=kind == "stream")
+            async with session.post(f"{url}/chat/completions", json=body) as resp:
+                raw = await resp.read()
+                if resp.status == 200 and kind == "stream" and not raw.rstrip().endswith(
+                        b"data: [DONE]"):
+                    return Outcome(kind, "other", resp.status, "stream without [DONE]")
+                if resp.status == 200 and b'"error"' in raw and kind == "stream":
+                    return Outcome(kind, "5xx", resp.status, "error event in the stream")
+                return Outcome(kind, _classify(resp.status), resp.status, raw[:200].decode())
+        if kind == "stream_cut":
+            body = {"model": model, "prompt": _text(rng, 12), "max_tokens": long,
+                    "ignore_eos": True, "stream": True}
+            async with session.post(f"{url}/completions", json=body) as resp:
+                if resp.status != 200:
+                    return Outcome(kind, _classify(resp.status), resp.status)
+                events, cut_after = 0, rng.randint(1, 4)
+                async for line in resp.content:
+                    if line.startswith(b"data: [DONE]"):
+                        return Outcome(kind, "answer", 200)
+                    events += line.startswith(b"data: ")
+                    if events >= cut_after:
+                        resp.close()
+                        return Outcome(kind, "cancel", 200)
+                return Outcome(kind, "other", 200, "stream ended without [DONE]")
+        if kind == "give_up":
+            body = {"model": model, "prompt": _text(rng, 20), "max_tokens": long,
+                    "ignore_eos": True}
+            try:
+                async with asyncio.timeout(rng.uniform(0.2, 2.0)):
+                    async with session.post(f"{url}/completions", json=body) as resp:
+                        await resp.read()
+                        return Outcome(kind, _classify(resp.status), resp.status)
+            except TimeoutError:
+                return Outcome(kind, "cancel")
+        data = hostile_body(kind, model, rng, max_body_bytes)
+        path = "/completions" if kind == "surrogate" else "/chat/completions"
+        async with session.post(f"{url}{path}", data=data,
+                                headers={"Content-Type": "application/json"}) as resp:
+            text = await resp.text()
+            end = _classify(resp.status)
+            if end == "4xx" and '"error"' not in text:
+                end, text = "other", f"a 4xx without an OpenAI error body: {text[:200]}"
+            return Outcome(kind, end, resp.status, text[:200])
+    except (aiohttp.ClientError, ConnectionError) as e:
+        if kind == "too_large":  # the server may answer and close before the upload ends
+            return Outcome(kind, "4xx", None, f"connection closed on the oversized body: {e}")
+        return Outcome(kind, "other", None, f"{type(e).__name__}: {e}")
+
+
+async def run(url: str, model: str, num_requests: int, concurrency: int, seed: int,
+              max_body_bytes: int) -> tuple[list[Outcome], float]:
+    rng = random.Random(seed)
+    long = min(200, _max_model_len(url) // 2)
+    names, weights = zip(*KINDS)
+    kinds = rng.choices(names, weights, k=num_requests)
+    slots = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=_TIMEOUT_S)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+
+    async def bounded(i: int, kind: str, session) -> Outcome:
+        async with slots:
+            try:
+                return await one(session, url, model, kind, seed * 1_000_003 + i,
+                                 max_body_bytes, long)
+            except TimeoutError:
+                return Outcome(kind, "hung", None, f"no end within {_TIMEOUT_S:.0f} s")
+
+    start = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        outcomes = await asyncio.gather(*(bounded(i, k, session) for i, k in enumerate(kinds)))
+    return list(outcomes), time.perf_counter() - start
+
+
+def _max_model_len(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/models", timeout=30) as resp:
+        return json.loads(resp.read())["data"][0]["max_model_len"]
+
+
+def _metrics(base: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        m = re.match(r"^(jaxserve:\w+)(?:\{[^}]*\})? (\S+)$", line)
+        if m:
+            values[m.group(1)] = float(m.group(2))
+    return values
+
+
+def settle(base: str, deadline_s: float = 120.0) -> dict[str, float]:
+    """/metrics once nothing runs, waits or holds a KV page (or the last reading at the
+    deadline)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        m = _metrics(base)
+        idle = (m["jaxserve:num_requests_running"] == 0 and m["jaxserve:num_requests_waiting"] == 0
+                and m["jaxserve:kv_cache_usage_perc"] == 0)
+        if idle or time.monotonic() > end:
+            return m
+        time.sleep(0.2)
+
+
+def still_answers(url: str, model: str) -> int:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hi"}],
+                       "max_tokens": 4}).encode()
+    req = urllib.request.Request(f"{url}/chat/completions", body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def server_side(log_text: str) -> dict:
+    """The access log's lines: one per generation that started, each with its own id."""
+    records = [json.loads(line.split("jaxserve.access: ", 1)[1])
+               for line in log_text.splitlines() if "jaxserve.access: " in line]
+    ids = Counter(r["request_id"] for r in records)
+    return {"lines": len(records), "ids_twice": sum(1 for c in ids.values() if c > 1),
+            "statuses": dict(Counter(r["status"] for r in records)),
+            "server_errors": log_text.count("Traceback")}
+
+
+def problems(outcomes: list[Outcome], idle: dict, final_status: int, server: dict | None,
+             e2e_count: float | None) -> list[str]:
+    found = []
+    for o in outcomes:
+        allowed = ALLOWED.get(o.kind, {"4xx"})
+        if o.end not in allowed:
+            found.append(f"{o.kind}: ended {o.end} (HTTP {o.status}) {o.detail}")
+    if not (idle["jaxserve:num_requests_running"] == idle["jaxserve:num_requests_waiting"]
+            == idle["jaxserve:kv_cache_usage_perc"] == 0):
+        found.append(f"not idle afterwards: {idle}")
+    if final_status != 200:
+        found.append(f"a chat after the soak answered {final_status}")
+    if server is not None:
+        if server["ids_twice"]:
+            found.append(f"{server['ids_twice']} requests ended twice in the access log")
+        if server["statuses"].get("error"):
+            found.append(f"{server['statuses']['error']} generations failed on the server")
+        if server["server_errors"]:
+            found.append(f"{server['server_errors']} tracebacks in the server log")
+        if e2e_count is not None and e2e_count != server["lines"]:
+            found.append(f"{server['lines']} access-log lines for {e2e_count:.0f} generations")
+    return found
+
+
+def _machine() -> dict:
+    info = {}
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return info
+    for line in out.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("Model name", "CPU(s)"):
+            info[key.strip()] = value.strip()
+        if key.strip() == "Flags":
+            info["simd flags"] = " ".join(f for f in value.split()
+                                          if re.match(r"(avx|fma|sse4|amx)", f))
+    return info
+
+
+def _commit() -> str:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return head + ("-dirty" if dirty else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", help="a jaxserve /v1 URL (default: start jaxserve serve)")
+    p.add_argument("--model", default=SMOLLM2)
+    p.add_argument("--num-requests", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="the server's --max-body-bytes (passed to the server this starts)")
+    p.add_argument("--server-log", type=Path,
+                   help="the server's stderr, to check its access log (set when this starts it)")
+    p.add_argument("--serve-flags", default="--max-model-len 512 --num-pages 512 "
+                   "--max-num-seqs 16 --max-num-batched-tokens 128",
+                   help="engine flags for the server this starts")
+    p.add_argument("--result-json", type=Path)
+    args = p.parse_args(argv)
+
+    commit = _commit()
+    server, url, log_path = None, args.base_url, args.server_log
+    if url is None:
+        from jaxserve.server.process import ServerProcess
+
+        log = tempfile.NamedTemporaryFile("w", prefix="jaxserve-soak-", suffix=".log",
+                                          delete=False)
+        log_path = Path(log.name)
+        print(f"starting jaxserve serve (log: {log.name})", file=sys.stderr, flush=True)
+        server = ServerProcess(["--model", args.model, "--port", "0", "--no-rag",
+                                "--max-body-bytes", str(args.max_body_bytes),
+                                *args.serve_flags.split()], log, cwd=ROOT)
+        url = server.url
+    base = url.removesuffix("/v1")
+    try:
+        before = _metrics(base).get("jaxserve:e2e_request_latency_seconds_count", 0.0)
+        outcomes, seconds = asyncio.run(run(url, args.model, args.num_requests, args.concurrency,
+                                            args.seed, args.max_body_bytes))
+        idle = settle(base)
+        final_status = still_answers(url, args.model)
+        # (counted after that last chat, which the server's log holds too)
+        e2e = _metrics(base).get("jaxserve:e2e_request_latency_seconds_count", 0.0) - before
+    finally:
+        exit_code = server.stop() if server is not None else None
+    server_report = server_side(log_path.read_text()) if log_path is not None else None
+    if server_report is not None and args.base_url is not None:
+        e2e = None  # a server we did not start may have served others before and during the run
+    found = problems(outcomes, idle, final_status, server_report, e2e)
+    if exit_code not in (None, 0):
+        found.append(f"the server exited with {exit_code} on SIGTERM")
+    by_kind: dict[str, Counter] = {}
+    for o in outcomes:
+        by_kind.setdefault(o.kind, Counter())[o.end] += 1
+    report = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "command": " ".join(
+        sys.argv if argv is None else ["benchmarks/soak.py", *argv]),
+        "machine": _machine(), "requests": len(outcomes), "concurrency": args.concurrency,
+        "seconds": round(seconds, 1), "requests_per_s": round(len(outcomes) / seconds, 2),
+        "ends": dict(Counter(o.end for o in outcomes)),
+        "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
+        "generations_on_server": e2e, "server_log": server_report,
+        "idle_after": {k.split(":")[1]: idle[k] for k in (
+            "jaxserve:num_requests_running", "jaxserve:num_requests_waiting",
+            "jaxserve:kv_cache_usage_perc")},
+        "chat_after": final_status, "problems": found[:20], "passed": not found}
+    print(f"soak: {len(outcomes)} requests at concurrency {args.concurrency} in {seconds:.1f} s: "
+          f"{report['ends']}; {'PASSED' if not found else f'{len(found)} PROBLEMS'}",
+          file=sys.stderr)
+    for problem in found[:20]:
+        print(f"  {problem}", file=sys.stderr)
+    print(json.dumps(report))
+    if args.result_json:
+        args.result_json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if not found else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
