@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from workload import pydoc_workload  # benchmarks/ is the script's directory
+import provenance  # benchmarks/ is the script's directory
+from workload import pydoc_workload
 
 SMOLLM2 = "smollm2-135m-instruct"
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,15 +161,6 @@ def serve_flags(args) -> list[str]:
     return flags
 
 
-def _commit() -> str:
-    """HEAD, marked dirty when the working tree differs (the numbers are of the tree as run)."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    return head + ("-dirty" if dirty else "")
-
-
 def _fmt(stats: dict, scale: float = 1000.0) -> str:
     return " ".join(f"{k} {v * scale:.1f}" for k, v in stats.items() if v is not None)
 
@@ -196,7 +187,7 @@ def main() -> int:
     from jaxserve.model_registry import resolve
     from jaxserve.tokenizer import load_tokenizer
 
-    commit = _commit()  # before anything runs: the tree may change while it does
+    commit = provenance.commit()  # before anything runs: the tree may change while it does
     work = pydoc_workload(load_tokenizer(resolve(args.model)), args.num_requests,
                           seed=args.seed, prompt_tokens=(32, 384), output_tokens=(16, 128))
     server = None

@@ -22,7 +22,6 @@ import asyncio
 import json
 import random
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+
+import provenance  # benchmarks/ is the script's directory
 
 SMOLLM2 = "smollm2-135m-instruct"
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,30 +249,6 @@ def problems(outcomes: list[Outcome], idle: dict, final_status: int, server: dic
     return found
 
 
-def _machine() -> dict:
-    info = {}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return info
-    for line in out.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("Model name", "CPU(s)"):
-            info[key.strip()] = value.strip()
-        if key.strip() == "Flags":
-            info["simd flags"] = " ".join(f for f in value.split()
-                                          if re.match(r"(avx|fma|sse4|amx)", f))
-    return info
-
-
-def _commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    return head + ("-dirty" if dirty else "")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-url", help="a jaxserve /v1 URL (default: start jaxserve serve)")
@@ -289,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result-json", type=Path)
     args = p.parse_args(argv)
 
-    commit = _commit()
+    commit = provenance.commit()
     server, url, log_path = None, args.base_url, args.server_log
     if url is None:
         from jaxserve.server.process import ServerProcess
@@ -324,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         by_kind.setdefault(o.kind, Counter())[o.end] += 1
     report = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "command": " ".join(
         sys.argv if argv is None else ["benchmarks/soak.py", *argv]),
-        "machine": _machine(), "requests": len(outcomes), "concurrency": args.concurrency,
+        "machine": provenance.cpu(), "requests": len(outcomes), "concurrency": args.concurrency,
         "seconds": round(seconds, 1), "requests_per_s": round(len(outcomes) / seconds, 2),
         "ends": dict(Counter(o.end for o in outcomes)),
         "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
