@@ -151,9 +151,14 @@ def _got(value: Any) -> str:
     return f"got {type(value).__name__} {value!r:.60}"
 
 
+@functools.cache
+def _properties(model: type[BaseModel]) -> dict:
+    return model.model_json_schema()["properties"]  # built once: errors must stay cheap
+
+
 def _bounds(model: type[BaseModel], param: str) -> tuple[Any, Any]:
     """(minimum, maximum) of a top-level field, from the JSON schema the model publishes."""
-    prop = model.model_json_schema()["properties"].get(param, {})
+    prop = _properties(model).get(param, {})
     for option in [prop, *prop.get("anyOf", [])]:
         if "minimum" in option or "maximum" in option:
             return option.get("minimum"), option.get("maximum")
