@@ -297,14 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     if exit_code not in (None, 0):
         found.append(f"the server exited with {exit_code} on SIGTERM")
     by_kind: dict[str, Counter] = {}
+    statuses: dict[str, Counter] = {}
     for o in outcomes:
         by_kind.setdefault(o.kind, Counter())[o.end] += 1
+        statuses.setdefault(o.kind, Counter())[str(o.status)] += 1  # "None": no HTTP answer
     report = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "command": " ".join(
         sys.argv if argv is None else ["benchmarks/soak.py", *argv]),
         "machine": provenance.cpu(), "requests": len(outcomes), "concurrency": args.concurrency,
         "seconds": round(seconds, 1), "requests_per_s": round(len(outcomes) / seconds, 2),
         "ends": dict(Counter(o.end for o in outcomes)),
         "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
+        "http_statuses": {k: dict(v) for k, v in sorted(statuses.items())},
         "generations_on_server": e2e, "server_log": server_report,
         "idle_after": {k.split(":")[1]: idle[k] for k in (
             "jaxserve:num_requests_running", "jaxserve:num_requests_waiting",
