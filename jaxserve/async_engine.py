@@ -17,7 +17,8 @@ after the outputs it already produced: DeadlineExceeded (finish_reason "deadline
 ("queue_timeout"), EngineOverloaded ("shed"); the front ends map those to 504 / 429 / 503.
 
 If a step raises, the engine is dead: every open stream gets EngineDead and new requests are
-refused, rather than serving from a cache and scheduler in an unknown state.
+refused, rather than serving from a cache and scheduler in an unknown state. `fail` does the same
+from another thread, for a death the step cannot see (a multi-host follower gone while idle).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import uuid
 from collections import deque
 from typing import AsyncIterator, Callable
 
-from jaxserve.engine import EngineStats, LLMEngine
+from jaxserve.engine import EngineStats, LLMEngine, PreparedRequest
 from jaxserve.errors import (DeadlineExceeded, EngineDead, EngineOverloaded, InvalidRequest,
                              JaxServeError, QueueTimeout, RequestFailed)
 from jaxserve.outputs import RequestOutput
@@ -80,6 +81,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def replica_stats(self) -> list[EngineStats]:
+        """Stats per data-parallel replica (metrics label them): this engine is one."""
+        return [self._stats]
+
     @property
     def num_queued(self) -> int:
         """Sequences accepted and not yet running: waiting (or preempted) in the scheduler as of
@@ -118,17 +123,26 @@ class AsyncEngine:
             self._unadded -= over
             self._wake.notify()
 
-    async def generate(self, prompt, params: SamplingParams | None = None,
+    def prepare(self, request_id: str, prompt, params: SamplingParams | None = None,
+                priority: int = 0, *, qos: QoS | None = None) -> PreparedRequest:
+        """Validate a request on the caller's thread (LLMEngine.prepare): the errors a client
+        gets before anything is queued."""
+        return self.engine.prepare(request_id, prompt, params, priority, qos=qos)
+
+    async def generate(self, prompt=None, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0, *,
-                       qos: QoS | None = None) -> AsyncIterator[RequestOutput]:
+                       qos: QoS | None = None,
+                       prepared: PreparedRequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative), the last one finished. Leaving the loop early
         (break, cancellation, client gone) aborts the request and frees its pages. `qos`: see
-        `LLMEngine.prepare`; a request that runs out of time or is shed raises (module doc)."""
+        `LLMEngine.prepare`; a request that runs out of time or is shed raises (module doc).
+        `prepared` (from `prepare`) replaces prompt, params, request_id, priority and qos."""
         if not self.is_running:
             raise EngineDead(f"the engine is not running ({self._dead or 'shut down'})")
-        if request_id is None:
-            request_id = f"req-{uuid.uuid4().hex}"
-        prepared = self.engine.prepare(request_id, prompt, params, priority, qos=qos)
+        if prepared is None:
+            prepared = self.prepare(request_id or f"req-{uuid.uuid4().hex}", prompt, params,
+                                    priority, qos=qos)
+        request_id = prepared.request_id
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         stream = self._streams[request_id] = _Stream(asyncio.get_running_loop())
@@ -166,11 +180,23 @@ class AsyncEngine:
             self._wake.notify()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop; open streams end with EngineDead."""
+        """Stop the loop; open streams end with EngineDead. A dead engine's thread is not waited
+        for: after `fail` it may be stuck in a collective with a process that is gone."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        self._thread.join(timeout)
+        if self._dead is None:
+            self._thread.join(timeout)
+
+    def fail(self, error: EngineDead) -> None:
+        """Stop serving now, from any thread: open streams end with `error`, new requests are
+        refused, /ready turns 503. The first error is the one reported."""
+        with self._wake:
+            if self._dead is None:
+                self._dead = error
+            self._wake.notify()
+        for stream in list(self._streams.values()):
+            stream.put(self._dead)
 
     # ---- engine thread -----------------------------------------------------------------------
 
@@ -178,8 +204,11 @@ class AsyncEngine:
         try:
             while True:
                 with self._wake:
-                    while not (self._inbox or self._stopping or self.engine.has_unfinished()):
+                    while not (self._inbox or self._stopping or self._dead
+                               or self.engine.has_unfinished()):
                         self._wake.wait()
+                    if self._dead is not None:
+                        raise self._dead
                     if self._stopping:
                         raise EngineDead("the engine was shut down")
                     commands = list(self._inbox)
@@ -200,11 +229,9 @@ class AsyncEngine:
                 for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - every stream must hear of it
-            if not isinstance(e, EngineDead):
+            if self._dead is None and not isinstance(e, EngineDead):
                 log.exception("engine step failed; the engine is dead")
-            self._dead = e if isinstance(e, EngineDead) else EngineDead(f"engine step failed: {e}")
-            for stream in list(self._streams.values()):
-                stream.put(self._dead)
+            self.fail(e if isinstance(e, EngineDead) else EngineDead(f"engine step failed: {e}"))
 
     def _deliver(self, request_id: str | None, item) -> None:
         stream = self._streams.get(request_id) if request_id is not None else None

@@ -38,7 +38,7 @@ class _State:
         self.metrics = ServerMetrics(self._stats, model_name)
 
     def _stats(self):
-        return None if self.serving is None else self.serving.engine.stats()
+        return None if self.serving is None else self.serving.engine.replica_stats()
 
     def attach(self, engine, rag=None) -> None:
         self.serving = OpenAIServing(engine, self.model_name, self.metrics,

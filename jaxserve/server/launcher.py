@@ -1,9 +1,13 @@
-"""`jaxserve serve`: HTTP (and optionally gRPC) servers over one AsyncEngine.
+"""`jaxserve serve`: HTTP (and optionally gRPC) servers over one engine: an AsyncEngine, or a
+ReplicaSet of data-parallel replicas (jaxserve.parallel).
 
 The HTTP server listens first, so /health answers and /ready says "warming up" while weights load
 and every program compiles; then the engine attaches and /ready turns 200, and stdout says how long
 that took (weights, compilation, total). The bound URL is printed on stdout (port 0 picks a free
 one). SIGINT/SIGTERM stop the servers, then the engine thread.
+
+Multi-host (jax.distributed): process 0 runs all of the above with a leader engine; every other
+process only follows its steps (jaxserve.multihost) and exits when the leader stops.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ log = logging.getLogger("jaxserve.server")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from jaxserve.engine_args import add_engine_arguments
+    from jaxserve.engine_args import add_distributed_arguments, add_engine_arguments
 
     add_engine_arguments(parser)
+    add_distributed_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--grpc-port", type=int, default=None,
@@ -48,9 +53,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the PEM private key of --ssl-certfile")
 
 
-async def serve(args: argparse.Namespace) -> int:
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.engine import LLMEngine
+async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
+    """group_leader: this is process 0 of a multi-host group (jax.distributed initialised)."""
     from jaxserve.engine_args import engine_args
     from jaxserve.server.grpc import start_grpc_server
     from jaxserve.server.http import attach_engine, build_app, start_server
@@ -77,14 +81,19 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    engine = grpc_server = None
+    engine = grpc_server = leader = None
     try:
-        llm_engine = await loop.run_in_executor(None, lambda: LLMEngine.from_model(
-            args.model, dtype=args.dtype, **engine_args(args)))
+        if group_leader:
+            from jaxserve.multihost import Leader
+
+            leader = await loop.run_in_executor(None, Leader)
+        engine = await loop.run_in_executor(None, lambda: _start_engine(args, engine_args(args),
+                                                                        leader))
         if rag is not None:
             await loop.run_in_executor(None, _warm_rag, rag)
-        engine = AsyncEngine(llm_engine)
         attach_engine(app, engine, rag)
+        # Replicas load and compile together: the first one's times are the set's.
+        llm_engine = getattr(engine, "replicas", [engine])[0].engine
         print(f"jaxserve: ready in {time.perf_counter() - started:.1f} s (load "
               f"{llm_engine.load_seconds:.1f} s, compile {llm_engine.compile_seconds:.1f} s)",
               flush=True)
@@ -102,9 +111,24 @@ async def serve(args: argparse.Namespace) -> int:
         await runner.cleanup()
         if engine is not None:
             engine.shutdown()
+        if leader is not None:
+            leader.close()
         if rag is not None:
             rag.close()
     return 0
+
+
+def _start_engine(args: argparse.Namespace, engine_kwargs: dict, leader):
+    from jaxserve.parallel import start_engine
+
+    if leader is None:
+        return start_engine(args.model, dtype=args.dtype, **engine_kwargs)
+    from jaxserve import multihost
+
+    engine = start_engine(args.model, dtype=args.dtype, agree_num_pages=leader.agree_num_pages,
+                          publish=leader.publish, **multihost.group_engine_args(engine_kwargs))
+    leader.watch(engine.fail)
+    return engine
 
 
 def _rag_service(data_dir: Path | None):
@@ -122,6 +146,21 @@ def _warm_rag(rag) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from jaxserve.engine_args import distributed_config, engine_args
+
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(args))
+    dist = distributed_config(args)
+    if dist is None:
+        return asyncio.run(serve(args))
+    import jax
+
+    from jaxserve import multihost
+
+    multihost.initialize(dist)
+    if jax.process_index() != 0:
+        return multihost.run_follower(args.model, dtype=args.dtype, engine_args=engine_args(args))
+    try:
+        return asyncio.run(serve(args, group_leader=jax.process_count() > 1))
+    finally:
+        jax.distributed.shutdown()

@@ -352,7 +352,7 @@ class OpenAIServing:
         # The engine's own checks (e.g. a KV pool too small for the request) run here, before a
         # stream's headers go out, so they are still a 400 and not an error inside a 200 stream.
         for ids in prompt_ids:
-            self.engine.engine.prepare("check", {"prompt_token_ids": ids}, params)
+            self.engine.prepare("check", {"prompt_token_ids": ids}, params)
         return Generation(self, parsed, prompt_ids, params, citations)
 
     def _prompt_ids(self, parsed: protocol.ParsedRequest, prompt) -> list[int]:
