@@ -2,9 +2,9 @@
 
 Each replica is an AsyncEngine with its own scheduler, KV pool, compiled programs and thread, on
 its own slice of the devices; their steps run concurrently (JAX releases the GIL while a program
-runs). `ReplicaSet` has the AsyncEngine surface the serving layer uses (prepare, generate, abort,
-stats, num_queued, is_running, tokenizer, max_model_len), so front ends and the fleet need no
-data-parallel code. A request goes to the replica `jaxserve.replica_routing.pick_replica`
+runs). `ReplicaSet` has the AsyncEngine surface the serving layer uses (prepare, admit, generate,
+abort, stats, num_queued, is_running, tokenizer, max_model_len), so front ends and the fleet need
+no data-parallel code. A request goes to the replica `jaxserve.replica_routing.pick_replica`
 chooses: the one whose prefix cache holds the longest prefix of the prompt, unless it is much
 busier than the least-loaded one. The prefix view is the replica's live page index, read without
 locks (see KVCacheManager.count_cached_prefix): a hint that may be a step stale.
@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections import Counter
 from dataclasses import fields
 from typing import AsyncIterator, Sequence
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.async_engine import OVERLOADED_RETRY_AFTER_S, AsyncEngine
 from jaxserve.cache import extend_page_hashes
 from jaxserve.engine import EngineStats, PreparedRequest
-from jaxserve.errors import EngineDead, InvalidRequest
+from jaxserve.errors import EngineDead, EngineOverloaded, InvalidRequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.replica_routing import pick_replica
+from jaxserve.request import QoS
 from jaxserve.sampling import SamplingParams
 
 
@@ -64,12 +66,34 @@ class ReplicaSet:
     def stats(self) -> EngineStats:
         """The replicas' numbers summed (num_pages too: the pools of all replicas)."""
         per = self.replica_stats()
-        return EngineStats(**{f.name: sum(getattr(s, f.name) for s in per)
-                              for f in fields(EngineStats)})
+        total = {f.name: sum(getattr(s, f.name) for s in per) for f in fields(EngineStats)
+                 if f.name != "num_new_by_priority"}
+        return EngineStats(**total, num_new_by_priority=dict(
+            sum((Counter(s.num_new_by_priority) for s in per), Counter())))
+
+    def admit(self, num_seqs: int, max_queued: int | None, priority: int = 0) -> None:
+        """AsyncEngine.admit over the whole set: when all replicas' queued sequences plus these
+        pass max_queued, the replica with the longest queue that can shed the excess (of less
+        important, never-started requests) does; EngineOverloaded when none can."""
+        if max_queued is None:
+            return
+        queued = [r.num_queued for r in self.replicas]
+        over = sum(queued) + num_seqs - max_queued
+        if over <= 0:
+            return
+        for i in sorted(range(len(self.replicas)), key=lambda i: -queued[i]):
+            try:
+                # Asked to take `over` sequences beyond what it holds, a replica sheds that many.
+                self.replicas[i].admit(over, queued[i], priority)
+                return
+            except EngineOverloaded:
+                continue
+        raise EngineOverloaded(f"the request queue is full ({sum(queued)} sequences wait for a "
+                               f"slot); retry later", OVERLOADED_RETRY_AFTER_S)
 
     def prepare(self, request_id: str, prompt, params: SamplingParams | None = None,
-                priority: int = 0) -> PreparedRequest:
-        return self.replicas[0].prepare(request_id, prompt, params, priority)
+                priority: int = 0, *, qos: QoS | None = None) -> PreparedRequest:
+        return self.replicas[0].prepare(request_id, prompt, params, priority, qos=qos)
 
     def route(self, prompt_token_ids: Sequence[int]) -> int:
         """The index of the replica a prompt goes to (see jaxserve.replica_routing)."""
@@ -82,6 +106,7 @@ class ReplicaSet:
 
     async def generate(self, prompt=None, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0, *,
+                       qos: QoS | None = None,
                        prepared: PreparedRequest | None = None) -> AsyncIterator[RequestOutput]:
         """AsyncEngine.generate on the routed replica. Routing and submitting run without an
         await between them, so concurrent requests each see the others' load."""
@@ -89,7 +114,7 @@ class ReplicaSet:
             raise EngineDead("a data-parallel replica is not running; the server cannot generate")
         if prepared is None:
             prepared = self.prepare(request_id or f"req-{uuid.uuid4().hex}", prompt, params,
-                                    priority)
+                                    priority, qos=qos)
         if prepared.request_id in self._owner:
             raise InvalidRequest(f"request id {prepared.request_id!r} is already in use",
                                  "request_id")

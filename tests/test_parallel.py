@@ -25,7 +25,7 @@ from jaxserve.batch import SeqChunk, make_plan
 from jaxserve.cache import KVCacheManager
 from jaxserve.config import DistributedConfig, ModelConfig, ParallelConfig
 from jaxserve.engine import EngineStats
-from jaxserve.errors import ConfigError
+from jaxserve.errors import ConfigError, EngineOverloaded
 from jaxserve.replica_routing import pick_replica
 from jaxserve.replicas import ReplicaSet
 from jaxserve.request import Request
@@ -74,7 +74,7 @@ def _fake_replica(page_size: int, load: int, cached: list[int] | None):
         cache.register_full_pages(request)
     config = SimpleNamespace(cache=SimpleNamespace(page_size=page_size),
                              scheduler=SimpleNamespace(max_num_seqs=4))
-    stats = EngineStats(0, 0, 0, 0, 15, 0, 0, 0, 0, 0, 0)
+    stats = EngineStats(0, 0, 0, 0, 15, 0, 0, 0, 0, 0, 0, {1: load})
     return SimpleNamespace(engine=SimpleNamespace(config=config,
                                                   scheduler=SimpleNamespace(cache=cache)),
                            num_queued=load, stats=lambda: stats)
@@ -91,6 +91,32 @@ def test_replica_set_routes_by_the_replicas_live_prefix_index():
     replicas[1].num_queued = 2  # now 2 busier than replica 0: much busier
     assert rs.route(system + [1, 2, 3]) == 2  # replica 2 holds the first page
     assert rs.route([1, 2, 3]) == 0  # nobody has it: least loaded, lowest index
+    assert rs.stats().num_pages == 45 and rs.stats().num_new_by_priority == {1: 1}
+
+
+def test_replica_set_queue_limit_sheds_where_the_queue_is_longest():
+    asked = []
+
+    def replica(queued: int, sheddable: int):
+        def admit(num_seqs, max_queued, priority):
+            asked.append((queued, num_seqs, max_queued, priority))
+            if num_seqs > sheddable:
+                raise EngineOverloaded("full")
+        return SimpleNamespace(num_queued=queued, admit=admit, engine=SimpleNamespace(
+            config=SimpleNamespace(cache=SimpleNamespace(page_size=16),
+                                   scheduler=SimpleNamespace(max_num_seqs=4))))
+
+    rs = ReplicaSet([replica(3, sheddable=0), replica(5, sheddable=1), replica(4, sheddable=9)])
+    rs.admit(2, max_queued=14, priority=0)  # 12 + 2 fit: nobody is asked
+    rs.admit(1, max_queued=None)
+    assert asked == []
+    rs.admit(3, max_queued=14, priority=-1)  # one too many: the longest queue sheds one
+    assert asked == [(5, 1, 5, -1)]
+    asked.clear()
+    rs.admit(4, max_queued=14, priority=0)  # two too many: replica 1 cannot, replica 2 can
+    assert asked == [(5, 2, 5, 0), (4, 2, 4, 0)]
+    with pytest.raises(EngineOverloaded, match="12 sequences wait"):
+        rs.admit(20, max_queued=14)
 
 
 # ---------------------------------------------------------------- step channel frames
