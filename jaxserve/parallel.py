@@ -1,8 +1,8 @@
 """Engines from the parallel settings: tensor_parallel_size x data_parallel_size devices.
 
-`build_engines` reads the weights once, places them on one (1, tp) mesh per data-parallel replica
-(jaxserve.sharding), checks the sizes against the devices (before loading) and the model (before
-any program compiles), gives every replica the same KV pool size, and builds one LLMEngine per
+`build_engines` checks the sizes against the devices and the model's config (before reading a
+tensor), reads the weights once, places them on one (1, tp) mesh per data-parallel replica
+(jaxserve.sharding), gives every replica the same KV pool size, and builds one LLMEngine per
 replica, compiling the replicas' programs side by side. `start_engine` wraps them for a front
 end: an AsyncEngine for one replica, a ReplicaSet for several.
 """
@@ -42,14 +42,15 @@ def build_engines(model: str, *, dtype: str | None = None, devices=None,
     from jaxserve.model_registry import resolve
     from jaxserve.runner import num_pages_for
     from jaxserve.tokenizer import load_tokenizer
-    from jaxserve.weights import load_model_replicas
+    from jaxserve.weights import load_model_replicas, read_config
 
     spec = resolve(model)
     started = time.perf_counter()
     args = {**spec.engine_defaults, **engine_args}
     parallel = parallel_config(args)
     devices = list(jax.devices() if devices is None else devices)
-    sharding.check_devices(parallel, len(devices))
+    # Checked before a tensor is read: a size that cannot serve is one error at start.
+    sharding.check_parallel(read_config(spec, dtype), parallel, len(devices))
     if parallel.data_parallel_size * parallel.tensor_parallel_size == 1:
         meshes = [None]
     else:
@@ -57,7 +58,6 @@ def build_engines(model: str, *, dtype: str | None = None, devices=None,
     model_config, replica_params = jax.block_until_ready(
         load_model_replicas(spec, dtype, meshes))
     load_seconds = time.perf_counter() - started
-    sharding.check_parallel(model_config, parallel, len(devices))
     tp = parallel.tensor_parallel_size
     if tp > 1 and sharding.kv_head_shards(model_config, meshes[0]) == 1:
         log.warning("tensor_parallel_size %d does not divide the %d KV heads: attention runs "
