@@ -34,7 +34,7 @@ from jaxserve.sampler import SamplingRow, make_sampling_metadata
 from jaxserve.sampling import SamplingParams
 from jaxserve.server.process import ServerProcess
 from tests.test_cli import ROOT, assert_one_line_error, run_cli, tiny_gguf
-from tests.test_server import http_get, http_post, scrape, wait_for
+from tests.test_server import http_get, http_post, wait_for
 
 SMOLLM2 = "smollm2-135m-instruct"
 # Small buckets: every server here compiles 2 forwards and 4 samplers per replica.
