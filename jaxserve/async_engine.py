@@ -17,7 +17,8 @@ after the outputs it already produced: DeadlineExceeded (finish_reason "deadline
 ("queue_timeout"), EngineOverloaded ("shed"); the front ends map those to 504 / 429 / 503.
 
 If a step raises, the engine is dead: every open stream gets EngineDead and new requests are
-refused, rather than serving from a cache and scheduler in an unknown state.
+refused, rather than serving from a cache and scheduler in an unknown state. `fail` does the same
+from another thread, for a death the step cannot see (a multi-host follower gone while idle).
 
 Liveness: the loop takes at most `max_sequences_per_step` sequences' worth of commands from its
 inbox per step, so a burst of admissions waits its turn while running requests keep stepping; and
@@ -39,7 +40,7 @@ import uuid
 from collections import deque
 from typing import AsyncIterator, Callable
 
-from jaxserve.engine import EngineStats, LLMEngine
+from jaxserve.engine import EngineStats, LLMEngine, PreparedRequest
 from jaxserve.errors import (DeadlineExceeded, EngineDead, EngineOverloaded, InvalidRequest,
                              JaxServeError, QueueTimeout, RequestFailed)
 from jaxserve.outputs import RequestOutput
@@ -102,6 +103,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def replica_stats(self) -> list[EngineStats]:
+        """Stats per data-parallel replica (metrics label them): this engine is one."""
+        return [self._stats]
+
     @property
     def num_queued(self) -> int:
         """Sequences accepted and not yet running: waiting (or preempted) in the scheduler as of
@@ -154,17 +159,30 @@ class AsyncEngine:
             self._unadded -= over
             self._wake.notify()
 
-    async def generate(self, prompt, params: SamplingParams | None = None,
+    def fit_kv_pool(self, prompt_lens, params: SamplingParams) -> SamplingParams:
+        """LLMEngine.fit_kv_pool (a pure check: safe from any thread)."""
+        return self.engine.fit_kv_pool(prompt_lens, params)
+
+    def prepare(self, request_id: str, prompt, params: SamplingParams | None = None,
+                priority: int = 0, *, qos: QoS | None = None) -> PreparedRequest:
+        """Validate a request on the caller's thread (LLMEngine.prepare): the errors a client
+        gets before anything is queued."""
+        return self.engine.prepare(request_id, prompt, params, priority, qos=qos)
+
+    async def generate(self, prompt=None, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0, *,
-                       qos: QoS | None = None) -> AsyncIterator[RequestOutput]:
+                       qos: QoS | None = None,
+                       prepared: PreparedRequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative), the last one finished. Leaving the loop early
         (break, cancellation, client gone) aborts the request and frees its pages. `qos`: see
-        `LLMEngine.prepare`; a request that runs out of time or is shed raises (module doc)."""
+        `LLMEngine.prepare`; a request that runs out of time or is shed raises (module doc).
+        `prepared` (from `prepare`) replaces prompt, params, request_id, priority and qos."""
         if not self.is_running:
             raise EngineDead(f"the engine is not running ({self._dead or 'shut down'})")
-        if request_id is None:
-            request_id = f"req-{uuid.uuid4().hex}"
-        prepared = self.engine.prepare(request_id, prompt, params, priority, qos=qos)
+        if prepared is None:
+            prepared = self.prepare(request_id or f"req-{uuid.uuid4().hex}", prompt, params,
+                                    priority, qos=qos)
+        request_id = prepared.request_id
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         stream = self._streams[request_id] = _Stream(asyncio.get_running_loop())
@@ -203,18 +221,34 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 30.0) -> bool:
         """Stop the loop; open streams end with EngineDead. False if the engine thread did not
-        end within `timeout` (it is wedged in a step)."""
+        end within `timeout` (it is wedged in a step). A dead engine's thread is not waited for:
+        after `fail` it may be stuck in a collective with a process that is gone (it is a daemon
+        thread, so it does not hold the process open)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        self._thread.join(timeout)
         self._watchdog_stop.set()
+        if self._dead is not None:
+            return True
+        self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def fail(self, error: EngineDead) -> None:
+        """Stop serving now, from any thread: open streams end with `error`, new requests are
+        refused, /ready turns 503. The first error is the one reported."""
+        with self._wake:
+            if self._dead is None:
+                self._dead = error
+            self._busy = False
+            self._wake.notify()
+        for stream in list(self._streams.values()):
+            stream.put(self._dead)
 
     # ---- engine thread -----------------------------------------------------------------------
 
     def _has_work(self) -> bool:
-        return bool(self._inbox) or self._stopping or self.engine.has_unfinished()
+        return (bool(self._inbox) or self._stopping or self._dead is not None
+                or self.engine.has_unfinished())
 
     def _take_commands(self) -> list:
         """The inbox's oldest commands, up to max_sequences_per_step sequences (at least one
@@ -235,6 +269,8 @@ class AsyncEngine:
                             self._wake.wait()
                         self._heartbeat = time.monotonic()  # the stall clock starts with work
                         self._busy = True
+                    if self._dead is not None:
+                        raise self._dead
                     if self._stopping:
                         raise EngineDead("the engine was shut down")
                     commands = self._take_commands()
@@ -255,12 +291,9 @@ class AsyncEngine:
                 for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - every stream must hear of it
-            if not isinstance(e, EngineDead):
+            if self._dead is None and not isinstance(e, EngineDead):
                 log.exception("engine step failed; the engine is dead")
-            self._dead = e if isinstance(e, EngineDead) else EngineDead(f"engine step failed: {e}")
-            self._busy = False
-            for stream in list(self._streams.values()):
-                stream.put(self._dead)
+            self.fail(e if isinstance(e, EngineDead) else EngineDead(f"engine step failed: {e}"))
 
     def _watchdog(self) -> None:
         """Log a stall once when it starts (with the engine thread's stack) and once when it

@@ -13,9 +13,12 @@ Conventions (see DESIGN.md, "Contracts"):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import numpy as np
+
+from jaxserve.config import SchedulerConfig
 
 NULL_PAGE = 0
 
@@ -40,6 +43,10 @@ class SeqChunk(NamedTuple):
     token_ids: Sequence[int]
     start_pos: int
     page_table: Sequence[int]
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
 
 
 def next_power_of_two(n: int) -> int:
@@ -68,6 +75,37 @@ def pick_token_bucket(num_tokens: int, buckets: Sequence[int]) -> int:
         if b >= num_tokens:
             return b
     raise ValueError(f"{num_tokens} tokens exceed the largest bucket {buckets[-1]}")
+
+
+@dataclass(frozen=True)
+class StepShapes:
+    """The shapes derived from the configs and the pool size, in one place: the scheduler pads
+    plans to them and the runner compiles one program per bucket of them, so the two can never
+    disagree on a shape."""
+
+    token_buckets: tuple[int, ...]
+    max_num_seqs: int
+    page_size: int
+    pages_per_seq: int  # page-table width: enough pages for max_model_len tokens
+    num_pages: int  # KV pool size per device, the null page included
+    history_width: int  # penalty history (prompt + output) of one row: the padded max_model_len
+
+    @classmethod
+    def of(cls, scheduler: SchedulerConfig, page_size: int, num_pages: int) -> "StepShapes":
+        return cls(tuple(token_buckets(scheduler.max_num_batched_tokens)), scheduler.max_num_seqs,
+                   page_size, pages_for(scheduler.max_model_len, page_size), num_pages,
+                   next_power_of_two(scheduler.max_model_len))
+
+    def token_bucket(self, num_tokens: int) -> int:
+        return pick_token_bucket(num_tokens, self.token_buckets)
+
+    def seq_bucket(self, num_tokens_padded: int) -> int:
+        return seq_bucket(num_tokens_padded, self.max_num_seqs)
+
+    @property
+    def row_buckets(self) -> tuple[int, ...]:
+        """Sampling rows per step, one per token bucket (several token buckets may share one)."""
+        return tuple(sorted({self.seq_bucket(t) for t in self.token_buckets}))
 
 
 def make_plan(chunks: Sequence[SeqChunk], *, num_tokens_padded: int, num_seqs_padded: int,

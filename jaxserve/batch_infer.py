@@ -235,9 +235,8 @@ async def run_batch_on(engine, model_name: str, input_path: Path, output_path: P
 
 def run_batch(args: argparse.Namespace) -> int:
     """`jaxserve batch`: check the files, load the engine, answer what is left, shut it down."""
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.engine import LLMEngine
     from jaxserve.engine_args import engine_args
+    from jaxserve.parallel import start_engine
 
     todo = pending_items(args.input, args.output)
     if todo is None:
@@ -245,7 +244,7 @@ def run_batch(args: argparse.Namespace) -> int:
     if not todo:
         print(f"nothing to do: every request is answered in {args.output}", file=sys.stderr)
         return 0
-    engine = AsyncEngine(LLMEngine.from_model(args.model, dtype=args.dtype, **engine_args(args)))
+    engine = start_engine(args.model, dtype=args.dtype, **engine_args(args))
     try:
         return asyncio.run(answer_items(engine, args.served_model_name or args.model, todo,
                                         args.output))

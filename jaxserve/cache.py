@@ -33,6 +33,15 @@ def hash_page(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def extend_page_hashes(hashes: list[bytes], token_ids: Sequence[int], page_size: int,
+                       num_full_pages: int) -> list[bytes]:
+    """Append the chained hashes of pages len(hashes)..num_full_pages-1 of token_ids."""
+    for i in range(len(hashes), num_full_pages):
+        hashes.append(hash_page(hashes[-1] if hashes else None,
+                                token_ids[i * page_size:(i + 1) * page_size]))
+    return hashes
+
+
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
         if num_pages < 2:
@@ -81,11 +90,7 @@ class KVCacheManager:
     def _hashes(self, request: Request, num_full_pages: int) -> list[bytes]:
         hashes = request.page_hashes
         if len(hashes) < num_full_pages:
-            tokens = request.all_token_ids
-            ps = self.page_size
-            for i in range(len(hashes), num_full_pages):
-                parent = hashes[-1] if hashes else None
-                hashes.append(hash_page(parent, tokens[i * ps:(i + 1) * ps]))
+            extend_page_hashes(hashes, request.all_token_ids, self.page_size, num_full_pages)
         return hashes
 
     def lookup_prefix(self, request: Request) -> list[int]:
@@ -106,6 +111,16 @@ class KVCacheManager:
                 break
             hits.append(page)
         return hits
+
+    def count_cached_prefix(self, page_hashes: Sequence[bytes]) -> int:
+        """How many leading pages of a prompt (its chained page hashes) are indexed now.
+
+        Safe from another thread: each test is one dict lookup, atomic in CPython, and the answer
+        may be a step stale. A routing hint (jaxserve.replicas), never an admission decision."""
+        n = 0
+        while n < len(page_hashes) and page_hashes[n] in self._hash_to_page:
+            n += 1
+        return n
 
     def pages_in_flight(self, requests: Sequence[Request]) -> set[bytes]:
         """Hashes of the full pages these requests hold or will compute but have not indexed yet."""

@@ -178,6 +178,28 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """jax.distributed settings of a multi-host group. A field left None is auto-detected by JAX
+    (TPU pod slices, SLURM, Open MPI, ...)."""
+
+    coordinator_address: str | None = None  # HOST:PORT of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    def __post_init__(self):
+        if self.coordinator_address is not None:
+            host, _, port = self.coordinator_address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"coordinator address must be HOST:PORT, got "
+                                  f"{self.coordinator_address!r}")
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ConfigError(f"num_processes must be >= 1, got {self.num_processes}")
+        if self.process_id is not None and not (
+                0 <= self.process_id < (self.num_processes or self.process_id + 1)):
+            raise ConfigError(f"process_id must be in [0, num_processes), got {self.process_id}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)

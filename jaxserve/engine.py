@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from jaxserve.errors import ContextLengthExceeded, InvalidRequest
+from jaxserve.errors import ConfigError, ContextLengthExceeded, InvalidRequest
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from jaxserve.request import QoS, Request, RequestStatus
 from jaxserve.sampling import SamplingParams, SamplingRow
@@ -115,7 +115,10 @@ class _Group:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, params: dict, tokenizer: Tokenizer, *, mesh=None,
-                 strict_compile: bool = False, warmup: bool = True, progress: bool = True):
+                 strict_compile: bool = False, warmup: bool = True, progress: bool = True,
+                 publish=None):
+        """mesh: this replica's devices (tensor parallel), params sharded on it; publish: see
+        ModelRunner (multi-host)."""
         from jaxserve.runner import ModelRunner
 
         self.config = config
@@ -124,7 +127,7 @@ class LLMEngine:
             tokenizer.eos_token_ids)
         self.runner = ModelRunner(config.model, params, config.cache, config.scheduler,
                                   eos_token_ids=self.eos_token_ids, mesh=mesh,
-                                  strict=strict_compile)
+                                  strict=strict_compile, publish=publish)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_pages)
         self.grammars = GrammarCompiler(tokenizer, vocab_size=config.model.vocab_size,
                                         eos_token_ids=self.eos_token_ids)
@@ -144,28 +147,22 @@ class LLMEngine:
         self._num_finished = 0
 
     @classmethod
-    def from_model(cls, model: str, *, dtype: str | None = None, mesh=None,
-                   strict_compile: bool = False, warmup: bool = True, progress: bool = True,
-                   chat_template: str | None = None, **engine_args: Any) -> "LLMEngine":
+    def from_model(cls, model: str, *, dtype: str | None = None, strict_compile: bool = False,
+                   warmup: bool = True, progress: bool = True, chat_template: str | None = None,
+                   **engine_args: Any) -> "LLMEngine":
         """Load a registered model name or a path (GGUF, HF directory, orbax checkpoint).
-        engine_args: the fields of CacheConfig and SchedulerConfig, over the registry's defaults.
+        engine_args: the fields of CacheConfig and SchedulerConfig, and tensor_parallel_size (the
+        engine then runs on that many devices), over the registry's defaults.
         chat_template: a jinja chat template (a file, or the text) instead of the model's."""
-        import jax
+        from jaxserve.parallel import build_engines
 
-        from jaxserve.model_registry import resolve
-        from jaxserve.tokenizer import load_tokenizer
-        from jaxserve.weights import load_model
-
-        spec = resolve(model)
-        started = time.perf_counter()
-        model_config, params = load_model(spec, dtype, mesh)
-        params = jax.block_until_ready(params)
-        load_seconds = time.perf_counter() - started
-        config = make_engine_config(model_config, {**spec.engine_defaults, **engine_args})
-        engine = cls(config, params, load_tokenizer(spec, chat_template), mesh=mesh,
-                     strict_compile=strict_compile, warmup=warmup, progress=progress)
-        engine.load_seconds = load_seconds
-        return engine
+        engines = build_engines(model, dtype=dtype, strict_compile=strict_compile, warmup=warmup,
+                                progress=progress, chat_template=chat_template, **engine_args)
+        if len(engines) > 1:
+            raise ConfigError(
+                f"an LLMEngine is one replica: data_parallel_size {len(engines)} is served by "
+                f"`jaxserve serve` / `jaxserve batch` (jaxserve.parallel.start_engine)")
+        return engines[0]
 
     @property
     def max_model_len(self) -> int:
@@ -502,6 +499,11 @@ _SCHEDULER_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
                      "enable_chunked_prefill")
 
 
+def parallel_config(args: dict) -> ParallelConfig:
+    return ParallelConfig(**{k: args[k] for k in ("tensor_parallel_size", "data_parallel_size")
+                             if args.get(k) is not None})
+
+
 def make_engine_config(model_config, args: dict) -> EngineConfig:
     """EngineConfig from flat engine arguments (registry defaults overridden by the caller's).
     max_model_len defaults to the model's context."""
@@ -518,6 +520,4 @@ def make_engine_config(model_config, args: dict) -> EngineConfig:
     cache = CacheConfig(dtype=args.get("kv_cache_dtype"),
                         **{k: args[k] for k in _CACHE_FIELDS if k in args})
     scheduler = SchedulerConfig(**{k: args[k] for k in _SCHEDULER_FIELDS if k in args})
-    parallel = ParallelConfig(**{k: args[k] for k in ("tensor_parallel_size", "data_parallel_size")
-                                 if k in args})
-    return EngineConfig(model_config, cache, scheduler, parallel)
+    return EngineConfig(model_config, cache, scheduler, parallel_config(args))

@@ -9,12 +9,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from jaxserve.config import DistributedConfig
+
 DTYPES = ("float32", "bfloat16")
 # Engine settings by their keyword name (the flag is --name-with-dashes) and value type.
 ENGINE_FLAG_TYPES = {
     "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int, "page_size": int,
     "num_pages": int, "kv_cache_memory_fraction": float, "enable_prefix_caching": bool,
-    "enable_chunked_prefill": bool, "chat_template": str,
+    "enable_chunked_prefill": bool, "chat_template": str, "tensor_parallel_size": int,
+    "data_parallel_size": int,
 }
 
 
@@ -45,6 +48,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    default=None)
     g.add_argument("--chat-template", help="a jinja chat template file (or the template itself) "
                    "to use instead of the model's")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int,
+                   help="devices each replica's params and KV cache are sharded over")
+    g.add_argument("--data-parallel-size", "-dp", type=int,
+                   help="engine replicas in this process, each on its own tensor-parallel-size "
+                        "devices, behind one front door")
 
 
 def engine_args(args: argparse.Namespace) -> dict:
@@ -59,3 +67,23 @@ def configure_compile_cache(args: argparse.Namespace) -> None:
     if args.compile_cache_dir != "":
         enable_compile_cache(Path(args.compile_cache_dir) if args.compile_cache_dir
                              else default_compile_cache_dir())
+
+
+def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "multi-host", "one server over the devices of several processes (jax.distributed): "
+        "process 0 serves, the others follow its steps")
+    g.add_argument("--coordinator-address", help="HOST:PORT of process 0 (jax.distributed)")
+    g.add_argument("--num-processes", type=int, help="processes in the group")
+    g.add_argument("--process-id", type=int, help="this process's index (0: the leader)")
+    g.add_argument("--distributed", action="store_true",
+                   help="initialise jax.distributed even without the three flags above: JAX "
+                        "detects them from the environment (TPU pod slices, SLURM, Open MPI)")
+
+
+def distributed_config(args: argparse.Namespace) -> DistributedConfig | None:
+    """The multi-host settings, or None for a single process."""
+    given = (args.coordinator_address, args.num_processes, args.process_id)
+    if not args.distributed and all(v is None for v in given):
+        return None
+    return DistributedConfig(*given)

@@ -37,8 +37,7 @@ from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
-from jaxserve.batch import (BatchPlan, SeqChunk, make_plan, pick_token_bucket, seq_bucket,
-                            token_buckets)
+from jaxserve.batch import BatchPlan, SeqChunk, StepShapes, make_plan
 from jaxserve.cache import KVCacheManager
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import ConfigError, ContextLengthExceeded, InvalidRequest
@@ -110,8 +109,7 @@ class Scheduler:
         self.page_size = cache_config.page_size
         self.cache = KVCacheManager(num_pages, cache_config.page_size,
                                     cache_config.enable_prefix_caching)
-        self.token_buckets = token_buckets(scheduler_config.max_num_batched_tokens)
-        self.pages_per_seq = -(-scheduler_config.max_model_len // cache_config.page_size)
+        self.shapes = StepShapes.of(scheduler_config, cache_config.page_size, num_pages)
         self.clock = clock  # the deadlines' clock (time.monotonic); tests inject their own
         self.waiting = FairQueue()  # preempted requests included
         self.running: list[Request] = []  # in admission order
@@ -216,14 +214,13 @@ class Scheduler:
             self._admit_waiting(step)
         if not step.scheduled:
             return None
-        t_pad = pick_token_bucket(self.config.max_num_batched_tokens - step.budget,
-                                  self.token_buckets)
+        t_pad = self.shapes.token_bucket(self.config.max_num_batched_tokens - step.budget)
         chunks = [SeqChunk(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n),
                            r.num_computed_tokens, r.page_table)
                   for r, n, _ in step.scheduled]
         plan = make_plan(chunks, num_tokens_padded=t_pad,
-                         num_seqs_padded=seq_bucket(t_pad, self.config.max_num_seqs),
-                         pages_per_seq=self.pages_per_seq, page_size=self.page_size)
+                         num_seqs_padded=self.shapes.seq_bucket(t_pad),
+                         pages_per_seq=self.shapes.pages_per_seq, page_size=self.page_size)
         return SchedulerOutput(plan, step.scheduled, step.preempted)
 
     def update_from_output(self, out: SchedulerOutput,

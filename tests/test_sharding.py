@@ -140,3 +140,39 @@ def test_orbax_checkpoint_restores_straight_into_the_mesh(tmp_path):
         assert leaf.sharding == want
         np.testing.assert_array_equal(np.asarray(leaf), ref)
     assert restored["layers"]["up_proj"].sharding.spec == P(None, None, "model")
+
+
+@needs_8
+@pytest.mark.parametrize("tp, kv_heads", [(2, 2), (4, 2)])
+def test_sharded_step_never_gathers_the_kv_cache(tp, kv_heads):
+    """The compiled forward moves activations (all-reduce, the logits' all-gather), never the
+    cache: KV heads split, attention runs per device; not split, the cache is replicated."""
+    import re
+
+    from jaxserve.config import CacheConfig, SchedulerConfig
+    from jaxserve.runner import ModelRunner
+
+    config = TINY.replace(num_kv_heads=kv_heads)
+    mesh = sharding.replica_meshes(ParallelConfig(tensor_parallel_size=tp))[0]
+    params = jax.device_put(llama.init_params(config, jax.random.key(0)),
+                            sharding.param_shardings(config, mesh))
+    # A pool big enough that any gather of it would dwarf the step's activations.
+    runner = ModelRunner(config, params, CacheConfig(page_size=PAGE_SIZE, num_pages=64),
+                         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                         max_model_len=16), eos_token_ids=[1], mesh=mesh)
+    cache = runner.kv_cache
+    if kv_heads % tp == 0:
+        assert cache.sharding.spec == P(None, None, "model", None)
+    else:
+        assert cache.sharding.is_fully_replicated
+    hlo = runner._compile(("forward", 16)).as_text()
+    collectives = re.findall(r"= \w+\[([\d,]*)\][^=]*? (all-gather|all-reduce|all-to-all|"
+                             r"collective-permute)\(", hlo)
+    assert {op for _, op in collectives} >= {"all-reduce"}
+    sizes = [np.prod([int(d) for d in shape.split(",") if d]) for shape, _ in collectives]
+    assert max(sizes) < cache.size // tp, collectives  # smaller than one device's shard
+    # Donated and updated in place: the cache comes back with its own sharding.
+    plan = make_plan([SeqChunk([3, 4, 5], 0, [1])], num_tokens_padded=16, num_seqs_padded=4,
+                     pages_per_seq=4, page_size=PAGE_SIZE)
+    runner.forward(plan)
+    assert cache.is_deleted() and runner.kv_cache.sharding == cache.sharding

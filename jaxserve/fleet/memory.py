@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax
-
 from jaxserve.config import EngineConfig
 from jaxserve.errors import InsufficientMemory
 
@@ -35,7 +33,7 @@ def plan_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
     from jaxserve.runner import kv_page_bytes, num_pages_for
     from jaxserve.weights import param_bytes
 
-    num_pages = num_pages_for(config.model, config.cache, config.scheduler, jax.devices()[0],
+    num_pages = num_pages_for(config.model, config.cache, config.scheduler,
                               memory_bytes=budget_bytes)
     page = kv_page_bytes(config.model, config.cache.page_size,
                          config.cache.dtype or config.model.dtype)

@@ -91,10 +91,39 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def paged_attention(config: ModelConfig, mesh: jax.sharding.Mesh | None, q, k, v, kv_cache,
+                    batch: BatchPlan, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Store this step's K/V in the layer's pages and attend over them: (out [T, Hq, D], cache).
+
+    Under a mesh the kernels run per device (shard_map) on that device's KV heads: they are
+    custom calls XLA cannot partition, and partitioned any other way the cache would be gathered.
+    """
+    from jaxserve import sharding
+
+    def attend(q, k, v, kv_cache, batch, layer):
+        num_pages = kv_cache.shape[0] // config.num_layers
+        page_size = kv_cache.shape[1]
+        kv_cache = rpa.write_kv(kv_cache, k, v, batch.slot_mapping + layer * (num_pages * page_size))
+        out = rpa.ragged_paged_attention(
+            q, kv_cache, batch.kv_lens, batch.page_indices + layer * num_pages, batch.cu_q_lens,
+            batch.num_seqs, sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window)
+        return out, kv_cache
+
+    if mesh is None:
+        return attend(q, k, v, kv_cache, batch, layer)
+    heads, cache = sharding.attention_specs(config, mesh)
+    replicated = jax.sharding.PartitionSpec()
+    # check_vma off: the kernels' outputs carry no varying-axes annotations for JAX to check.
+    return jax.shard_map(attend, mesh=mesh, in_specs=(heads, heads, heads, cache, replicated,
+                                                      replicated),
+                         out_specs=(heads, cache), check_vma=False)(q, k, v, kv_cache, batch, layer)
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm block: attention over the paged cache, then a SwiGLU MLP."""
 
     config: ModelConfig
+    mesh: jax.sharding.Mesh | None = None  # tensor parallel: attention runs per device
 
     @nn.compact
     def __call__(self, carry, layer: jax.Array, batch: BatchPlan):
@@ -129,14 +158,7 @@ class DecoderLayer(nn.Module):
             # independent of the attention backend.
             attn = q
         else:
-            num_pages = kv_cache.shape[0] // c.num_layers
-            page_size = kv_cache.shape[1]
-            kv_cache = rpa.write_kv(kv_cache, k, v,
-                                    batch.slot_mapping + layer * (num_pages * page_size))
-            attn = rpa.ragged_paged_attention(
-                q, kv_cache, batch.kv_lens, batch.page_indices + layer * num_pages,
-                batch.cu_q_lens, batch.num_seqs, sm_scale=D ** -0.5,
-                sliding_window=c.sliding_window)
+            attn, kv_cache = paged_attention(c, self.mesh, q, k, v, kv_cache, batch, layer)
         wo = _param(self, "o_proj", (Hq, D, H), ("heads", "head_dim", "embed"), dt,
                     _fan_in_normal(Hq * D))
         x = x + einsum("tnd,ndh->th", attn.astype(dt), wo)
@@ -207,10 +229,11 @@ def param_shapes(config: ModelConfig) -> dict:
     return nn.unbox(jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0)))
 
 
-def forward(params: dict, config: ModelConfig, kv_cache: jax.Array,
-            batch: BatchPlan) -> tuple[jax.Array, jax.Array]:
-    """Run all layers over the batch's flat tokens: (final-normed hidden [T, H], kv_cache)."""
-    layer = DecoderLayer(config)
+def forward(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: BatchPlan,
+            mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+    """Run all layers over the batch's flat tokens: (final-normed hidden [T, H], kv_cache).
+    With `mesh` (params and cache sharded by jaxserve.sharding), attention runs per device."""
+    layer = DecoderLayer(config, mesh)
 
     def body(carry, xs):
         layer_params, layer_id = xs

@@ -44,7 +44,7 @@ class _State:
         self.openapi: dict | None = None  # built on first request, once every route is added
 
     def _stats(self):
-        return None if self.serving is None else self.serving.engine.stats()
+        return None if self.serving is None else self.serving.engine.replica_stats()
 
     def attach(self, engine, rag=None) -> None:
         self.serving = OpenAIServing(engine, self.model_name, self.metrics,

@@ -1,4 +1,5 @@
-"""`jaxserve serve`: HTTP (and optionally gRPC) servers over one AsyncEngine.
+"""`jaxserve serve`: HTTP (and optionally gRPC) servers over one engine: an AsyncEngine, or a
+ReplicaSet of data-parallel replicas (jaxserve.parallel).
 
 The HTTP server listens first, so /health answers and /ready says "warming up" while weights load
 and every program compiles; then the engine attaches and /ready turns 200, and stdout says how long
@@ -10,6 +11,9 @@ in-flight requests get --shutdown-timeout to finish and are then cancelled (whic
 engine requests), then the engine thread stops. If it does not (a step that never returns), its
 stack is logged and the process exits with status 1 instead of hanging; a deadline timer, and a
 second signal, end it in any case. A signal during warmup exits at once.
+
+Multi-host (jax.distributed): process 0 runs all of the above with a leader engine; every other
+process only follows its steps (jaxserve.multihost) and exits when the leader stops.
 """
 
 from __future__ import annotations
@@ -46,9 +50,10 @@ _LIMIT_HELP = {
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from jaxserve.engine_args import add_engine_arguments
+    from jaxserve.engine_args import add_distributed_arguments, add_engine_arguments
 
     add_engine_arguments(parser)
+    add_distributed_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--grpc-port", type=int, default=None,
@@ -109,9 +114,8 @@ def _overdue() -> None:
     _exit_now(1)
 
 
-async def serve(args: argparse.Namespace) -> int:
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.engine import LLMEngine
+async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
+    """group_leader: this is process 0 of a multi-host group (jax.distributed initialised)."""
     from jaxserve.engine_args import engine_args
     from jaxserve.server.grpc import start_grpc_server
     from jaxserve.server.http import attach_engine, build_app, start_server
@@ -145,21 +149,22 @@ async def serve(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    load = loop.run_in_executor(None, lambda: LLMEngine.from_model(
-        args.model, dtype=args.dtype, **engine_args(args)))
+    load = loop.run_in_executor(None, lambda: _start_engine(
+        args, engine_args(args), group_leader, config.engine_stall_timeout))
     stopped = asyncio.ensure_future(stop.wait())
-    engine = grpc_server = None
+    engine = grpc_server = leader = None
     try:
         await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not load.done():  # the warmup thread cannot be interrupted; nothing was served yet
             log.info("stopped while warming up")
             await runner.cleanup()
             _exit_now(0)
-        llm_engine = load.result()
+        engine, leader = load.result()
         if rag is not None:
             await loop.run_in_executor(None, _warm_rag, rag)
-        engine = AsyncEngine(llm_engine, stall_timeout=config.engine_stall_timeout)
         attach_engine(app, engine, rag)
+        # Replicas load and compile together: the first one's times are the set's.
+        llm_engine = getattr(engine, "replicas", [engine])[0].engine
         print(f"jaxserve: ready in {time.perf_counter() - started:.1f} s (load "
               f"{llm_engine.load_seconds:.1f} s, compile {llm_engine.compile_seconds:.1f} s)",
               flush=True)
@@ -173,6 +178,8 @@ async def serve(args: argparse.Namespace) -> int:
         await stopped
     finally:
         wedged = await _shutdown(app, runner, grpc_server, engine, config.shutdown_timeout)
+        if leader is not None:
+            leader.close()
         if rag is not None:
             rag.close()
     if wedged:
@@ -199,6 +206,24 @@ async def _shutdown(app, runner, grpc_server, engine, timeout: float) -> bool:
     return True
 
 
+def _start_engine(args: argparse.Namespace, engine_kwargs: dict, group_leader: bool,
+                  stall_timeout: float | None):
+    """(the engine to serve, the multi-host Leader or None)."""
+    from jaxserve.parallel import start_engine
+
+    if not group_leader:
+        return start_engine(args.model, dtype=args.dtype, stall_timeout=stall_timeout,
+                            **engine_kwargs), None
+    from jaxserve import multihost
+
+    leader = multihost.Leader()
+    engine = start_engine(args.model, dtype=args.dtype, stall_timeout=stall_timeout,
+                          agree_num_pages=leader.agree_num_pages, publish=leader.publish,
+                          **multihost.group_engine_args(engine_kwargs))
+    leader.watch(engine.fail)
+    return engine, leader
+
+
 def _rag_service(data_dir: Path | None):
     from jaxserve.rag.config import RagConfig, default_data_dir
     from jaxserve.rag.service import RagService
@@ -214,6 +239,21 @@ def _warm_rag(rag) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from jaxserve.engine_args import distributed_config, engine_args
+
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(args))
+    dist = distributed_config(args)
+    if dist is None:
+        return asyncio.run(serve(args))
+    import jax
+
+    from jaxserve import multihost
+
+    multihost.initialize(dist)
+    if jax.process_index() != 0:
+        return multihost.run_follower(args.model, dtype=args.dtype, engine_args=engine_args(args))
+    try:
+        return asyncio.run(serve(args, group_leader=jax.process_count() > 1))
+    finally:
+        jax.distributed.shutdown()

@@ -2,12 +2,13 @@
 
 Engine-owned numbers (queue lengths, KV usage, token and preemption counters) are read from the
 engine's stats at scrape time by a custom collector, so they can never drift from the engine's own
-bookkeeping. Per-request latencies are histograms observed when a request ends.
+bookkeeping; they carry a `replica` label, one series per data-parallel replica ("0" when there
+is one). Per-request latencies are histograms observed when a request ends.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -19,41 +20,41 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], object | None], model_name: str):
-        self._stats = stats
-        self._labels = {"model_name": model_name}
-
-    def _gauge(self, name, doc, value):
-        g = GaugeMetricFamily(f"jaxserve:{name}", doc, labels=list(self._labels))
-        g.add_metric(list(self._labels.values()), float(value))
-        return g
-
-    def _counter(self, name, doc, value):
-        c = CounterMetricFamily(f"jaxserve:{name}", doc, labels=list(self._labels))
-        c.add_metric(list(self._labels.values()), float(value))
-        return c
+    def __init__(self, stats: Callable[[], Sequence[object] | None], model_name: str):
+        self._stats = stats  # one EngineStats per replica, or None while warming up
+        self._model_name = model_name
 
     def collect(self):
-        s = self._stats()
-        if s is None:  # still warming up: no engine numbers yet
+        per_replica = self._stats()
+        if per_replica is None:  # still warming up: no engine numbers yet
             return
-        usage = s.pages_in_use / s.num_pages if s.num_pages else 0.0
-        yield self._gauge("num_requests_running", "Requests in the running batch.", s.num_running)
-        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.",
-                          s.num_waiting)
-        yield self._gauge("kv_cache_usage_perc",
-                          "Fraction of KV pages held by live requests (1 = full).", usage)
-        yield self._gauge("kv_cache_cached_free_pages",
-                          "KV pages held only by the prefix cache (reusable, evictable).",
-                          s.pages_cached_free)
-        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                            s.prefix_cache_queries)
-        yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                            s.prefix_cache_hits)
-        yield self._counter("prompt_tokens", "Prompt tokens processed.", s.prompt_tokens)
-        yield self._counter("generation_tokens", "Tokens generated.", s.generation_tokens)
-        yield self._counter("num_preemptions", "Requests preempted for lack of KV pages.",
-                            s.num_preemptions)
+        labels = ["model_name", "replica"]
+        families = {}
+        for replica, s in enumerate(per_replica):
+            usage = s.pages_in_use / s.num_pages if s.num_pages else 0.0
+            for kind, name, doc, value in (
+                    ("gauge", "num_requests_running", "Requests in the running batch.",
+                     s.num_running),
+                    ("gauge", "num_requests_waiting", "Requests waiting to be scheduled.",
+                     s.num_waiting),
+                    ("gauge", "kv_cache_usage_perc",
+                     "Fraction of KV pages held by live requests (1 = full).", usage),
+                    ("gauge", "kv_cache_cached_free_pages",
+                     "KV pages held only by the prefix cache (reusable, evictable).",
+                     s.pages_cached_free),
+                    ("counter", "prefix_cache_queries",
+                     "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+                    ("counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                     s.prefix_cache_hits),
+                    ("counter", "prompt_tokens", "Prompt tokens processed.", s.prompt_tokens),
+                    ("counter", "generation_tokens", "Tokens generated.", s.generation_tokens),
+                    ("counter", "num_preemptions", "Requests preempted for lack of KV pages.",
+                     s.num_preemptions)):
+                if name not in families:
+                    family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                    families[name] = family(f"jaxserve:{name}", doc, labels=labels)
+                families[name].add_metric([self._model_name, str(replica)], float(value))
+        yield from families.values()
 
 
 class PolicyMetrics:
@@ -74,7 +75,7 @@ class PolicyMetrics:
 class ServerMetrics:
     """One registry per server, so several servers (tests) never share counters."""
 
-    def __init__(self, stats: Callable[[], object | None], model_name: str):
+    def __init__(self, stats: Callable[[], Sequence[object] | None], model_name: str):
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(stats, model_name))
         labels = ["model_name"]

@@ -357,7 +357,7 @@ class OpenAIServing:
                                        f"slot); retry later")
         # The whole request against the KV pool, before a stream's headers go out, so it is still
         # a 400 and not an error inside a 200 stream.
-        params = self.engine.engine.fit_kv_pool([len(p) for p in prompt_ids], params)
+        params = self.engine.fit_kv_pool([len(p) for p in prompt_ids], params)
         return Generation(self, parsed, prompt_ids, params, citations)
 
     def _prompt_ids(self, parsed: protocol.ParsedRequest, prompt) -> list[int]:

@@ -74,3 +74,14 @@ def load_model(spec: ModelSpec, dtype: str | None = None,
     if mesh is None:
         return config, jax.device_put(params)
     return config, jax.device_put(params, sharding.param_shardings(config, mesh))
+
+
+def load_model_replicas(spec: ModelSpec, dtype: str | None,
+                        meshes: list[jax.sharding.Mesh | None]) -> tuple[ModelConfig, list[dict]]:
+    """The weights read once and placed on each mesh (one per data-parallel replica): the first
+    from the source, the others copied device to device from it."""
+    from jaxserve import sharding
+
+    config, first = load_model(spec, dtype, meshes[0])
+    return config, [first] + [jax.device_put(first, sharding.param_shardings(config, mesh))
+                              for mesh in meshes[1:]]

@@ -1,0 +1,107 @@
+"""The example manifests under deploy/ hold together: every jaxserve command line parses with the
+real CLI (flags that exist, values of the right type), ports the flags open are the declared
+container ports, probes hit routes the server has on ports that exist, Services select pods that
+exist and target their named ports, and a multi-host group's sizes add up."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jaxserve.cli import build_parser
+from jaxserve.config import ServerConfig
+from jaxserve.engine_args import distributed_config
+from jaxserve.server.http import build_app
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+MANIFESTS = sorted(DEPLOY.rglob("*.yaml"))
+# What LeaderWorkerSet injects into every pod of a group; the worker index varies per pod.
+LWS_ENV = {"LWS_LEADER_ADDRESS": "jaxserve-multihost-0.jaxserve-multihost"}
+
+
+def documents(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def pod_templates(doc: dict) -> list[tuple[dict, dict]]:
+    """(template, extra env) of every pod a workload creates."""
+    if doc["kind"] == "Deployment":
+        return [(doc["spec"]["template"], {})]
+    if doc["kind"] == "LeaderWorkerSet":
+        lwt = doc["spec"]["leaderWorkerTemplate"]
+        size = lwt["size"]
+        env = dict(LWS_ENV, LWS_GROUP_SIZE=str(size))
+        return [(lwt["leaderTemplate"], dict(env, LWS_WORKER_INDEX="0")),
+                (lwt["workerTemplate"], dict(env, LWS_WORKER_INDEX=str(size - 1)))]
+    return []
+
+
+def expand(arg: str, env: dict) -> str:
+    def var(m):
+        assert m.group(1) in env, f"{arg}: ${m.group(1)} is not set in the pod"
+        return env[m.group(1)]
+    return re.sub(r"\$\((\w+)\)", var, arg)
+
+
+def jaxserve_args(container: dict, env: dict):
+    command = container["command"]
+    assert command[0] == "jaxserve", command
+    env = {**{e["name"]: e.get("value", "") for e in container.get("env", [])}, **env}
+    return build_parser().parse_args([*command[1:], *(expand(a, env) for a in container["args"])])
+
+
+ROUTES = {r.resource.canonical for r in build_app(ServerConfig(), "m").router.routes()}
+
+
+def test_there_are_manifests():
+    assert {p.name for p in MANIFESTS} >= {"fleet.yaml", "multihost-lws.yaml"}
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_holds_together(path):
+    docs = documents(path)
+    pods = [(t, env) for d in docs for t, env in pod_templates(d)]
+    assert pods, f"{path.name} runs no pods"
+    for template, env in pods:
+        for container in template["spec"]["containers"]:
+            args = jaxserve_args(container, env)
+            ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+            if args.command == "serve" and "http" in ports:
+                assert ports["http"] == args.port
+                assert args.host == "0.0.0.0", "a pod must listen beyond its loopback"
+            if "grpc" in ports:
+                assert ports["grpc"] == args.grpc_port
+            for probe, path_ in (("readinessProbe", "/ready"), ("livenessProbe", "/health"),
+                                 ("startupProbe", "/health")):
+                if probe in container:
+                    get = container[probe]["httpGet"]
+                    assert get["path"] == path_ and get["path"] in ROUTES
+                    assert get["port"] in ports, f"{probe} targets an undeclared port"
+            annotations = template["metadata"].get("annotations", {})
+            if "prometheus.io/port" in annotations:
+                assert int(annotations["prometheus.io/port"]) == args.port
+                assert annotations["prometheus.io/path"] in ROUTES
+            group = distributed_config(args)
+            if group is not None:  # a multi-host group: sizes, coordinator and devices add up
+                assert group.process_id < group.num_processes == int(env["LWS_GROUP_SIZE"])
+                coordinator_port = int(group.coordinator_address.rpartition(":")[2])
+                if group.process_id == 0:
+                    assert ports.get("coordinator") == coordinator_port
+                    assert "readinessProbe" in container
+                else:
+                    assert not ports and "readinessProbe" not in container  # no HTTP on workers
+                gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+                assert args.tensor_parallel_size == gpus * group.num_processes
+                assert args.data_parallel_size in (None, 1)
+    for service in (d for d in docs if d["kind"] == "Service"):
+        selected = [t for t, _ in pods
+                    if service["spec"]["selector"].items() <= t["metadata"]["labels"].items()]
+        assert selected, f"Service {service['metadata']['name']} selects no pod"
+        for port in service["spec"]["ports"]:
+            for template in selected:
+                names = {p["name"] for c in template["spec"]["containers"]
+                         for p in c.get("ports", [])}
+                assert port["targetPort"] in names, (service["metadata"]["name"], port)
