@@ -162,7 +162,7 @@ async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progr
             return
         gen = None
         try:
-            gen = serving.prepare(item.kind, item.body)
+            gen = await serving.prepare_async(item.kind, item.body)
             body = await gen.response()
         # A refused request (the engine's checks may refuse it too), or one that alone failed in
         # the engine (a 500 line): each its own line, the batch goes on.

@@ -154,6 +154,9 @@ class ServerConfig:
     engine_stall_timeout: float = 60.0
     # SIGTERM: in-flight requests get this long to finish, then are aborted.
     shutdown_timeout: float = 20.0
+    # How chat output with tools is read (jaxserve.tools.parsers; "hermes" matches the built-in
+    # tool prompt of templates that do not render tools themselves).
+    tool_call_parser: str = "hermes"
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

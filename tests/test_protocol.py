@@ -18,6 +18,7 @@ from jaxserve.server.request_models import request_models
 from jaxserve.server.validation import load_json
 
 MSGS = [{"role": "user", "content": "Hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 def chat(**fields):
@@ -97,8 +98,8 @@ def test_completion_prompts_and_fields():
     (chat, {"stop": 3}, "stop"),
     (chat, {"stream": "yes"}, "stream"),
     (chat, {"stream_options": {"include_usage": True}}, "stream_options"),
-    (chat, {"stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options"),
+    (chat, {"stream": True, "stream_options": {"continuous_usage_stats": 1}},
+     "stream_options.continuous_usage_stats"),
     (chat, {"stream": True, "stream_options": {"include_usage": 1}},
      "stream_options.include_usage"),
     (chat, {"logprobs": 2}, "logprobs"),
@@ -108,11 +109,31 @@ def test_completion_prompts_and_fields():
     (chat, {"frobnicate": 1}, "frobnicate"),
     (chat, {"logit_bias": {"1": 2}}, "logit_bias"),
     (chat, {"tools": [{"type": "function"}]}, "tools"),
-    (chat, {"tool_choice": "auto"}, "tool_choice"),
-    (chat, {"response_format": {"type": "json_object"}}, "response_format"),
+    (chat, {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+    (chat, {"tool_choice": "required"}, "tool_choice"),
+    (chat, {"tool_choice": "auto", "tools": [TOOL], "response_format": {"type": "xml"}},
+     "response_format"),
+    (chat, {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice"),
+    (chat, {"tools": [TOOL], "tool_choice": "required", "guided_regex": "a+"}, "tool_choice"),
+    (chat, {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format.json_schema.name"),
+    (chat, {"response_format": {"type": "json_schema",
+                                "json_schema": {"name": "x", "schema": []}}},
+     "response_format.json_schema.schema"),
+    (chat, {"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    (chat, {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    (chat, {"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),
+    (chat, {"guided_choice": []}, "guided_choice"),
+    (chat, {"guided_json": "{not json"}, "guided_json"),
+    (chat, {"messages": [{"role": "tool", "content": "3"}]}, "messages"),
+    (chat, {"messages": [{"role": "user", "content": None}]}, "messages"),
+    (chat, {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages"),
     (chat, {"best_of": 3}, "best_of"),
     (chat, {"store": True}, "store"),
-    (chat, {"parallel_tool_calls": True}, "parallel_tool_calls"),
+    (chat, {"parallel_tool_calls": 1}, "parallel_tool_calls"),
+    (completion, {"response_format": {"type": "json_object"}}, "response_format"),
+    (completion, {"tools": [TOOL]}, "tools"),
     (chat, {"user": 5}, "user"),
     (chat, {"model": None}, "model"),
     (completion, {"logprobs": 21}, "logprobs"),
@@ -134,6 +155,46 @@ def test_neutral_values_pass():
          response_format={"type": "text"}, user="alice", store=False, metadata=None,
          parallel_tool_calls=None, service_tier=None, n=2, best_of=2, reasoning_effort=None)
     completion(suffix="", best_of=1, logit_bias=None, user=None)
+
+
+@pytest.mark.parametrize("fields, kind, param", [
+    ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strict": True}}}, "json", "response_format"),
+    ({"structured_outputs": {"json": {"type": "integer"}}}, "json", "structured_outputs"),
+    ({"structured_outputs": {"grammar": "start: \"a\""}}, "grammar", "structured_outputs"),
+    ({"guided_json": '{"type": "string"}'}, "json", "guided_json"),
+    ({"guided_regex": "[a-z]+"}, "regex", "guided_regex"),
+    ({"guided_choice": ["yes", "no"]}, "choice", "guided_choice"),
+    ({"guided_grammar": "root ::= \"a\""}, "grammar", "guided_grammar"),
+])
+def test_structured_output_fields_become_one_constraint(fields, kind, param):
+    for parse in (chat, completion):
+        if "response_format" in fields and parse is completion:
+            continue
+        constraint = parse(**fields).sampling_params.structured_outputs
+        assert (constraint.kind, constraint.param) == (kind, param)
+    assert chat(response_format={"type": "text"}).sampling_params.structured_outputs is None
+
+
+def test_tools_tool_choice_and_tool_messages():
+    history = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "2"}]
+    req = chat(messages=history, tools=[TOOL], parallel_tool_calls=False,
+               tool_choice={"type": "function", "function": {"name": "f"}})
+    assert [t.name for t in req.tools] == ["f"] and req.parallel_tool_calls is False
+    assert (req.tool_choice.mode, req.tool_choice.name) == ("named", "f")
+    assert req.prompts[0][-2]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+    assert req.prompts[0][-1] == {"role": "tool", "content": "2", "tool_call_id": "call_1"}
+    assert chat(tools=[TOOL]).tool_choice.mode == "auto"
+    assert chat().tool_choice.mode == "none"
+
+
+def test_continuous_usage_needs_include_usage():
+    on = {"include_usage": True, "continuous_usage_stats": True}
+    assert chat(stream=True, stream_options=on).continuous_usage
+    assert not chat(stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage
 
 
 def test_body_must_be_an_object():

@@ -43,6 +43,13 @@ def completion_body(request: pb.GenerateRequest) -> dict:
             body[name] = round(value, 6) if isinstance(value, float) else value
     if request.stop:
         body["stop"] = list(request.stop)
+    if request.HasField("structured_outputs"):
+        so = request.structured_outputs
+        body["structured_outputs"] = {name: getattr(so, name) for name in
+                                      ("json", "regex", "grammar", "json_object")
+                                      if so.HasField(name)}
+        if so.choice:
+            body["structured_outputs"]["choice"] = list(so.choice)
     return body
 
 
@@ -63,14 +70,13 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         try:
-            gen = self.serving.prepare("completion", completion_body(request))
+            gen = await self.serving.prepare_async("completion", completion_body(request))
         except JaxServeError as e:
             await context.abort(status_for(e), str(e))
         (prompt_ids,), (request_id,) = gen.prompt_ids, gen.request_ids
         sent_text, sent_tokens, finished = 0, 0, False
         try:
-            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, gen.params,
-                                                  request_id):
+            async for _, out in gen.streams():
                 choice = out.outputs[0]
                 delta = pb.GenerateResponse(text=choice.text[sent_text:],
                                             token_ids=choice.token_ids[sent_tokens:])

@@ -49,7 +49,8 @@ class _State:
     def attach(self, engine, rag=None) -> None:
         self.serving = OpenAIServing(engine, self.model_name, self.metrics,
                                      self.config.log_prompts, rag,
-                                     self.config.max_queued_requests, self.config.limits)
+                                     self.config.max_queued_requests, self.config.limits,
+                                     self.config.tool_call_parser)
 
     def require_serving(self) -> OpenAIServing:
         if self.serving is None:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from jaxserve.config import RequestLimits, ServerConfig
 from jaxserve.errors import ModelNotFound
+from jaxserve.tools.parsers import TOOL_PARSERS
 
 log = logging.getLogger("jaxserve.server")
 _DEFAULTS = ServerConfig()
@@ -74,6 +75,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=_DEFAULTS.shutdown_timeout,
                         help="on SIGTERM, in-flight requests get this many seconds to finish "
                              "before they are aborted (default: %(default)s)")
+    parser.add_argument("--tool-call-parser", default=_DEFAULTS.tool_call_parser,
+                        choices=sorted(TOOL_PARSERS),
+                        help="how a chat's output is read for tool calls: the model family's "
+                             "format (default: %(default)s, the built-in tool prompt's)")
     limits = parser.add_argument_group("request limits (a request past one is a 400 naming the "
                                        "field)")
     for f in dataclasses.fields(RequestLimits):
@@ -97,7 +102,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         keepalive_seconds=args.keepalive_seconds, log_prompts=args.log_prompts,
                         max_queued_requests=args.max_queued_requests, limits=limits,
                         engine_stall_timeout=args.engine_stall_timeout,
-                        shutdown_timeout=args.shutdown_timeout)
+                        shutdown_timeout=args.shutdown_timeout,
+                        tool_call_parser=args.tool_call_parser)
 
 
 def _exit_now(code: int) -> None:

@@ -4,6 +4,11 @@ and the offline batch runner all call this, so a response body is built in exact
 A `Generation` is one API request: one engine request per prompt, each with n choices. It turns the
 engine's cumulative outputs into per-choice deltas, and `abort_unfinished()` is what every transport
 calls in its `finally` so a request that ends early (client gone, error) frees its KV pages at once.
+
+A chat with tools gets them in its prompt and its output parsed into `tool_calls`
+(server/tool_output.py); a forced tool_choice becomes a grammar constraint. A constrained request
+is prepared for the engine up front (its grammar compiled, a 400 before any stream starts), in an
+executor on the async path so a slow compile never blocks the event loop.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from jaxserve.config import RequestLimits
 from jaxserve.errors import (ContextLengthExceeded, EngineDead, EngineOverloaded, InvalidRequest,
                              ModelNotFound)
 from jaxserve.server import protocol
+from jaxserve.server.tool_output import ToolCallOutput
+from jaxserve.tools.choice import forced_tool_call
+from jaxserve.tools.parsers import get_tool_parser
 
 access_log = logging.getLogger("jaxserve.access")
 
@@ -81,6 +89,14 @@ def _token_str(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+# A token the grammar masked has logprob -inf, which JSON cannot carry: clamped, as vLLM does.
+MIN_LOGPROB = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
 def chat_logprobs(tokenizer, ids: list[int], logprobs) -> dict:
     content = []
     for tid, lp in zip(ids, logprobs):
@@ -88,8 +104,9 @@ def chat_logprobs(tokenizer, ids: list[int], logprobs) -> dict:
         tops = []
         for i, v in lp.top:
             t = _token_str(tokenizer, i)
-            tops.append({"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))})
-        content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8")),
+            tops.append({"token": t, "logprob": _logprob(v), "bytes": list(t.encode("utf-8"))})
+        content.append({"token": tok, "logprob": _logprob(lp.logprob),
+                        "bytes": list(tok.encode("utf-8")),
                         "top_logprobs": tops})
     return {"content": content}
 
@@ -99,8 +116,8 @@ def completion_logprobs(tokenizer, ids: list[int], logprobs, text_offset: int) -
     for tid, lp in zip(ids, logprobs):
         tok = _token_str(tokenizer, tid)
         tokens.append(tok)
-        token_lps.append(lp.logprob)
-        tops.append({_token_str(tokenizer, i): v for i, v in lp.top})
+        token_lps.append(_logprob(lp.logprob))
+        tops.append({_token_str(tokenizer, i): _logprob(v) for i, v in lp.top})
         offsets.append(text_offset)
         text_offset += len(tok)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -109,8 +126,11 @@ def completion_logprobs(tokenizer, ids: list[int], logprobs, text_offset: int) -
 
 class Generation:
     def __init__(self, serving: "OpenAIServing", parsed: protocol.ParsedRequest, prompt_ids,
-                 params, citations: list[dict] | None = None):
+                 params, citations: list[dict] | None = None,
+                 tool_output: ToolCallOutput | None = None):
         self.serving = serving
+        self.tool_output = tool_output or ToolCallOutput(None)
+        self.prepared = None  # the engine requests, when prepared up front (prepare_engine)
         self.citations = citations  # retrieval-augmented chat: what the prompt was given
         self.parsed = parsed
         self.chat = parsed.kind == "chat"
@@ -138,8 +158,17 @@ class Generation:
     def usage(self) -> dict:
         return protocol.usage(self.prompt_tokens, sum(self.completion_tokens.values()))
 
-    def _streams(self) -> AsyncIterator[tuple[int, Any]]:
+    def prepare_engine(self) -> None:
+        """Prepare the engine requests now (the grammar compiled: cached by constraint, so a
+        request of several prompts compiles once); blocking, so off the event loop."""
         engine = self.serving.engine
+        self.prepared = [engine.prepare(rid, {"prompt_token_ids": ids}, self.params)
+                         for ids, rid in zip(self.prompt_ids, self.request_ids)]
+
+    def streams(self) -> AsyncIterator[tuple[int, Any]]:
+        engine = self.serving.engine
+        if self.prepared is not None:
+            return merge_streams([engine.generate(prepared=p) for p in self.prepared])
         return merge_streams([engine.generate({"prompt_token_ids": ids}, self.params, rid)
                               for ids, rid in zip(self.prompt_ids, self.request_ids)])
 
@@ -192,7 +221,7 @@ class Generation:
         texts = {i: "" for i in range(self.num_choices)}
         ids = {i: [] for i in range(self.num_choices)}
         lps = {i: [] for i in range(self.num_choices)}
-        async for s, out in self._streams():
+        async for s, out in self.streams():
             for choice, text, new_ids, new_lps, _ in self._deltas(s, out):
                 texts[choice] += text
                 ids[choice] += new_ids
@@ -200,10 +229,11 @@ class Generation:
         choices = []
         for i in range(self.num_choices):
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
+                message, finish = self.tool_output.message(texts[i], self.finish.get(i))
+                choices.append({"index": i, "message": message,
                                 "logprobs": chat_logprobs(tok, ids[i], lps[i]) if self.want_logprobs
                                 else None,
-                                "finish_reason": self.finish.get(i)})
+                                "finish_reason": finish})
             else:
                 prefix = self._echo_prefix(i)
                 choices.append({"index": i, "text": prefix + texts[i],
@@ -221,7 +251,8 @@ class Generation:
                  "object": "chat.completion.chunk" if self.chat else "text_completion",
                  "created": self.created, "model": self.serving.model_name, "choices": choices}
         if self.parsed.include_usage:
-            chunk["usage"] = usage
+            # OpenAI: null on every chunk but the last; vLLM's continuous_usage_stats: so far.
+            chunk["usage"] = usage if usage or not self.parsed.continuous_usage else self.usage()
         return chunk
 
     async def chunks(self, keepalive_seconds: float) -> AsyncIterator[dict | None]:
@@ -241,13 +272,14 @@ class Generation:
                 offsets[i] = len(prefix)
                 yield self._chunk([{"index": i, "text": prefix, "logprobs": None,
                                     "finish_reason": None}])
-        async for item in with_keepalive(self._streams(), keepalive_seconds):
+        async for item in with_keepalive(self.streams(), keepalive_seconds):
             if item is None:
                 yield None
                 continue
             for choice, text, ids, lps, finish in self._deltas(*item):
                 if self.chat:
-                    c = {"index": choice, "delta": {"content": text} if text or not finish else {},
+                    delta, finish = self.tool_output.delta(choice, text, finish)
+                    c = {"index": choice, "delta": delta,
                          "logprobs": chat_logprobs(tok, ids, lps) if self.want_logprobs else None,
                          "finish_reason": finish}
                 else:
@@ -282,8 +314,10 @@ class OpenAIServing:
 
     def __init__(self, engine, model_name: str, metrics=None, log_prompts: bool = False,
                  rag=None, max_queued_requests: int | None = None,
-                 limits: RequestLimits = RequestLimits()):
+                 limits: RequestLimits = RequestLimits(), tool_call_parser: str = "hermes"):
         self.engine = engine
+        # ConfigError at start for an unknown name; "hermes" matches the built-in tool prompt.
+        self.tool_parser = get_tool_parser(tool_call_parser)
         self.model_name = model_name
         self.metrics = metrics
         self.log_prompts = log_prompts
@@ -307,30 +341,27 @@ class OpenAIServing:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
                                  param=param)
 
-    def prepare(self, kind: str, body: Any) -> Generation:
-        """Everything that can fail before generation starts: a failure here is the client's
-        400/404 (or 503 when the engine is not running)."""
-        parsed = self._parse(kind, body)
-        if parsed.rag is not None:
-            raise InvalidRequest("'rag' is served by POST /v1/chat/completions only", param="rag")
-        return self._start(parsed)
-
     async def prepare_async(self, kind: str, body: Any) -> Generation:
-        """`prepare`, plus retrieval for a chat with "rag": the collection is searched for the
-        last user message (in an executor: embedding and search block) and the results go into
-        the prompt; the response then carries "citations"."""
+        """Everything that can fail before generation starts: a failure here is the client's
+        400/404 (or 503 when the engine is not running). A chat with "rag" has its collection
+        searched for the last user message (in an executor: embedding and search block) and the
+        results put into the prompt; the response then carries "citations"."""
         parsed = self._parse(kind, body)
         if parsed.rag is None:
-            return self._start(parsed)
-        if self.rag is None:
-            raise InvalidRequest("this server has no retrieval ('rag'): it was started with "
-                                 "--no-rag", param="rag")
-        from jaxserve.rag.prompt import augment_chat, parse_rag_request
+            gen = self._start(parsed)
+        else:
+            if self.rag is None:
+                raise InvalidRequest("this server has no retrieval ('rag'): it was started with "
+                                     "--no-rag", param="rag")
+            from jaxserve.rag.prompt import augment_chat, parse_rag_request
 
-        rag = parse_rag_request(parsed.rag, self.rag.config.search.max_top_k)
-        messages, citations = await asyncio.get_running_loop().run_in_executor(
-            None, augment_chat, self.rag, parsed.prompts[0], rag)
-        return self._start(dataclasses.replace(parsed, prompts=[messages]), citations)
+            rag = parse_rag_request(parsed.rag, self.rag.config.search.max_top_k)
+            messages, citations = await asyncio.get_running_loop().run_in_executor(
+                None, augment_chat, self.rag, parsed.prompts[0], rag)
+            gen = self._start(dataclasses.replace(parsed, prompts=[messages]), citations)
+        if gen.params.structured_outputs is not None:
+            await asyncio.get_running_loop().run_in_executor(None, gen.prepare_engine)
+        return gen
 
     def _parse(self, kind: str, body: Any) -> protocol.ParsedRequest:
         parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
@@ -340,6 +371,7 @@ class OpenAIServing:
 
     def _start(self, parsed: protocol.ParsedRequest,
                citations: list[dict] | None = None) -> Generation:
+        parsed, tool_output = self._tools(parsed)
         prompt_ids = [self._prompt_ids(parsed, p) for p in parsed.prompts]
         params = self._fit_context(parsed, prompt_ids)
         if not self.engine.is_running:
@@ -358,11 +390,26 @@ class OpenAIServing:
         # The whole request against the KV pool, before a stream's headers go out, so it is still
         # a 400 and not an error inside a 200 stream.
         params = self.engine.fit_kv_pool([len(p) for p in prompt_ids], params)
-        return Generation(self, parsed, prompt_ids, params, citations)
+        return Generation(self, parsed, prompt_ids, params, citations, tool_output)
+
+    def _tools(self, parsed: protocol.ParsedRequest
+               ) -> tuple[protocol.ParsedRequest, ToolCallOutput]:
+        """tool_choice "none" (or no tools): the tools stay out of the prompt and the output is
+        content. "auto": the model may call, its text is parsed. "required" / named: a grammar
+        constraint makes it call (protocol refused it beside another constraint)."""
+        if parsed.tool_choice.mode == "none":
+            return dataclasses.replace(parsed, tools=()), ToolCallOutput(None)
+        forced = forced_tool_call(parsed.tools, parsed.tool_choice, self.tool_parser,
+                                  parallel_tool_calls=parsed.parallel_tool_calls)
+        if forced is not None:
+            parsed = dataclasses.replace(
+                parsed, sampling_params=parsed.sampling_params.replace(structured_outputs=forced))
+        return parsed, ToolCallOutput(self.tool_parser)
 
     def _prompt_ids(self, parsed: protocol.ParsedRequest, prompt) -> list[int]:
         if parsed.kind == "chat":
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                     tools=parsed.tools)
         elif isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:

@@ -17,7 +17,9 @@ from typing import Any
 from jaxserve.config import RequestLimits
 from jaxserve.sampling import SamplingParams
 from jaxserve.server.request_models import request_models
+from jaxserve.server.structured_fields import structured_constraint, tool_fields
 from jaxserve.server.validation import validate
+from jaxserve.tools.functions import FunctionTool, ToolChoice
 
 # Fields whose value passes straight into SamplingParams (the names are the same).
 _SAMPLING_FIELDS = (
@@ -40,13 +42,18 @@ class ParsedRequest:
     logprobs: int | None  # top-n requested, None when off
     max_tokens_given: bool  # False: the server fills max_tokens from the remaining context
     rag: dict | None = None  # chat only: the "rag" option, None when absent
+    tools: tuple[FunctionTool, ...] = ()  # chat only
+    tool_choice: ToolChoice = ToolChoice("none")
+    parallel_tool_calls: bool = True
+    continuous_usage: bool = False  # usage on every streamed chunk (vLLM's extension)
 
 
 def _sampling_params(body, **fields) -> SamplingParams:
-    """SamplingParams from the body's sampling fields; it checks every range and names the field
-    in its InvalidRequest."""
+    """SamplingParams from the body's sampling fields and its structured-output constraint; it
+    checks every range and names the field in its InvalidRequest."""
     kwargs = {name: getattr(body, name) for name in _SAMPLING_FIELDS
               if getattr(body, name) is not None}
+    kwargs["structured_outputs"] = structured_constraint(body)
     if body.stop_token_ids is not None:
         kwargs["stop_token_ids"] = tuple(body.stop_token_ids)
     stop = body.stop
@@ -58,6 +65,11 @@ def _include_usage(body) -> bool:
     return bool(body.stream_options is not None and body.stream_options.include_usage)
 
 
+def _continuous_usage(body) -> bool:
+    # As in vLLM: only together with include_usage.
+    return _include_usage(body) and bool(body.stream_options.continuous_usage_stats)
+
+
 def parse_chat_request(body: Any, limits: RequestLimits = _DEFAULT_LIMITS) -> ParsedRequest:
     req = validate(request_models(limits).chat, body)
     max_tokens = req.max_completion_tokens
@@ -67,15 +79,30 @@ def parse_chat_request(body: Any, limits: RequestLimits = _DEFAULT_LIMITS) -> Pa
     # max_tokens None: as many as fit (the serving layer and the engine decide)
     params = _sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
     rag = req.rag.model_dump(exclude_none=True) if req.rag is not None else None
+    tools, tool_choice, parallel = tool_fields(req, params.structured_outputs)
     return ParsedRequest("chat", req.model, [flatten_messages(req.messages)], params,
                          bool(req.stream), _include_usage(req), False, logprobs,
-                         max_tokens is not None, rag)
+                         max_tokens is not None, rag, tools, tool_choice, parallel,
+                         _continuous_usage(req))
 
 
 def flatten_messages(messages) -> list[dict]:
-    """Validated ChatMessages as the chat template takes them: text parts joined."""
-    return [{"role": m.role, "content": m.content if isinstance(m.content, str)
-             else "".join(p.text for p in m.content)} for m in messages]
+    """Validated ChatMessages as the chat template takes them: text parts joined, an assistant's
+    tool_calls and a tool message's tool_call_id kept (jaxserve.tools.prompt renders them)."""
+    out = []
+    for m in messages:
+        content = m.content
+        if content is None:
+            content = ""
+        elif not isinstance(content, str):
+            content = "".join(p.text for p in content)
+        message = {"role": m.role, "content": content}
+        if m.tool_calls is not None:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
 
 
 def parse_completion_request(body: Any, limits: RequestLimits = _DEFAULT_LIMITS
@@ -91,7 +118,8 @@ def parse_completion_request(body: Any, limits: RequestLimits = _DEFAULT_LIMITS
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
     params = _sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
     return ParsedRequest("completion", req.model, prompts, params, bool(req.stream),
-                         _include_usage(req), bool(req.echo), req.logprobs, True)
+                         _include_usage(req), bool(req.echo), req.logprobs, True,
+                         continuous_usage=_continuous_usage(req))
 
 
 def new_id(prefix: str) -> str:

@@ -8,21 +8,26 @@ server are built from its limits by `request_models(limits)`. What depends on mo
 SamplingParams owns) is checked after parsing.
 
 Known OpenAI fields we do not implement are typed to accept only their neutral value and marked
-`x-neutral` (the error then says "not supported"); a field implemented later (tools,
-response_format) replaces its neutral type here.
+`x-neutral` (the error then says "not supported"); a field implemented later replaces its neutral
+type here. Structured outputs and tools are typed here for their shape; what they mean (one
+constraint out of response_format / structured_outputs / guided_*, the tool names, the schemas
+the grammar library can enforce) is checked by `jaxserve.server.structured_fields`,
+`jaxserve.tools` and the engine's grammar compiler.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
+                      model_validator)
 
 from jaxserve.config import RequestLimits
 from jaxserve.errors import InvalidRequest
 from jaxserve.rag.config import SEARCH_MODES
+from jaxserve.tools.functions import MAX_TOOLS
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
 MAX_RERANK_DOCUMENTS = 1000  # Cohere's recommended maximum per request
@@ -59,13 +64,44 @@ class TextPart(Body):
     text: str
 
 
+class ToolCallFunction(Body):
+    name: NonEmptyStr
+    arguments: str = Field(description="The arguments object as JSON text.")
+
+
+class MessageToolCall(Body):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(description="A string, or text parts joined in order.")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(
+        None, description="A string, or text parts joined in order; may be null only on an "
+                          "assistant message with `tool_calls`.")
+    tool_calls: list[MessageToolCall] | None = Field(
+        None, description="An assistant message's calls (earlier turns of an agent loop).")
+    tool_call_id: str | None = Field(None, description="A `tool` message: the call it answers.")
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise InvalidRequest("'tool_calls' is only allowed on assistant messages",
+                                 param="messages")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise InvalidRequest("a 'tool' message needs 'tool_call_id' (and only it may have "
+                                 "one)", param="messages")
+        if self.content is None and not self.tool_calls:
+            raise InvalidRequest("'content' is required (it may be null only on an assistant "
+                                 "message with 'tool_calls')", param="messages")
+        return self
 
 
 class StreamOptions(Body):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM's extension: with include_usage, usage on every chunk.")
 
 
 class RagOption(Body):
@@ -81,18 +117,94 @@ class ResponseFormatText(Body):
     type: Literal["text"]
 
 
+class ResponseFormatJsonObject(Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(Body):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema",
+                                           description="The JSON schema (absent: any object).")
+    strict: bool | None = Field(None, description="Always enforced, whatever its value.")
+
+
+class ResponseFormatJsonSchema(Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+def by_type(*models: type[Body]) -> Any:
+    """A union of models told apart by their `type` literal. The tags are the class names, not
+    the `type` values: an error's location holds the tag, and a value such as "json_schema" would
+    read as the field of that name."""
+    tags = {m.model_fields["type"].annotation.__args__[0]: m.__name__ for m in models}
+
+    def tag(value: Any) -> str | None:
+        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        return tags.get(kind) if isinstance(kind, str) else None
+
+    return Annotated[Union[tuple(Annotated[m, Tag(m.__name__)] for m in models)],
+                     Discriminator(tag, custom_error_type="invalid_type", custom_error_message=(
+                         f"'type' must be one of {', '.join(map(repr, tags))}"))]
+
+
+ResponseFormat = by_type(ResponseFormatText, ResponseFormatJsonObject, ResponseFormatJsonSchema)
+
+
+class StructuredOutputsField(Body):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json",
+                                               description="A JSON schema (object or its text).")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="Lark (llguidance's dialect) or GBNF.")
+    json_object: bool | None = None
+
+
+class FunctionDefinition(Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments "
+                                                                "object; enforced when the call "
+                                                                "is forced by tool_choice.")
+    strict: bool | None = None
+
+
+class ChatTool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class _Structured(Body):
+    """Structured outputs: vLLM's fields, on chat and completions."""
+
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = Field(None, description="Older vLLM name of "
+                                                                        "structured_outputs.json.")
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
 class _Unsupported(Body):
     """Known OpenAI fields this server does not implement, at their neutral value only."""
 
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = neutral("{}")
-    tools: Annotated[list[Any], Field(max_length=0)] | None = neutral("[]")
     functions: Annotated[list[Any], Field(max_length=0)] | None = neutral("[]")
-    tool_choice: Literal["none"] | None = neutral('"none"')
     function_call: Literal["none"] | None = neutral('"none"')
-    response_format: ResponseFormatText | None = neutral('{"type": "text"}')
     store: Literal[False] | None = neutral("false")
     suffix: Literal[""] | None = neutral('""')
-    parallel_tool_calls: None = neutral("null")
     service_tier: None = neutral("null")
     metadata: None = neutral("null")
     modalities: None = neutral("null")
@@ -119,7 +231,7 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
                              Field(min_length=1, max_length=limits.max_messages)]
     few = Field(min_length=1, max_length=limits.max_prompts)
 
-    class _Generation(_Unsupported):
+    class _Generation(_Structured, _Unsupported):
         model: NonEmptyStr
         stream: bool | None = None
         stream_options: StreamOptions | None = None
@@ -159,6 +271,11 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
         logprobs: bool | None = None
         top_logprobs: top_n | None = None
         rag: RagOption | None = None
+        response_format: ResponseFormat | None = None
+        tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+        tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+        parallel_tool_calls: bool | None = Field(
+            None, description="With tool_choice 'required': one or more calls (default true).")
 
         @model_validator(mode="after")
         def _top_logprobs(self):

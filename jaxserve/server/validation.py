@@ -100,7 +100,7 @@ def _field_names(model: type[BaseModel]) -> frozenset[str]:
             continue
         seen.add(m)
         for name, info in m.model_fields.items():
-            names.add(name)
+            names.add(info.alias or name)  # errors locate a field by its alias ("schema")
             todo.extend(_models_in(info.annotation))
     return frozenset(names)
 
