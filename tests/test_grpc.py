@@ -207,6 +207,23 @@ def test_invalid_requests_are_invalid_argument(tiny, fields, message):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.details()
 
 
+def test_structured_outputs_field_constrains_the_output(tiny):
+    """GenerateRequest.structured_outputs is vLLM's: a choice (even on random weights) gives one
+    of the strings; a regex the library cannot compile is INVALID_ARGUMENT naming the field."""
+    with Client(tiny.target) as client:
+        out = client.complete(TINY, "Pick one:", max_tokens=8, temperature=0.8, seed=3,
+                              structured_outputs=pb.StructuredOutputs(choice=["alpha", "beta"]))
+        assert (out.text, out.finish_reason) in {("alpha", "stop"), ("beta", "stop")}
+        out = client.complete(TINY, "Digits:", max_tokens=8, temperature=0.8, seed=4,
+                              structured_outputs=pb.StructuredOutputs(regex="[0-9]{3}"))
+        assert len(out.text) == 3 and out.text.isdigit() and out.finish_reason == "stop"
+        for bad in (pb.StructuredOutputs(regex="("), pb.StructuredOutputs()):
+            err = rpc_error(lambda: list(client.generate(TINY, "hi", structured_outputs=bad)))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "structured_outputs" in err.details()
+    wait_idle(tiny.engine)
+
+
 def test_unknown_model_is_not_found_on_both_clients(tiny):
     with Client(tiny.target) as client:
         err = rpc_error(lambda: client.complete("nope", "hi"))

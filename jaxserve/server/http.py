@@ -1,5 +1,6 @@
-"""aiohttp OpenAI-compatible front end: chat and text completions (SSE streaming), models,
-tokenize/detokenize, health/ready, Prometheus metrics, and GET /openapi.json describing them all.
+"""aiohttp OpenAI-compatible front end: chat and text completions (SSE streaming), responses
+(server/responses_api.py), models, tokenize/detokenize, health/ready, Prometheus metrics, and GET
+/openapi.json describing them all.
 
 The handlers only translate: a body is read within the request limits (size, nesting, Unicode)
 and validated by its request model, protocol.py turns it into engine requests, the AsyncEngine
@@ -27,6 +28,8 @@ from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.openai_serving import Generation, OpenAIServing
 from jaxserve.server.openapi import ROUTES_KEY, Route, add_routes, openapi_document
 from jaxserve.server.request_models import DetokenizeRequest, request_models
+from jaxserve.server.responses_api import ResponseEvents, ResponseObject, chat_body, rename_param
+from jaxserve.server.validation import validate
 
 log = logging.getLogger("jaxserve.server")
 
@@ -91,12 +94,21 @@ async def _errors_middleware(request: web.Request, handler):
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state: _State = request.app[STATE_KEY]
     gen = await state.require_serving().prepare_async(kind, await read_json(request))
+    keepalive = state.config.keepalive_seconds
+    return await _respond(request, gen, gen.response,
+                          lambda: _stream(request, gen.chunks(keepalive), _error_event))
+
+
+async def _respond(request: web.Request, gen: Generation, whole, stream) -> web.StreamResponse:
+    """Run a prepared generation to its answer, `whole()` (a JSON body) or `stream()` (the
+    streamed response and how it ended), and whatever happens log it and free its engine
+    requests."""
     status = "error"
     try:
         if gen.parsed.stream:
-            resp, status = await _stream(request, gen, state.config.keepalive_seconds)
+            resp, status = await stream()
         else:
-            resp, status = web.json_response(await gen.response()), "ok"
+            resp, status = web.json_response(await whole()), "ok"
         return resp
     except (ConnectionResetError, asyncio.CancelledError):
         status = "client_disconnected"
@@ -109,29 +121,37 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         await asyncio.shield(gen.abort_unfinished())
 
 
-def _sse(payload: dict | str) -> bytes:
+def _sse(payload: dict | str, event: str | None = None) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    return ((f"event: {event}\n" if event else "") + f"data: {data}\n\n").encode()
 
 
-async def _stream(request: web.Request, gen: Generation,
-                  keepalive: float) -> tuple[web.StreamResponse, str]:
-    """The SSE response and how it ended ("ok" or "error")."""
+def _error_event(exc: Exception) -> bytes:
+    # As vLLM does: one error event (OpenAI clients raise it), then the usual end.
+    return _sse(_error_status(exc)[1])
+
+
+async def _stream(request: web.Request, events, error_event, done: bool = True
+                  ) -> tuple[web.StreamResponse, str]:
+    """The SSE response of `events` (JSON payloads, None for a keep-alive) and how it ended
+    ("ok" or "error"). A payload with a "type" is a named event (the Responses API's); `done`:
+    end with `data: [DONE]` (chat and completions)."""
     status = "ok"
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await resp.prepare(request)
     try:
-        async for chunk in gen.chunks(keepalive):
+        async for payload in events:
             # resp.write drains the transport, so each token leaves as soon as it is produced.
-            await resp.write(b": keep-alive\n\n" if chunk is None else _sse(chunk))
+            await resp.write(b": keep-alive\n\n" if payload is None
+                             else _sse(payload, payload.get("type")))
     except ConnectionResetError:  # the client is gone: nobody to report to
         raise
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report it in the stream
-        # As vLLM does: one error event (OpenAI clients raise it), then the usual end.
-        await resp.write(_sse(_error_status(exc)[1]))
+        await resp.write(error_event(exc))
         status = "error"
-    await resp.write(_sse("[DONE]"))
+    if done:
+        await resp.write(_sse("[DONE]"))
     await resp.write_eof()
     return resp, status
 
@@ -142,6 +162,31 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "completion")
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses over the chat path (server/responses_api.py)."""
+    state: _State = request.app[STATE_KEY]
+    serving = state.require_serving()
+    req = validate(request_models(state.config.limits).responses, await read_json(request))
+    try:
+        gen = await serving.prepare_async("chat", chat_body(req))
+    except InvalidRequest as exc:
+        raise rename_param(exc) from None
+    response = ResponseObject(req)
+
+    async def whole():
+        return response.from_chat(await gen.response())
+
+    events = ResponseEvents(response)
+
+    def error_event(exc: Exception) -> bytes:
+        event = events.error(_error_status(exc)[1])
+        return _sse(event, event["type"])
+
+    return await _respond(request, gen, whole, lambda: _stream(
+        request, events.events(gen.chunks(state.config.keepalive_seconds)), error_event,
+        done=False))
 
 
 async def models_route(request: web.Request) -> web.Response:
@@ -229,6 +274,9 @@ def _routes(config: ServerConfig) -> list[Route]:
               tags=("openai",)),
         Route("POST", "/v1/completions", completions, "Text completion (OpenAI)",
               models.completion, out.Completion, chunk=out.CompletionChunk, errors=gen,
+              tags=("openai",)),
+        Route("POST", "/v1/responses", responses, "Response (OpenAI Responses API; nothing "
+              "stored)", models.responses, out.Response, chunk=out.ResponseEvent, errors=gen,
               tags=("openai",)),
         Route("GET", "/v1/models", models_route, "The served model", ok=out.ModelList,
               errors=(503,), tags=("openai",)),

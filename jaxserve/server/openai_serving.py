@@ -279,6 +279,8 @@ class Generation:
             for choice, text, ids, lps, finish in self._deltas(*item):
                 if self.chat:
                     delta, finish = self.tool_output.delta(choice, text, finish)
+                    if not delta and finish is None and not self.want_logprobs:
+                        continue  # held back by the tool-call parser: nothing to say yet
                     c = {"index": choice, "delta": delta,
                          "logprobs": chat_logprobs(tok, ids, lps) if self.want_logprobs else None,
                          "finish_reason": finish}

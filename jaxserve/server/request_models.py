@@ -215,11 +215,99 @@ class _Unsupported(Body):
     user: str | None = Field(None, description="An opaque end-user id; not used.")
 
 
+# ---- POST /v1/responses: the subset agents use (server/responses_api.py) ------------------------
+
+
+class InputTextPart(Body):
+    type: Literal["input_text", "output_text"]
+    text: str
+    # What an earlier response's output_text carried, when a client replays it as input.
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class InputMessage(Body):
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputTextPart]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(Body):
+    """An earlier call of the model, replayed."""
+
+    type: Literal["function_call"]
+    call_id: NonEmptyStr
+    name: NonEmptyStr
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Body):
+    """A tool's result: the answer to the call `call_id`."""
+
+    type: Literal["function_call_output"]
+    call_id: NonEmptyStr
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+def _item_tag(value: Any) -> str | None:
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+    return {"message": "InputMessage", None: "InputMessage", "function_call": "FunctionCallItem",
+            "function_call_output": "FunctionCallOutputItem"}.get(kind)
+
+
+InputItem = Annotated[Union[Annotated[InputMessage, Tag("InputMessage")],
+                            Annotated[FunctionCallItem, Tag("FunctionCallItem")],
+                            Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")]],
+                      Discriminator(_item_tag, custom_error_type="invalid_type",
+                                    custom_error_message="an input item's 'type' must be "
+                                    "'message', 'function_call' or 'function_call_output'")]
+
+
+class ResponsesFunctionTool(Body):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedToolChoice(Body):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormatText(Body):
+    type: Literal["text"]
+
+
+class TextFormatJsonObject(Body):
+    type: Literal["json_object"]
+
+
+class TextFormatJsonSchema(Body):
+    type: Literal["json_schema"]
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(Body):
+    format: by_type(TextFormatText, TextFormatJsonObject, TextFormatJsonSchema) | None = None
+
+
 @dataclass(frozen=True)
 class RequestModels:
     chat: type[Body]
     completion: type[Body]
     tokenize: type[Body]
+    responses: type[Body]
 
 
 @functools.cache
@@ -306,7 +394,47 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
         messages: message_list | None = None
         add_special_tokens: bool | None = None
 
-    return RequestModels(ChatCompletionRequest, CompletionRequest, TokenizeRequest)
+    class ResponsesRequest(Body):
+        """Nothing is stored: `store` true and `previous_response_id` are refused."""
+
+        model: NonEmptyStr
+        input: NonEmptyStr | Annotated[list[InputItem], Field(min_length=1,
+                                                              max_length=limits.max_messages)]
+        instructions: str | None = Field(None, description="A system message put first.")
+        max_output_tokens: Int | None = None
+        temperature: float | None = None
+        top_p: float | None = None
+        tools: Annotated[list[ResponsesFunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+        tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
+        parallel_tool_calls: bool | None = None
+        text: TextOptions | None = None
+        stream: bool | None = None
+        store: bool | None = Field(None, description="Only false: nothing is stored.")
+        previous_response_id: None = Field(None, description="Not supported (nothing is "
+                                                             "stored).")
+        include: Annotated[list[str], Field(max_length=0)] | None = neutral("[]")
+        truncation: Literal["disabled"] | None = neutral('"disabled"')
+        reasoning: None = neutral("null")
+        metadata: None = neutral("null")
+        service_tier: None = neutral("null")
+        user: str | None = Field(None, description="An opaque end-user id; not used.")
+
+        @model_validator(mode="before")
+        @classmethod
+        def _storage(cls, body: Any) -> Any:
+            if isinstance(body, dict):
+                if body.get("store") is True:
+                    raise InvalidRequest("'store': true is not supported: this server stores no "
+                                         "responses (send store false or leave it out)",
+                                         param="store")
+                if body.get("previous_response_id") is not None:
+                    raise InvalidRequest("'previous_response_id' is not supported: this server "
+                                         "stores no responses (send the whole conversation as "
+                                         "'input')", param="previous_response_id")
+            return body
+
+    return RequestModels(ChatCompletionRequest, CompletionRequest, TokenizeRequest,
+                         ResponsesRequest)
 
 
 class DetokenizeRequest(Body):

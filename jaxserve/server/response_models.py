@@ -16,7 +16,7 @@ class Reply(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-FinishReason = Literal["stop", "length", "abort"] | None
+FinishReason = Literal["stop", "length", "tool_calls", "abort"] | None
 
 
 class Usage(Reply):
@@ -45,9 +45,35 @@ class ChatLogprobs(Reply):
     content: list[TokenLogprob]
 
 
+class FunctionCall(Reply):
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+class ToolCall(Reply):
+    id: str  # "call_" + 24 hex digits
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(Reply):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the whole answer is tool calls
+    tool_calls: list[ToolCall] | None = None
+
+
+class FunctionCallDelta(Reply):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Reply):
+    """A call's first delta has id, type and function.name; later ones argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
 
 
 class ChatChoice(Reply):
@@ -70,6 +96,7 @@ class ChatCompletion(Reply):
 class ChatDelta(Reply):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Reply):
@@ -81,7 +108,8 @@ class ChatChunkChoice(Reply):
 
 class ChatCompletionChunk(Reply):
     """One `data:` event of a streamed chat completion. `usage` is present (null until the last,
-    choice-less chunk) when `stream_options.include_usage` is set."""
+    choice-less chunk) when `stream_options.include_usage` is set; on every chunk (the counts so
+    far) with `continuous_usage_stats` too."""
 
     id: str
     object: Literal["chat.completion.chunk"]
@@ -246,3 +274,71 @@ class Reranked(Reply):
     model: str
     results: list[RerankResult]
     usage: RerankUsage
+
+
+# ---- POST /v1/responses (server/responses_api.py) -----------------------------------------------
+
+
+class OutputText(Reply):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+
+
+class OutputMessage(Reply):
+    type: Literal["message"]
+    id: str  # "msg_..."
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(Reply):
+    type: Literal["function_call"]
+    id: str  # "fc_..."
+    call_id: str  # "call_...": what a function_call_output answers
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponseUsage(Reply):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens_details: dict[str, int]
+
+
+class Response(Reply):
+    id: str  # "resp_..."
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[OutputMessage | OutputFunctionCall]
+    usage: ResponseUsage | None
+    incomplete_details: dict[str, str] | None
+    error: None
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    tools: list[dict[str, Any]]
+    tool_choice: Any
+    parallel_tool_calls: bool
+    text: dict[str, Any]
+    store: Literal[False]
+    previous_response_id: None
+    metadata: dict[str, Any]
+
+
+class ResponseEvent(Reply):
+    """One event of a streamed response (the SSE `event:` line repeats `type`): response.created,
+    response.in_progress, response.output_item.added / .done, response.content_part.added / .done,
+    response.output_text.delta / .done, response.function_call_arguments.delta / .done,
+    response.completed or response.incomplete."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    sequence_number: int

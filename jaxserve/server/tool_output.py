@@ -35,7 +35,7 @@ class ToolCallOutput:
 
     def delta(self, choice: int, text: str, finish: str | None) -> tuple[dict, str | None]:
         """(the chunk's delta, the finish_reason) for new text of a streamed choice. The delta
-        may be empty while text that can still become a call is held back."""
+        is empty while text that can still become a call is held back."""
         if self.parser is None:
             return ({"content": text} if text or not finish else {}), finish
         stream = self._streams.get(choice)
@@ -46,9 +46,7 @@ class ToolCallOutput:
             parts.append(stream.finish())
         content = "".join(p.content for p in parts)
         calls = [c for p in parts for c in p.tool_calls]
-        delta: dict = {}
-        if content or not (calls or finish):
-            delta["content"] = content
+        delta: dict = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = calls
         return delta, _finish_reason(stream.tool_calls_started, finish)
