@@ -24,6 +24,7 @@ from jaxserve.server import protocol
 
 # Chat field -> the Responses field it came from, for error messages.
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+           "max_tokens": "max_output_tokens",
            "response_format": "text.format", "stream_options": "stream"}
 
 
