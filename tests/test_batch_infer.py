@@ -173,6 +173,40 @@ def test_mixed_file_every_line_answered_once(tiny_engine, tmp_path):
     wait_idle(tiny_engine)
 
 
+def test_structured_output_and_tool_lines(tiny_engine, tmp_path):
+    """Batch lines take the same structured-output and tool fields as the server: even random
+    weights answer within the constraint; a bad one is that line's 400 naming the field."""
+    chat = [{"role": "user", "content": "Pick"}]
+    schema = {"type": "object", "properties": {"pick": {"enum": ["a", "b"]}},
+              "required": ["pick"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "noop", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
+    sampled = dict(max_tokens=60, temperature=1.0, seed=5)
+    lines = [
+        _line("schema", "/v1/chat/completions", messages=chat, response_format={
+            "type": "json_schema", "json_schema": {"name": "p", "schema": schema}}, **sampled),
+        _line("choice", "/v1/completions", prompt="Pick", guided_choice=["yes", "no"], **sampled),
+        _line("tool", "/v1/chat/completions", messages=chat, tools=[tool],
+              tool_choice={"type": "function", "function": {"name": "noop"}}, **sampled),
+        _line("bad", "/v1/completions", prompt="x", structured_outputs={"regex": "("}),
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    assert _run(tiny_engine, inp, out) == 0
+    by_key = {r["custom_id"]: r["response"] for r in _results(out)}
+    assert {k: r["status_code"] for k, r in by_key.items()} == {
+        "schema": 200, "choice": 200, "tool": 200, "bad": 400}
+    message = by_key["schema"]["body"]["choices"][0]["message"]
+    assert json.loads(message["content"])["pick"] in ("a", "b")
+    assert by_key["choice"]["body"]["choices"][0]["text"] in ("yes", "no")
+    choice = by_key["tool"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [(c["function"]["name"], c["function"]["arguments"])
+            for c in choice["message"]["tool_calls"]] == [("noop", "{}")]
+    assert by_key["bad"]["body"]["error"]["param"] == "structured_outputs"
+    wait_idle(tiny_engine)
+
+
 def test_duplicate_custom_ids_refuse_the_whole_file(tiny_engine, tmp_path, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join([_line("a", "/v1/completions", prompt="x"),
