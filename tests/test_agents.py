@@ -3,6 +3,8 @@ structured outputs (parse() with a pydantic model, json_object, strict json_sche
 choice), tool calling (tool_choice required / named, streamed and not, a multi-turn exchange with
 a tool result), POST /v1/responses with and without a function tool, continuous usage stats, and
 bad constraints as 400s naming the field. One module-scoped server; greedy and short outputs."""
+# The tests take the fixtures imported from test_server as arguments:
+# ruff: noqa: F811
 
 from __future__ import annotations
 
@@ -16,11 +18,10 @@ import openai
 import pydantic
 import pytest
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.engine import LLMEngine
 from jaxserve.server.openai_serving import MIN_LOGPROB
-from tests.test_engine import assert_no_leaks
-from tests.test_server import SMOLLM2, ServerThread, http_post
+# test_server's module fixtures: a server on SmolLM2 (strict compile; no compile while serving
+# and no leaked page at teardown), built afresh for this module.
+from tests.test_server import SMOLLM2, client, engine, http_post, server  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -36,26 +37,6 @@ ADD = {"type": "function", "function": {
                    "required": ["a", "b"], "additionalProperties": False}}}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_path):
-    engine = LLMEngine.from_model(SMOLLM2, num_pages=256, max_num_seqs=16,
-                                  max_num_batched_tokens=256, max_model_len=1024,
-                                  strict_compile=True, progress=False)
-    srv = ServerThread(SMOLLM2)
-    async_engine = AsyncEngine(engine)
-    srv.attach(async_engine)
-    yield srv
-    srv.stop()
-    async_engine.shutdown()
-    assert engine.runner.num_serving_compiles == 0
-    assert_no_leaks(engine)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 # ---------------------------------------------------------------- structured outputs

@@ -226,33 +226,33 @@ class InputTextPart(Body):
     logprobs: list[Any] | None = None
 
 
-class InputMessage(Body):
-    type: Literal["message"] | None = None
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[InputTextPart]
+class _Item(Body):
+    # What an earlier response's output item carried, when a client replays it as input.
     id: str | None = None
     status: str | None = None
 
 
-class FunctionCallItem(Body):
+class InputMessage(_Item):
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputTextPart]
+
+
+class FunctionCallItem(_Item):
     """An earlier call of the model, replayed."""
 
     type: Literal["function_call"]
     call_id: NonEmptyStr
     name: NonEmptyStr
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(Body):
+class FunctionCallOutputItem(_Item):
     """A tool's result: the answer to the call `call_id`."""
 
     type: Literal["function_call_output"]
     call_id: NonEmptyStr
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 def _item_tag(value: Any) -> str | None:
