@@ -401,11 +401,16 @@ class OpenAIServing:
         constraint makes it call (protocol refused it beside another constraint)."""
         if parsed.tool_choice.mode == "none":
             return dataclasses.replace(parsed, tools=()), ToolCallOutput(None)
+        changes = {}
         forced = forced_tool_call(parsed.tools, parsed.tool_choice, self.tool_parser,
                                   parallel_tool_calls=parsed.parallel_tool_calls)
         if forced is not None:
+            changes["structured_outputs"] = forced
+        if self.tool_parser.needs_special_tokens:  # as vLLM's mistral parser does
+            changes["skip_special_tokens"] = False
+        if changes:
             parsed = dataclasses.replace(
-                parsed, sampling_params=parsed.sampling_params.replace(structured_outputs=forced))
+                parsed, sampling_params=parsed.sampling_params.replace(**changes))
         return parsed, ToolCallOutput(self.tool_parser)
 
     def _prompt_ids(self, parsed: protocol.ParsedRequest, prompt) -> list[int]:

@@ -191,6 +191,8 @@ class ToolParser:
 
     name = ""
     arguments_key = "arguments"
+    # The format's markers are special tokens: the text must keep them (skip_special_tokens off).
+    needs_special_tokens = False
 
     def _scan(self, text: str, final: bool) -> tuple[int, list[_Call]]:
         raise NotImplementedError
@@ -300,6 +302,7 @@ class Llama3JsonToolParser(ToolParser):
 class MistralToolParser(ToolParser):
     name = "mistral"
     TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    needs_special_tokens = True
 
     def _scan(self, text: str, final: bool) -> tuple[int, list[_Call]]:
         first = text.find(self.TOOL_CALLS)
