@@ -2,7 +2,8 @@
 naive baseline on two labelled corpora, and the index benchmarks of benchmarks/retrieval_index.py.
 
     python benchmarks/retrieval.py [--texts 512] [--sweep] [--sweep-chunking] [--llm-rerank N]
-                                   [--skip-embed] [--skip-quality] [--skip-index] [index flags]
+                                   [--data-dir DIR] [--skip-embed]
+                                   [--skip-quality] [--skip-index] [index flags]
 
 Embedding: the same texts (chunks of pydoc topics, as indexing makes them) through jaxserve's Flax
 encoder and, when the `bench` extra is installed, sentence-transformers (PyTorch) on the same
@@ -23,6 +24,7 @@ Quality, on Python's pydoc topics (benchmarks/data/pydoc_queries.json) and NumPy
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import platform
 import subprocess
@@ -173,14 +175,20 @@ def _header(first: str, corpora, extra: str = "") -> None:
 
 
 class Corpora:
-    """Every labelled corpus indexed by one RagService (one collection each)."""
+    """Every labelled corpus indexed by one RagService (one collection each). A collection
+    already under `directory` (a `--data-dir` of an earlier run, same chunker) is searched as it
+    is, not re-embedded; index_s is then the time to open it."""
 
     def __init__(self, embedder: Embedder, chunker: ChunkerConfig, directory: Path):
         self.service = RagService(RagConfig(directory, chunker=chunker), embedder)
         self.documents = {name: load() for name, load in CORPORA.items()}
         self.queries = {name: load_queries(DATA / f"{name}_queries.json") for name in CORPORA}
         self.chunks, t0 = {}, time.perf_counter()
+        existing = self.service.list_collections()
         for name, documents in self.documents.items():
+            if name in existing:
+                self.chunks[name] = self.service.collection(name).info()["chunks"]
+                continue
             self.service.create_collection(name)
             self.chunks[name] = self.service.upsert(name, documents)
         self.index_s = time.perf_counter() - t0
@@ -215,7 +223,18 @@ class Corpora:
         self.service.close()
 
 
-def bench_quality(embedder: Embedder, sweep: bool, sweep_chunks: bool, llm_rerank: int) -> None:
+def _corpora_dir(data_dir: Path | None, chunker: ChunkerConfig):
+    """Where a run indexes the corpora: a temporary directory, or with --data-dir one kept per
+    chunker setting (embedding both corpora is most of a quality run on this CPU)."""
+    if data_dir is None:
+        return tempfile.TemporaryDirectory()
+    path = data_dir / f"{chunker.boundaries}-{chunker.chunk_tokens}-{chunker.overlap_tokens}"
+    path.mkdir(parents=True, exist_ok=True)
+    return contextlib.nullcontext(str(path))
+
+
+def bench_quality(embedder: Embedder, sweep: bool, sweep_chunks: bool, llm_rerank: int,
+                  data_dir: Path | None = None) -> None:
     names = list(CORPORA)
     counts = {n: len(load_queries(DATA / f"{n}_queries.json")) for n in names}
     print(f"\n### Retrieval quality: {', '.join(f'{n} ({counts[n]} queries)' for n in names)}; "
@@ -230,7 +249,7 @@ def bench_quality(embedder: Embedder, sweep: bool, sweep_chunks: bool, llm_reran
                    for n in names}
         ms = 1000 * (time.perf_counter() - t0) / sum(counts.values())
         _row(f"naive baseline (200-word chunks, chunk RRF), {mode}", quality, f" {ms:.0f} |")
-    with tempfile.TemporaryDirectory() as tmp:
+    with _corpora_dir(data_dir, ChunkerConfig()) as tmp:
         corpora = Corpora(embedder, ChunkerConfig(), Path(tmp))
         for mode, rerank in (("dense", False), ("bm25", False), ("hybrid", False),
                              ("hybrid", True)):
@@ -255,7 +274,7 @@ def bench_quality(embedder: Embedder, sweep: bool, sweep_chunks: bool, llm_reran
             bench_llm_rerank(corpora, llm_rerank)
         corpora.close()
     if sweep_chunks:
-        sweep_chunking(embedder, names)
+        sweep_chunking(embedder, names, data_dir)
 
 
 def sweep_search(corpora: Corpora) -> None:
@@ -283,7 +302,7 @@ def sweep_search(corpora: Corpora) -> None:
         _row(name, quality, f" {ms:.0f} |")
 
 
-def sweep_chunking(embedder: Embedder, names: list[str]) -> None:
+def sweep_chunking(embedder: Embedder, names: list[str], data_dir: Path | None) -> None:
     """Chunk size, overlap and boundaries, with the default search (each re-embeds both
     corpora)."""
     _header("chunker (hybrid, document aggregation)", names, " chunks | index s |")
@@ -291,8 +310,9 @@ def sweep_chunking(embedder: Embedder, names: list[str]) -> None:
                                         (120, 0, "structure"), (120, 24, "structure"),
                                         (64, 0, "structure"), (64, 16, "structure"),
                                         (250, 0, "structure")):
-        with tempfile.TemporaryDirectory() as tmp:
-            corpora = Corpora(embedder, ChunkerConfig(tokens, overlap, boundaries), Path(tmp))
+        chunker = ChunkerConfig(tokens, overlap, boundaries)
+        with _corpora_dir(data_dir, chunker) as tmp:
+            corpora = Corpora(embedder, chunker, Path(tmp))
             quality, _ = corpora.quality()
             _row(f"{boundaries} {tokens} tokens, overlap {overlap}", quality,
                  f" {sum(corpora.chunks.values())} | {corpora.index_s:.0f} |")
@@ -345,6 +365,8 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--sweep-chunking", action="store_true")
     p.add_argument("--llm-rerank", type=int, default=0, metavar="N")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="keep the indexed corpora here and reuse them in later runs")
     p.add_argument("--skip-embed", action="store_true")
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-index", action="store_true")
@@ -361,7 +383,8 @@ def main() -> None:
         if not args.skip_embed:
             bench_embedding(embedder, args.texts)
         if not args.skip_quality:
-            bench_quality(embedder, args.sweep, args.sweep_chunking, args.llm_rerank)
+            bench_quality(embedder, args.sweep, args.sweep_chunking, args.llm_rerank,
+                          args.data_dir)
     if not args.skip_index:
         retrieval_index.run(args)
 
