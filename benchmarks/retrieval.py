@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +45,7 @@ from jaxserve.rag.embedder import Embedder  # noqa: E402
 from jaxserve.rag.evaluation import CORPORA, Quality, evaluate, load_queries  # noqa: E402
 from jaxserve.rag.fusion import reciprocal_rank_fusion  # noqa: E402
 from jaxserve.rag.service import RagService  # noqa: E402
+from benchmarks import provenance  # noqa: E402
 from benchmarks.retrieval_index import best_of  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -405,10 +404,9 @@ def main() -> None:
     args = p.parse_args()
     import jax
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip()
-    print(f"machine: {platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}"
-          f" ({jax.default_backend()}), date {time.strftime('%Y-%m-%d')}, commit {commit}")
+    print(f"machine: {provenance.cpu()}, {jax.devices()[0].device_kind} "
+          f"({jax.default_backend()}), date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"commit {provenance.commit()}")
     if not (args.skip_embed and args.skip_quality):
         embedder = Embedder.load()
         if not args.skip_embed:
