@@ -171,7 +171,7 @@ def _row(name: str, qualities: dict[str, Quality], extra: str = "") -> None:
 def _header(first: str, corpora, extra: str = "") -> None:
     cols = " | ".join(f"{c} recall@{K} | {c} top-1" for c in corpora)
     print(f"\n| {first} | {cols} |{extra}")
-    print("|---" * (1 + 2 * len(corpora) + bool(extra)) + "|")
+    print("|---" * (1 + 2 * len(corpora) + extra.count("|")) + "|")
 
 
 class Corpora:
