@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bm25s
 import numpy as np
+import Stemmer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,18 +45,25 @@ def test_scores_match_bm25s():
     corpus = ["the cat sat on the mat", "a dog chased the cat", "fish swim in the river",
               "the river flows past the stone", "birds sing in the tree"]
     ours = BM25Index(list(range(10, 15)), corpus)
+    stemmer = Stemmer.Stemmer("english")
     reference = bm25s.BM25()
-    reference.index(bm25s.tokenize(corpus, stopwords="en", show_progress=False),
-                    show_progress=False)
-    for query in ("cat", "river stone", "tree birds dog"):
+    reference.index(bm25s.tokenize(corpus, stopwords="en", stemmer=stemmer,
+                                   show_progress=False), show_progress=False)
+    for query in ("cat", "river stone", "tree birds dog", "flowing rivers"):
         rows, scores = reference.retrieve(bm25s.tokenize([query], stopwords="en",
-                                                         show_progress=False),
+                                                         stemmer=stemmer, show_progress=False),
                                           k=len(corpus), show_progress=False)
         expected = {10 + int(r): float(s) for r, s in zip(rows[0], scores[0]) if s > 0}
         found = dict(ours.search(query, len(corpus)))
         assert found.keys() == expected.keys()
         np.testing.assert_allclose([found[i] for i in expected], list(expected.values()),
                                    rtol=1e-5)
+
+
+def test_stemming_matches_word_forms():
+    corpus = ["the global statement is a declaration", "declare nothing here: a cat"]
+    assert {i for i, _ in BM25Index([0, 1], corpus).search("declaring declarations", 5)} == {0, 1}
+    assert BM25Index([0, 1], corpus, stemmer=None).search("declaring declarations", 5) == []
 
 
 def test_merging_segments_keeps_rankings():
