@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -19,7 +20,10 @@ from typing import Any
 from tqdm import tqdm
 
 from jaxserve.config import RequestLimits
-from jaxserve.errors import InvalidRequest, ModelNotFound, RequestFailed, error_reply
+from jaxserve.errors import (ConfigError, EngineDead, InvalidRequest, JaxServeError,
+                             RateLimitExceeded, error_reply)
+from jaxserve.server.admission import CallContext
+from jaxserve.gateway import Gateway, Principal, load_tenants
 from jaxserve.server.validation import load_json
 
 URL_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -141,8 +145,28 @@ class ResultWriter:
         self.file.close()
 
 
-async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progress) -> dict:
-    """Run every item on `serving` (an OpenAIServing) concurrently; returns summary counts."""
+async def _answer(serving, item: BatchLine, ctx: CallContext) -> dict:
+    """One request through the servers' admission path, as the tenant `ctx` names. A rate limit
+    that will pass is waited out (a batch paces itself rather than failing its lines); one that
+    never can (larger than the limit) is the line's 429."""
+    while True:
+        try:
+            gen = await serving.prepare_async(item.kind, item.body, dataclasses.replace(
+                ctx, arrival=time.monotonic()))
+        except RateLimitExceeded as e:
+            if e.retry_after is None:
+                raise
+            await asyncio.sleep(e.retry_after)
+            continue
+        async with gen.running():
+            return await gen.response()
+
+
+async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progress,
+                    ctx: CallContext | None = None) -> dict:
+    """Run every item on `serving` (an OpenAIServing) concurrently, as the tenant of `ctx`
+    (default: the open server's); returns summary counts."""
+    ctx = ctx if ctx is not None else serving.open_context("batch")
     counts = {"succeeded": 0, "failed": 0, "completion_tokens": 0}
     start = time.monotonic()  # not progress.start_t: tqdm stamps that with time.time()
 
@@ -160,19 +184,15 @@ async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progr
         if item.error is not None:
             finish(item, *item.error)
             return
-        gen = None
         try:
-            gen = await serving.prepare_async(item.kind, item.body)
-            body = await gen.response()
-        # A refused request (the engine's checks may refuse it too), or one that alone failed in
-        # the engine (a 500 line): each its own line, the batch goes on.
-        except (InvalidRequest, ModelNotFound, RequestFailed) as e:
+            body = await _answer(serving, item, ctx)
+        # A refused request, or one that alone failed in the engine (a 500 line): each its own
+        # line, the batch goes on. A dead engine ends the batch.
+        except EngineDead:
+            raise
+        except JaxServeError as e:
             finish(item, *error_reply(e))
             return
-        except BaseException:
-            if gen is not None:
-                await gen.abort_unfinished()
-            raise
         finish(item, 200, body)
 
     await asyncio.gather(*(one(item) for item in items))
@@ -188,6 +208,12 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="results .jsonl; appended to, and answered requests are skipped")
     parser.add_argument("--served-model-name", default=None,
                         help="the 'model' the input's bodies name (default: --model)")
+    parser.add_argument("--tenants", type=Path, default=None, metavar="FILE",
+                        help="the server's tenants file (TOML), for --tenant's limits and class")
+    parser.add_argument("--tenant", default=None,
+                        help="run the batch as this tenant of --tenants: its class, share, "
+                             "models, max_tokens cap and rate limits (waited out) apply "
+                             "(default: the open tenant, no limits)")
 
 
 def pending_items(input_path: Path, output_path: Path) -> list[BatchLine] | None:
@@ -207,14 +233,27 @@ def pending_items(input_path: Path, output_path: Path) -> list[BatchLine] | None
     return todo
 
 
-async def answer_items(engine, model_name: str, todo: list[BatchLine], output_path: Path) -> int:
-    """Answer `todo` on `engine` (an AsyncEngine), appending to `output_path`; returns 0."""
+def batch_gateway(tenants_file: Path | None, tenant: str | None) -> tuple[Gateway, Principal]:
+    """The gateway and the tenant a batch runs as (ConfigError for a bad file or name)."""
+    gateway = Gateway(load_tenants(tenants_file) if tenants_file is not None else None)
+    if tenant is None and tenants_file is not None:
+        raise ConfigError("--tenants needs --tenant: the tenant the batch runs as")
+    return gateway, Principal(gateway.tenants.get(tenant or "default"))
+
+
+async def answer_items(engine, model_name: str, todo: list[BatchLine], output_path: Path,
+                       gateway: Gateway | None = None, principal: Principal | None = None) -> int:
+    """Answer `todo` on `engine` (an AsyncEngine), appending to `output_path`, as `principal`
+    of `gateway` (default: the open tenant); returns 0."""
     from jaxserve.server.openai_serving import OpenAIServing
+    serving = OpenAIServing(engine, model_name, gateway=gateway)
+    ctx = (CallContext(principal, transport="batch") if principal is not None
+           else serving.open_context("batch"))
     writer = ResultWriter(output_path)
     start = time.monotonic()
     try:
         with tqdm(total=len(todo), unit="req", file=sys.stderr) as progress:
-            counts = await serve_all(OpenAIServing(engine, model_name), todo, writer, progress)
+            counts = await serve_all(serving, todo, writer, progress, ctx)
     finally:
         writer.close()
     elapsed = time.monotonic() - start
@@ -238,6 +277,7 @@ def run_batch(args: argparse.Namespace) -> int:
     from jaxserve.engine_args import engine_args
     from jaxserve.parallel import start_engine
 
+    gateway, principal = batch_gateway(args.tenants, args.tenant)
     todo = pending_items(args.input, args.output)
     if todo is None:
         return 1
@@ -247,7 +287,7 @@ def run_batch(args: argparse.Namespace) -> int:
     engine = start_engine(args.model, dtype=args.dtype, **engine_args(args))
     try:
         return asyncio.run(answer_items(engine, args.served_model_name or args.model, todo,
-                                        args.output))
+                                        args.output, gateway, principal))
     except KeyboardInterrupt:  # every finished result is already a whole line in the output
         print(f"interrupted: rerun the same command to answer the rest into {args.output}",
               file=sys.stderr)

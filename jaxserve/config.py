@@ -157,13 +157,15 @@ class ServerConfig:
     # How chat output with tools is read (jaxserve.tools.parsers; "hermes" matches the built-in
     # tool prompt of templates that do not render tools themselves).
     tool_call_parser: str = "hermes"
+    tenants_file: str | None = None  # --tenants: None serves one open tenant, `default`
+    idempotency_ttl_s: float = 24 * 3600.0  # how long an Idempotency-Key's response is kept
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65536), got {self.port}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ConfigError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
-        for name in ("engine_stall_timeout", "shutdown_timeout"):
+        for name in ("engine_stall_timeout", "shutdown_timeout", "idempotency_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 
@@ -31,6 +32,14 @@ class InvalidRequest(JaxServeError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class NoChatTemplate(InvalidRequest, TokenizerError):
+    """Chat messages sent to a model without a chat template: the caller's 400 (`messages`),
+    still a TokenizerError to code that asks the tokenizer directly."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "messages")
 
 
 class ContextLengthExceeded(InvalidRequest):
@@ -158,6 +167,30 @@ def error_status(error: BaseException) -> ErrorStatus:
         if isinstance(error, cls):
             return status
     return _INTERNAL
+
+
+def retry_after(error: BaseException) -> float | None:
+    """Seconds after which the same request may pass (429, 503), or None: the Retry-After
+    header / gRPC `retry-after` trailing metadata of the reply."""
+    value = getattr(error, "retry_after", None)
+    return value if isinstance(error, (RateLimitExceeded, EngineOverloaded)) else None
+
+
+def outcome(error: BaseException | None) -> str:
+    """A request's outcome as the `outcome` label of jaxserve:requests_total: "ok", "shed" (503,
+    refused or displaced by load), "deadline" (504), "client_disconnected", or the
+    status and code of any other error ("429_rate_limit_exceeded", "400_invalid_request_error",
+    "500_server_error")."""
+    if error is None:
+        return "ok"
+    if isinstance(error, (asyncio.CancelledError, ConnectionResetError)):
+        return "client_disconnected"
+    if isinstance(error, EngineOverloaded):
+        return "shed"
+    if isinstance(error, DeadlineExceeded):
+        return "deadline"
+    status = error_status(error)
+    return f"{status.http}_{status.code or status.type}"
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:

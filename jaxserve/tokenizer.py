@@ -18,7 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from jaxserve.errors import InvalidRequest, ModelNotFound, TokenizerError
+from jaxserve.errors import InvalidRequest, ModelNotFound, NoChatTemplate, TokenizerError
 from jaxserve.tools.functions import FunctionTool
 from jaxserve.tools.prompt import chat_messages, template_uses_tools
 
@@ -348,8 +348,8 @@ class Tokenizer:
     @cached_property
     def _template(self) -> jinja2.Template:
         if self.chat_template is None:
-            raise TokenizerError(f"{self.source}: the model has no chat template; send a plain "
-                                 f"prompt (completions) instead of chat messages")
+            raise NoChatTemplate("this model has no chat template; send a plain prompt "
+                                 "(completions) instead of chat messages")
         return _compile_template(self.chat_template)
 
     @cached_property

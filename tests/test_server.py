@@ -43,11 +43,12 @@ class Reply(NamedTuple):
         return json.loads(self.text)
 
 
-def _request(method: str, url: str, json_body=None, content: bytes | None = None) -> Reply:
+def _request(method: str, url: str, json_body=None, content: bytes | None = None,
+             headers: dict | None = None) -> Reply:
     """Raw HTTP with the standard library (no client of ours between the test and the server)."""
     data = json.dumps(json_body).encode() if json_body is not None else content
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"} if data else {})
+    req = urllib.request.Request(url, data=data, method=method, headers={
+        **({"Content-Type": "application/json"} if data else {}), **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             return Reply(resp.status, {k.lower(): v for k, v in resp.headers.items()},

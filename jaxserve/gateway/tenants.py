@@ -64,9 +64,12 @@ class Tenant:
     audit_retention_days: int | None = None  # None: kept until pruned by hand
     cache_sharing_group: str | None = None  # None: its prefix cache pages are its own
 
+    def may_use(self, model: str) -> bool:
+        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+
     def check_model(self, model: str) -> None:
         """404 for a model the tenant may not use: its existence is not revealed."""
-        if not any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models):
+        if not self.may_use(model):
             raise ModelNotFound(f"The model '{model}' does not exist")
 
     def max_tokens(self, requested: int | None) -> int | None:

@@ -1,7 +1,9 @@
 """gRPC front end (package jaxserve.v1): streaming Generate, Embed, ListModels, health, reflection.
 
-Requests are translated into an OpenAI completion body and validated by the same OpenAIServing
-layer as HTTP, so both front ends accept and reject exactly the same things."""
+Requests are translated into an OpenAI completion body and validated and admitted by the same
+OpenAIServing layer as HTTP, so both front ends accept and reject exactly the same things. The
+caller's key is the metadata `authorization` ("Bearer KEY"); the call's deadline is the request's;
+a refusal that may pass later carries `retry-after` (seconds) in its trailing metadata."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.config import RequestLimits
-from jaxserve.errors import InvalidRequest, JaxServeError, error_status
+from jaxserve.errors import InvalidRequest, JaxServeError, error_status, outcome, retry_after
+from jaxserve.gateway.limits import retry_after_header
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
+from jaxserve.server.admission import CallContext
 from jaxserve.server.openai_serving import OpenAIServing
 
 if TYPE_CHECKING:  # the RAG stack (FAISS, bm25s) loads only when a service is passed in
@@ -58,49 +62,72 @@ def status_for(error: Exception) -> grpc.StatusCode:
     return grpc.StatusCode[error_status(error).grpc]
 
 
+async def abort_with(context, error: Exception):
+    """End the call with the error's status (the table's), and `retry-after` (whole seconds) in
+    the trailing metadata when the same call may pass later (429 / 503 alike)."""
+    wait = retry_after(error)
+    trailing = (("retry-after", retry_after_header(wait)),) if wait is not None else ()
+    await context.abort(status_for(error), str(error), trailing_metadata=trailing)
+
+
+def _authorization(context) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value
+    return None
+
+
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, engine, model_name: str, rag: RagService | None = None,
-                 max_queued_requests: int | None = None,
-                 limits: RequestLimits = RequestLimits()):
-        self.engine = engine
-        self.serving = OpenAIServing(engine, model_name, max_queued_requests=max_queued_requests,
-                                     limits=limits)
-        self.model_name = model_name
+    """Generate goes through the same OpenAIServing as HTTP (`serving`: share the HTTP app's,
+    so both front ends have one gateway, one set of metrics and one access log)."""
+
+    def __init__(self, serving: OpenAIServing, rag: RagService | None = None):
+        self.serving = serving
+        self.engine = serving.engine
+        self.model_name = serving.model_name
         self.rag = rag
 
+    def _principal(self, context):
+        return self.serving.gateway.authenticate(_authorization(context))
+
+    def _count(self, tenant: str, error: BaseException) -> None:
+        if self.serving.metrics is not None:
+            self.serving.metrics.record_request(tenant, outcome(error))
+
     async def Generate(self, request, context):
+        tenant = "none"
         try:
-            gen = await self.serving.prepare_async("completion", completion_body(request))
+            principal = self._principal(context)
+            tenant = principal.tenant.name
+            await context.send_initial_metadata(
+                tuple(self.serving.gateway.headers(principal).items()))
+            # The call's own deadline is the request's (capped by the tenant's timeout).
+            ctx = CallContext(principal, context.time_remaining(), transport="grpc")
+            gen = await self.serving.prepare_async("completion", completion_body(request), ctx)
         except JaxServeError as e:
-            await context.abort(status_for(e), str(e))
-        (prompt_ids,), (request_id,) = gen.prompt_ids, gen.request_ids
-        sent_text, sent_tokens, finished = 0, 0, False
-        try:
-            async for _, out in gen.streams():
-                choice = out.outputs[0]
-                delta = pb.GenerateResponse(text=choice.text[sent_text:],
-                                            token_ids=choice.token_ids[sent_tokens:])
-                sent_text, sent_tokens = len(choice.text), len(choice.token_ids)
-                if out.finished:
-                    finished = True
-                    delta.finish_reason = choice.finish_reason or ""
-                    delta.usage.prompt_tokens = len(prompt_ids)
-                    delta.usage.completion_tokens = sent_tokens
-                if delta.text or delta.token_ids or out.finished:
+            self._count(tenant, e)
+            await abort_with(context, e)
+        # Cancellation (the client left, or its deadline passed) ends the block too: the
+        # request's pages are freed now rather than when it would have finished.
+        async with gen.running():
+            try:
+                async for _, text, ids, _, finish in gen.deltas():
+                    delta = pb.GenerateResponse(text=text, token_ids=ids)
+                    if finish is not None:
+                        delta.finish_reason = finish
+                        delta.usage.prompt_tokens = gen.prompt_tokens
+                        delta.usage.completion_tokens = sum(gen.completion_tokens.values())
                     yield delta
-        except JaxServeError as e:  # e.g. EngineDead: the engine failed mid-stream
-            await context.abort(status_for(e), str(e))
-        finally:
-            # Deadline expiry and client cancellation arrive here as CancelledError: free the
-            # request's pages now rather than when it would have finished.
-            if not finished:
-                await self.engine.abort(request_id)
+            except JaxServeError as e:  # a deadline, a shed, an engine failure mid-stream
+                gen.error = e
+                await abort_with(context, e)
 
     async def Embed(self, request, context):
         if self.rag is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 "this server was started without an embedding model")
         try:
+            self._principal(context)
             self.rag.check_model(request.model)
             if not request.input:
                 raise InvalidRequest("'input' must hold at least one string", param="input")
@@ -108,12 +135,17 @@ class GenerationService(pb_grpc.GenerationServicer):
             vectors, _ = await asyncio.get_running_loop().run_in_executor(
                 None, self.rag.embed, list(request.input))
         except JaxServeError as e:
-            await context.abort(status_for(e), str(e))
+            await abort_with(context, e)
         return pb.EmbedResponse(embeddings=[pb.Embedding(values=v.tolist()) for v in vectors])
 
     async def ListModels(self, request, context):
-        return pb.ListModelsResponse(models=[pb.Model(id=self.model_name,
-                                                      max_model_len=self.engine.max_model_len)])
+        try:
+            principal = self._principal(context)
+        except JaxServeError as e:
+            await abort_with(context, e)
+        models = [pb.Model(id=self.model_name, max_model_len=self.engine.max_model_len)]
+        return pb.ListModelsResponse(models=models if principal.tenant.may_use(self.model_name)
+                                     else [])
 
 
 class EngineHealthServicer(health.aio.HealthServicer):
@@ -138,15 +170,20 @@ async def start_grpc_server(engine, host: str, port: int, model_name: str,
                             rag: RagService | None = None,
                             max_queued_requests: int | None = None,
                             credentials: grpc.ServerCredentials | None = None,
-                            limits: RequestLimits = RequestLimits()):
-    """Start serving on host:port (0 picks a free port); returns (server, bound_port). With
-    `rag`, Embed answers with its encoder (else UNIMPLEMENTED); `max_queued_requests` and
-    `limits` as in OpenAIServing; with `credentials`, over TLS.
+                            limits: RequestLimits = RequestLimits(),
+                            serving: OpenAIServing | None = None):
+    """Start serving on host:port (0 picks a free port); returns (server, bound_port). `serving`:
+    the HTTP app's (http.serving_of), so both front ends share tenants, limits, metrics and the
+    access log; without it, an open one of its own with `max_queued_requests` and `limits`. With
+    `rag`, Embed answers with its encoder (else UNIMPLEMENTED); with `credentials`, over TLS.
 
     Health reports SERVING for the service and for "" once this returns, so call it after
     the engine has warmed up."""
     server = grpc.aio.server()
-    service = GenerationService(engine, model_name, rag, max_queued_requests, limits)
+    if serving is None:
+        serving = OpenAIServing(engine, model_name, max_queued_requests=max_queued_requests,
+                                limits=limits)
+    service = GenerationService(serving, rag)
     pb_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health_servicer or EngineHealthServicer(engine)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -12,16 +12,23 @@ the `finally` blocks abort its engine requests, so their KV pages return at once
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import ssl
+from typing import Callable
 
 from aiohttp import web
 
 from jaxserve.config import ServerConfig
 from jaxserve.errors import (EngineOverloaded, InvalidRequest, JaxServeError, error_reply,
-                             error_status)
+                             error_status, outcome, retry_after)
+from jaxserve.gateway import Gateway, Principal, deadlines, idempotency, load_tenants
+from jaxserve.gateway.idempotency import IdempotencyStore
+from jaxserve.gateway.limits import retry_after_header
+from jaxserve.pricing import Pricing
 from jaxserve.server import protocol
+from jaxserve.server.admission import CallContext
 from jaxserve.server import response_models as out
 from jaxserve.server.json_body import LIMITS_KEY, parse_body, read_json
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -41,6 +48,10 @@ class _State:
     def __init__(self, config: ServerConfig, model_name: str):
         self.config = config
         self.model_name = model_name
+        # Read at build time: a bad tenants file is one error at start, naming file and field.
+        self.gateway = Gateway(load_tenants(config.tenants_file) if config.tenants_file
+                               else None)
+        self.idempotency = IdempotencyStore(config.idempotency_ttl_s)
         self.serving: OpenAIServing | None = None
         self.metrics = ServerMetrics(self._stats, model_name)
         self.shutting_down = False  # set on SIGTERM: not ready while in-flight requests drain
@@ -49,11 +60,11 @@ class _State:
     def _stats(self):
         return None if self.serving is None else self.serving.engine.replica_stats()
 
-    def attach(self, engine, rag=None) -> None:
+    def attach(self, engine, rag=None, pricing: Pricing | None = None) -> None:
         self.serving = OpenAIServing(engine, self.model_name, self.metrics,
                                      self.config.log_prompts, rag,
                                      self.config.max_queued_requests, self.config.limits,
-                                     self.config.tool_call_parser)
+                                     self.config.tool_call_parser, self.gateway, pricing)
 
     def require_serving(self) -> OpenAIServing:
         if self.serving is None:
@@ -62,6 +73,14 @@ class _State:
 
 
 STATE_KEY = web.AppKey("state", _State)
+# Routes anyone may call (probes, scrapes, the API description); the admin API has its own key.
+_OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
+_PRINCIPAL = web.RequestKey("principal", Principal)  # who calls (set by _front_door)
+_COUNTED = web.RequestKey("counted", bool)  # the request's end is counted (by its Generation)
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"}
+
+
 
 
 def _error_status(exc: Exception) -> tuple[int, dict]:
@@ -74,7 +93,9 @@ def _error_status(exc: Exception) -> tuple[int, dict]:
 
 def _map_error(exc: Exception) -> web.Response:
     status, body = _error_status(exc)
-    return web.json_response(body, status=status)
+    wait = retry_after(exc)
+    headers = {"Retry-After": retry_after_header(wait)} if wait is not None else None
+    return web.json_response(body, status=status, headers=headers)
 
 
 @web.middleware
@@ -91,34 +112,101 @@ async def _errors_middleware(request: web.Request, handler):
         return _map_error(exc)
 
 
+@web.middleware
+async def _front_door(request: web.Request, handler):
+    """Every route but the open ones needs the caller's key (401 `invalid_api_key`); each such
+    request is counted per tenant by outcome (a generation counts itself when it ends)."""
+    if request.path in _OPEN_PATHS or request.path.startswith("/admin/"):
+        return await handler(request)
+    state: _State = request.app[STATE_KEY]
+    tenant = "none"
+    try:
+        principal = state.gateway.authenticate(request.headers.get("Authorization"))
+        request[_PRINCIPAL], tenant = principal, principal.tenant.name
+        resp = await handler(request)
+    except web.HTTPException:
+        raise
+    except BaseException as exc:
+        if not request.get(_COUNTED):
+            state.metrics.record_request(tenant, outcome(exc))
+        raise
+    if not request.get(_COUNTED):
+        state.metrics.record_request(tenant, "ok")
+    return resp
+
+
+async def _ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """OpenAI's x-ratelimit-* on every response to a known tenant, streams and errors too."""
+    principal = request.get(_PRINCIPAL)
+    if principal is not None:
+        response.headers.update(request.app[STATE_KEY].gateway.headers(principal))
+
+
+def _context(request: web.Request) -> CallContext:
+    """Who calls and the deadline asked (X-Request-Timeout), read once from the headers."""
+    return CallContext(request[_PRINCIPAL],
+                       deadlines.parse_timeout(request.headers.get(deadlines.HEADER)))
+
+
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state: _State = request.app[STATE_KEY]
-    gen = await state.require_serving().prepare_async(kind, await read_json(request))
-    keepalive = state.config.keepalive_seconds
-    return await _respond(request, gen, gen.response,
-                          lambda: _stream(request, gen.chunks(keepalive), _error_event))
-
-
-async def _respond(request: web.Request, gen: Generation, whole, stream) -> web.StreamResponse:
-    """Run a prepared generation to its answer, `whole()` (a JSON body) or `stream()` (the
-    streamed response and how it ended), and whatever happens log it and free its engine
-    requests."""
-    status = "error"
+    ctx = _context(request)
+    key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
+    serving = state.require_serving()
+    body = await read_json(request)
+    if key is None:
+        return await _run(request, serving, kind, body, ctx, None)
+    tenant = ctx.principal.tenant.name
+    fingerprint = idempotency.fingerprint(request.path.encode() + b"\n" + await request.read())
+    stored = state.idempotency.begin(tenant, key, fingerprint)
+    if stored is not None:  # the model does not run again
+        return await _replay(request, stored)
     try:
-        if gen.parsed.stream:
-            resp, status = await stream()
-        else:
-            resp, status = web.json_response(await whole()), "ok"
-        return resp
-    except (ConnectionResetError, asyncio.CancelledError):
-        status = "client_disconnected"
-        raise
+        return await _run(request, serving, kind, body, ctx, functools.partial(
+            state.idempotency.complete, tenant, key, fingerprint))
     finally:
-        # Logged first: a client that closes right after [DONE] cancels the handler here, and the
-        # await below would then raise before anything after it ran.
-        gen.log_done(status)
-        # Whatever ended the handler, the engine must not keep generating for nobody.
-        await asyncio.shield(gen.abort_unfinished())
+        state.idempotency.abandon(tenant, key)  # unless completed: a retry then runs again
+
+
+Keep = Callable[[idempotency.StoredResponse], None]
+
+
+async def _run(request: web.Request, serving: OpenAIServing, kind: str, body,
+               ctx: CallContext, keep: Keep | None) -> web.StreamResponse:
+    gen = await serving.prepare_async(kind, body, ctx)
+    keepalive = request.app[STATE_KEY].config.keepalive_seconds
+    return await _respond(request, gen, gen.response, lambda: _stream(
+        request, gen, gen.chunks(keepalive), _error_event, keep=keep), keep)
+
+
+async def _respond(request: web.Request, gen: Generation, whole, stream,
+                   keep: Keep | None = None) -> web.StreamResponse:
+    """Answer an admitted generation, `whole()` (a JSON body) or `stream()` (the streamed
+    response), inside `gen.running()` (settled, counted, logged, its engine requests freed
+    however it ends). `keep` (for an Idempotency-Key) receives what a replay sends once the
+    request is answered in full: the body, or the SSE events (kept before the stream's end goes
+    out: a client that closes right after [DONE] cancels this handler)."""
+    request[_COUNTED] = True
+    async with gen.running():
+        if gen.parsed.stream:
+            return await stream()
+        resp = web.json_response(await whole())
+        if keep is not None:
+            keep(idempotency.StoredResponse(200, (("Content-Type", resp.content_type),),
+                                            body=resp.body))
+        return resp
+
+
+async def _replay(request: web.Request, stored: idempotency.StoredResponse) -> web.StreamResponse:
+    headers = {**dict(stored.headers), "Idempotent-Replayed": "true"}
+    if stored.body is not None:
+        return web.Response(status=stored.status, body=stored.body, headers=headers)
+    resp = web.StreamResponse(status=stored.status, headers={**_SSE_HEADERS, **headers})
+    await resp.prepare(request)
+    for event in stored.events:
+        await resp.write(event)
+    await resp.write_eof()
+    return resp
 
 
 def _sse(payload: dict | str, event: str | None = None) -> bytes:
@@ -131,29 +219,56 @@ def _error_event(exc: Exception) -> bytes:
     return _sse(_error_status(exc)[1])
 
 
-async def _stream(request: web.Request, events, error_event, done: bool = True
-                  ) -> tuple[web.StreamResponse, str]:
-    """The SSE response of `events` (JSON payloads, None for a keep-alive) and how it ended
-    ("ok" or "error"). A payload with a "type" is a named event (the Responses API's); `done`:
-    end with `data: [DONE]` (chat and completions)."""
-    status = "ok"
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
+async def _stream(request: web.Request, gen: Generation, events, error_event, done: bool = True,
+                  keep: Keep | None = None) -> web.StreamResponse:
+    """The SSE response of `events` (JSON payloads, None for a keep-alive); an error reported in
+    it is left in `gen.error`. A payload with a "type" is a named event (the Responses API's);
+    `done`: end with `data: [DONE]` (chat and completions).
+
+    The status line waits for the engine's first output (or the first keep-alive): a request
+    refused while queued (deadline 504, shed 503, queue time 429) is then still a plain error
+    reply. After it, an error is one error event."""
+    resp = web.StreamResponse(headers=_SSE_HEADERS)
+    held: list[bytes] = []  # events before the engine answered (chat's role, echo, created)
+    sent: list[bytes] = []  # what a replay sends (keep-alives left out)
+
+    async def send(data: bytes) -> None:
+        sent.append(data)
+        await resp.write(data)  # drains the transport: each token leaves as it is produced
+
     try:
         async for payload in events:
-            # resp.write drains the transport, so each token leaves as soon as it is produced.
-            await resp.write(b": keep-alive\n\n" if payload is None
-                             else _sse(payload, payload.get("type")))
+            data = None if payload is None else _sse(payload, payload.get("type"))
+            if not resp.prepared:
+                if data is not None and not gen.engine_answered:
+                    held.append(data)
+                    continue
+                await resp.prepare(request)
+                for h in held:
+                    await send(h)
+            if data is None:
+                await resp.write(b": keep-alive\n\n")
+            else:
+                await send(data)
     except ConnectionResetError:  # the client is gone: nobody to report to
         raise
-    except Exception as exc:  # noqa: BLE001 - the status line is sent: report it in the stream
+    except Exception as exc:  # noqa: BLE001 - reported below
+        if not resp.prepared:
+            raise  # nothing sent yet: a plain error reply
         await resp.write(error_event(exc))
-        status = "error"
-    if done:
-        await resp.write(_sse("[DONE]"))
+        gen.error = exc
+    if not resp.prepared:
+        await resp.prepare(request)
+        for h in held:
+            await send(h)
+    end = [_sse("[DONE]")] if done else []
+    if gen.error is None and keep is not None:  # kept before the end leaves (see _respond)
+        keep(idempotency.StoredResponse(200, (("Content-Type", "text/event-stream"),),
+                                        events=(*sent, *end)))
+    for data in end:
+        await resp.write(data)
     await resp.write_eof()
-    return resp, status
+    return resp
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -170,7 +285,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     serving = state.require_serving()
     req = validate(request_models(state.config.limits).responses, await read_json(request))
     try:
-        gen = await serving.prepare_async("chat", chat_body(req))
+        gen = await serving.prepare_async("chat", chat_body(req), _context(request))
     except InvalidRequest as exc:
         raise rename_param(exc) from None
     response = ResponseObject(req)
@@ -185,24 +300,31 @@ async def responses(request: web.Request) -> web.StreamResponse:
         return _sse(event, event["type"])
 
     return await _respond(request, gen, whole, lambda: _stream(
-        request, events.events(gen.chunks(state.config.keepalive_seconds)), error_event,
+        request, gen, events.events(gen.chunks(state.config.keepalive_seconds)), error_event,
         done=False))
 
 
 async def models_route(request: web.Request) -> web.Response:
     state: _State = request.app[STATE_KEY]
     serving = state.require_serving()
-    return web.json_response({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": protocol.now(),
-        "owned_by": "jaxserve", "max_model_len": serving.engine.max_model_len}]})
+    data = [{"id": state.model_name, "object": "model", "created": protocol.now(),
+             "owned_by": "jaxserve", "max_model_len": serving.engine.max_model_len}]
+    if not request[_PRINCIPAL].tenant.may_use(state.model_name):
+        data = []  # a model the tenant may not use does not exist for it
+    return web.json_response({"object": "list", "data": data})
+
+
+def _check_model(request: web.Request, serving: OpenAIServing, model: str | None) -> None:
+    if model is not None:
+        request[_PRINCIPAL].tenant.check_model(model)
+        serving.check_model(model)
 
 
 async def tokenize(request: web.Request) -> web.Response:
     state: _State = request.app[STATE_KEY]
     serving = state.require_serving()
     body = await parse_body(request, request_models(state.config.limits).tokenize)
-    if body.model is not None:
-        serving.check_model(body.model)
+    _check_model(request, serving, body.model)
     tok = serving.tokenizer
     if body.prompt is not None:
         add_special = body.add_special_tokens is not False
@@ -219,8 +341,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     serving = request.app[STATE_KEY].require_serving()
     body = await parse_body(request, DetokenizeRequest)
-    if body.model is not None:
-        serving.check_model(body.model)
+    _check_model(request, serving, body.model)
     serving.check_token_ids(body.tokens, "tokens")
     return web.json_response({"prompt": serving.tokenizer.decode(body.tokens,
                                                                  skip_special_tokens=False)})
@@ -267,7 +388,7 @@ def _version() -> str:
 
 def _routes(config: ServerConfig) -> list[Route]:
     models = request_models(config.limits)
-    gen = (400, 404, 500, 503)
+    gen = (400, 401, 404, 409, 422, 429, 500, 503, 504)
     return [
         Route("POST", "/v1/chat/completions", chat_completions, "Chat completion (OpenAI)",
               models.chat, out.ChatCompletion, chunk=out.ChatCompletionChunk, errors=gen,
@@ -279,11 +400,11 @@ def _routes(config: ServerConfig) -> list[Route]:
               "stored)", models.responses, out.Response, chunk=out.ResponseEvent, errors=gen,
               tags=("openai",)),
         Route("GET", "/v1/models", models_route, "The served model", ok=out.ModelList,
-              errors=(503,), tags=("openai",)),
+              errors=(401, 503), tags=("openai",)),
         Route("POST", "/tokenize", tokenize, "Prompt or chat messages -> token ids",
-              models.tokenize, out.Tokens, errors=(400, 404, 503), tags=("tokens",)),
+              models.tokenize, out.Tokens, errors=(400, 401, 404, 503), tags=("tokens",)),
         Route("POST", "/detokenize", detokenize, "Token ids -> text", DetokenizeRequest,
-              out.Detokenized, errors=(400, 404, 503), tags=("tokens",)),
+              out.Detokenized, errors=(400, 401, 404, 503), tags=("tokens",)),
         Route("GET", "/health", health, "Alive (200 from the start, while warming up too)",
               ok=out.Status, tags=("operations",)),
         Route("GET", "/ready", ready, "Ready to generate: 200, else 503 with the reason",
@@ -296,18 +417,26 @@ def _routes(config: ServerConfig) -> list[Route]:
 
 
 def build_app(config: ServerConfig, model_name: str) -> web.Application:
-    app = web.Application(middlewares=[_errors_middleware],
+    app = web.Application(middlewares=[_errors_middleware, _front_door],
                           client_max_size=config.limits.max_body_bytes)
     app[STATE_KEY] = _State(config, model_name)
+    app.on_response_prepare.append(_ratelimit_headers)
     app[LIMITS_KEY] = config.limits
     add_routes(app, _routes(config))
     return app
 
 
-def attach_engine(app: web.Application, engine, rag=None) -> None:
+def attach_engine(app: web.Application, engine, rag=None,
+                  pricing: Pricing | None = None) -> None:
     """Start serving generations on `engine` (warmed up): /ready turns 200. With `rag` (a
-    RagService), chat completions accept "rag"."""
-    app[STATE_KEY].attach(engine, rag)
+    RagService), chat completions accept "rag"; with `pricing`, usage carries "cost"."""
+    app[STATE_KEY].attach(engine, rag, pricing)
+
+
+def serving_of(app: web.Application) -> OpenAIServing:
+    """The app's OpenAIServing (once attached), for the gRPC front end to share: one gateway
+    (tenants, limits), one set of metrics, one access log."""
+    return app[STATE_KEY].require_serving()
 
 
 def begin_shutdown(app: web.Application) -> None:

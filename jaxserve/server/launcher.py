@@ -84,6 +84,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(RequestLimits):
         limits.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default,
                             help=f"{_LIMIT_HELP[f.name]} (default: %(default)s)")
+    parser.add_argument("--tenants", type=Path, default=None, metavar="FILE",
+                        help="tenants, API keys, limits and classes (TOML; README 'Tenants'); "
+                             "every route but /health, /ready, /metrics and /openapi.json then "
+                             "needs 'Authorization: Bearer KEY' (default: one open tenant)")
+    parser.add_argument("--idempotency-ttl", type=float, default=_DEFAULTS.idempotency_ttl_s,
+                        metavar="SECONDS",
+                        help="how long the response to an Idempotency-Key is kept for a retry "
+                             "to replay (default: %(default)s, 24 h)")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="retrieval collections live here (default: the jaxserve cache's rag/)")
     parser.add_argument("--no-rag", action="store_true",
@@ -103,7 +111,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         max_queued_requests=args.max_queued_requests, limits=limits,
                         engine_stall_timeout=args.engine_stall_timeout,
                         shutdown_timeout=args.shutdown_timeout,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser,
+                        tenants_file=str(args.tenants) if args.tenants else None,
+                        idempotency_ttl_s=args.idempotency_ttl)
 
 
 def _exit_now(code: int) -> None:
@@ -124,7 +134,8 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
     """group_leader: this is process 0 of a multi-host group (jax.distributed initialised)."""
     from jaxserve.engine_args import engine_args
     from jaxserve.server.grpc import start_grpc_server
-    from jaxserve.server.http import attach_engine, build_app, start_server
+    from jaxserve.pricing import pricing_for
+    from jaxserve.server.http import attach_engine, build_app, serving_of, start_server
     from jaxserve.server.rag_routes import add_rag_routes
     from jaxserve.server.tls import TlsConfig
 
@@ -168,7 +179,7 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
         engine, leader = load.result()
         if rag is not None:
             await loop.run_in_executor(None, _warm_rag, rag)
-        attach_engine(app, engine, rag)
+        attach_engine(app, engine, rag, pricing_for(args.model))
         # Replicas load and compile together: the first one's times are the set's.
         llm_engine = getattr(engine, "replicas", [engine])[0].engine
         print(f"jaxserve: ready in {time.perf_counter() - started:.1f} s (load "
@@ -177,8 +188,7 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
         if config.grpc_port is not None:
             grpc_server, grpc_port = await start_grpc_server(
                 engine, config.host, config.grpc_port, model_name, rag=rag,
-                max_queued_requests=config.max_queued_requests,
-                credentials=tls.grpc_credentials() if tls else None, limits=config.limits)
+                credentials=tls.grpc_credentials() if tls else None, serving=serving_of(app))
             print(f"jaxserve: gRPC on {config.host}:{grpc_port}", flush=True)
         print(f"jaxserve: serving {model_name} at {scheme}://{config.host}:{port}/v1", flush=True)
         await stopped

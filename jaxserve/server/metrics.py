@@ -84,10 +84,37 @@ class ServerMetrics:
             return Histogram(f"jaxserve:{name}", doc, labels, buckets=_LATENCY_BUCKETS,
                              registry=self.registry).labels(model_name)
 
-        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token.")
+        self.model_name = model_name
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.")
         self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token.")
-        self.queue = hist("request_queue_time_seconds", "Time from arrival to first scheduling.")
+        # Per tenant: .labels(model_name, tenant)
+        tenant = ["model_name", "tenant"]
+        self.ttft = Histogram("jaxserve:time_to_first_token_seconds",
+                              "Time from arrival to the first token.", tenant,
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.queue = Histogram("jaxserve:request_queue_time_seconds",
+                               "Time from arrival to first scheduling.", tenant,
+                               buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter("jaxserve:requests", "Requests ended, by tenant and outcome (ok, "
+                                "shed, deadline, cancelled, or the error's status_code).",
+                                tenant + ["outcome"], registry=self.registry)
+        self.tenant_prompt_tokens = Counter("jaxserve:tenant_prompt_tokens",
+                                            "Prompt tokens of the tenant's requests.", tenant,
+                                            registry=self.registry)
+        self.tenant_generation_tokens = Counter("jaxserve:tenant_generation_tokens",
+                                                "Tokens generated for the tenant.", tenant,
+                                                registry=self.registry)
+        self.cost = Counter("jaxserve:cost_usd", "The usage cost of the tenant's requests (USD; "
+                            "0 without prices).", tenant, registry=self.registry)
+
+    def record_request(self, tenant: str, outcome: str, prompt_tokens: int = 0,
+                       completion_tokens: int = 0, cost: float = 0.0) -> None:
+        """One ended request (jaxserve.errors.outcome); `tenant` "none" when no key matched."""
+        labels = (self.model_name, tenant)
+        self.requests.labels(*labels, outcome).inc()
+        self.tenant_prompt_tokens.labels(*labels).inc(prompt_tokens)
+        self.tenant_generation_tokens.labels(*labels).inc(completion_tokens)
+        self.cost.labels(*labels).inc(cost)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,19 +1,22 @@
 """OpenAI chat/text completions over an AsyncEngine, with no transport: HTTP (server/http.py), gRPC
 and the offline batch runner all call this, so a response body is built in exactly one place.
 
-A `Generation` is one API request: one engine request per prompt, each with n choices. It turns the
-engine's cumulative outputs into per-choice deltas, and `abort_unfinished()` is what every transport
-calls in its `finally` so a request that ends early (client gone, error) frees its KV pages at once.
+A request is parsed and tokenized once here and admitted on one path (admission.py). A
+`Generation` is one admitted API request: one engine request per prompt, each with n choices. It
+turns the engine's cumulative outputs into per-choice deltas; every transport answers it inside
+`running()`, so however it ends (done, client gone, deadline, error) its tenant's reservation
+settles, it is counted and logged once, and its KV pages return at once.
 
 A chat with tools gets them in its prompt and its output parsed into `tool_calls`
-(server/tool_output.py); a forced tool_choice becomes a grammar constraint. A constrained request
-is prepared for the engine up front (its grammar compiled, a 400 before any stream starts), in an
-executor on the async path so a slow compile never blocks the event loop.
+(server/tool_output.py); a forced tool_choice becomes a grammar constraint. Every request
+is prepared for the engine up front (its grammar compiled, a 400 before any stream starts), a
+constrained one in an executor so a slow compile never blocks the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -22,8 +25,12 @@ from typing import Any, AsyncIterator
 
 from jaxserve.config import RequestLimits
 from jaxserve.errors import (ContextLengthExceeded, EngineDead, EngineOverloaded, InvalidRequest,
-                             ModelNotFound)
+                             ModelNotFound, outcome)
+from jaxserve.gateway import Admission, Gateway
+from jaxserve.gateway.usage import with_cost
+from jaxserve.pricing import Pricing
 from jaxserve.server import protocol
+from jaxserve.server.admission import CallContext, admit, tenant_params
 from jaxserve.server.tool_output import ToolCallOutput
 from jaxserve.tools.choice import forced_tool_call
 from jaxserve.tools.parsers import get_tool_parser
@@ -125,73 +132,94 @@ def completion_logprobs(tokenizer, ids: list[int], logprobs, text_offset: int) -
 
 
 class Generation:
-    def __init__(self, serving: "OpenAIServing", parsed: protocol.ParsedRequest, prompt_ids,
-                 params, citations: list[dict] | None = None,
+    """One admitted API request: its prepared engine requests (QoS stamped), its hold on the
+    tenant's limits, and what was sent so far."""
+
+    def __init__(self, serving: "OpenAIServing", gen_id: str, parsed: protocol.ParsedRequest,
+                 prepared: list, admission: Admission, ctx: CallContext,
+                 citations: list[dict] | None = None,
                  tool_output: ToolCallOutput | None = None):
         self.serving = serving
         self.tool_output = tool_output or ToolCallOutput(None)
-        self.prepared = None  # the engine requests, when prepared up front (prepare_engine)
         self.citations = citations  # retrieval-augmented chat: what the prompt was given
         self.parsed = parsed
         self.chat = parsed.kind == "chat"
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.id = protocol.new_id("chatcmpl" if self.chat else "cmpl")
+        self.prepared = prepared
+        self.admission = admission
+        self.ctx = ctx
+        self.params = prepared[0].params
+        self.id = gen_id  # the engine request ids are "{id}-{prompt index}"
         self.created = protocol.now()
-        self.request_ids = [f"{self.id}-{i}" for i in range(len(prompt_ids))]
-        self.n = params.n
-        self.num_choices = len(prompt_ids) * self.n
+        self.n = self.params.n
+        self.num_choices = len(prepared) * self.n
         self.want_logprobs = parsed.logprobs is not None
         self.object = ("chat.completion" if self.chat else "text_completion")
         self.sent_text: dict[int, int] = {}
         self.sent_tokens: dict[int, int] = {}
-        self.finish: dict[int, str] = {}
+        self.finish_reasons: dict[int, str] = {}
         self.completion_tokens: dict[int, int] = {}
-        self.arrival = time.monotonic()
+        self.arrival = ctx.arrival
         self.first_token_at: float | None = None
         self.last_token_at: dict[int, float] = {}  # per choice: ITL is within one sequence
+        self.engine_answered = False  # an output came back: the request left the queue
+        self.error: BaseException | None = None  # what ended it, when reported in-band
+        self._finished = False
+
+    @property
+    def prompt_ids(self) -> list[list[int]]:
+        return [p.prompt_token_ids for p in self.prepared]
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [p.request_id for p in self.prepared]
+
+    @property
+    def tenant(self) -> str:
+        return self.ctx.principal.tenant.name
 
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompt_ids)
 
     def usage(self) -> dict:
-        return protocol.usage(self.prompt_tokens, sum(self.completion_tokens.values()))
-
-    def prepare_engine(self) -> None:
-        """Prepare the engine requests now (the grammar compiled: cached by constraint, so a
-        request of several prompts compiles once); blocking, so off the event loop."""
-        engine = self.serving.engine
-        self.prepared = [engine.prepare(rid, {"prompt_token_ids": ids}, self.params)
-                         for ids, rid in zip(self.prompt_ids, self.request_ids)]
+        """OpenAI's usage object, with "cost" (USD) when the model has prices."""
+        return with_cost(protocol.usage(self.prompt_tokens, sum(self.completion_tokens.values())),
+                         self.serving.pricing)
 
     def streams(self) -> AsyncIterator[tuple[int, Any]]:
         engine = self.serving.engine
-        if self.prepared is not None:
-            return merge_streams([engine.generate(prepared=p) for p in self.prepared])
-        return merge_streams([engine.generate({"prompt_token_ids": ids}, self.params, rid)
-                              for ids, rid in zip(self.prompt_ids, self.request_ids)])
+        return merge_streams([engine.generate(prepared=p) for p in self.prepared])
+
+    async def deltas(self) -> AsyncIterator[tuple[int, str, list[int], Any, str | None]]:
+        """(choice, new text, new token ids, new logprobs, finish_reason) as the engine produces
+        them, for transports that frame their own messages (gRPC)."""
+        async for item in self.streams():
+            for delta in self._deltas(*item):
+                yield delta
 
     async def abort_unfinished(self) -> None:
         for i, rid in enumerate(self.request_ids):
-            if any(i * self.n + j not in self.finish for j in range(self.n)):
+            if any(i * self.n + j not in self.finish_reasons for j in range(self.n)):
                 await self.serving.engine.abort(rid)
 
     def _deltas(self, stream_index: int, out) -> list[tuple[int, str, list[int], Any, str | None]]:
         """(choice, new text, new token ids, new logprobs, finish_reason) since the last call."""
         result = []
         now = time.monotonic()
+        self.engine_answered = True
         metrics = self.serving.metrics
         if out.finished and metrics is not None and out.metrics is not None \
                 and out.metrics.first_scheduled_time is not None:
-            metrics.queue.observe(out.metrics.first_scheduled_time - out.metrics.arrival_time)
+            metrics.queue.labels(self.serving.model_name, self.tenant).observe(
+                out.metrics.first_scheduled_time - out.metrics.arrival_time)
         for comp in out.outputs:
             choice = stream_index * self.n + comp.index
             t0, k0 = self.sent_text.get(choice, 0), self.sent_tokens.get(choice, 0)
             text, ids = comp.text[t0:], list(comp.token_ids[k0:])
             if ids and metrics is not None:
                 if self.first_token_at is None:
-                    metrics.ttft.observe(now - self.arrival)
+                    metrics.ttft.labels(self.serving.model_name, self.tenant).observe(
+                        now - self.arrival)
                 elif choice in self.last_token_at:
                     # Tokens that arrive together (a delta of several) share the gap evenly.
                     gap = (now - self.last_token_at[choice]) / len(ids)
@@ -204,8 +232,8 @@ class Generation:
             self.sent_text[choice], self.sent_tokens[choice] = len(comp.text), len(comp.token_ids)
             self.completion_tokens[choice] = len(comp.token_ids)
             finish = None
-            if comp.finish_reason is not None and choice not in self.finish:
-                finish = self.finish[choice] = comp.finish_reason
+            if comp.finish_reason is not None and choice not in self.finish_reasons:
+                finish = self.finish_reasons[choice] = comp.finish_reason
             if text or ids or finish:
                 result.append((choice, text, ids, logprobs, finish))
         return result
@@ -229,7 +257,7 @@ class Generation:
         choices = []
         for i in range(self.num_choices):
             if self.chat:
-                message, finish = self.tool_output.message(texts[i], self.finish.get(i))
+                message, finish = self.tool_output.message(texts[i], self.finish_reasons.get(i))
                 choices.append({"index": i, "message": message,
                                 "logprobs": chat_logprobs(tok, ids[i], lps[i]) if self.want_logprobs
                                 else None,
@@ -239,7 +267,7 @@ class Generation:
                 choices.append({"index": i, "text": prefix + texts[i],
                                 "logprobs": completion_logprobs(tok, ids[i], lps[i], len(prefix))
                                 if self.want_logprobs else None,
-                                "finish_reason": self.finish.get(i)})
+                                "finish_reason": self.finish_reasons.get(i)})
         body = {"id": self.id, "object": self.object, "created": self.created,
                 "model": self.serving.model_name, "choices": choices, "usage": self.usage()}
         if self.citations is not None:
@@ -295,28 +323,62 @@ class Generation:
         if self.parsed.include_usage:
             yield self._chunk([], self.usage())
 
-    def log_done(self, status: str) -> None:
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator["Generation"]:
+        """What every transport answers the request in: at its end, however it ends, `finish`
+        (with the exception that left the block, or `self.error` for one the transport reported
+        in-band, such as a stream's error event) and the engine aborts what is unfinished, so
+        its pages return at once."""
+        error = None
+        try:
+            yield self
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            # Counted and logged first: a client that closes right after [DONE] cancels the
+            # handler here, and the await below would then raise before anything after it ran.
+            self.finish(self.error or error)
+            await asyncio.shield(self.abort_unfinished())
+
+    def finish(self, error: BaseException | None) -> None:
+        """The request ended (error None: answered in full): settle the tenant's reservation with
+        the tokens used, count it per tenant, write its access-log line. Once; later calls do
+        nothing."""
+        if self._finished:
+            return
+        self._finished = True
         end = time.monotonic()
-        if self.serving.metrics is not None:
-            self.serving.metrics.e2e.observe(end - self.arrival)
+        completion = sum(self.completion_tokens.values())
+        self.admission.settle(self.prompt_tokens + completion)
+        status = outcome(error)
+        usage = self.usage()
+        metrics = self.serving.metrics
+        if metrics is not None:
+            metrics.e2e.observe(end - self.arrival)
+            metrics.record_request(self.tenant, status, self.prompt_tokens, completion,
+                                   usage.get("cost", 0.0))
         ttft = None if self.first_token_at is None else round(self.first_token_at - self.arrival, 4)
         record = {
             "request_id": self.id, "model": self.serving.model_name, "kind": self.parsed.kind,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": sum(self.completion_tokens.values()), "ttft_s": ttft,
+            "transport": self.ctx.transport, "tenant": self.tenant,
+            "key_id": self.ctx.principal.key_id, "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion, "ttft_s": ttft,
             "total_s": round(end - self.arrival, 4),
-            "finish_reasons": sorted(set(self.finish.values())), "status": status}
+            "finish_reasons": sorted(set(self.finish_reasons.values())), "status": status}
         if self.serving.log_prompts:  # off by default: prompts may hold what users keep private
             record["prompt"] = self.parsed.prompts
         access_log.info(json.dumps(record))
 
 
 class OpenAIServing:
-    """Parses, validates and starts OpenAI generations on one engine."""
+    """Parses and checks OpenAI generation requests once, and admits them (admission.py) on one
+    engine for every transport."""
 
     def __init__(self, engine, model_name: str, metrics=None, log_prompts: bool = False,
                  rag=None, max_queued_requests: int | None = None,
-                 limits: RequestLimits = RequestLimits(), tool_call_parser: str = "hermes"):
+                 limits: RequestLimits = RequestLimits(), tool_call_parser: str = "hermes",
+                 gateway: Gateway | None = None, pricing: Pricing | None = None):
         self.engine = engine
         # ConfigError at start for an unknown name; "hermes" matches the built-in tool prompt.
         self.tool_parser = get_tool_parser(tool_call_parser)
@@ -326,10 +388,16 @@ class OpenAIServing:
         self.rag = rag  # a jaxserve.rag.service.RagService, or None: no retrieval
         self.max_queued_requests = max_queued_requests  # None: no admission limit
         self.limits = limits
+        self.gateway = gateway if gateway is not None else Gateway()
+        self.pricing = pricing  # None: usage carries no cost
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def open_context(self, transport: str) -> CallContext:
+        """The context of a caller with no credentials: the open server's `default` tenant."""
+        return CallContext(self.gateway.authenticate(None), transport=transport)
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -343,15 +411,15 @@ class OpenAIServing:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
                                  param=param)
 
-    async def prepare_async(self, kind: str, body: Any) -> Generation:
+    async def prepare_async(self, kind: str, body: Any, ctx: CallContext) -> Generation:
         """Everything that can fail before generation starts: a failure here is the client's
-        400/404 (or 503 when the engine is not running). A chat with "rag" has its collection
-        searched for the last user message (in an executor: embedding and search block) and the
-        results put into the prompt; the response then carries "citations"."""
-        parsed = self._parse(kind, body)
-        if parsed.rag is None:
-            gen = self._start(parsed)
-        else:
+        4xx (or 503 when the engine cannot take it), and takes nothing from its tenant. A chat
+        with "rag" has its collection searched for the last user message (in an executor:
+        embedding and search block) and the results put into the prompt; the response then
+        carries "citations"."""
+        parsed = self._parse(kind, body, ctx)
+        citations = None
+        if parsed.rag is not None:
             if self.rag is None:
                 raise InvalidRequest("this server has no retrieval ('rag'): it was started with "
                                      "--no-rag", param="rag")
@@ -360,20 +428,24 @@ class OpenAIServing:
             rag = parse_rag_request(parsed.rag, self.rag.config.search.max_top_k)
             messages, citations = await asyncio.get_running_loop().run_in_executor(
                 None, augment_chat, self.rag, parsed.prompts[0], rag)
-            gen = self._start(dataclasses.replace(parsed, prompts=[messages]), citations)
-        if gen.params.structured_outputs is not None:
-            await asyncio.get_running_loop().run_in_executor(None, gen.prepare_engine)
-        return gen
+            parsed = dataclasses.replace(parsed, prompts=[messages])
+        parsed, tool_output = self._tools(parsed)
+        if parsed.sampling_params.structured_outputs is not None:  # its grammar compiles
+            return await asyncio.get_running_loop().run_in_executor(
+                None, self._start, parsed, ctx, citations, tool_output)
+        return self._start(parsed, ctx, citations, tool_output)
 
-    def _parse(self, kind: str, body: Any) -> protocol.ParsedRequest:
+    def _parse(self, kind: str, body: Any, ctx: CallContext) -> protocol.ParsedRequest:
         parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
         parsed = parse(body, self.limits)
+        # The edge check, before the prompt is tokenized: a tenant out of requests costs little,
+        # and one that may not use the model learns nothing about what this server serves.
+        self.gateway.check(ctx.principal, parsed.model)
         self.check_model(parsed.model)
         return parsed
 
-    def _start(self, parsed: protocol.ParsedRequest,
-               citations: list[dict] | None = None) -> Generation:
-        parsed, tool_output = self._tools(parsed)
+    def _start(self, parsed: protocol.ParsedRequest, ctx: CallContext,
+               citations: list[dict] | None, tool_output: ToolCallOutput) -> Generation:
         prompt_ids = [self._prompt_ids(parsed, p) for p in parsed.prompts]
         params = self._fit_context(parsed, prompt_ids)
         if not self.engine.is_running:
@@ -381,18 +453,15 @@ class OpenAIServing:
         if self.engine.is_stalled:  # a request now would only wait for nothing
             raise EngineOverloaded("the engine has made no progress for a while (see GET "
                                    "/ready); retry later")
-        if self.max_queued_requests is not None:
-            # Checked here, before a stream's headers go out, so a full queue is a 503 (or
-            # RESOURCE_EXHAUSTED), never an error inside a 200 stream. Requests checked at the same
-            # moment may all pass: the limit is approximate by that much.
-            queued = self.engine.num_queued
-            if queued >= self.max_queued_requests:
-                raise EngineOverloaded(f"the request queue is full ({queued} sequences wait for a "
-                                       f"slot); retry later")
         # The whole request against the KV pool, before a stream's headers go out, so it is still
         # a 400 and not an error inside a 200 stream.
         params = self.engine.fit_kv_pool([len(p) for p in prompt_ids], params)
-        return Generation(self, parsed, prompt_ids, params, citations, tool_output)
+        params = tenant_params(ctx.principal, params, parsed.max_tokens_given)
+        gen_id = protocol.new_id("chatcmpl" if parsed.kind == "chat" else "cmpl")
+        admission, prepared = admit(self.engine, self.gateway, ctx,
+                                    [f"{gen_id}-{i}" for i in range(len(prompt_ids))],
+                                    prompt_ids, params, self.max_queued_requests)
+        return Generation(self, gen_id, parsed, prepared, admission, ctx, citations, tool_output)
 
     def _tools(self, parsed: protocol.ParsedRequest
                ) -> tuple[protocol.ParsedRequest, ToolCallOutput]:
@@ -414,21 +483,17 @@ class OpenAIServing:
         return parsed, ToolCallOutput(self.tool_parser)
 
     def _prompt_ids(self, parsed: protocol.ParsedRequest, prompt) -> list[int]:
+        """Tokenized once, here; the engine's `prepare` checks the ids (empty, vocabulary,
+        context)."""
         if parsed.kind == "chat":
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
-                                                     tools=parsed.tools)
-        elif isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            self.check_token_ids(prompt, "prompt")
-            ids = prompt
-        if not ids:
-            raise InvalidRequest("the prompt is empty after tokenization", param="prompt")
-        return list(ids)
+            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                           tools=parsed.tools))
+        return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
 
     def _fit_context(self, parsed: protocol.ParsedRequest, prompt_ids: list[list[int]]):
-        """Check prompt + max_tokens against the context. A chat request without max_tokens keeps
-        None: the engine gives it the rest of the context, or what the KV pool can hold."""
+        """OpenAI's rule: prompt + max_tokens within the context (the engine alone would cut the
+        completion at the context instead). A chat request without max_tokens keeps None: the
+        engine gives it the rest of the context, or what the KV pool can hold."""
         max_len = self.engine.max_model_len
         longest = max(len(p) for p in prompt_ids)
         params = parsed.sampling_params

@@ -19,8 +19,12 @@ _REF = "#/components/schemas/{model}"
 _DESCRIPTIONS = {200: "OK", 201: "Created", 202: "Accepted (it goes on in the background)",
                  400: "Invalid request (the `param` names the field)",
                  401: "Missing or wrong credentials", 404: "Unknown model or resource",
-                 409: "Conflicts with the current state", 500: "The request failed inside the server",
-                 503: "Not ready or overloaded"}
+                 409: "Conflicts with the current state (or the same Idempotency-Key still runs)",
+                 422: "Idempotency-Key reused with a different body",
+                 429: "A rate limit of the tenant (Retry-After says when to retry)",
+                 500: "The request failed inside the server",
+                 503: "Not ready or overloaded (Retry-After)",
+                 504: "The request's deadline passed before it could be answered"}
 
 
 @dataclass(frozen=True)
