@@ -6,9 +6,11 @@ abort) through an inbox it drains before every step; outputs travel back to each
 asyncio queue with `call_soon_threadsafe`. Stats are a snapshot the thread publishes after each
 step, so a metrics scrape never reads state mid-update.
 
-`num_queued` (sequences accepted and not yet running) is what a server's admission limit reads:
-the scheduler's waiting count of the last snapshot plus the sequences submitted since, both
-updated under one lock so a request is never counted twice or not at all. `admit` applies that
+`num_queued` (sequences accepted and never started) is what a server's admission limit reads:
+the scheduler's never-started waiting count of the last snapshot plus the sequences submitted
+since, both updated under one lock so a request is never counted twice or not at all. Preempted
+sequences waiting to resume are admitted work, not new demand: they do not count, so a queue of
+them cannot make a more important request's admission fail when nothing in it can be shed. `admit` applies that
 limit with shedding: when the queue is full, a request displaces never-started requests of less
 important priorities (`LLMEngine.shed`) instead of being refused.
 
@@ -109,10 +111,13 @@ class AsyncEngine:
 
     @property
     def num_queued(self) -> int:
-        """Sequences accepted and not yet running: waiting (or preempted) in the scheduler as of
-        the last step, plus those submitted since."""
+        """Sequences accepted and never started: waiting in the scheduler as of the last step
+        (preempted ones excluded, see the module doc), plus those submitted since."""
         with self._wake:
-            return self._stats.num_waiting + self._unadded
+            return self._num_queued()
+
+    def _num_queued(self) -> int:
+        return sum(self._stats.num_new_by_priority.values()) + self._unadded
 
     @property
     def is_running(self) -> bool:
@@ -145,7 +150,7 @@ class AsyncEngine:
         if max_queued is None:
             return
         with self._wake:
-            queued = self._stats.num_waiting + self._unadded
+            queued = self._num_queued()
             over = queued + num_seqs - max_queued
             if over <= 0:
                 return

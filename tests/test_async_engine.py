@@ -5,13 +5,17 @@ as a stall (with the engine thread's stack) and shutdown says the thread is wedg
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.engine import EngineStats, PreparedRequest
+from jaxserve.errors import EngineOverloaded
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling import SamplingParams
 
@@ -133,3 +137,20 @@ def test_a_step_that_never_returns_is_a_stall_with_the_engine_stack(caplog):
     finally:
         scripted.hang.clear()
         engine.shutdown(10)
+
+
+def test_preempted_sequences_do_not_fill_the_admission_queue():
+    """Sequences waiting to resume after preemption are admitted work: a queue holding only them
+    admits a new request instead of refusing it (nothing in it could be shed to make room)."""
+    engine = AsyncEngine(ScriptedEngine(), stall_timeout=None)
+    try:
+        base = engine.stats()
+        engine._stats = dataclasses.replace(base, num_waiting=4, num_new_by_priority={})
+        assert engine.num_queued == 0
+        engine.admit(2, max_queued=2, priority=0)  # preempted only: admitted
+        engine._stats = dataclasses.replace(base, num_waiting=4, num_new_by_priority={0: 2})
+        assert engine.num_queued == 2
+        with pytest.raises(EngineOverloaded):  # two never-started of the same class: full
+            engine.admit(1, max_queued=2, priority=0)
+    finally:
+        assert engine.shutdown(10)

@@ -66,7 +66,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-prompts", action="store_true")
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="refuse new requests (HTTP 503, gRPC RESOURCE_EXHAUSTED) while this "
-                             "many sequences wait for a slot (default: no limit)")
+                             "many never-started sequences wait for a slot (default: no limit)")
     parser.add_argument("--engine-stall-timeout", type=float,
                         default=_DEFAULTS.engine_stall_timeout,
                         help="/ready and gRPC health turn not-ready, and the engine thread's "
