@@ -31,18 +31,23 @@ class BatchPlan(NamedTuple):
     kv_lens: np.ndarray  # i32[S]: tokens in the cache for the sequence after this step
     page_indices: np.ndarray  # i32[S, pages_per_seq]
     num_seqs: np.ndarray  # i32[1]
-    logits_indices: np.ndarray  # i32[S]: flat row of each sequence's last token this step
+    # i32[R] (R = logits_bucket): the flat rows whose logits are computed, sequence by sequence:
+    # each sequence's last token, or, for a decode verifying d draft tokens, its last 1 + d tokens.
+    logits_indices: np.ndarray
 
 
 class SeqChunk(NamedTuple):
     """One sequence's share of a step: `token_ids` are appended at positions start_pos...
 
     `page_table` lists the sequence's pages in order and must already cover start_pos + len(token_ids).
+    The last `num_draft_tokens` of token_ids are speculative (proposed, not yet generated): the
+    step computes logits for them and for the token before them, so the sampler can verify them.
     """
 
     token_ids: Sequence[int]
     start_pos: int
     page_table: Sequence[int]
+    num_draft_tokens: int = 0
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -70,6 +75,15 @@ def seq_bucket(num_tokens_padded: int, max_num_seqs: int) -> int:
     return min(num_tokens_padded, next_power_of_two(max_num_seqs))
 
 
+def logits_bucket(num_tokens_padded: int, max_num_seqs: int,
+                  num_speculative_tokens: int = 0) -> int:
+    """Logits rows a step of this token bucket computes: one per sequence (the seq_bucket), and
+    with speculation at least room for one decode verifying num_speculative_tokens drafts (so a
+    max_num_seqs=1 engine can speculate). Never more than the step's tokens."""
+    return min(num_tokens_padded, max(next_power_of_two(max_num_seqs),
+                                      next_power_of_two(1 + num_speculative_tokens)))
+
+
 def pick_token_bucket(num_tokens: int, buckets: Sequence[int]) -> int:
     for b in buckets:
         if b >= num_tokens:
@@ -89,12 +103,14 @@ class StepShapes:
     pages_per_seq: int  # page-table width: enough pages for max_model_len tokens
     num_pages: int  # KV pool size per device, the null page included
     history_width: int  # penalty history (prompt + output) of one row: the padded max_model_len
+    num_speculative_tokens: int = 0  # drafts one decode may verify: sizes the logits rows
 
     @classmethod
-    def of(cls, scheduler: SchedulerConfig, page_size: int, num_pages: int) -> "StepShapes":
+    def of(cls, scheduler: SchedulerConfig, page_size: int, num_pages: int,
+           num_speculative_tokens: int = 0) -> "StepShapes":
         return cls(tuple(token_buckets(scheduler.max_num_batched_tokens)), scheduler.max_num_seqs,
                    page_size, pages_for(scheduler.max_model_len, page_size), num_pages,
-                   next_power_of_two(scheduler.max_model_len))
+                   next_power_of_two(scheduler.max_model_len), num_speculative_tokens)
 
     def token_bucket(self, num_tokens: int) -> int:
         return pick_token_bucket(num_tokens, self.token_buckets)
@@ -102,20 +118,29 @@ class StepShapes:
     def seq_bucket(self, num_tokens_padded: int) -> int:
         return seq_bucket(num_tokens_padded, self.max_num_seqs)
 
+    def logits_bucket(self, num_tokens_padded: int) -> int:
+        return logits_bucket(num_tokens_padded, self.max_num_seqs, self.num_speculative_tokens)
+
     @property
     def row_buckets(self) -> tuple[int, ...]:
-        """Sampling rows per step, one per token bucket (several token buckets may share one)."""
-        return tuple(sorted({self.seq_bucket(t) for t in self.token_buckets}))
+        """Logits (sampling) rows per step, one count per token bucket (several token buckets may
+        share one)."""
+        return tuple(sorted({self.logits_bucket(t) for t in self.token_buckets}))
 
 
 def make_plan(chunks: Sequence[SeqChunk], *, num_tokens_padded: int, num_seqs_padded: int,
-              pages_per_seq: int, page_size: int) -> BatchPlan:
-    """Pack sequence chunks (decodes first, by convention) into padded arrays."""
+              pages_per_seq: int, page_size: int, num_rows_padded: int | None = None) -> BatchPlan:
+    """Pack sequence chunks (decodes first, by convention) into padded arrays. num_rows_padded:
+    the logits rows (default num_seqs_padded)."""
     if len(chunks) > num_seqs_padded:
         raise ValueError(f"{len(chunks)} sequences exceed the padded count {num_seqs_padded}")
     total = sum(len(c.token_ids) for c in chunks)
     if total > num_tokens_padded:
         raise ValueError(f"{total} tokens exceed the padded count {num_tokens_padded}")
+    R = num_seqs_padded if num_rows_padded is None else num_rows_padded
+    num_rows = sum(1 + c.num_draft_tokens for c in chunks)
+    if num_rows > R:
+        raise ValueError(f"{num_rows} logits rows exceed the padded count {R}")
     T, S = num_tokens_padded, num_seqs_padded
     token_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
@@ -123,13 +148,13 @@ def make_plan(chunks: Sequence[SeqChunk], *, num_tokens_padded: int, num_seqs_pa
     cu_q_lens = np.zeros(S + 1, np.int32)
     kv_lens = np.zeros(S, np.int32)
     page_indices = np.full((S, pages_per_seq), NULL_PAGE, np.int32)
-    logits_indices = np.zeros(S, np.int32)
-    row = 0
+    logits_indices = np.zeros(R, np.int32)
+    row = logits_row = 0
     for s, c in enumerate(chunks):
         n = len(c.token_ids)
         end = c.start_pos + n
-        if n == 0:
-            raise ValueError("a scheduled sequence must have at least one token")
+        if n <= c.num_draft_tokens:
+            raise ValueError("a scheduled sequence must have at least one token besides drafts")
         if end > len(c.page_table) * page_size:
             raise ValueError(f"page table of {len(c.page_table)} pages cannot hold {end} tokens")
         if len(c.page_table) > pages_per_seq:
@@ -143,7 +168,9 @@ def make_plan(chunks: Sequence[SeqChunk], *, num_tokens_padded: int, num_seqs_pa
         kv_lens[s] = end
         row += n
         cu_q_lens[s + 1] = row
-        logits_indices[s] = row - 1
+        rows = 1 + c.num_draft_tokens
+        logits_indices[logits_row:logits_row + rows] = np.arange(row - rows, row)
+        logits_row += rows
     cu_q_lens[len(chunks) + 1:] = row
     return BatchPlan(token_ids, positions, slot_mapping, cu_q_lens, kv_lens, page_indices,
                      np.array([len(chunks)], np.int32), logits_indices)

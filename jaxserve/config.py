@@ -7,6 +7,7 @@ that no dict of options travels deep into the code.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from jaxserve.errors import ConfigError
@@ -205,8 +206,63 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's `speculative_config` fields. Only n-gram (prompt lookup)
+    drafting: up to `num_speculative_tokens` tokens copied from after the most recent earlier
+    occurrence of the sequence's last n tokens, prompt_lookup_max >= n >= prompt_lookup_min.
+    As in vLLM, one of the two lookup bounds given alone sets both."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    DEFAULT_PROMPT_LOOKUP = (4, 1)  # (max, min) when neither is given
+    MAX_SPECULATIVE_TOKENS = 15  # a batch-1 verify row still fits the smallest token bucket
+
+    def __post_init__(self):
+        if self.method != "ngram":
+            raise ConfigError(f"speculative method must be 'ngram', got {self.method!r}")
+        for f in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"speculative {f} must be an integer >= 1, got {v!r}")
+        if self.num_speculative_tokens > self.MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"num_speculative_tokens must be <= {self.MAX_SPECULATIVE_TOKENS}, "
+                              f"got {self.num_speculative_tokens}")
+        hi, lo = self.prompt_lookup_max, self.prompt_lookup_min
+        if hi is None and lo is None:
+            hi, lo = self.DEFAULT_PROMPT_LOOKUP
+        object.__setattr__(self, "prompt_lookup_max", hi if hi is not None else lo)
+        object.__setattr__(self, "prompt_lookup_min", lo if lo is not None else hi)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str") -> "SpeculativeConfig":
+        """From vLLM's `speculative_config`: a dict of these fields or its JSON text."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be an object, got "
+                              f"{type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        if set(value) - known:
+            raise ConfigError(f"speculative_config: unknown fields {sorted(set(value) - known)} "
+                              f"(known: {sorted(known)})")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None

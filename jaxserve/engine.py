@@ -13,6 +13,10 @@ rows on the host while the device computes, then samples with it; each sampled t
 the matcher, and a sequence whose grammar is complete finishes with "stop". Steps without a
 constrained row skip the bitmask altogether.
 
+With speculative decoding (EngineConfig.speculative) the scheduler asks `_draft` for n-gram drafts
+(jaxserve.speculative) for decodes with room to spare; each draft position gets its own logits row
+and sampling row, and the tokens drawn there decide which drafts stand (`_on_tokens`).
+
 Every request ends exactly once: `step()` returns one final RequestOutput (finished=True) for it,
 whether it stopped, ran out of length or was aborted, and by then all its pages are back. A request
 that runs out of time (its QoS deadline: finish_reason "deadline"; its queue deadline, when none
@@ -31,12 +35,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from jaxserve.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig)
 from jaxserve.errors import ConfigError, ContextLengthExceeded, InvalidRequest
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from jaxserve.request import QoS, Request, RequestStatus
 from jaxserve.sampling import SamplingParams, SamplingRow
 from jaxserve.scheduler import Scheduler
+from jaxserve.speculative import NgramProposer
 from jaxserve.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -66,6 +72,8 @@ class EngineStats:
     generation_tokens: int
     num_requests_finished: int
     num_new_by_priority: dict[int, int]  # waiting sequences never admitted (sheddable)
+    num_draft_tokens: int = 0  # speculative tokens proposed and verified
+    num_accepted_draft_tokens: int = 0  # of which the model confirmed
 
 
 @dataclass(frozen=True)
@@ -125,10 +133,16 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(config.model.eos_token_ids) | frozenset(
             tokenizer.eos_token_ids)
+        spec = config.speculative
         self.runner = ModelRunner(config.model, params, config.cache, config.scheduler,
                                   eos_token_ids=self.eos_token_ids, mesh=mesh,
-                                  strict=strict_compile, publish=publish)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_pages)
+                                  strict=strict_compile, publish=publish,
+                                  num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.runner.num_pages,
+            drafter=self._draft if spec is not None else None,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
         self.grammars = GrammarCompiler(tokenizer, vocab_size=config.model.vocab_size,
                                         eos_token_ids=self.eos_token_ids)
         started = time.perf_counter()
@@ -335,32 +349,41 @@ class LLMEngine:
         if out is not None:
             now = time.monotonic()
             rows, constrained = [], []
-            for i, s in enumerate(out.scheduled):
+            first_row: dict[str, int] = {}  # request id -> its first logits row
+            for s in out.scheduled:
                 group, seq = self._by_seq[s.request.request_id]
                 if group.metrics.first_scheduled_time is None:
                     group.metrics.first_scheduled_time = now
                     for sibling in group.seqs:  # the request started: no longer "queued"
                         sibling.request.queue_deadline = None
-                rows.append(SamplingRow(group.prepared.params, seq.seed,
-                                        s.request.prompt_token_ids, s.request.output_token_ids)
-                            if s.samples else None)
-                if s.samples and seq.matcher is not None:
-                    constrained.append((seq.matcher, i))
+                first_row[s.request.request_id] = len(rows)
+                if not s.samples:
+                    rows.append(None)
+                    continue
+                if seq.matcher is not None:
+                    constrained.append((seq.matcher, s.draft_token_ids, len(rows)))
+                # A draft's row samples the token after it as if it stood (the penalties, the
+                # min_tokens mask and the seeded draw of that output position): see _on_tokens.
+                output = s.request.output_token_ids
+                for j in range(s.num_rows):
+                    rows.append(SamplingRow(group.prepared.params, seq.seed,
+                                            s.request.prompt_token_ids,
+                                            output + list(s.draft_token_ids[:j]) if j else output))
             logits = self.runner.forward(out.plan)  # enqueued: the host goes on meanwhile
             result = None
             if any(r is not None for r in rows):
                 result = self.runner.sample(logits, rows,
                                             self._token_bitmask(constrained, logits.shape[0]))
-            row_of = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
             sampled = result.token_ids if result is not None else ()
             now = time.monotonic()
-            for request, token in self.scheduler.update_from_output(out, sampled):
+            for request, tokens in self.scheduler.update_from_output(out, sampled):
                 entry = self._by_seq.get(request.request_id)
                 if entry is None:  # a sibling failed earlier in this loop and ended it
                     continue
                 group, seq = entry
                 try:
-                    self._on_token(group, seq, token, result, row_of[request.request_id], now)
+                    self._on_tokens(group, seq, tokens, result, first_row[request.request_id],
+                                    now)
                 except Exception as e:  # noqa: BLE001 - one request's bug must not end the rest
                     log.exception("request %s failed", group.prepared.request_id)
                     self._fail(group, e)
@@ -372,18 +395,52 @@ class LLMEngine:
             outputs.append(self._close(group) if group.finished else self._output(group))
         return outputs
 
-    def _token_bitmask(self, constrained: list[tuple[GrammarMatcher, int]],
+    def _draft(self, request: Request, n: int) -> list[int]:
+        """The scheduler's drafter: up to n draft tokens for a decode (the request's own
+        num_speculative_tokens caps it; 0 opts out)."""
+        group, _ = self._by_seq[request.request_id]
+        cap = group.prepared.params.num_speculative_tokens
+        n = n if cap is None else min(n, cap)
+        return self.proposer.propose(request.all_token_ids, n) if n > 0 else []
+
+    def _token_bitmask(self, constrained: list[tuple[GrammarMatcher, Sequence[int], int]],
                        num_rows: int) -> np.ndarray | None:
         """The allowed tokens of the constrained rows (every token on the others, padding
-        included); None when no sampling row is constrained: the step skips the bitmask."""
+        included); None when no sampling row is constrained: the step skips the bitmask.
+        constrained: (matcher, drafts, first row): a sequence verifying drafts has one row per
+        position, each masked in the grammar state after the drafts before it."""
         if not constrained:
             return None
         bitmask = np.full((num_rows, self.runner.bitmask_width), -1, np.int32)
-        self.grammars.fill_bitmask(constrained, bitmask)
+        self.grammars.fill_bitmask([(state, row + j) for matcher, drafts, row in constrained
+                                    for j, state in enumerate(matcher.speculate(drafts))],
+                                   bitmask)
         return bitmask
 
+    def _on_tokens(self, group: _Group, seq: _Sequence, tokens: list[int], result, row: int,
+                   now: float) -> None:
+        """The step's new tokens of one sequence, in order (several when drafts stood), from
+        logits row `row` on. A sequence that stops at one of them (EOS, a stop string, max_tokens,
+        its grammar's end) drops the ones after it, as if they had never been drawn.
+
+        Why the drafts' verification leaves outputs as they would be without speculation: each
+        row draws its token from the distribution the non-speculative step at that position
+        would use (same penalties, min_tokens mask, grammar state and seeded uniforms), and a
+        draft stands iff the token drawn at its row equals it. For a deterministic draft d, that
+        accepts d with probability p(d) and otherwise yields a draw from p with d removed and
+        renormalised: the rejection sampling rule for a point-mass proposal, coupled so that
+        the emitted token is the very token the plain step would have drawn."""
+        request = seq.request
+        first = len(request.output_token_ids) - len(tokens)
+        for j, token in enumerate(tokens):
+            num_out = first + j + 1
+            if self._on_token(group, seq, token, result, row + j, now, num_out):
+                del request.output_token_ids[num_out:]
+                return
+
     def _on_token(self, group: _Group, seq: _Sequence, token: int, result, row: int,
-                  now: float) -> None:
+                  now: float, num_out: int) -> bool:
+        """One new token (the num_out-th of the output); True when the sequence stopped."""
         m = group.metrics
         if m.first_token_time is None:
             m.first_token_time = now
@@ -398,8 +455,6 @@ class LLMEngine:
             seq.logprobs.append(TokenLogprob(float(result.logprobs[row]), top))
         if seq.matcher is not None:
             seq.matcher.accept(token)  # a refusal raises: this request fails alone
-        request = seq.request
-        num_out = len(request.output_token_ids)
         stop_token = num_out > p.min_tokens - 1 and (
             (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids)
         if stop_token:
@@ -408,7 +463,7 @@ class LLMEngine:
             if p.include_stop_str_in_output:
                 seq.detokenizer.add(token)
             self._stop(seq, "stop", seq.detokenizer.text + seq.detokenizer.finish())
-            return
+            return True
         shown = len(seq.detokenizer.text)
         seq.detokenizer.add(token)
         if p.stop and num_out >= p.min_tokens:
@@ -420,16 +475,18 @@ class LLMEngine:
                 seq.stop_reason = stop
                 end = at + len(stop) if p.include_stop_str_in_output else at
                 self._stop(seq, "stop", text[:end])
-                return
+                return True
         if seq.matcher is not None and seq.matcher.is_finished:
             # The grammar admits nothing more (min_tokens cannot outlast it).
             self._stop(seq, "stop", seq.detokenizer.text + seq.detokenizer.finish())
-            return
-        if num_out >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            return True
+        if (num_out >= p.max_tokens
+                or seq.request.num_prompt_tokens + num_out >= self.max_model_len):
             self._stop(seq, "length", seq.detokenizer.text + seq.detokenizer.finish())
-            return
+            return True
         text = seq.detokenizer.text
         seq.text = text[:len(text) - group.holdback] if group.holdback else text
+        return False
 
     def _fail(self, group: _Group, error: Exception) -> None:
         """End a request whose host-side processing raised: its pages go back, and its final
@@ -481,7 +538,8 @@ class LLMEngine:
         return EngineStats(s.num_running, s.num_waiting, s.pages_in_use, s.pages_cached_free,
                            s.num_pages, s.prefix_cache_queries, s.prefix_cache_hits,
                            s.num_preemptions, self._prompt_tokens, self._generation_tokens,
-                           self._num_finished, s.num_new_by_priority)
+                           self._num_finished, s.num_new_by_priority, s.num_draft_tokens,
+                           s.num_accepted_draft_tokens)
 
 
 def _find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
@@ -506,10 +564,13 @@ def parallel_config(args: dict) -> ParallelConfig:
 
 def make_engine_config(model_config, args: dict) -> EngineConfig:
     """EngineConfig from flat engine arguments (registry defaults overridden by the caller's).
-    max_model_len defaults to the model's context."""
+    max_model_len defaults to the model's context. Speculative decoding: `speculative_config`
+    (vLLM's: a dict, its JSON text, or a SpeculativeConfig) or `speculative_ngram` k, short for
+    {"method": "ngram", "num_speculative_tokens": k}."""
     args = {k: v for k, v in args.items() if v is not None}
     unknown = set(args) - set(_CACHE_FIELDS) - set(_SCHEDULER_FIELDS) - {
-        "kv_cache_dtype", "tensor_parallel_size", "data_parallel_size"}
+        "kv_cache_dtype", "tensor_parallel_size", "data_parallel_size", "speculative_config",
+        "speculative_ngram"}
     if unknown:
         raise InvalidRequest(f"unknown engine arguments: {sorted(unknown)}")
     max_len = args.setdefault("max_model_len", model_config.max_position_embeddings)
@@ -520,4 +581,14 @@ def make_engine_config(model_config, args: dict) -> EngineConfig:
     cache = CacheConfig(dtype=args.get("kv_cache_dtype"),
                         **{k: args[k] for k in _CACHE_FIELDS if k in args})
     scheduler = SchedulerConfig(**{k: args[k] for k in _SCHEDULER_FIELDS if k in args})
-    return EngineConfig(model_config, cache, scheduler, parallel_config(args))
+    return EngineConfig(model_config, cache, scheduler, parallel_config(args),
+                        _speculative_config(args))
+
+
+def _speculative_config(args: dict) -> SpeculativeConfig | None:
+    spec, k = args.get("speculative_config"), args.get("speculative_ngram")
+    if spec is not None and k is not None:
+        raise ConfigError("give speculative_config or speculative_ngram, not both")
+    if k is not None:
+        return SpeculativeConfig(num_speculative_tokens=k) if k else None
+    return SpeculativeConfig.parse(spec) if spec is not None else None

@@ -17,7 +17,7 @@ ENGINE_FLAG_TYPES = {
     "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int, "page_size": int,
     "num_pages": int, "kv_cache_memory_fraction": float, "enable_prefix_caching": bool,
     "enable_chunked_prefill": bool, "chat_template": str, "tensor_parallel_size": int,
-    "data_parallel_size": int,
+    "data_parallel_size": int, "speculative_ngram": int, "speculative_config": str,
 }
 
 
@@ -46,6 +46,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    default=None)
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                    default=None)
+    g.add_argument("--speculative-ngram", type=int, metavar="K",
+                   help="speculative decoding: up to K draft tokens per step copied from the "
+                        "sequence's own prompt and output (n-gram lookup); 0 or absent: off")
+    g.add_argument("--speculative-config", metavar="JSON",
+                   help='vLLM\'s form, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\'')
     g.add_argument("--chat-template", help="a jinja chat template file (or the template itself) "
                    "to use instead of the model's")
     g.add_argument("--tensor-parallel-size", "-tp", type=int,

@@ -135,10 +135,12 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params: dict, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, *, eos_token_ids: Sequence[int],
                  mesh: jax.sharding.Mesh | None = None, strict: bool = False,
-                 publish: Callable[[BatchPlan | SampleInputs], None] | None = None):
+                 publish: Callable[[BatchPlan | SampleInputs], None] | None = None,
+                 num_speculative_tokens: int = 0):
         """mesh: the devices of this replica, params already sharded on it (tensor parallel).
         publish: called with the plan before each forward and the SampleInputs before each
-        sample (a multi-host leader's followers run the same programs)."""
+        sample (a multi-host leader's followers run the same programs).
+        num_speculative_tokens: the drafts one decode may verify (sizes the logits rows)."""
         from jaxserve import sharding
 
         self.config = config
@@ -149,7 +151,8 @@ class ModelRunner:
         self.strict = strict
         self.publish = publish
         self.shapes = StepShapes.of(scheduler_config, cache_config.page_size,
-                                    num_pages_for(config, cache_config, scheduler_config, mesh))
+                                    num_pages_for(config, cache_config, scheduler_config, mesh),
+                                    num_speculative_tokens)
         cache_dtype = jnp.dtype(cache_config.dtype or config.dtype)
         shape = (config.num_layers * self.num_pages, self.page_size, 2 * config.num_kv_heads,
                  config.head_dim)
@@ -197,7 +200,7 @@ class ModelRunner:
         return BatchPlan(token_ids=i32(num_tokens), positions=i32(num_tokens),
                          slot_mapping=i32(num_tokens), cu_q_lens=i32(S + 1), kv_lens=i32(S),
                          page_indices=i32(S, self.shapes.pages_per_seq), num_seqs=i32(1),
-                         logits_indices=i32(S))
+                         logits_indices=i32(self.shapes.logits_bucket(num_tokens)))
 
     def _compile(self, key: tuple) -> Callable:
         if key[0] == "forward":
@@ -228,8 +231,9 @@ class ModelRunner:
         return program
 
     def program_keys(self) -> list[tuple]:
-        """Every program serving can need: one forward per token bucket, and per row count the
-        sampler with and without penalties and top logprobs, and the token-bitmask step."""
+        """Every program serving can need: one forward per token bucket, and per logits row
+        count the sampler with and without penalties and top logprobs, and the token-bitmask
+        step."""
         keys = [("forward", t) for t in self.shapes.token_buckets]
         keys += [("sample", s, h, k) for s in self.shapes.row_buckets
                  for h in (0, self.shapes.history_width) for k in (0, sampler.MAX_LOGPROBS)]
@@ -266,7 +270,7 @@ class ModelRunner:
 
     def sample(self, logits: jax.Array, rows: Sequence[sampler.SamplingRow | None],
                token_bitmask: np.ndarray | None = None) -> StepOutput:
-        """Draw a token for each row that is not None (row i is the plan's sequence i).
+        """Draw a token for each row that is not None (row i is the plan's logits row i).
         token_bitmask: i32[S, bitmask_width] for the S rows of `logits` (all bits set on the
         unconstrained ones), or None when no row is constrained."""
         num_rows = logits.shape[0]

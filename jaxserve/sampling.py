@@ -62,6 +62,8 @@ class SamplingParams:
     logprobs None: no logprobs; k in 0..20: the sampled token's logprob plus the top k.
     structured_outputs: the output must match this constraint (grammar-constrained decoding);
     the sequence finishes with "stop" as soon as the constraint is complete.
+    num_speculative_tokens: on an engine with speculative decoding, at most this many draft
+    tokens per step for this request (0 opts out); None: the engine's setting.
     """
 
     n: int = 1
@@ -82,6 +84,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -129,6 +132,12 @@ class SamplingParams:
             set_("logprobs", _int("logprobs", self.logprobs))
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise _bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.num_speculative_tokens is not None:
+            set_("num_speculative_tokens",
+                 _int("num_speculative_tokens", self.num_speculative_tokens))
+            if self.num_speculative_tokens < 0:
+                raise _bad("num_speculative_tokens",
+                           f"must be >= 0 (0 opts out), got {self.num_speculative_tokens}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputsParams):
             raise _bad("structured_outputs", f"must be StructuredOutputsParams, got "

@@ -22,6 +22,11 @@ step (largest priority value, then most recently admitted) is preempted (possibl
 itself) instead of failing; then the step admits nobody (pages are short: admitting would only
 churn). A waiting request of strictly higher priority than a running one, finding no sequence slot
 or no page, preempts it the same way. A request preempted in a step is not readmitted in it.
+With a drafter (speculative decoding), decodes then take draft tokens in what is left of the step:
+only the padding of the token bucket the step needs anyway and of its logits rows, never pages
+that would need a preemption, never past max_tokens or max_model_len. So speculation backs off by
+itself as the batch fills (a full batch gets no drafts) and never makes a step dearer in programs
+or padding. `update_from_output` keeps the drafts the sampled tokens confirm.
 The engine decides when a request stops (eos, max_tokens, stop strings) and calls
 `finish_request`; the scheduler itself ends requests that can never run (FINISHED_ERROR), outgrow
 max_model_len (FINISHED_LENGTH) or run out of time (above): see `take_finished`.
@@ -33,7 +38,7 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -45,10 +50,20 @@ from jaxserve.fair_queue import FairQueue
 from jaxserve.request import Request, RequestStatus
 
 
+# (request, n) -> up to n draft tokens to follow the request's tokens (jaxserve.speculative).
+Drafter = Callable[[Request, int], Sequence[int]]
+
+
 class ScheduledSeq(NamedTuple):
     request: Request
-    num_tokens: int
+    num_tokens: int  # of all_token_ids (drafts not counted)
     samples: bool  # the chunk reaches the end of all_token_ids: its last row is sampled
+    draft_token_ids: tuple[int, ...] = ()  # proposed tokens verified after the last one
+
+    @property
+    def num_rows(self) -> int:
+        """Its logits rows: the last token's, and one per draft."""
+        return 1 + len(self.draft_token_ids)
 
 
 @dataclass
@@ -59,7 +74,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        return sum(s.num_tokens + len(s.draft_token_ids) for s in self.scheduled)
 
 
 @dataclass
@@ -93,11 +108,14 @@ class SchedulerStats:
     prefix_cache_hits: int  # tokens
     num_preemptions: int  # total since start
     num_new_by_priority: dict[int, int]  # waiting requests never admitted, per priority
+    num_draft_tokens: int = 0  # proposed and verified, total since start
+    num_accepted_draft_tokens: int = 0  # of which the model confirmed
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_pages: int, clock: Callable[[], float] = time.monotonic):
+                 num_pages: int, clock: Callable[[], float] = time.monotonic, *,
+                 drafter: Drafter | None = None, num_speculative_tokens: int = 0):
         if (not scheduler_config.enable_chunked_prefill
                 and scheduler_config.max_num_batched_tokens < scheduler_config.max_model_len):
             # Without chunking a prompt must fit one step, or it would wait forever.
@@ -109,7 +127,10 @@ class Scheduler:
         self.page_size = cache_config.page_size
         self.cache = KVCacheManager(num_pages, cache_config.page_size,
                                     cache_config.enable_prefix_caching)
-        self.shapes = StepShapes.of(scheduler_config, cache_config.page_size, num_pages)
+        self.drafter = drafter
+        self.num_speculative_tokens = num_speculative_tokens if drafter is not None else 0
+        self.shapes = StepShapes.of(scheduler_config, cache_config.page_size, num_pages,
+                                    self.num_speculative_tokens)
         self.clock = clock  # the deadlines' clock (time.monotonic); tests inject their own
         self.waiting = FairQueue()  # preempted requests included
         self.running: list[Request] = []  # in admission order
@@ -121,6 +142,8 @@ class Scheduler:
         self._deadline_count = itertools.count()
         self._finished: list[Request] = []  # ended by the scheduler, not yet taken by the engine
         self.num_preemptions = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
 
     # ---- requests in and out -----------------------------------------------------------------
 
@@ -214,30 +237,49 @@ class Scheduler:
             self._admit_waiting(step)
         if not step.scheduled:
             return None
+        if self.drafter is not None:
+            self._add_drafts(step)
         t_pad = self.shapes.token_bucket(self.config.max_num_batched_tokens - step.budget)
-        chunks = [SeqChunk(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n),
-                           r.num_computed_tokens, r.page_table)
-                  for r, n, _ in step.scheduled]
+        chunks = [SeqChunk(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n)
+                           + list(drafts), r.num_computed_tokens, r.page_table, len(drafts))
+                  for r, n, _, drafts in step.scheduled]
         plan = make_plan(chunks, num_tokens_padded=t_pad,
                          num_seqs_padded=self.shapes.seq_bucket(t_pad),
-                         pages_per_seq=self.shapes.pages_per_seq, page_size=self.page_size)
+                         pages_per_seq=self.shapes.pages_per_seq, page_size=self.page_size,
+                         num_rows_padded=self.shapes.logits_bucket(t_pad))
         return SchedulerOutput(plan, step.scheduled, step.preempted)
 
     def update_from_output(self, out: SchedulerOutput,
-                           sampled_token_ids: np.ndarray) -> list[tuple[Request, int]]:
-        """Advance the scheduled requests; return (request, token) for each row that sampled.
-        Rows of requests finished since `schedule()` (an abort in between) are skipped."""
+                           sampled_token_ids: np.ndarray) -> list[tuple[Request, list[int]]]:
+        """Advance the scheduled requests; return (request, new tokens) for each that sampled.
+        `sampled_token_ids` has one token per logits row (see ScheduledSeq.num_rows): a decode's
+        drafts stand up to the first one its row's sampled token differs from, and that token
+        (or, with every draft confirmed, the last row's) follows them. Rows of requests finished
+        since `schedule()` (an abort in between) are skipped."""
         sampled_token_ids = np.asarray(sampled_token_ids)
         new_tokens = []
-        for row, (request, n, samples) in enumerate(out.scheduled):
+        row = 0
+        for request, n, samples, drafts in out.scheduled:
+            rows = sampled_token_ids[row:row + 1 + len(drafts)].tolist()
+            row += 1 + len(drafts)
             if request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += n
-            self.cache.register_full_pages(request)
-            if samples:
-                token = int(sampled_token_ids[row])
-                request.output_token_ids.append(token)
-                new_tokens.append((request, token))
+            if not samples:
+                request.num_computed_tokens += n
+                self.cache.register_full_pages(request)
+                continue
+            accepted = 0
+            while accepted < len(drafts) and rows[accepted] == drafts[accepted]:
+                accepted += 1
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_draft_tokens += accepted
+            tokens = rows[:accepted + 1]
+            # The rejected drafts' K/V stay in the pages past num_computed_tokens, where the
+            # next tokens overwrite them; only the confirmed ones count as computed.
+            request.num_computed_tokens += n + accepted
+            request.output_token_ids.extend(tokens)
+            self.cache.register_full_pages(request)  # after the extend: it hashes the tokens
+            new_tokens.append((request, tokens))
         return new_tokens
 
     def stats(self) -> SchedulerStats:
@@ -249,9 +291,50 @@ class Scheduler:
             prefix_cache_queries=self.cache.prefix_cache_queries,
             prefix_cache_hits=self.cache.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
-            num_new_by_priority=self.waiting.num_new_by_priority())
+            num_new_by_priority=self.waiting.num_new_by_priority(),
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_draft_tokens=self.num_accepted_draft_tokens)
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _add_drafts(self, step: _Step) -> None:
+        """Give the step's decodes draft tokens in its spare room: the padding of the token
+        bucket and of the logits rows the step pays for anyway, within the budget, over pages
+        free without a preemption. Drafts are dealt one per decode at a time, most important
+        first, since a sequence's first draft is its likeliest to stand."""
+        used = self.config.max_num_batched_tokens - step.budget
+        bucket = self.shapes.token_bucket(used)
+        spare = min(bucket - used, step.budget,
+                    self.shapes.logits_bucket(bucket) - len(step.scheduled))
+        if spare <= 0:
+            return
+        proposals: dict[int, list[int]] = {}
+        for i, (r, n, samples, _) in enumerate(step.scheduled):
+            if not samples or n != 1:
+                continue
+            # Never past max_tokens or max_model_len, even if every draft stands.
+            cap = min(self.num_speculative_tokens, spare,
+                      self.config.max_model_len - r.num_tokens - 1,
+                      self.cache.num_allocatable_tokens(r) - 1)
+            if r.max_tokens is not None:
+                cap = min(cap, r.max_tokens - len(r.output_token_ids) - 1)
+            if cap > 0:
+                drafts = list(self.drafter(r, cap))[:cap]
+                if drafts:
+                    proposals[i] = drafts
+        counts = dict.fromkeys(proposals, 0)
+        while spare > 0 and any(counts[i] < len(d) for i, d in proposals.items()):
+            for i, drafts in proposals.items():
+                if spare > 0 and counts[i] < len(drafts):
+                    counts[i] += 1
+                    spare -= 1
+        for i, count in counts.items():
+            r, n, samples, _ = step.scheduled[i]
+            # Earlier decodes' drafts may have taken the free pages this one counted on.
+            count = min(count, self.cache.num_allocatable_tokens(r) - n)
+            if count > 0 and self.cache.allocate(r, n + count):
+                step.scheduled[i] = ScheduledSeq(r, n, samples, tuple(proposals[i][:count]))
+                step.budget -= count
 
     def _victim_key(self, request: Request) -> tuple[int, int]:
         """Sorts running requests most important first; the last one is preempted first."""

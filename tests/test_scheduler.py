@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,15 +44,30 @@ class FakeRunner:
         self.kv = np.full((num_pages, page_size), -1, np.int64)
 
     def step(self, plan) -> np.ndarray:
+        """One predicted token per logits row, from the history up to that row's position."""
         s_live = int(plan.num_seqs[0])
         self.kv.reshape(-1)[plan.slot_mapping] = plan.token_ids  # padding rows hit the null page
-        out = np.zeros(len(plan.kv_lens), np.int64)
         for s in range(s_live):
             lo, hi, kv_len = plan.cu_q_lens[s], plan.cu_q_lens[s + 1], plan.kv_lens[s]
             assert list(plan.positions[lo:hi]) == list(range(kv_len - (hi - lo), kv_len))
-            assert plan.logits_indices[s] == hi - 1
-            out[s] = next_token(self.kv[plan.page_indices[s]].reshape(-1)[:kv_len])
+        out = np.zeros(len(plan.logits_indices), np.int64)
+        for i, flat in enumerate(plan.logits_indices):
+            s = int(np.searchsorted(plan.cu_q_lens[1:s_live + 1], flat, side="right"))
+            if s < s_live:
+                history = self.kv[plan.page_indices[s]].reshape(-1)[:plan.positions[flat] + 1]
+                out[i] = next_token(history)
         return out
+
+
+def corrupting_oracle(k: int):
+    """A drafter proposing the reference continuation, with about a third of its drafts wrong
+    (fixed by the request and position), so steps see drafts that stand and drafts that fall."""
+    def drafter(request: Request, n: int) -> list[int]:
+        done = len(request.output_token_ids)
+        truth = reference(request.prompt_token_ids, done + min(n, k))[done:]
+        return [(t + 1) % VOCAB if zlib.crc32(f"{request.request_id}:{done + j}".encode()) % 3 == 0
+                else t for j, t in enumerate(truth)]
+    return drafter
 
 
 @dataclass
@@ -128,10 +144,14 @@ class Run:
         for s in out.scheduled:
             remaining = s.request.num_tokens - s.request.num_computed_tokens
             assert 1 <= s.num_tokens <= remaining and s.samples == (s.num_tokens == remaining)
+            assert not s.draft_token_ids or (s.num_tokens == 1 and s.samples and len(
+                s.draft_token_ids) <= sched.num_speculative_tokens), "drafts off a decode"
+        assert sum(s.num_rows for s in out.scheduled) <= len(out.plan.logits_indices)
         sampled = self.runner.step(out.plan)
         if self.before_update is not None:
             self.before_update(self)
-        for request, _ in sched.update_from_output(out, sampled):
+        for request, tokens in sched.update_from_output(out, sampled):
+            assert tokens and len(request.output_token_ids) <= self.max_tokens[request.request_id]
             if len(request.output_token_ids) >= self.max_tokens[request.request_id]:
                 self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
         sched.cache.check_invariants()
@@ -153,12 +173,14 @@ class Run:
 
 
 def make(num_pages=64, page_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
-         prefix=True, chunked=True) -> Run:
+         prefix=True, chunked=True, speculative_tokens=0) -> Run:
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, enable_chunked_prefill=chunked),
                       CacheConfig(page_size=page_size, enable_prefix_caching=prefix), num_pages,
-                      clock=Clock())
+                      clock=Clock(),
+                      drafter=corrupting_oracle(speculative_tokens) if speculative_tokens else None,
+                      num_speculative_tokens=speculative_tokens)
     return Run(sched, {})
 
 
@@ -177,6 +199,41 @@ def test_outputs_match_reference():
     for rid, r in run.requests.items():
         assert r.output_token_ids == reference(r.prompt_token_ids, 5), rid
         assert run.ends[rid] == [RequestStatus.FINISHED_LENGTH]
+
+
+def test_speculation_keeps_outputs_and_takes_only_spare_room():
+    """Drafts stand up to the first wrong one and the model's own token follows (outputs equal
+    the reference, which the fake runner reads back through the pages, so a rejected draft's
+    K/V left where the next token must overwrite it would show); drafts only fill the padding
+    of the step's token bucket (a full bucket gets none) and never pass max_tokens."""
+    run = make(num_pages=64, page_size=4, max_num_seqs=8, max_num_batched_tokens=16,
+               speculative_tokens=3)
+    for i in range(6):
+        run.add(Request(f"r{i}", prompt(i, 3 + 5 * i), max_tokens=7 + i), max_tokens=7 + i)
+    drafts_by_step = []
+    while True:
+        out = run.sched.schedule()
+        if out is None:
+            break
+        plain = sum(s.num_tokens for s in out.scheduled)
+        bucket = len(out.plan.token_ids)
+        assert bucket == (16 if plain <= 16 else 32)  # drafts never raise the bucket
+        drafts_by_step.append((plain, sum(len(s.draft_token_ids) for s in out.scheduled)))
+        for s in out.scheduled:
+            r = s.request
+            assert len(r.output_token_ids) + s.num_rows <= run.max_tokens[r.request_id]
+        for request, _ in run.sched.update_from_output(out, run.runner.step(out.plan)):
+            if len(request.output_token_ids) >= run.max_tokens[request.request_id]:
+                run.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+        run.sched.cache.check_invariants()
+    run.check_drained()
+    for rid, r in run.requests.items():
+        assert r.output_token_ids == reference(r.prompt_token_ids, run.max_tokens[rid]), rid
+    stats = run.sched.stats()
+    assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
+    assert all(drafts <= 16 - plain for plain, drafts in drafts_by_step)
+    assert any(plain == 16 for plain, _ in drafts_by_step)  # full steps happened, without drafts
+    assert sum(drafts for _, drafts in drafts_by_step) == stats.num_draft_tokens
 
 
 def test_plan_shapes_come_from_the_buckets():
@@ -567,7 +624,8 @@ def workloads(draw):
                             min_size=3, max_size=3))
     return dict(page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs, budget=budget,
                 prefix=draw(st.booleans()), chunked=draw(st.booleans()), requests=requests,
-                aborts=aborts, sheds=sheds, tenants=tenants)
+                aborts=aborts, sheds=sheds, tenants=tenants,
+                speculative_tokens=draw(st.sampled_from([0, 0, 1, 3])))
 
 
 _TIMED_OUT = (RequestStatus.FINISHED_DEADLINE, RequestStatus.FINISHED_QUEUE_TIMEOUT)
@@ -579,13 +637,13 @@ def test_random_workloads(w):
     """Every request ends exactly once; no page leaks (invariants after every step, all pages free
     at the end); budget, max_num_seqs and decode-first order hold each step (checked in Run.step);
     outputs equal the reference whatever the batching, chunking, prefix sharing, preemption,
-    tenants' shares and KV budgets; a request errors iff its KV can never fit the pool; aborts,
+    tenants' shares, KV budgets and speculative drafts (right or wrong); a request errors iff its KV can never fit the pool; aborts,
     sheds and deadlines at any moment free everything; nothing expired is ever scheduled (Run.step);
     a queue timeout or a shed ends a request that never started, with nothing generated."""
     run = make(num_pages=w["num_pages"], page_size=w["page_size"], max_num_seqs=w["max_num_seqs"],
                max_num_batched_tokens=w["budget"] if w["chunked"] else 64, max_model_len=64,
-               prefix=w["prefix"],
-               chunked=w["chunked"])
+               prefix=w["prefix"], chunked=w["chunked"],
+               speculative_tokens=w["speculative_tokens"])
     pending = sorted(enumerate(w["requests"]), key=lambda x: x[1]["arrives"])
     aborted, shed = set(), set()
 
@@ -630,6 +688,7 @@ def test_random_workloads(w):
     event("shed", bool(shed))
     event("errored", any(v == [RequestStatus.FINISHED_ERROR] for v in run.ends.values()))
     event("timed out", any(v[0] in _TIMED_OUT for v in run.ends.values()))
+    event("drafts stood", stats.num_accepted_draft_tokens > 0)
     usable = w["num_pages"] - 1
     for rid, r in run.requests.items():
         m = run.max_tokens[rid]

@@ -72,10 +72,26 @@ def _invalid(constraint: StructuredOutputsParams, error: str) -> InvalidRequest:
 class GrammarMatcher:
     """One sequence's position in its grammar: advanced with each token it samples. Sequences
     are never rolled back in this engine (preemption recomputes the KV cache but keeps the
-    generated tokens), so neither is a matcher; it is dropped when its sequence ends."""
+    generated tokens), so neither is a matcher; it is dropped when its sequence ends. Draft
+    tokens (speculative decoding) advance copies only (`speculate`)."""
 
     def __init__(self, matcher: llguidance.LLMatcher):
         self._matcher = matcher
+
+    def speculate(self, draft_token_ids: Sequence[int]) -> list[GrammarMatcher]:
+        """The states a step verifying these drafts needs the masks of: this matcher, then a
+        copy after each prefix of the drafts, as far as the grammar allows them. A row after a
+        draft the grammar refuses needs no mask: its own row's mask already rejects that draft.
+        This matcher itself does not move."""
+        states = [self]
+        allowed = self._matcher.validate_tokens(list(draft_token_ids)) if draft_token_ids else 0
+        matcher = self._matcher
+        for token in draft_token_ids[:allowed]:
+            matcher = matcher.deep_copy()
+            if not matcher.consume_token(int(token)):
+                break
+            states.append(GrammarMatcher(matcher))
+        return states
 
     def accept(self, token_id: int) -> None:
         if not self._matcher.consume_token(int(token_id)):
