@@ -9,8 +9,8 @@ tokens, checked).
 One engine with `speculative_ngram=K` serves both modes: the plain one opts its requests out
 (`num_speculative_tokens=0`), so the programs, weights and memory are the same and only the
 drafts differ. Prefix caching is off, so every timed request pays its prefill as a new request
-would (output tok/s counts the whole request, not decode alone). An untimed plain pass first
-gives the reference tokens every timed pass must reproduce. Modes alternate (ABBA) over
+would (output tok/s counts the whole request, not decode alone). The first plain pass gives
+the reference tokens every other pass must reproduce. Modes alternate (ABBA) over
 --rounds rounds; the ratio reported is the median of the per-round ratios, with the load average
 beside it (the machine may be shared). Compiled programs come from JAX's persistent cache when
 an earlier run left them there.
@@ -55,8 +55,7 @@ def measure(llm, work, batch_size: int, rounds: int) -> dict:
     engine = llm.engine
     ratios, cpu_ratios, loads = [], [], []
     rates = {"plain": [], "speculative": []}
-    _, _, reference = run_mode(llm, work, batch_size, speculative=False)
-    mismatches = 0
+    reference, mismatches = None, 0
     drafts0 = engine.stats()
     for r in range(rounds):
         order = (False, True) if r % 2 == 0 else (True, False)
@@ -66,6 +65,7 @@ def measure(llm, work, batch_size: int, rounds: int) -> dict:
             secs, cpu_secs, tokens = run_mode(llm, work, batch_size, speculative)
             name = "speculative" if speculative else "plain"
             seconds[name], cpu_seconds[name] = secs, cpu_secs
+            reference = reference or tokens
             mismatches += sum(a != b for a, b in zip(reference, tokens))
         n = sum(len(t) for t in reference)
         for name, secs in seconds.items():
