@@ -206,8 +206,9 @@ def tiny_path(tmp_path_factory, smollm2_tokenizer_fields):
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_path):
-    # 11 usable pages of 16 tokens: a few sequences at once already preempt.
-    return LLM(str(tiny_path), num_pages=12, max_num_seqs=8, max_num_batched_tokens=32,
+    # 23 usable pages of 16 tokens: room for the largest request (n=3 x 7 pages), while 8
+    # sequences at once already preempt.
+    return LLM(str(tiny_path), num_pages=24, max_num_seqs=8, max_num_batched_tokens=32,
                max_model_len=128, page_size=16, strict_compile=True, progress=False)
 
 
@@ -284,7 +285,7 @@ def test_preemption_prefix_caching_and_abort_keep_the_constraint(tiny_llm):
     cached = tiny_llm.generate(prompt, params)[0]
     assert cached.num_cached_tokens > 0 and cached.outputs[0].token_ids == reference.token_ids
     preemptions = engine.stats().num_preemptions
-    outs = tiny_llm.generate([prompt] * 4, params)  # 2 shared pages + 4 x 3 or more > 11
+    outs = tiny_llm.generate([prompt] * 8, params)  # 2 shared pages + 8 x 3 or more > 23
     assert engine.stats().num_preemptions > preemptions
     assert all(o.outputs[0].token_ids == reference.token_ids for o in outs)
     engine.add_request("gone", prompt, params)
