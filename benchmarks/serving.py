@@ -12,8 +12,15 @@ with the engine flags below, and afterwards runs the same workload through the o
 `LLM.generate` on the same engine settings in this process: the ratio of the two output rates is
 what serving costs (HTTP, SSE, the asyncio bridge) over the bare engine loop.
 
+With --compare llamacpp the same workload then goes, at the same concurrency, to llama.cpp's
+own `llama-server` (built from source by benchmarks/setup_llamacpp.py; continuous batching, one
+slot per concurrent stream, --llamacpp-threads threads) serving the same GGUF file, and the
+report gives jaxserve's output tok/s over llama.cpp's. llama-server closes a reused keep-alive
+connection, so its requests each open their own.
+
     python benchmarks/serving.py                             # server + offline baseline
     python benchmarks/serving.py --base-url http://127.0.0.1:8000/v1 --no-baseline  # any server
+    python benchmarks/serving.py --max-concurrency 16 --compare llamacpp --no-baseline
 """
 
 from __future__ import annotations
@@ -24,9 +31,12 @@ import json
 import os
 import platform
 import random
+import socket
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,15 +90,17 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, prom
 
 
 async def run_load(url: str, model: str, work, request_rate: float, max_concurrency: int | None,
-                   seed: int) -> tuple[list[RequestResult], float]:
+                   seed: int, *, reuse_connections: bool = True
+                   ) -> tuple[list[RequestResult], float]:
     """Send every request (Poisson arrivals at request_rate/s, or all at once if inf), at most
-    max_concurrency in flight; returns the results and the wall time."""
+    max_concurrency in flight; returns the results and the wall time. reuse_connections=False:
+    a connection per request."""
     rng = random.Random(seed + 1)
     gate = asyncio.Semaphore(max_concurrency or len(work))
     timeout = aiohttp.ClientTimeout(total=None)
+    connector = aiohttp.TCPConnector(limit=0, force_close=not reuse_connections)
 
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         async def limited(prompt, max_tokens):
             async with gate:
                 return await one_request(session, url, model, prompt, max_tokens)
@@ -161,6 +173,38 @@ def serve_flags(args) -> list[str]:
     return flags
 
 
+def start_llama_server(args, log) -> tuple[subprocess.Popen, str]:
+    """llama.cpp's llama-server on the model's GGUF file, one slot per concurrent stream; its
+    /v1 URL once /health answers 200."""
+    from setup_llamacpp import llama_server
+
+    from jaxserve.model_registry import resolve
+
+    spec = resolve(args.model)
+    if spec.format != "gguf":
+        raise SystemExit(f"--compare llamacpp needs a GGUF model, {args.model} is {spec.format}")
+    slots = args.max_concurrency or args.num_requests
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [str(llama_server()), "-m", str(spec.path), "--host", "127.0.0.1", "--port", str(port),
+         "--parallel", str(slots), "--cont-batching", "--threads", str(args.llamacpp_threads),
+         "--ctx-size", str(slots * args.max_model_len)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return proc, f"{url}/v1"
+        except OSError:  # not listening yet, or 503 while the model loads
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"llama-server did not get ready (log: {log.name})")
+
+
 def _fmt(stats: dict, scale: float = 1000.0) -> str:
     return " ".join(f"{k} {v * scale:.1f}" for k, v in stats.items() if v is not None)
 
@@ -182,6 +226,9 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--no-baseline", action="store_true", help="skip the offline LLM.generate run")
     p.add_argument("--result-json", type=Path, help="also write the result here")
+    p.add_argument("--compare", choices=("llamacpp",),
+                   help="also serve the workload with llama.cpp's llama-server")
+    p.add_argument("--llamacpp-threads", type=int, default=os.cpu_count())
     args = p.parse_args()
 
     from jaxserve.model_registry import resolve
@@ -223,6 +270,25 @@ def main() -> int:
           f"{serving['goodput_req_s']:.2f} req/s")
     for name in ("ttft_s", "tpot_s", "itl_s"):
         print(f"  {name[:-2].upper()} ms: {_fmt(serving[name])}")
+    if args.compare == "llamacpp":
+        log = tempfile.NamedTemporaryFile("w", prefix="llama-server-", suffix=".log",
+                                          delete=False)
+        print(f"starting llama-server (log: {log.name})", file=sys.stderr, flush=True)
+        proc, llama_url = start_llama_server(args, log)
+        try:
+            results, seconds = asyncio.run(run_load(
+                llama_url, args.model, work, args.request_rate, args.max_concurrency, args.seed,
+                reuse_connections=False))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        llamacpp = summarize(results, seconds, work, args.slo_ttft_ms / 1000,
+                             args.slo_tpot_ms / 1000)
+        report["llamacpp"] = llamacpp
+        report["jaxserve_over_llamacpp"] = serving["output_tok_s"] / llamacpp["output_tok_s"]
+        print(f"llama-server: {llamacpp['errors']} errors, {llamacpp['output_tok_s']:.1f} output "
+              f"tok/s, TPOT ms: {_fmt(llamacpp['tpot_s'])}; jaxserve / llama.cpp = "
+              f"{report['jaxserve_over_llamacpp']:.2f}")
     if not args.no_baseline:
         offline = run_offline(args, work)
         report["offline"] = offline
@@ -233,7 +299,8 @@ def main() -> int:
     print(json.dumps(report))
     if args.result_json:
         args.result_json.write_text(json.dumps(report, indent=2) + "\n")
-    return 1 if serving["errors"] or serving["wrong_token_counts"] else 0
+    runs = [serving] + ([report["llamacpp"]] if "llamacpp" in report else [])
+    return 1 if any(r["errors"] or r["wrong_token_counts"] for r in runs) else 0
 
 
 if __name__ == "__main__":
