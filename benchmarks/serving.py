@@ -159,6 +159,15 @@ def run_offline(args, work) -> dict:
             "request_throughput": len(work) / seconds}
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags engine_kwargs/serve_flags read (shared with guidellm_serving.py)."""
+    p.add_argument("--model", default=SMOLLM2)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--num-pages", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+
+
 def engine_kwargs(args) -> dict:
     return {"max_model_len": args.max_model_len, "num_pages": args.num_pages,
             "max_num_seqs": args.max_num_seqs,
@@ -212,7 +221,6 @@ def _fmt(stats: dict, scale: float = 1000.0) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-url", help="an OpenAI-compatible /v1 URL (default: start jaxserve)")
-    p.add_argument("--model", default=SMOLLM2)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrivals per second (inf: all at once)")
@@ -220,10 +228,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=500.0)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--num-pages", type=int, default=1024)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    add_engine_args(p)
     p.add_argument("--no-baseline", action="store_true", help="skip the offline LLM.generate run")
     p.add_argument("--result-json", type=Path, help="also write the result here")
     p.add_argument("--compare", choices=("llamacpp",),
