@@ -3,11 +3,12 @@ client on the same workload and the same server.
 
 The script starts `jaxserve serve` (a child process, as users run it), runs `guidellm run` at it
 as a subprocess (fixed-length synthetic prompts, N concurrent streams, bounded by a request count
-and a duration), then sends the same shape of workload (same prompt/output lengths, same number
-of requests, same concurrency, prompts cut from `pydoc_data.topics`) through serving.py's aiohttp
-client to the same warm server, and prints both tools' throughput / TTFT / ITL side by side.
-Afterwards it reads the server's `jaxserve:requests_total` by outcome: any outcome but `ok` (a
-4xx for one of guidellm's requests, say) fails the run.
+and a duration), and sends the same shape of workload (same prompt/output lengths, same number of
+requests, same concurrency, prompts cut from `pydoc_data.topics`) through serving.py's aiohttp
+client to the same warm server before and after guidellm's run (other jobs' load drifts; the
+bracket shows by how much), and prints the three runs' throughput / TTFT / TPOT side by side.
+It reads the server's `jaxserve:requests_total` by outcome around guidellm's run: any outcome
+but `ok` (a 4xx for one of guidellm's requests, say) fails the run.
 
 guidellm pulls torch and transformers; it may live in a venv of its own, pointed at with
 --guidellm (default: `guidellm` on PATH):
@@ -141,40 +142,54 @@ def main() -> int:
     print(f"starting jaxserve serve (log: {log.name})", file=sys.stderr, flush=True)
     server = ServerProcess(serving.serve_flags(args), log, cwd=ROOT)
     load = {}  # the 1-minute load average after each phase: the machine may be shared
+
+    def serving_py(phase: str) -> dict:
+        results, seconds = asyncio.run(serving.run_load(
+            server.url, args.model, work, float("inf"), args.concurrency, args.seed))
+        load[phase] = os.getloadavg()[0]
+        summary = serving.summarize(results, seconds, work, float("inf"), float("inf"))
+        for key in ("goodput_req_s", "slo"):  # no SLO here: guidellm has no goodput without one
+            summary.pop(key)
+        return summary
+
     try:
+        # serving.py's client before and after guidellm: other jobs' load drifts, and
+        # bracketing shows how much (the ratio is against the mean of the two).
+        before = serving_py("serving.py before")
+        outcomes_before = request_outcomes(server.url)
         guide = summarize_guidellm(run_guidellm(args.guidellm, server.url.removesuffix("/v1"),
                                                 tokenizer_dir, args, tmp / "benchmarks.json"))
         load["guidellm"] = os.getloadavg()[0]
-        outcomes = request_outcomes(server.url)
-        results, seconds = asyncio.run(serving.run_load(
-            server.url, args.model, work, float("inf"), args.concurrency, args.seed))
-        load["serving_py"] = os.getloadavg()[0]
+        outcomes = {k: v - outcomes_before.get(k, 0.0)
+                    for k, v in request_outcomes(server.url).items()}
+        after = serving_py("serving.py after")
     finally:
         server.stop()
         log.close()
-    ours = serving.summarize(results, seconds, work, float("inf"), float("inf"))
-    for key in ("goodput_req_s", "slo"):  # no SLO here: guidellm reports no goodput without one
-        ours.pop(key)
+    runs = {"serving.py before": before, "guidellm": guide, "serving.py after": after}
+    baseline_tok_s = (before["output_tok_s"] + after["output_tok_s"]) / 2
     report = {"machine": provenance.cpu(), "date": time.strftime("%Y-%m-%d"), "commit": commit,
               "command": " ".join(sys.argv),
               "workload": {"requests": args.num_requests, "concurrency": args.concurrency,
                            "prompt_tokens": args.prompt_tokens,
                            "output_tokens": args.output_tokens},
-              "engine": serving.engine_kwargs(args), "guidellm": guide, "serving_py": ours,
+              "engine": serving.engine_kwargs(args), "runs": runs,
               "server_outcomes_during_guidellm": outcomes, "load_average_1m": load,
-              "guidellm_over_serving_py_tok_s": guide["output_tok_s"] / ours["output_tok_s"]}
-    print(f"{'':12} {'req/s':>6} {'out tok/s':>9}  TTFT p50 / p99 (s)  TPOT p50 / p99 (ms)  load")
-    for name, r in (("guidellm", guide), ("serving.py", ours)):
-        print(f"{name:12} {r['request_throughput']:6.2f} {r['output_tok_s']:9.1f}  "
+              "guidellm_over_serving_py_tok_s": guide["output_tok_s"] / baseline_tok_s}
+    print(f"{'':17} {'req/s':>6} {'out tok/s':>9}  TTFT p50 / p99 (s)  TPOT p50 / p99 (ms)  load")
+    for name, r in runs.items():
+        print(f"{name:17} {r['request_throughput']:6.2f} {r['output_tok_s']:9.1f}  "
               f"{r['ttft_s']['p50']:6.2f} / {r['ttft_s']['p99']:6.2f}    "
               f"{r['tpot_s']['p50'] * 1e3:6.0f} / {r['tpot_s']['p99'] * 1e3:6.0f}     "
-              f"{load[name.replace('.', '_')]:.1f}")
+              f"{load[name]:.1f}")
+    print(f"guidellm / serving.py output tok/s: {report['guidellm_over_serving_py_tok_s']:.2f}")
     print(f"server outcomes during guidellm's run: {outcomes}")
     print(json.dumps(report))
     if args.result_json:
         args.result_json.write_text(json.dumps(report, indent=2) + "\n")
     bad = {k: v for k, v in outcomes.items() if k != "ok"}
-    return 1 if bad or guide["errors"] or ours["errors"] or ours["wrong_token_counts"] else 0
+    failed = guide["errors"] or any(r["errors"] or r["wrong_token_counts"] for r in (before, after))
+    return 1 if bad or failed else 0
 
 
 if __name__ == "__main__":
