@@ -21,9 +21,10 @@ ENGINE_FLAG_TYPES = {
 }
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="registered model name or path (GGUF file, "
-                        "HF directory with config.json + *.safetensors, or orbax checkpoint)")
+def add_engine_arguments(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+    parser.add_argument("--model", required=model_required,
+                        help="registered model name or path (GGUF file, HF directory with "
+                             "config.json + *.safetensors, or orbax checkpoint)")
     add_engine_flags(parser)
     parser.add_argument("--compile-cache-dir", default=None,
                         help="JAX's persistent compilation cache: a second start of the same "

@@ -193,6 +193,14 @@ def outcome(error: BaseException | None) -> str:
     return f"{status.http}_{status.code or status.type}"
 
 
+def version_fault(error: BaseException | None) -> bool:
+    """Whether a request's end counts against the model version that served it (the canary
+    gate's error rate): a server error is its fault; the client's bad input or departure, a
+    shed under load and a deadline are not."""
+    outcome_ = outcome(error)
+    return outcome_.startswith("5") and not isinstance(error, EngineOverloaded)
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -35,7 +35,7 @@ from jaxserve.errors import (AlreadyExists, ConfigError, Conflict, EngineOverloa
 from jaxserve.fleet.canary import CanaryMonitor, Sample, Trip
 from jaxserve.fleet.deployment import VersionSpec, load_deployment
 from jaxserve.fleet.loader import EngineLoader, Prepared
-from jaxserve.fleet.memory import check_fits
+from jaxserve.fleet.memory import MemoryPlan, check_fits
 from jaxserve.fleet.routing import Route, choose, shadows, sticky_unit
 from jaxserve.fleet.versions import Counters, Lease, Version, VersionState
 
@@ -93,7 +93,35 @@ class Fleet:
             raise
         return fleet
 
+    @classmethod
+    def of_engine(cls, name: str, engine, *, manifest=None, pricing=None,
+                  loader=None) -> "Fleet":
+        """A fleet of one version whose engine was built outside it (`serve --model`, which may
+        be replicas or a multi-host leader; a test's engine): addressed by `name`, no route.
+        `loader`: what loads further versions (the admin API); by default none can be loaded."""
+        fleet = cls(loader if loader is not None else _NoLoader())
+        fleet.adopt(VersionSpec(name, name), engine, manifest, pricing)
+        return fleet
+
+    @classmethod
+    def empty(cls) -> "Fleet":
+        """A fleet with no version (a server that only embeds)."""
+        return cls(_NoLoader())
+
     # ---- versions ----------------------------------------------------------------------------
+
+    def adopt(self, spec: VersionSpec, engine, manifest=None, pricing=None) -> Version:
+        """Add a version whose engine is already loaded and warm: ready at once. Its memory was
+        planned when it was built, so the fleet counts none for it."""
+        with self._lock:
+            if spec.name in self._versions or spec.name in self._routes:
+                raise AlreadyExists(f"{spec.name!r} is already a version or a route",
+                                    param="name")
+            version = Version(spec, MemoryPlan(0, 0, 0), pricing, state=VersionState.READY,
+                              engine=engine, manifest=manifest)
+            self._versions[spec.name] = version
+            self._changed.notify_all()
+        return version
 
     def load(self, spec: VersionSpec) -> Version:
         """Admit a version and start loading it; returns at once (state `loading`)."""
@@ -330,6 +358,24 @@ class Fleet:
 
     # ---- views -------------------------------------------------------------------------------
 
+    def engines(self) -> dict[str, object]:
+        """The engines of the versions that serve (ready or draining), by version name."""
+        with self._lock:
+            return {n: v.engine for n, v in sorted(self._versions.items())
+                    if v.engine is not None and v.state in (VersionState.READY,
+                                                            VersionState.DRAINING)}
+
+    def counters(self) -> dict[tuple[str, str], Counters]:
+        """A snapshot of the counters by (route, version); route "" for a version addressed by
+        name."""
+        with self._lock:
+            return {(r or "", v): dataclasses.replace(c) for (r, v), c in self._counters.items()}
+
+    def models(self) -> tuple[list[str], list[Version]]:
+        """What a client may address: the routes' names and the ready versions."""
+        with self._lock:
+            return sorted(self._routes), [self._versions[n] for n in self.ready_versions()]
+
     def ready_versions(self) -> list[str]:
         return sorted(n for n, v in self._versions.items() if v.state is VersionState.READY)
 
@@ -382,3 +428,17 @@ class Fleet:
             self._changed.notify_all()
         for engine in engines:
             self._loader.unload(engine)
+
+
+class _NoLoader:
+    """The loader of a fleet made around one prebuilt engine: it loads nothing more."""
+
+    def free_bytes(self) -> int:
+        return 0
+
+    def prepare(self, spec: VersionSpec, budget_bytes: int):
+        raise ConfigError("this server serves one model (--model); start it with --deployment "
+                          "to load versions at run time")
+
+    def unload(self, engine) -> None:
+        engine.shutdown()

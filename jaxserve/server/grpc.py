@@ -83,8 +83,6 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     def __init__(self, serving: OpenAIServing, rag: RagService | None = None):
         self.serving = serving
-        self.engine = serving.engine
-        self.model_name = serving.model_name
         self.rag = rag
 
     def _principal(self, context):
@@ -112,7 +110,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         async with gen.running():
             try:
                 async for _, text, ids, _, finish in gen.deltas():
-                    delta = pb.GenerateResponse(text=text, token_ids=ids)
+                    delta = pb.GenerateResponse(
+                        text=text, token_ids=ids, model=gen.version.name,
+                        system_fingerprint=gen.version.fingerprint or "")
                     if finish is not None:
                         delta.finish_reason = finish
                         delta.usage.prompt_tokens = gen.prompt_tokens
@@ -143,23 +143,28 @@ class GenerationService(pb_grpc.GenerationServicer):
             principal = self._principal(context)
         except JaxServeError as e:
             await abort_with(context, e)
-        models = [pb.Model(id=self.model_name, max_model_len=self.engine.max_model_len)]
-        return pb.ListModelsResponse(models=models if principal.tenant.may_use(self.model_name)
-                                     else [])
+        routes, versions = self.serving.fleet.models()
+        models = [pb.Model(id=name) for name in routes] + [
+            pb.Model(id=v.name, max_model_len=v.engine.max_model_len,
+                     system_fingerprint=v.fingerprint or "") for v in versions]
+        return pb.ListModelsResponse(models=[m for m in models
+                                             if principal.tenant.may_use(m.id)])
 
 
 class EngineHealthServicer(health.aio.HealthServicer):
-    """gRPC health that turns NOT_SERVING once the engine loop has died (a probe restarts the
+    """gRPC health that turns NOT_SERVING once every version's engine loop has died (a probe restarts the
     process) or while it is stalled (no step for the stall timeout while work waits), whatever
     status was set while it ran."""
 
-    def __init__(self, engine):
+    def __init__(self, fleet):
         super().__init__()
-        self._engine = engine
+        self._fleet = fleet
 
     async def Check(self, request, context):
         response = await super().Check(request, context)
-        if not self._engine.is_running or self._engine.is_stalled:
+        # Serving while any version can answer, as HTTP's /ready.
+        running = [e for e in self._fleet.engines().values() if e.is_running]
+        if not running or all(e.is_stalled for e in running):
             return health_pb2.HealthCheckResponse(
                 status=health_pb2.HealthCheckResponse.NOT_SERVING)
         return response
@@ -185,7 +190,7 @@ async def start_grpc_server(engine, host: str, port: int, model_name: str,
                                 limits=limits)
     service = GenerationService(serving, rag)
     pb_grpc.add_GenerationServicer_to_server(service, server)
-    health_servicer = health_servicer or EngineHealthServicer(engine)
+    health_servicer = health_servicer or EngineHealthServicer(serving.fleet)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

@@ -53,18 +53,24 @@ class _State:
                                else None)
         self.idempotency = IdempotencyStore(config.idempotency_ttl_s)
         self.serving: OpenAIServing | None = None
-        self.metrics = ServerMetrics(self._stats, model_name)
+        self.metrics = ServerMetrics(self._stats, self._counters)
         self.shutting_down = False  # set on SIGTERM: not ready while in-flight requests drain
         self.openapi: dict | None = None  # built on first request, once every route is added
 
-    def _stats(self):
-        return None if self.serving is None else self.serving.engine.replica_stats()
+    def _stats(self) -> dict:
+        if self.serving is None:  # warming up: no engine numbers yet
+            return {}
+        return {name: engine.replica_stats()
+                for name, engine in self.serving.fleet.engines().items()}
 
-    def attach(self, engine, rag=None, pricing: Pricing | None = None) -> None:
+    def _counters(self) -> dict:
+        return {} if self.serving is None else self.serving.fleet.counters()
+
+    def attach(self, engine, rag=None, pricing: Pricing | None = None, fleet=None) -> None:
         self.serving = OpenAIServing(engine, self.model_name, self.metrics,
                                      self.config.log_prompts, rag,
                                      self.config.max_queued_requests, self.config.limits,
-                                     self.config.tool_call_parser, self.gateway, pricing)
+                                     self.config.tool_call_parser, self.gateway, pricing, fleet)
 
     def require_serving(self) -> OpenAIServing:
         if self.serving is None:
@@ -305,27 +311,45 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 
 async def models_route(request: web.Request) -> web.Response:
+    """The routes (what most clients send as "model") and every ready version (addressable by
+    name too); a version says its `system_fingerprint`, a route its versions and weights."""
     state: _State = request.app[STATE_KEY]
     serving = state.require_serving()
-    data = [{"id": state.model_name, "object": "model", "created": protocol.now(),
-             "owned_by": "jaxserve", "max_model_len": serving.engine.max_model_len}]
-    if not request[_PRINCIPAL].tenant.may_use(state.model_name):
-        data = []  # a model the tenant may not use does not exist for it
-    return web.json_response({"object": "list", "data": data})
+    tenant, created = request[_PRINCIPAL].tenant, protocol.now()
+    routes, versions = serving.fleet.models()
+    data = []
+    for name in routes:
+        route = serving.fleet.route(name)
+        if route is not None:
+            data.append({"id": name, "object": "model", "created": created,
+                         "owned_by": "jaxserve", "route": {"weights": dict(route.weights),
+                                                           "sticky": route.sticky}})
+    for v in versions:
+        data.append({"id": v.name, "object": "model", "created": created, "owned_by": "jaxserve",
+                     "max_model_len": v.engine.max_model_len,
+                     "system_fingerprint": v.fingerprint})
+    # A model the tenant may not use does not exist for it.
+    return web.json_response({"object": "list",
+                              "data": [m for m in data if tenant.may_use(m["id"])]})
 
 
-def _check_model(request: web.Request, serving: OpenAIServing, model: str | None) -> None:
-    if model is not None:
-        request[_PRINCIPAL].tenant.check_model(model)
-        serving.check_model(model)
+def _engine_for(request: web.Request, serving: OpenAIServing, model: str | None):
+    """The engine whose tokenizer a tokenize / detokenize request means."""
+    if model is None:
+        if serving.engine is None:
+            raise InvalidRequest("'model' is required: this server serves several models",
+                                 param="model")
+        return serving.engine
+    request[_PRINCIPAL].tenant.check_model(model)
+    return serving.engine_for(model)
 
 
 async def tokenize(request: web.Request) -> web.Response:
     state: _State = request.app[STATE_KEY]
     serving = state.require_serving()
     body = await parse_body(request, request_models(state.config.limits).tokenize)
-    _check_model(request, serving, body.model)
-    tok = serving.tokenizer
+    engine = _engine_for(request, serving, body.model)
+    tok = engine.tokenizer
     if body.prompt is not None:
         add_special = body.add_special_tokens is not False
         ids = tok.encode(body.prompt, add_special_tokens=add_special)
@@ -335,16 +359,15 @@ async def tokenize(request: web.Request) -> web.Response:
     else:
         raise InvalidRequest("give 'prompt' (a string) or 'messages' (a list)", param="prompt")
     return web.json_response({"tokens": list(ids), "count": len(ids),
-                              "max_model_len": serving.engine.max_model_len})
+                              "max_model_len": engine.max_model_len})
 
 
 async def detokenize(request: web.Request) -> web.Response:
     serving = request.app[STATE_KEY].require_serving()
     body = await parse_body(request, DetokenizeRequest)
-    _check_model(request, serving, body.model)
-    serving.check_token_ids(body.tokens, "tokens")
-    return web.json_response({"prompt": serving.tokenizer.decode(body.tokens,
-                                                                 skip_special_tokens=False)})
+    tok = _engine_for(request, serving, body.model).tokenizer
+    serving.check_token_ids(tok, body.tokens, "tokens")
+    return web.json_response({"prompt": tok.decode(body.tokens, skip_special_tokens=False)})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -357,10 +380,12 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response({"status": "shutting down"}, status=503)
     if state.serving is None:
         return web.json_response({"status": "warming up"}, status=503)
-    engine = state.serving.engine
-    if not engine.is_running:  # the engine loop died: a balancer should move on
+    # Ready while any version can answer (a deployment's others may be loading or draining).
+    engines = list(state.serving.fleet.engines().values())
+    running = [e for e in engines if e.is_running]
+    if not running:  # the engine loop died: a balancer should move on
         return web.json_response({"status": "engine stopped"}, status=503)
-    if engine.is_stalled:  # no step for --engine-stall-timeout while work waits
+    if all(e.is_stalled for e in running):  # no step for --engine-stall-timeout while work waits
         return web.json_response({"status": "engine stalled"}, status=503)
     return web.json_response({"status": "ready"})
 
@@ -427,10 +452,12 @@ def build_app(config: ServerConfig, model_name: str) -> web.Application:
 
 
 def attach_engine(app: web.Application, engine, rag=None,
-                  pricing: Pricing | None = None) -> None:
+                  pricing: Pricing | None = None, fleet=None) -> None:
     """Start serving generations on `engine` (warmed up): /ready turns 200. With `rag` (a
-    RagService), chat completions accept "rag"; with `pricing`, usage carries "cost"."""
-    app[STATE_KEY].attach(engine, rag, pricing)
+    RagService), chat completions accept "rag"; with `pricing`, usage carries "cost". With
+    `fleet` (a jaxserve.fleet.Fleet, serve --deployment), requests are served by its versions
+    and `engine` is None."""
+    app[STATE_KEY].attach(engine, rag, pricing, fleet)
 
 
 def serving_of(app: web.Application) -> OpenAIServing:

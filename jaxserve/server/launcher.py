@@ -1,5 +1,7 @@
-"""`jaxserve serve`: HTTP (and optionally gRPC) servers over one engine: an AsyncEngine, or a
-ReplicaSet of data-parallel replicas (jaxserve.parallel).
+"""`jaxserve serve`: HTTP (and optionally gRPC) servers over a fleet of model versions: with
+--model, one engine (an AsyncEngine, or a ReplicaSet of data-parallel replicas, jaxserve.parallel)
+as a fleet of one version; with --deployment, every version and route of the file
+(jaxserve.fleet). --admin-key adds the admin API (jaxserve.server.admin_routes).
 
 The HTTP server listens first, so /health answers and /ready says "warming up" while weights load
 and every program compiles; then the engine attaches and /ready turns 200, and stdout says how long
@@ -31,7 +33,7 @@ import time
 from pathlib import Path
 
 from jaxserve.config import RequestLimits, ServerConfig
-from jaxserve.errors import ModelNotFound
+from jaxserve.errors import ConfigError, ModelNotFound
 from jaxserve.tools.parsers import TOOL_PARSERS
 
 log = logging.getLogger("jaxserve.server")
@@ -53,7 +55,15 @@ _LIMIT_HELP = {
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from jaxserve.engine_args import add_distributed_arguments, add_engine_arguments
 
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, model_required=False)
+    parser.add_argument("--deployment", type=Path, default=None, metavar="FILE",
+                        help="serve the model versions and routes of this TOML file (README "
+                             "'Model versions'; in place of --model, whose engine flags then do "
+                             "not apply: each version has its own)")
+    parser.add_argument("--admin-key", default=None, metavar="KEY",
+                        help="enable the admin API under /admin/v1 (load and unload versions, "
+                             "change and roll back routes), for 'Authorization: Bearer KEY' only "
+                             "(default: no admin API)")
     add_distributed_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
@@ -134,14 +144,14 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
     """group_leader: this is process 0 of a multi-host group (jax.distributed initialised)."""
     from jaxserve.engine_args import engine_args
     from jaxserve.server.grpc import start_grpc_server
-    from jaxserve.pricing import pricing_for
     from jaxserve.server.http import attach_engine, build_app, serving_of, start_server
+    from jaxserve.server.admin_routes import add_admin_routes
     from jaxserve.server.rag_routes import add_rag_routes
     from jaxserve.server.tls import TlsConfig
 
     started = time.perf_counter()
     config = server_config(args)
-    model_name = config.served_model_name or args.model
+    model_name = config.served_model_name or args.model or str(args.deployment)
     tls = TlsConfig.from_args(args.ssl_certfile, args.ssl_keyfile)
     scheme = "https" if tls else "http"
     app = build_app(config, model_name)
@@ -166,25 +176,36 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    load = loop.run_in_executor(None, lambda: _start_engine(
-        args, engine_args(args), group_leader, config.engine_stall_timeout))
+    if args.deployment is not None:
+        load = loop.run_in_executor(None, _start_fleet, args)
+    else:
+        load = loop.run_in_executor(None, lambda: _start_engine(
+            args, engine_args(args), group_leader, config.engine_stall_timeout))
     stopped = asyncio.ensure_future(stop.wait())
-    engine = grpc_server = leader = None
+    engine = grpc_server = leader = fleet = None
     try:
         await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not load.done():  # the warmup thread cannot be interrupted; nothing was served yet
             log.info("stopped while warming up")
             await runner.cleanup()
             _exit_now(0)
-        engine, leader = load.result()
+        if args.deployment is not None:
+            fleet = load.result()
+            load_s, compile_s = _fleet_times(fleet)
+        else:
+            engine, leader = load.result()
+            # Replicas load and compile together: the first one's times are the set's.
+            llm_engine = getattr(engine, "replicas", [engine])[0].engine
+            load_s, compile_s = llm_engine.load_seconds, llm_engine.compile_seconds
+            fleet = await loop.run_in_executor(None, _one_version_fleet, args, model_name,
+                                               engine)
         if rag is not None:
             await loop.run_in_executor(None, _warm_rag, rag)
-        attach_engine(app, engine, rag, pricing_for(args.model))
-        # Replicas load and compile together: the first one's times are the set's.
-        llm_engine = getattr(engine, "replicas", [engine])[0].engine
+        attach_engine(app, engine, rag, fleet=fleet)
+        if args.admin_key is not None:
+            add_admin_routes(app, fleet, args.admin_key)
         print(f"jaxserve: ready in {time.perf_counter() - started:.1f} s (load "
-              f"{llm_engine.load_seconds:.1f} s, compile {llm_engine.compile_seconds:.1f} s)",
-              flush=True)
+              f"{load_s:.1f} s, compile {compile_s:.1f} s)", flush=True)
         if config.grpc_port is not None:
             grpc_server, grpc_port = await start_grpc_server(
                 engine, config.host, config.grpc_port, model_name, rag=rag,
@@ -194,6 +215,8 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
         await stopped
     finally:
         wedged = await _shutdown(app, runner, grpc_server, engine, config.shutdown_timeout)
+        if args.deployment is not None and fleet is not None:
+            await loop.run_in_executor(None, fleet.shutdown)
         if leader is not None:
             leader.close()
         if rag is not None:
@@ -240,6 +263,37 @@ def _start_engine(args: argparse.Namespace, engine_kwargs: dict, group_leader: b
     return engine, leader
 
 
+def _start_fleet(args: argparse.Namespace):
+    """Every version of the deployment file loaded and compiled, its routes installed."""
+    from jaxserve.fleet.fleet import Fleet
+    from jaxserve.fleet.loader import EngineLoader
+
+    return Fleet.from_deployment(args.deployment, EngineLoader(progress=True))
+
+
+def _one_version_fleet(args: argparse.Namespace, name: str, engine):
+    """--model as a fleet of one version named as clients address it, with its manifest (its
+    system_fingerprint). With --admin-key, versions can be loaded beside it."""
+    from jaxserve.engine_args import engine_args
+    from jaxserve.fleet.deployment import VersionSpec
+    from jaxserve.fleet.fleet import Fleet
+    from jaxserve.fleet.loader import EngineLoader
+    from jaxserve.fleet.manifest import manifest_of
+    from jaxserve.pricing import pricing_for
+
+    spec = VersionSpec(name, args.model, args.dtype, tuple(sorted(engine_args(args).items())))
+    return Fleet.of_engine(name, engine, manifest=manifest_of(spec),
+                           pricing=pricing_for(args.model),
+                           loader=EngineLoader() if args.admin_key is not None else None)
+
+
+def _fleet_times(fleet) -> tuple[float, float]:
+    """(load, compile) seconds over a deployment's versions, loaded one after the other."""
+    versions = [v for v in fleet.versions_info() if v["load_seconds"] is not None]
+    return (sum(v["load_seconds"] for v in versions),
+            sum(v["compile_seconds"] for v in versions))
+
+
 def _rag_service(data_dir: Path | None):
     from jaxserve.rag.config import RagConfig, default_data_dir
     from jaxserve.rag.service import RagService
@@ -259,7 +313,14 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if (args.model is None) == (args.deployment is None):
+        raise ConfigError("give either --model (one model) or --deployment FILE (versions and "
+                          "routes), not both")
     dist = distributed_config(args)
+    if args.deployment is not None:
+        if dist is not None:
+            raise ConfigError("--deployment serves on one host; multi-host needs --model")
+        return asyncio.run(serve(args))
     if dist is None:
         return asyncio.run(serve(args))
     import jax

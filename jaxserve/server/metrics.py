@@ -4,11 +4,16 @@ Engine-owned numbers (queue lengths, KV usage, token and preemption counters) ar
 engine's stats at scrape time by a custom collector, so they can never drift from the engine's own
 bookkeeping; they carry a `replica` label, one series per data-parallel replica ("0" when there
 is one). Per-request latencies are histograms observed when a request ends.
+
+Every series carries `model_name` (the model version that served) and `route` (the route the
+client named; "" when it named the version, and on the engine's own numbers, which belong to a
+version whatever route sent the work). The fleet's per-version counters (shadow copies, their
+token agreement, canary trips) are read at scrape time too.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,16 +25,18 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], Sequence[object] | None], model_name: str):
-        self._stats = stats  # one EngineStats per replica, or None while warming up
-        self._model_name = model_name
+    def __init__(self, stats: Callable[[], Mapping[str, Sequence[object]]]):
+        self._stats = stats  # version -> one EngineStats per replica ({} while warming up)
 
     def collect(self):
-        per_replica = self._stats()
-        if per_replica is None:  # still warming up: no engine numbers yet
-            return
-        labels = ["model_name", "replica"]
+        labels = ["model_name", "route", "replica"]
         families = {}
+        for version, per_replica in self._stats().items():
+            self._add(families, labels, version, per_replica)
+        yield from families.values()
+
+    @staticmethod
+    def _add(families: dict, labels: list[str], version: str, per_replica) -> None:
         for replica, s in enumerate(per_replica):
             usage = s.pages_in_use / s.num_pages if s.num_pages else 0.0
             for kind, name, doc, value in (
@@ -53,8 +60,35 @@ class _EngineCollector:
                 if name not in families:
                     family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
                     families[name] = family(f"jaxserve:{name}", doc, labels=labels)
-                families[name].add_metric([self._model_name, str(replica)], float(value))
-        yield from families.values()
+                families[name].add_metric([version, "", str(replica)], float(value))
+
+
+class _FleetCollector:
+    """Shadow copies and canary trips from the fleet's counters, per (version, route)."""
+
+    def __init__(self, counters: Callable[[], Mapping[tuple[str, str], object]]):
+        self._counters = counters
+
+    def collect(self):
+        labels = ["model_name", "route"]
+        shadows = CounterMetricFamily("jaxserve:shadow_requests", "Shadow copies answered "
+                                      "(never sent to a client).", labels=labels)
+        compared = CounterMetricFamily("jaxserve:shadow_compared", "Greedy shadow copies "
+                                       "compared token by token with their primary.",
+                                       labels=labels)
+        agreement = GaugeMetricFamily("jaxserve:shadow_token_agreement", "Mean fraction of a "
+                                      "greedy shadow copy's tokens equal to its primary's.",
+                                      labels=labels)
+        trips = CounterMetricFamily("jaxserve:canary_trips", "Times the canary gate set this "
+                                    "version's weight to 0.", labels=labels)
+        for (route, version), c in sorted(self._counters().items()):
+            shadows.add_metric([version, route], c.shadow_requests)
+            compared.add_metric([version, route], c.shadow_compared)
+            if c.shadow_compared:
+                agreement.add_metric([version, route],
+                                     c.shadow_token_agreement_sum / c.shadow_compared)
+            trips.add_metric([version, route], c.canary_trips)
+        yield from (shadows, compared, agreement, trips)
 
 
 class PolicyMetrics:
@@ -75,20 +109,22 @@ class PolicyMetrics:
 class ServerMetrics:
     """One registry per server, so several servers (tests) never share counters."""
 
-    def __init__(self, stats: Callable[[], Sequence[object] | None], model_name: str):
+    def __init__(self, stats: Callable[[], Mapping[str, Sequence[object]]],
+                 counters: Callable[[], Mapping[tuple[str, str], object]] = dict):
+        """`stats`: version -> its replicas' EngineStats; `counters`: the fleet's."""
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(stats, model_name))
-        labels = ["model_name"]
+        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_FleetCollector(counters))
+        labels = ["model_name", "route"]  # .labels(version, route)
 
         def hist(name, doc):
             return Histogram(f"jaxserve:{name}", doc, labels, buckets=_LATENCY_BUCKETS,
-                             registry=self.registry).labels(model_name)
+                             registry=self.registry)
 
-        self.model_name = model_name
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.")
         self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token.")
-        # Per tenant: .labels(model_name, tenant)
-        tenant = ["model_name", "tenant"]
+        # Per tenant: .labels(version, route, tenant)
+        tenant = ["model_name", "route", "tenant"]
         self.ttft = Histogram("jaxserve:time_to_first_token_seconds",
                               "Time from arrival to the first token.", tenant,
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -108,9 +144,11 @@ class ServerMetrics:
                             "0 without prices).", tenant, registry=self.registry)
 
     def record_request(self, tenant: str, outcome: str, prompt_tokens: int = 0,
-                       completion_tokens: int = 0, cost: float = 0.0) -> None:
-        """One ended request (jaxserve.errors.outcome); `tenant` "none" when no key matched."""
-        labels = (self.model_name, tenant)
+                       completion_tokens: int = 0, cost: float = 0.0, model_name: str = "",
+                       route: str = "") -> None:
+        """One ended request (jaxserve.errors.outcome); `tenant` "none" when no key matched;
+        `model_name` and `route` "" when it ended before a version was chosen."""
+        labels = (model_name, route, tenant)
         self.requests.labels(*labels, outcome).inc()
         self.tenant_prompt_tokens.labels(*labels).inc(prompt_tokens)
         self.tenant_generation_tokens.labels(*labels).inc(completion_tokens)

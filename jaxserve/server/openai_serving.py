@@ -11,6 +11,11 @@ A chat with tools gets them in its prompt and its output parsed into `tool_calls
 (server/tool_output.py); a forced tool_choice becomes a grammar constraint. Every request
 is prepared for the engine up front (its grammar compiled, a 400 before any stream starts), a
 constrained one in an executor so a slow compile never blocks the event loop.
+
+Every request's model version is chosen through the fleet (`fleet.select`: a route's weights,
+stickiness and shadow copies, or a version named directly); the version's engine, tokenizer,
+price and generation defaults serve it, its answers carry the version's name and
+`system_fingerprint`, and its end is recorded on the version's lease.
 """
 
 from __future__ import annotations
@@ -25,12 +30,15 @@ from typing import Any, AsyncIterator
 
 from jaxserve.config import RequestLimits
 from jaxserve.errors import (ContextLengthExceeded, EngineDead, EngineOverloaded, InvalidRequest,
-                             ModelNotFound, outcome)
+                             outcome, version_fault)
+from jaxserve.fleet.fleet import Fleet
+from jaxserve.fleet.versions import Lease
 from jaxserve.gateway import Admission, Gateway
 from jaxserve.gateway.usage import with_cost
 from jaxserve.pricing import Pricing
-from jaxserve.server import protocol
+from jaxserve.server import protocol, shadow
 from jaxserve.server.admission import CallContext, admit, tenant_params
+from jaxserve.server.generation_defaults import with_defaults
 from jaxserve.server.tool_output import ToolCallOutput
 from jaxserve.tools.choice import forced_tool_call
 from jaxserve.tools.parsers import get_tool_parser
@@ -136,10 +144,14 @@ class Generation:
     tenant's limits, and what was sent so far."""
 
     def __init__(self, serving: "OpenAIServing", gen_id: str, parsed: protocol.ParsedRequest,
-                 prepared: list, admission: Admission, ctx: CallContext,
+                 prepared: list, admission: Admission, ctx: CallContext, lease: Lease,
                  citations: list[dict] | None = None,
                  tool_output: ToolCallOutput | None = None):
         self.serving = serving
+        self.lease = lease  # the version chosen for this request (and its shadow copies)
+        self.version = lease.version
+        self.engine = lease.version.engine
+        self.route = lease.route or ""  # "": the version was addressed by name
         self.tool_output = tool_output or ToolCallOutput(None)
         self.citations = citations  # retrieval-augmented chat: what the prompt was given
         self.parsed = parsed
@@ -164,6 +176,18 @@ class Generation:
         self.engine_answered = False  # an output came back: the request left the queue
         self.error: BaseException | None = None  # what ended it, when reported in-band
         self._finished = False
+        # Shadow copies compare their tokens with these (kept only when there are copies).
+        self.token_ids: dict[int, list[int]] | None = {} if lease.shadows else None
+        self._primary_tokens: asyncio.Future | None = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        """The metrics' (model_name, route) of this request: its version and route."""
+        return self.version.name, self.route
 
     @property
     def prompt_ids(self) -> list[list[int]]:
@@ -184,11 +208,10 @@ class Generation:
     def usage(self) -> dict:
         """OpenAI's usage object, with "cost" (USD) when the model has prices."""
         return with_cost(protocol.usage(self.prompt_tokens, sum(self.completion_tokens.values())),
-                         self.serving.pricing)
+                         self.version.pricing)
 
     def streams(self) -> AsyncIterator[tuple[int, Any]]:
-        engine = self.serving.engine
-        return merge_streams([engine.generate(prepared=p) for p in self.prepared])
+        return merge_streams([self.engine.generate(prepared=p) for p in self.prepared])
 
     async def deltas(self) -> AsyncIterator[tuple[int, str, list[int], Any, str | None]]:
         """(choice, new text, new token ids, new logprobs, finish_reason) as the engine produces
@@ -200,7 +223,7 @@ class Generation:
     async def abort_unfinished(self) -> None:
         for i, rid in enumerate(self.request_ids):
             if any(i * self.n + j not in self.finish_reasons for j in range(self.n)):
-                await self.serving.engine.abort(rid)
+                await self.engine.abort(rid)
 
     def _deltas(self, stream_index: int, out) -> list[tuple[int, str, list[int], Any, str | None]]:
         """(choice, new text, new token ids, new logprobs, finish_reason) since the last call."""
@@ -210,7 +233,7 @@ class Generation:
         metrics = self.serving.metrics
         if out.finished and metrics is not None and out.metrics is not None \
                 and out.metrics.first_scheduled_time is not None:
-            metrics.queue.labels(self.serving.model_name, self.tenant).observe(
+            metrics.queue.labels(*self.labels, self.tenant).observe(
                 out.metrics.first_scheduled_time - out.metrics.arrival_time)
         for comp in out.outputs:
             choice = stream_index * self.n + comp.index
@@ -218,13 +241,15 @@ class Generation:
             text, ids = comp.text[t0:], list(comp.token_ids[k0:])
             if ids and metrics is not None:
                 if self.first_token_at is None:
-                    metrics.ttft.labels(self.serving.model_name, self.tenant).observe(
+                    metrics.ttft.labels(*self.labels, self.tenant).observe(
                         now - self.arrival)
                 elif choice in self.last_token_at:
                     # Tokens that arrive together (a delta of several) share the gap evenly.
                     gap = (now - self.last_token_at[choice]) / len(ids)
                     for _ in ids:
-                        metrics.itl.observe(gap)
+                        metrics.itl.labels(*self.labels).observe(gap)
+            if ids and self.token_ids is not None:
+                self.token_ids.setdefault(choice, []).extend(ids)
             if ids:
                 self.first_token_at = self.first_token_at or now
                 self.last_token_at[choice] = now
@@ -241,11 +266,11 @@ class Generation:
     def _echo_prefix(self, choice: int) -> str:
         if not self.parsed.echo:
             return ""
-        return self.serving.tokenizer.decode(self.prompt_ids[choice // self.n])
+        return self.tokenizer.decode(self.prompt_ids[choice // self.n])
 
     async def response(self) -> dict:
         """Run to completion and build the non-streaming response body."""
-        tok = self.serving.tokenizer
+        tok = self.tokenizer
         texts = {i: "" for i in range(self.num_choices)}
         ids = {i: [] for i in range(self.num_choices)}
         lps = {i: [] for i in range(self.num_choices)}
@@ -269,7 +294,8 @@ class Generation:
                                 if self.want_logprobs else None,
                                 "finish_reason": self.finish_reasons.get(i)})
         body = {"id": self.id, "object": self.object, "created": self.created,
-                "model": self.serving.model_name, "choices": choices, "usage": self.usage()}
+                "model": self.version.name, "system_fingerprint": self.version.fingerprint,
+                "choices": choices, "usage": self.usage()}
         if self.citations is not None:
             body["citations"] = self.citations
         return body
@@ -277,7 +303,8 @@ class Generation:
     def _chunk(self, choices: list, usage: dict | None = None) -> dict:
         chunk = {"id": self.id,
                  "object": "chat.completion.chunk" if self.chat else "text_completion",
-                 "created": self.created, "model": self.serving.model_name, "choices": choices}
+                 "created": self.created, "model": self.version.name,
+                 "system_fingerprint": self.version.fingerprint, "choices": choices}
         if self.parsed.include_usage:
             # OpenAI: null on every chunk but the last; vLLM's continuous_usage_stats: so far.
             chunk["usage"] = usage if usage or not self.parsed.continuous_usage else self.usage()
@@ -285,7 +312,7 @@ class Generation:
 
     async def chunks(self, keepalive_seconds: float) -> AsyncIterator[dict | None]:
         """Streaming chunks in OpenAI's shape; None where a keep-alive should go out."""
-        tok = self.serving.tokenizer
+        tok = self.tokenizer
         offsets: dict[int, int] = {}
         if self.chat:  # OpenAI opens each choice with the assistant role
             first = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -330,6 +357,7 @@ class Generation:
         in-band, such as a stream's error event) and the engine aborts what is unfinished, so
         its pages return at once."""
         error = None
+        self._start_shadows()
         try:
             yield self
         except BaseException as exc:
@@ -340,6 +368,14 @@ class Generation:
             # handler here, and the await below would then raise before anything after it ran.
             self.finish(self.error or error)
             await asyncio.shield(self.abort_unfinished())
+
+    def _start_shadows(self) -> None:
+        if not self.lease.shadows:
+            return
+        self._primary_tokens = asyncio.get_running_loop().create_future()
+        for lease in self.lease.shadows:
+            shadow.start(lease, self.parsed, self.params, self.serving.prompt_ids,
+                         self._primary_tokens, self.serving.max_queued_requests, self.id)
 
     def finish(self, error: BaseException | None) -> None:
         """The request ended (error None: answered in full): settle the tenant's reservation with
@@ -355,12 +391,19 @@ class Generation:
         usage = self.usage()
         metrics = self.serving.metrics
         if metrics is not None:
-            metrics.e2e.observe(end - self.arrival)
+            metrics.e2e.labels(*self.labels).observe(end - self.arrival)
             metrics.record_request(self.tenant, status, self.prompt_tokens, completion,
-                                   usage.get("cost", 0.0))
+                                   usage.get("cost", 0.0), *self.labels)
         ttft = None if self.first_token_at is None else round(self.first_token_at - self.arrival, 4)
+        self.lease.finish(error=version_fault(error), ttft=ttft, prompt_tokens=self.prompt_tokens,
+                          completion_tokens=completion)
+        if self._primary_tokens is not None and not self._primary_tokens.done():
+            self._primary_tokens.set_result(
+                None if error is not None else
+                [self.token_ids.get(i * self.n, []) for i in range(len(self.prepared))])
         record = {
-            "request_id": self.id, "model": self.serving.model_name, "kind": self.parsed.kind,
+            "request_id": self.id, "model": self.version.name, "route": self.route,
+            "kind": self.parsed.kind,
             "transport": self.ctx.transport, "tenant": self.tenant,
             "key_id": self.ctx.principal.key_id, "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion, "ttft_s": ttft,
@@ -372,14 +415,22 @@ class Generation:
 
 
 class OpenAIServing:
-    """Parses and checks OpenAI generation requests once, and admits them (admission.py) on one
-    engine for every transport."""
+    """Parses and checks OpenAI generation requests once, chooses their version through the fleet
+    and admits them (admission.py) on its engine, for every transport.
+
+    `fleet`: the model versions and routes (serve --deployment). Without one, `engine` alone is
+    served as a fleet of one version named `model_name`, priced `pricing`."""
 
     def __init__(self, engine, model_name: str, metrics=None, log_prompts: bool = False,
                  rag=None, max_queued_requests: int | None = None,
                  limits: RequestLimits = RequestLimits(), tool_call_parser: str = "hermes",
-                 gateway: Gateway | None = None, pricing: Pricing | None = None):
-        self.engine = engine
+                 gateway: Gateway | None = None, pricing: Pricing | None = None,
+                 fleet: Fleet | None = None):
+        if fleet is None:
+            fleet = (Fleet.of_engine(model_name, engine, pricing=pricing) if engine is not None
+                     else Fleet.empty())
+        self.fleet = fleet
+        self.engine = engine  # the one engine of a --model server; None with a deployment
         # ConfigError at start for an unknown name; "hermes" matches the built-in tool prompt.
         self.tool_parser = get_tool_parser(tool_call_parser)
         self.model_name = model_name
@@ -389,23 +440,20 @@ class OpenAIServing:
         self.max_queued_requests = max_queued_requests  # None: no admission limit
         self.limits = limits
         self.gateway = gateway if gateway is not None else Gateway()
-        self.pricing = pricing  # None: usage carries no cost
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
 
     def open_context(self, transport: str) -> CallContext:
         """The context of a caller with no credentials: the open server's `default` tenant."""
         return CallContext(self.gateway.authenticate(None), transport=transport)
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise ModelNotFound(f"The model '{model}' does not exist; this server serves "
-                                f"'{self.model_name}' (GET /v1/models)")
+    def engine_for(self, model: str):
+        """The engine a request naming `model` would run on (for tokenize / detokenize): raises
+        ModelNotFound for a name that is neither a route nor a ready version."""
+        with self.fleet.select(model) as lease:
+            return lease.version.engine
 
-    def check_token_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.tokenizer.vocab_size
+    @staticmethod
+    def check_token_ids(tokenizer, ids: list[int], param: str) -> None:
+        vocab = tokenizer.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
@@ -418,6 +466,18 @@ class OpenAIServing:
         embedding and search block) and the results put into the prompt; the response then
         carries "citations"."""
         parsed = self._parse(kind, body, ctx)
+        lease = self.fleet.select(parsed.model, user=parsed.user, api_key=ctx.principal.key_id)
+        try:
+            return await self._prepare(kind, body, parsed, ctx, lease)
+        except BaseException:
+            lease.__exit__(None, None, None)  # releases it and its shadow copies
+            raise
+
+    async def _prepare(self, kind: str, body: Any, parsed: protocol.ParsedRequest,
+                       ctx: CallContext, lease: Lease) -> Generation:
+        defaults = lease.version.generation_defaults
+        if defaults:  # parsed again: the defaults go through the same checks as the body
+            parsed = self._parse_body(kind, with_defaults(body, kind, defaults))
         citations = None
         if parsed.rag is not None:
             if self.rag is None:
@@ -432,36 +492,40 @@ class OpenAIServing:
         parsed, tool_output = self._tools(parsed)
         if parsed.sampling_params.structured_outputs is not None:  # its grammar compiles
             return await asyncio.get_running_loop().run_in_executor(
-                None, self._start, parsed, ctx, citations, tool_output)
-        return self._start(parsed, ctx, citations, tool_output)
+                None, self._start, parsed, ctx, lease, citations, tool_output)
+        return self._start(parsed, ctx, lease, citations, tool_output)
+
+    def _parse_body(self, kind: str, body: Any) -> protocol.ParsedRequest:
+        parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
+        return parse(body, self.limits)
 
     def _parse(self, kind: str, body: Any, ctx: CallContext) -> protocol.ParsedRequest:
-        parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
-        parsed = parse(body, self.limits)
+        parsed = self._parse_body(kind, body)
         # The edge check, before the prompt is tokenized: a tenant out of requests costs little,
         # and one that may not use the model learns nothing about what this server serves.
         self.gateway.check(ctx.principal, parsed.model)
-        self.check_model(parsed.model)
         return parsed
 
-    def _start(self, parsed: protocol.ParsedRequest, ctx: CallContext,
+    def _start(self, parsed: protocol.ParsedRequest, ctx: CallContext, lease: Lease,
                citations: list[dict] | None, tool_output: ToolCallOutput) -> Generation:
-        prompt_ids = [self._prompt_ids(parsed, p) for p in parsed.prompts]
-        params = self._fit_context(parsed, prompt_ids)
-        if not self.engine.is_running:
+        engine = lease.version.engine
+        prompt_ids = [self.prompt_ids(engine.tokenizer, parsed, p) for p in parsed.prompts]
+        params = self._fit_context(engine, parsed, prompt_ids)
+        if not engine.is_running:
             raise EngineDead("the engine is not running; the server cannot generate")
-        if self.engine.is_stalled:  # a request now would only wait for nothing
+        if engine.is_stalled:  # a request now would only wait for nothing
             raise EngineOverloaded("the engine has made no progress for a while (see GET "
                                    "/ready); retry later")
         # The whole request against the KV pool, before a stream's headers go out, so it is still
         # a 400 and not an error inside a 200 stream.
-        params = self.engine.fit_kv_pool([len(p) for p in prompt_ids], params)
+        params = engine.fit_kv_pool([len(p) for p in prompt_ids], params)
         params = tenant_params(ctx.principal, params, parsed.max_tokens_given)
         gen_id = protocol.new_id("chatcmpl" if parsed.kind == "chat" else "cmpl")
-        admission, prepared = admit(self.engine, self.gateway, ctx,
+        admission, prepared = admit(engine, self.gateway, ctx,
                                     [f"{gen_id}-{i}" for i in range(len(prompt_ids))],
                                     prompt_ids, params, self.max_queued_requests)
-        return Generation(self, gen_id, parsed, prepared, admission, ctx, citations, tool_output)
+        return Generation(self, gen_id, parsed, prepared, admission, ctx, lease, citations,
+                          tool_output)
 
     def _tools(self, parsed: protocol.ParsedRequest
                ) -> tuple[protocol.ParsedRequest, ToolCallOutput]:
@@ -482,19 +546,21 @@ class OpenAIServing:
                 parsed, sampling_params=parsed.sampling_params.replace(**changes))
         return parsed, ToolCallOutput(self.tool_parser)
 
-    def _prompt_ids(self, parsed: protocol.ParsedRequest, prompt) -> list[int]:
-        """Tokenized once, here; the engine's `prepare` checks the ids (empty, vocabulary,
-        context)."""
+    @staticmethod
+    def prompt_ids(tokenizer, parsed: protocol.ParsedRequest, prompt) -> list[int]:
+        """Tokenized once, here, by the version's tokenizer; the engine's `prepare` checks the
+        ids (empty, vocabulary, context)."""
         if parsed.kind == "chat":
-            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
-                                                           tools=parsed.tools))
-        return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+            return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                      tools=parsed.tools))
+        return list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
 
-    def _fit_context(self, parsed: protocol.ParsedRequest, prompt_ids: list[list[int]]):
+    @staticmethod
+    def _fit_context(engine, parsed: protocol.ParsedRequest, prompt_ids: list[list[int]]):
         """OpenAI's rule: prompt + max_tokens within the context (the engine alone would cut the
         completion at the context instead). A chat request without max_tokens keeps None: the
         engine gives it the rest of the context, or what the KV pool can hold."""
-        max_len = self.engine.max_model_len
+        max_len = engine.max_model_len
         longest = max(len(p) for p in prompt_ids)
         params = parsed.sampling_params
         what = "messages" if parsed.kind == "chat" else "prompt"

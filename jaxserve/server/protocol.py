@@ -46,6 +46,7 @@ class ParsedRequest:
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True
     continuous_usage: bool = False  # usage on every streamed chunk (vLLM's extension)
+    user: str | None = None  # OpenAI's end-user id: the key of a route with sticky = "user"
 
 
 def _sampling_params(body, **fields) -> SamplingParams:
@@ -83,7 +84,7 @@ def parse_chat_request(body: Any, limits: RequestLimits = _DEFAULT_LIMITS) -> Pa
     return ParsedRequest("chat", req.model, [flatten_messages(req.messages)], params,
                          bool(req.stream), _include_usage(req), False, logprobs,
                          max_tokens is not None, rag, tools, tool_choice, parallel,
-                         _continuous_usage(req))
+                         _continuous_usage(req), req.user)
 
 
 def flatten_messages(messages) -> list[dict]:
@@ -119,7 +120,7 @@ def parse_completion_request(body: Any, limits: RequestLimits = _DEFAULT_LIMITS
     params = _sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
     return ParsedRequest("completion", req.model, prompts, params, bool(req.stream),
                          _include_usage(req), bool(req.echo), req.logprobs, True,
-                         continuous_usage=_continuous_usage(req))
+                         continuous_usage=_continuous_usage(req), user=req.user)
 
 
 def new_id(prefix: str) -> str:

@@ -212,7 +212,8 @@ class _Unsupported(Body):
     prediction: None = neutral("null")
     reasoning_effort: None = neutral("null")
     web_search_options: None = neutral("null")
-    user: str | None = Field(None, description="An opaque end-user id; not used.")
+    user: str | None = Field(None, max_length=256, description=(
+        "An opaque end-user id; a route with sticky = \"user\" keeps one user on one version."))
 
 
 # ---- POST /v1/responses: the subset agents use (server/responses_api.py) ------------------------

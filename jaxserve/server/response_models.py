@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Reply(BaseModel):
@@ -88,6 +88,8 @@ class ChatCompletion(Reply):
     object: Literal["chat.completion"]
     created: int
     model: str
+    system_fingerprint: str | None = Field(None, description=(
+        "The answering model version's manifest id (null for a model served without one)"))
     choices: list[ChatChoice]
     usage: Usage
     citations: list[Citation] | None = None
@@ -115,6 +117,8 @@ class ChatCompletionChunk(Reply):
     object: Literal["chat.completion.chunk"]
     created: int
     model: str
+    system_fingerprint: str | None = Field(None, description=(
+        "The answering model version's manifest id (null for a model served without one)"))
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     citations: list[Citation] | None = None
@@ -139,6 +143,8 @@ class Completion(Reply):
     object: Literal["text_completion"]
     created: int
     model: str
+    system_fingerprint: str | None = Field(None, description=(
+        "The answering model version's manifest id (null for a model served without one)"))
     choices: list[CompletionChoice]
     usage: Usage
 
@@ -150,16 +156,28 @@ class CompletionChunk(Reply):
     object: Literal["text_completion"]
     created: int
     model: str
+    system_fingerprint: str | None = Field(None, description=(
+        "The answering model version's manifest id (null for a model served without one)"))
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
 
+class RouteCard(Reply):
+    weights: dict[str, float]
+    sticky: Literal["user", "api_key", "none"]
+
+
 class ModelCard(Reply):
+    """A model version (with its context length and manifest id) or a route (with its
+    versions' weights)."""
+
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
-    max_model_len: int
+    max_model_len: int | None = None
+    system_fingerprint: str | None = None
+    route: RouteCard | None = None
 
 
 class ModelList(Reply):
