@@ -133,9 +133,8 @@ def server(tmp_path_factory):
     path.write_text(DEPLOYMENT)
     hashes = FileHashCache(tmp_path_factory.mktemp("hashes") / "hashes.json")
     fleet = Fleet.from_deployment(path, EngineLoader(strict_compile=True, hashes=hashes))
-    http = ServerThread(str(path))
-    http.loop.call_soon_threadsafe(lambda: (attach_engine(http.app, None, fleet=fleet),
-                                            add_admin_routes(http.app, fleet, KEY)))
+    http = ServerThread(str(path), setup=lambda app: add_admin_routes(app, fleet, KEY))
+    http.loop.call_soon_threadsafe(lambda: attach_engine(http.app, None, fleet=fleet))
     wait_for(lambda: _request("GET", f"{http.url}/ready").status_code == 200, "ready")
     grpc_server, port = http._call(start_grpc_server(None, "127.0.0.1", 0, "unused",
                                                      serving=serving_of(http.app)))

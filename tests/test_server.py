@@ -69,7 +69,8 @@ class ServerThread:
     """The aiohttp app on its own event-loop thread (as `jaxserve serve` runs it), so the tests
     can use blocking clients too. Bound to 127.0.0.1 on a free port."""
 
-    def __init__(self, model_name: str, rag=None, **config):
+    def __init__(self, model_name: str, rag=None, setup=None, **config):
+        """`setup(app)`: what else to register before the server starts (admin routes)."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -77,6 +78,8 @@ class ServerThread:
         self.rag = rag
         if rag is not None:  # a RagService: its routes too
             add_rag_routes(self.app, rag)
+        if setup is not None:
+            setup(self.app)
         self.runner, port = self._call(start_server(self.app, "127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{port}"
 

@@ -80,12 +80,12 @@ def in_thread(fn) -> tuple[threading.Thread, list]:
 
 
 def metric_values(url: str) -> dict[tuple, float]:
-    """/metrics as {(sample name, sorted labels without model_name/le): value}."""
+    """/metrics as {(sample name, sorted labels without model_name/route/replica): value}."""
     values = {}
     for family in text_string_to_metric_families(get(f"{url}/metrics").text):
         for s in family.samples:
             labels = tuple(sorted((k, v) for k, v in s.labels.items()
-                                  if k not in ("model_name", "replica")))
+                                  if k not in ("model_name", "route", "replica")))
             values[(s.name, labels)] = s.value
     return values
 

@@ -1,6 +1,8 @@
 """The admin API: model versions and routes of a Fleet, changed while traffic flows.
 
-`add_admin_routes(app, fleet, admin_key)` registers, on the app built by
+`add_admin_routes(app, fleet, admin_key)` registers (before the server starts; `fleet` may
+follow with `set_admin_fleet` once it is loaded, and until then the routes answer 503), on the app
+built by
 `jaxserve.server.http.build_app` (whose middleware turns typed errors into OpenAI error bodies):
 
     GET    /admin/v1/versions                 versions: state, manifest, memory, counters
@@ -24,14 +26,22 @@ import hmac
 
 from aiohttp import web
 
-from jaxserve.errors import (ConfigError, InvalidRequest, TokenizerError, WeightsError,
-                             error_body)
+from jaxserve.errors import (ConfigError, EngineOverloaded, InvalidRequest, TokenizerError,
+                             WeightsError, error_body)
 from jaxserve.fleet.deployment import parse_route, parse_version
 from jaxserve.fleet.fleet import Fleet
 from jaxserve.server.json_body import read_object
 from jaxserve.server.openapi import Route, add_routes
 
-FLEET_KEY = web.AppKey("admin_fleet", Fleet)
+class _FleetRef:
+    """The fleet the admin routes act on: registered before the server starts (aiohttp's router
+    freezes then), filled in once the fleet has loaded."""
+
+    def __init__(self, fleet: Fleet | None):
+        self.fleet = fleet
+
+
+FLEET_KEY = web.AppKey("admin_fleet", _FleetRef)
 _KEY_DIGEST = web.AppKey("admin_key_digest", bytes)
 # The admin API's own reading of errors that elsewhere are the server's (a model it cannot load is
 # the caller's 400 here); the rest (400 InvalidRequest, 404 NotFound / ModelNotFound, 409
@@ -39,6 +49,13 @@ _KEY_DIGEST = web.AppKey("admin_key_digest", bytes)
 # one table in jaxserve.errors, like every other route's.
 _STATUS = {WeightsError: (400, "invalid_model"), TokenizerError: (400, "invalid_model"),
            ConfigError: (400, "invalid_model")}
+
+
+def _fleet(request: web.Request) -> Fleet:
+    fleet = request.app[FLEET_KEY].fleet
+    if fleet is None:
+        raise EngineOverloaded("the server is warming up; retry when GET /ready answers 200")
+    return fleet
 
 
 def _digest(key: str) -> bytes:
@@ -76,17 +93,17 @@ async def _in_executor(fn, *args):
 
 @_admin
 async def list_versions(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": request.app[FLEET_KEY].versions_info()})
+    return web.json_response({"object": "list", "data": _fleet(request).versions_info()})
 
 
 @_admin
 async def get_version(request: web.Request) -> web.Response:
-    return web.json_response(request.app[FLEET_KEY].version_info(request.match_info["name"]))
+    return web.json_response(_fleet(request).version_info(request.match_info["name"]))
 
 
 @_admin
 async def load_version(request: web.Request) -> web.Response:
-    fleet = request.app[FLEET_KEY]
+    fleet = _fleet(request)
     body = await read_object(request)
     if "name" not in body:
         raise InvalidRequest("'name' is required", param="name")
@@ -99,39 +116,40 @@ async def load_version(request: web.Request) -> web.Response:
 
 @_admin
 async def unload_version(request: web.Request) -> web.Response:
-    fleet = request.app[FLEET_KEY]
+    fleet = _fleet(request)
     version = fleet.unload(request.match_info["name"])
     return web.json_response(fleet.version_info(version.name), status=202)
 
 
 @_admin
 async def list_routes(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": request.app[FLEET_KEY].routes_info()})
+    return web.json_response({"object": "list", "data": _fleet(request).routes_info()})
 
 
 @_admin
 async def put_route(request: web.Request) -> web.Response:
-    fleet, name = request.app[FLEET_KEY], request.match_info["route"]
+    fleet, name = _fleet(request), request.match_info["route"]
     route = fleet.set_route(parse_route(name, await read_object(request), base=fleet.route(name)))
     return web.json_response(fleet.route_info(route.name))
 
 
 @_admin
 async def rollback_route(request: web.Request) -> web.Response:
-    fleet = request.app[FLEET_KEY]
+    fleet = _fleet(request)
     route = fleet.rollback(request.match_info["route"])
     return web.json_response(fleet.route_info(route.name))
 
 
-def add_admin_routes(app: web.Application, fleet: Fleet, admin_key: str) -> None:
-    """Serve the admin API for `fleet`, guarded by `admin_key`; call before the server starts."""
+def add_admin_routes(app: web.Application, fleet: Fleet | None, admin_key: str) -> None:
+    """Serve the admin API for `fleet` (None: set later with `set_admin_fleet`), guarded by
+    `admin_key`; call before the server starts."""
     if not admin_key:
         raise ConfigError("the admin key must not be empty")
-    app[FLEET_KEY] = fleet
+    app[FLEET_KEY] = _FleetRef(fleet)
     app[_KEY_DIGEST] = _digest(admin_key)
     # Described in /openapi.json without body or answer schemas: the fleet parses these bodies
     # itself (jaxserve.fleet.deployment), with no request model to publish yet.
-    errors, tags = (400, 401, 404, 409), ("admin",)
+    errors, tags = (400, 401, 404, 409, 503), ("admin",)
     add_routes(app, [
         Route("GET", "/admin/v1/versions", list_versions, "Model versions", errors=errors,
               tags=tags),
@@ -147,3 +165,8 @@ def add_admin_routes(app: web.Application, fleet: Fleet, admin_key: str) -> None
         Route("POST", "/admin/v1/routes/{route}/rollback", rollback_route,
               "Back to the previous settings", errors=errors, tags=tags),
     ])
+
+
+def set_admin_fleet(app: web.Application, fleet: Fleet) -> None:
+    """The fleet the admin routes act on, once it is loaded (the routes were added before)."""
+    app[FLEET_KEY].fleet = fleet

@@ -145,7 +145,7 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
     from jaxserve.engine_args import engine_args
     from jaxserve.server.grpc import start_grpc_server
     from jaxserve.server.http import attach_engine, build_app, serving_of, start_server
-    from jaxserve.server.admin_routes import add_admin_routes
+    from jaxserve.server.admin_routes import add_admin_routes, set_admin_fleet
     from jaxserve.server.rag_routes import add_rag_routes
     from jaxserve.server.tls import TlsConfig
 
@@ -158,6 +158,8 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
     rag = None if args.no_rag else _rag_service(args.data_dir)
     if rag is not None:
         add_rag_routes(app, rag)
+    if args.admin_key is not None:  # routes before the server starts; the fleet once loaded
+        add_admin_routes(app, None, args.admin_key)
     runner, port = await start_server(app, config.host, config.port,
                                       tls.ssl_context() if tls else None, config.shutdown_timeout)
     print(f"jaxserve: warming up {model_name}; health at {scheme}://{config.host}:{port}/health",
@@ -203,7 +205,7 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
             await loop.run_in_executor(None, _warm_rag, rag)
         attach_engine(app, engine, rag, fleet=fleet)
         if args.admin_key is not None:
-            add_admin_routes(app, fleet, args.admin_key)
+            set_admin_fleet(app, fleet)
         print(f"jaxserve: ready in {time.perf_counter() - started:.1f} s (load "
               f"{load_s:.1f} s, compile {compile_s:.1f} s)", flush=True)
         if config.grpc_port is not None:
