@@ -202,7 +202,7 @@ def test_fleet_split_sticky_user_api_key_and_shadows():
 def test_direct_addressing_and_unknown_models():
     fleet = ready_fleet("a")
     assert fleet.select("a").version.name == "a" and fleet.select("a").route is None
-    with pytest.raises(ModelNotFound, match="unknown model 'nope'"):
+    with pytest.raises(ModelNotFound, match="The model 'nope' does not exist"):
         fleet.select("nope")
 
 

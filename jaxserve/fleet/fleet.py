@@ -299,8 +299,10 @@ class Fleet:
     def _addressed(self, name: str) -> Version:
         version = self._versions.get(name)
         if version is None or version.state in _GONE:
-            raise ModelNotFound(f"unknown model {name!r}; routes: {', '.join(sorted(self._routes))}"
-                                f"; versions: {', '.join(self.ready_versions())}")
+            # OpenAI's wording, with what this server does serve.
+            raise ModelNotFound(f"The model '{name}' does not exist; routes: "
+                                f"{', '.join(sorted(self._routes)) or '(none)'}; versions: "
+                                f"{', '.join(self.ready_versions()) or '(none)'} (GET /v1/models)")
         if version.state is VersionState.LOADING:
             raise EngineOverloaded(f"version {name!r} is still loading")
         if version.state is VersionState.DRAINING:
