@@ -86,7 +86,8 @@ def metric_values(url: str) -> dict[tuple, float]:
         for s in family.samples:
             labels = tuple(sorted((k, v) for k, v in s.labels.items()
                                   if k not in ("model_name", "route", "replica")))
-            values[(s.name, labels)] = s.value
+            # Summed over versions: a request refused before one was chosen has model_name "".
+            values[(s.name, labels)] = values.get((s.name, labels), 0.0) + s.value
     return values
 
 
