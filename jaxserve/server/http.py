@@ -31,9 +31,10 @@ from jaxserve.server import protocol
 from jaxserve.server.admission import CallContext
 from jaxserve.server import response_models as out
 from jaxserve.server.json_body import LIMITS_KEY, parse_body, read_json
-from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.metrics import CONTENT_TYPE, PolicyMetrics, ServerMetrics
 from jaxserve.server.openai_serving import Generation, OpenAIServing
 from jaxserve.server.openapi import ROUTES_KEY, Route, add_routes, openapi_document
+from jaxserve.server.request_policy import RequestPolicy
 from jaxserve.server.request_models import DetokenizeRequest, request_models
 from jaxserve.server.responses_api import ResponseEvents, ResponseObject, chat_body, rename_param
 from jaxserve.server.validation import validate
@@ -54,6 +55,10 @@ class _State:
         self.idempotency = IdempotencyStore(config.idempotency_ttl_s)
         self.serving: OpenAIServing | None = None
         self.metrics = ServerMetrics(self._stats, model_name)
+        # Read at build time too: a bad policy file or audit directory fails the start.
+        self.policy = RequestPolicy.open(config.policy_file, config.audit_log_dir,
+                                         PolicyMetrics(self.metrics.registry),
+                                         self.gateway.tenants.tenants.values())
         self.shutting_down = False  # set on SIGTERM: not ready while in-flight requests drain
         self.openapi: dict | None = None  # built on first request, once every route is added
 
@@ -64,7 +69,8 @@ class _State:
         self.serving = OpenAIServing(engine, self.model_name, self.metrics,
                                      self.config.log_prompts, rag,
                                      self.config.max_queued_requests, self.config.limits,
-                                     self.config.tool_call_parser, self.gateway, pricing)
+                                     self.config.tool_call_parser, self.gateway, pricing,
+                                     self.policy)
 
     def require_serving(self) -> OpenAIServing:
         if self.serving is None:
@@ -145,7 +151,8 @@ async def _ratelimit_headers(request: web.Request, response: web.StreamResponse)
 def _context(request: web.Request) -> CallContext:
     """Who calls and the deadline asked (X-Request-Timeout), read once from the headers."""
     return CallContext(request[_PRINCIPAL],
-                       deadlines.parse_timeout(request.headers.get(deadlines.HEADER)))
+                       deadlines.parse_timeout(request.headers.get(deadlines.HEADER)),
+                       client=request.remote)
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
@@ -442,6 +449,13 @@ def serving_of(app: web.Application) -> OpenAIServing:
 def begin_shutdown(app: web.Application) -> None:
     """/ready answers 503 from now on, so balancers stop sending while requests drain."""
     app[STATE_KEY].shutting_down = True
+
+
+def close_app(app: web.Application) -> None:
+    """After the last request: flush the audit log, stop the policy's classifiers."""
+    policy = app[STATE_KEY].policy
+    if policy is not None:
+        policy.close()
 
 
 async def start_server(app: web.Application, host: str, port: int,
