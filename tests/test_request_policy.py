@@ -1,0 +1,112 @@
+"""The request path's policy pieces without a model: which pack a tenant gets (and the errors at
+start), the input stage on a parsed request (block, redaction of chat messages and of a token-id
+prompt), and the output stage per choice, whose token ids wait while the filter holds text back
+so a blocked term's tokens are never released."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from jaxserve.errors import ConfigError, ContentPolicyViolation
+from jaxserve.gateway.tenants import Tenant
+from jaxserve.server.protocol import ParsedRequest
+from jaxserve.server.request_policy import RequestPolicy, route_of
+from jaxserve.safety import load_policy
+
+POLICY = """
+[[pack.default.rule]]
+name = "sesame"
+stage = "input"
+match = "literal"
+pattern = "open sesame"
+action = "block"
+
+[[pack.default.rule]]
+name = "email"
+stage = "input"
+match = "pii:email"
+action = "flag"
+
+[[pack.default.rule]]
+name = "paris"
+stage = "output"
+match = "literal"
+pattern = "Paris"
+action = "block"
+
+[[pack.strict.rule]]
+name = "phone"
+stage = "input"
+match = "pii:phone"
+action = "redact"
+"""
+
+
+@pytest.fixture
+def policy(tmp_path):
+    path = tmp_path / "policy.toml"
+    path.write_text(POLICY)
+    return RequestPolicy(load_policy(path), None)
+
+
+def parsed(kind: str, prompts: list) -> ParsedRequest:
+    return ParsedRequest(kind, "m", prompts, None, False, False, False, None, False)
+
+
+def test_packs_per_tenant_and_errors_at_start(policy, tmp_path):
+    assert policy.pack_for(Tenant("a")).name == "default"
+    assert policy.pack_for(Tenant("b", policy="strict")).name == "strict"
+    with pytest.raises(ConfigError, match="no pack named 'lax'"):
+        RequestPolicy(policy.policy, None, tenants=[Tenant("c", policy="lax")])
+    with pytest.raises(ConfigError, match="no --policy file"):
+        RequestPolicy.open(None, None, tenants=[Tenant("c", policy="strict")])
+    assert RequestPolicy.open(None, None, tenants=[Tenant("a")]) is None
+    assert route_of("grpc", "completion") == "grpc:Generate"
+    assert route_of("batch", "chat") == "batch:/v1/chat/completions"
+
+
+def test_input_block_redact_and_token_id_prompts(policy):
+    chat = parsed("chat", [[{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": "Open  sesame? no: open sesame!"}]])
+    with pytest.raises(ContentPolicyViolation) as e:
+        asyncio.run(policy.screen(chat, Tenant("a"), None))
+    assert e.value.param == "messages" and e.value.interventions[0].rule == "sesame"
+    strict = Tenant("b", policy="strict")
+    call = parsed("chat", [[{"role": "user", "content": "call 555-123-4567"}]])
+    out, screening = asyncio.run(policy.screen(call, strict, None))
+    assert out.prompts[0][0] == {"role": "user", "content": "call [REDACTED:phone]"}
+    assert screening.prompt_texts == ("call [REDACTED:phone]",)
+    # a token-id prompt is checked as its text; redacted, it becomes that text
+    ids = parsed("completion", [[1, 2], "plain"])
+    decode = {(1, 2): "ring 555-123-4567"}.__getitem__
+    out, _ = asyncio.run(policy.screen(ids, strict, lambda p: decode(tuple(p))))
+    assert out.prompts == ["ring [REDACTED:phone]", "plain"]
+    # flagged: allowed, recorded; the log's text still loses the address
+    out, screening = asyncio.run(policy.screen(
+        parsed("completion", ["mail a@b.io"]), Tenant("a"), None))
+    assert out.prompts == ["mail a@b.io"]
+    assert [(i.rule, i.action) for i in screening.input_interventions] == [("email", "flag")]
+    assert screening.redact_pii("mail a@b.io") == "mail [REDACTED:email]"
+
+
+def test_output_ids_wait_with_held_text_and_a_block_releases_none(policy):
+    _, screening = asyncio.run(policy.screen(parsed("completion", ["hi"]), Tenant("a"), None))
+    whole, sent_text, sent_ids = "", [], []
+    for token_id, piece in enumerate(["The ", "city is ", "Pa", "ri", "s."]):
+        whole += piece
+        text, ids, lps, blocked = screening.output(0, whole, piece, [token_id], [token_id], False)
+        sent_text.append(text)
+        sent_ids += ids
+        assert lps == ids
+        if blocked:
+            break
+    assert blocked and "".join(sent_text) == "The city is "
+    assert sent_ids == [0, 1]  # "Pa" and "ri" were held, then dropped with the block
+    assert [(i.rule, i.stage) for i in screening.output_interventions] == [("paris", "output")]
+    # held text that turns out not to match goes out with its ids
+    text, ids, _, blocked = screening.output(1, "Pa", "Pa", [7], None, False)
+    assert (text, ids, blocked) == ("", [], False)
+    text, ids, lps, blocked = screening.output(1, "Pass", "ss", [8], None, True)
+    assert (text, ids, lps, blocked) == ("Pass", [7, 8], None, False)
