@@ -53,6 +53,7 @@ class Screening:
         self._pii_rules = tuple(pii_rules)
         self._filtering = pack is not None and pack.has_output_rules
         self._filters: dict[int, TextFilter] = {}
+        self.retrieval_interventions: list[Intervention] = []
         self._held: dict[int, tuple[list, list]] = {}  # per choice: token ids, logprobs
         self.outputs: dict[int, list[str]] | None = {} if keep_content else None
 
@@ -83,13 +84,30 @@ class Screening:
             self.outputs.setdefault(choice, []).append(new_text)
         return new_text, ids, logprobs, blocked
 
+    def screen_chunks(self, results: list) -> list:
+        """Retrieved chunks (rag.SearchResult) through the input text rules: a chunk a block
+        rule matches is dropped from the context (prompt injection through a document), others
+        are redacted; each rule that acted is recorded with stage "retrieval"."""
+        if self.pack is None:
+            return results
+        kept = []
+        for r in results:
+            text, found, blocked = self.pack.check_text(r.text)
+            self.retrieval_interventions.extend(
+                dataclasses.replace(i, stage="retrieval") for i in found)
+            if blocked is None:
+                kept.append(dataclasses.replace(r, text=text))
+        return kept
+
     @property
-    def output_interventions(self) -> list[Intervention]:
-        return [i for f in self._filters.values() for i in f.interventions]
+    def later_interventions(self) -> list[Intervention]:
+        """Those of the request's processing after admission: retrieval, then each choice's."""
+        return [*self.retrieval_interventions,
+                *(i for f in self._filters.values() for i in f.interventions)]
 
     @property
     def interventions(self) -> list[Intervention]:
-        return [*self.input_interventions, *self.output_interventions]
+        return [*self.input_interventions, *self.later_interventions]
 
     def redact_pii(self, text: str) -> str:
         if not self._pii_rules:
@@ -178,7 +196,7 @@ class RequestPolicy:
         """A request ended (or was refused: screening None): its output interventions counted,
         its audit record queued (never blocks)."""
         if screening is not None and self.metrics is not None:
-            self.metrics.record(screening.output_interventions)
+            self.metrics.record(screening.later_interventions)
         if self.audit is None:
             return
         tenant = ctx.principal.tenant
