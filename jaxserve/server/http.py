@@ -87,6 +87,9 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
                 "X-Accel-Buffering": "no"}
 
 
+def caller(request: web.Request) -> Principal:
+    """Who sent a request on a keyed route (set by the front door before any handler runs)."""
+    return request[_PRINCIPAL]
 
 
 def _error_status(exc: Exception) -> tuple[int, dict]:
