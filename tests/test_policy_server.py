@@ -67,8 +67,8 @@ PARIS = {"model": SMOLLM2, "messages": [{"role": "user", "content": "What is the
 EMAIL = "bob.smith@example.com"
 
 
-def post(url: str, body, key: str = "sk-alice") -> object:
-    return _request("POST", url, body, headers={"Authorization": f"Bearer {key}"})
+def post(url: str, body, key: str = "sk-alice", **headers) -> object:
+    return _request("POST", url, body, headers={"Authorization": f"Bearer {key}", **headers})
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +167,15 @@ def test_batch_lines_blocked_and_filtered(server, tmp_path):
 
 
 @pytest.mark.slow
+def test_idempotent_replay_is_audited(server):
+    body = {"model": SMOLLM2, "prompt": "Hi", "max_tokens": 2}
+    first = post(f"{server.url}/v1/completions", body, **{"Idempotency-Key": "k1"})
+    again = post(f"{server.url}/v1/completions", body, **{"Idempotency-Key": "k1"})
+    assert again.headers["idempotent-replayed"] == "true" and again.text == first.text
+    idle(server)
+
+
+@pytest.mark.slow
 def test_audit_log_of_the_mixed_run_verifies(server, capsys):
     """Last: the earlier tests' requests are the mixed run (blocked, filtered, redacted, batch)."""
     from jaxserve.cli import main
@@ -184,7 +193,7 @@ def test_audit_log_of_the_mixed_run_verifies(server, capsys):
         ("/v1/chat/completions", 200, ["content_filter"]),
         ("/v1/chat/completions", 200, ["content_filter"]),
         ("/v1/completions", 200, ["length"])]
-    assert sorted(by_status[4:]) == [("batch:/v1/chat/completions", 200, ["content_filter"]),
+    assert sorted(by_status[4:6]) == [("batch:/v1/chat/completions", 200, ["content_filter"]),
                                      ("batch:/v1/chat/completions", 400, [])]
     blocked = requests[0]
     assert blocked["tenant"] == "alice" and len(blocked["key_id"]) == 12
@@ -193,6 +202,7 @@ def test_audit_log_of_the_mixed_run_verifies(server, capsys):
     assert {"rule": "france", "action": "flag", "stage": "output", "count": 1} \
         in requests[1]["interventions"]
     assert all("content" not in r for r in requests if r["tenant"] == "alice")
+    assert [r["idempotent_replay"] for r in requests[6:]] == [False, True]
     carol = requests[3]
     assert carol["tenant"] == "carol" and carol["client"] == "127.0.0.1"
     assert carol["content"]["prompt"] == ["Mail [REDACTED:email] today."]

@@ -170,6 +170,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     fingerprint = idempotency.fingerprint(request.path.encode() + b"\n" + await request.read())
     stored = state.idempotency.begin(tenant, key, fingerprint)
     if stored is not None:  # the model does not run again
+        if serving.policy is not None:
+            serving.policy.record(request_id=protocol.new_id("replay"), kind=kind, ctx=ctx,
+                                  error=None, model=serving.model_name, idempotent_replay=True)
         return await _replay(request, stored)
     try:
         return await _run(request, serving, kind, body, ctx, functools.partial(

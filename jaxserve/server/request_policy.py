@@ -192,9 +192,9 @@ class RequestPolicy:
     def record(self, *, request_id: str, kind: str, ctx, error: BaseException | None,
                model: str, prompt_tokens: int = 0, completion_tokens: int = 0,
                cost: float | None = None, finish_reasons: Sequence[str] = (),
-               screening: Screening | None = None) -> None:
-        """A request ended (or was refused: screening None): its output interventions counted,
-        its audit record queued (never blocks)."""
+               screening: Screening | None = None, idempotent_replay: bool = False) -> None:
+        """A request ended (or was refused, or replayed: screening None): its later
+        interventions counted, its audit record queued (never blocks)."""
         if screening is not None and self.metrics is not None:
             self.metrics.record(screening.later_interventions)
         if self.audit is None:
@@ -215,8 +215,8 @@ class RequestPolicy:
             ctx.principal.key_id, model, None, ctx.client,
             time.time() - (time.monotonic() - ctx.arrival), prompt_tokens, completion_tokens,
             cost, tuple(finish_reasons), tuple(interventions),
-            deadline_exceeded=status == "deadline", shed=status == "shed", prompt=prompt,
-            outputs=outputs)
+            deadline_exceeded=status == "deadline", shed=status == "shed",
+            idempotent_replay=idempotent_replay, prompt=prompt, outputs=outputs)
         try:
             self.audit.write(record)
         except AuditError as e:  # closed: a request that outlived the shutdown's drain
