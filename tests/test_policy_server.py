@@ -3,21 +3,25 @@ module-scoped server with --policy, --audit-log, --log-prompts and a tenants fil
 prompt is a 400 `content_policy_violation`; an output rule blocking the word the model says
 greedily ("The capital of France is Paris.", the golden output) ends the stream with
 finish_reason "content_filter" and the word is in no byte sent; a redacted e-mail address is what
-the model sees (echo shows it) and what the access log holds; the batch runner's lines alike;
-the interventions are counted; and `jaxserve audit verify` passes on the records of the mixed run
-(the last test: it flushes the log)."""
+the model sees (echo shows it) and what the access log holds; the batch runner's lines and gRPC
+alike; the interventions are counted; and `jaxserve audit verify` passes on the records of the
+mixed run (the last test: it flushes the log)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.batch_infer import answer_items, batch_gateway, read_input
 from jaxserve.engine import LLMEngine
+from jaxserve.protos import generation_pb2 as pb
+from jaxserve.protos import generation_pb2_grpc as pb_grpc
+from jaxserve.server.grpc import start_grpc_server
 from jaxserve.server.http import attach_engine, close_app, serving_of
 from tests.test_engine import assert_no_leaks
 from tests.test_server import ServerThread, _request, access_records, parse_sse, wait_for
@@ -85,8 +89,11 @@ def server(smollm2_path, tmp_path_factory):
                         log_prompts=True)
     http.loop.call_soon_threadsafe(attach_engine, http.app, engine)
     wait_for(lambda: _request("GET", f"{http.url}/ready").status_code == 200, "ready")
-    http.dir, http.engine, http.llm = d, engine, llm
+    grpc_server, port = http._call(start_grpc_server(engine, "127.0.0.1", 0, SMOLLM2,
+                                                     serving=serving_of(http.app)))
+    http.dir, http.engine, http.llm, http.grpc_target = d, engine, llm, f"127.0.0.1:{port}"
     yield http
+    http._call(grpc_server.stop(grace=None))
     http.stop()
     close_app(http.app)
     engine.shutdown()
@@ -176,6 +183,25 @@ def test_idempotent_replay_is_audited(server):
 
 
 @pytest.mark.slow
+def test_grpc_invalid_argument_and_content_filter(server, smollm2_golden):
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(server.grpc_target))
+    metadata = (("authorization", "Bearer sk-alice"),)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(model=SMOLLM2, prompt="open sesame", max_tokens=4),
+                           metadata=metadata))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("content_policy_violation")
+    ids = smollm2_golden["cases"][0]["input_ids"]  # "What is the capital of France?"
+    deltas = list(stub.Generate(pb.GenerateRequest(model=SMOLLM2, prompt_token_ids=ids,
+                                                   max_tokens=16, temperature=0),
+                                metadata=metadata))
+    assert "".join(d.text for d in deltas) == "The capital of France is "
+    assert deltas[-1].finish_reason == "content_filter"
+    assert "Paris" not in b"".join(d.SerializeToString() for d in deltas).decode(errors="replace")
+    idle(server)
+
+
+@pytest.mark.slow
 def test_audit_log_of_the_mixed_run_verifies(server, capsys):
     """Last: the earlier tests' requests are the mixed run (blocked, filtered, redacted, batch)."""
     from jaxserve.cli import main
@@ -202,7 +228,9 @@ def test_audit_log_of_the_mixed_run_verifies(server, capsys):
     assert {"rule": "france", "action": "flag", "stage": "output", "count": 1} \
         in requests[1]["interventions"]
     assert all("content" not in r for r in requests if r["tenant"] == "alice")
-    assert [r["idempotent_replay"] for r in requests[6:]] == [False, True]
+    assert [r["idempotent_replay"] for r in requests[6:8]] == [False, True]
+    assert [(r["route"], r["status_code"], r["finish_reasons"]) for r in requests[8:]] == [
+        ("grpc:Generate", 400, []), ("grpc:Generate", 200, ["content_filter"])]
     carol = requests[3]
     assert carol["tenant"] == "carol" and carol["client"] == "127.0.0.1"
     assert carol["content"]["prompt"] == ["Mail [REDACTED:email] today."]
