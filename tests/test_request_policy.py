@@ -130,3 +130,28 @@ def test_retrieved_chunks_pass_the_input_rules(policy):
     assert "SESAME" not in messages[0]["content"]
     assert [(i.rule, i.action, i.stage) for i in screening.interventions] == [
         ("sesame", "block", "retrieval")]
+
+
+def test_flags_reach_the_configs_and_a_bad_policy_fails_at_start(tmp_path):
+    from jaxserve.cli import build_parser
+    from jaxserve.config import ServerConfig
+    from jaxserve.server.http import build_app, close_app
+    from jaxserve.server.launcher import server_config
+
+    config = server_config(build_parser().parse_args(
+        ["serve", "--model", "m", "--policy", "p.toml", "--audit-log", "audit"]))
+    assert (config.policy_file, config.audit_log_dir) == ("p.toml", "audit")
+    args = build_parser().parse_args(["batch", "--model", "m", "--input", "i", "--output", "o",
+                                      "--policy", "p.toml", "--audit-log", "audit"])
+    assert (str(args.policy), str(args.audit_log)) == ("p.toml", "audit")
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[pack.default.rule]]\nstage = "input"\nmatch = "regex"\npattern = "("\n'
+                   'action = "block"\n')
+    with pytest.raises(ConfigError, match=r"bad.toml: pack.default.rule\[0\]: bad regex"):
+        build_app(ServerConfig(port=0, policy_file=str(bad)), "m")
+    good = tmp_path / "good.toml"
+    good.write_text(POLICY)
+    app = build_app(ServerConfig(port=0, policy_file=str(good),
+                                 audit_log_dir=str(tmp_path / "audit")), "m")
+    close_app(app)
+    assert (tmp_path / "audit" / "audit-000001.jsonl").exists()
