@@ -21,6 +21,12 @@ connection, so its requests each open their own.
     python benchmarks/serving.py                             # server + offline baseline
     python benchmarks/serving.py --base-url http://127.0.0.1:8000/v1 --no-baseline  # any server
     python benchmarks/serving.py --max-concurrency 16 --compare llamacpp --no-baseline
+    python benchmarks/serving.py --policy benchmarks/data/policy.toml --no-baseline
+
+With --policy FILE the workload runs twice, each on a fresh server: without a policy, then with
+`--policy FILE --audit-log <temp dir>` (the input and output filters, one audit record per
+request); `policy_over_plain` is the ratio of the two output rates (the issue's goal: the
+filters cost under 5%).
 """
 
 from __future__ import annotations
@@ -214,6 +220,29 @@ def start_llama_server(args, log) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"llama-server did not get ready (log: {log.name})")
 
 
+def serve_and_load(args, work, extra_flags: list[str]) -> dict:
+    """Run the workload on --base-url, or on a `jaxserve serve` started with `extra_flags`;
+    the summary."""
+    server = None
+    url = args.base_url
+    if url is None:
+        from jaxserve.server.process import ServerProcess
+
+        log = tempfile.NamedTemporaryFile("w", prefix="jaxserve-serve-", suffix=".log",
+                                          delete=False)
+        print(f"starting jaxserve serve {' '.join(extra_flags)} (log: {log.name})",
+              file=sys.stderr, flush=True)
+        server = ServerProcess(serve_flags(args) + extra_flags, log, cwd=ROOT)
+        url = server.url
+    try:
+        results, seconds = asyncio.run(run_load(url, args.model, work, args.request_rate,
+                                                args.max_concurrency, args.seed))
+    finally:
+        if server is not None:
+            server.stop()
+    return summarize(results, seconds, work, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+
+
 def _fmt(stats: dict, scale: float = 1000.0) -> str:
     return " ".join(f"{k} {v * scale:.1f}" for k, v in stats.items() if v is not None)
 
@@ -234,6 +263,8 @@ def main() -> int:
     p.add_argument("--compare", choices=("llamacpp",),
                    help="also serve the workload with llama.cpp's llama-server")
     p.add_argument("--llamacpp-threads", type=int, default=os.cpu_count())
+    p.add_argument("--policy", type=Path, default=None, metavar="FILE",
+                   help="run again with this policy (and an audit log) and compare")
     args = p.parse_args()
 
     from jaxserve.model_registry import resolve
@@ -242,23 +273,9 @@ def main() -> int:
     commit = provenance.commit()  # before anything runs: the tree may change while it does
     work = pydoc_workload(load_tokenizer(resolve(args.model)), args.num_requests,
                           seed=args.seed, prompt_tokens=(32, 384), output_tokens=(16, 128))
-    server = None
-    url = args.base_url
-    if url is None:
-        from jaxserve.server.process import ServerProcess
-
-        log = tempfile.NamedTemporaryFile("w", prefix="jaxserve-serve-", suffix=".log",
-                                          delete=False)
-        print(f"starting jaxserve serve (log: {log.name})", file=sys.stderr, flush=True)
-        server = ServerProcess(serve_flags(args), log, cwd=ROOT)
-        url = server.url
-    try:
-        results, seconds = asyncio.run(run_load(url, args.model, work, args.request_rate,
-                                                args.max_concurrency, args.seed))
-    finally:
-        if server is not None:
-            server.stop()
-    serving = summarize(results, seconds, work, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+    if args.policy is not None and args.base_url is not None:
+        p.error("--policy starts its own servers: it cannot be used with --base-url")
+    serving = serve_and_load(args, work, [])
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
               "date": time.strftime("%Y-%m-%d"), "commit": commit,
               "command": " ".join(sys.argv),
@@ -294,6 +311,14 @@ def main() -> int:
         print(f"llama-server: {llamacpp['errors']} errors, {llamacpp['output_tok_s']:.1f} output "
               f"tok/s, TPOT ms: {_fmt(llamacpp['tpot_s'])}; jaxserve / llama.cpp = "
               f"{report['jaxserve_over_llamacpp']:.2f}")
+    if args.policy is not None:
+        with tempfile.TemporaryDirectory(prefix="jaxserve-audit-") as audit:
+            policy = serve_and_load(args, work, ["--policy", str(args.policy), "--audit-log",
+                                                 audit])
+        report["with_policy"] = policy
+        report["policy_over_plain"] = policy["output_tok_s"] / serving["output_tok_s"]
+        print(f"with --policy {args.policy}: {policy['output_tok_s']:.1f} output tok/s "
+              f"({policy['errors']} errors); policy / plain = {report['policy_over_plain']:.3f}")
     if not args.no_baseline:
         offline = run_offline(args, work)
         report["offline"] = offline
@@ -304,7 +329,7 @@ def main() -> int:
     print(json.dumps(report))
     if args.result_json:
         args.result_json.write_text(json.dumps(report, indent=2) + "\n")
-    runs = [serving] + ([report["llamacpp"]] if "llamacpp" in report else [])
+    runs = [serving] + [report[k] for k in ("llamacpp", "with_policy") if k in report]
     return 1 if any(r["errors"] or r["wrong_token_counts"] for r in runs) else 0
 
 

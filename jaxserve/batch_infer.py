@@ -201,6 +201,7 @@ async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progr
 
 def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     from jaxserve.engine_args import add_engine_arguments
+    from jaxserve.server.launcher import add_policy_arguments
 
     add_engine_arguments(parser)
     parser.add_argument("--input", required=True, type=Path, help="OpenAI Batch API .jsonl")
@@ -214,6 +215,7 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the batch as this tenant of --tenants: its class, share, "
                              "models, max_tokens cap and rate limits (waited out) apply "
                              "(default: the open tenant, no limits)")
+    add_policy_arguments(parser)
 
 
 def pending_items(input_path: Path, output_path: Path) -> list[BatchLine] | None:
@@ -242,11 +244,13 @@ def batch_gateway(tenants_file: Path | None, tenant: str | None) -> tuple[Gatewa
 
 
 async def answer_items(engine, model_name: str, todo: list[BatchLine], output_path: Path,
-                       gateway: Gateway | None = None, principal: Principal | None = None) -> int:
+                       gateway: Gateway | None = None, principal: Principal | None = None,
+                       policy=None) -> int:
     """Answer `todo` on `engine` (an AsyncEngine), appending to `output_path`, as `principal`
-    of `gateway` (default: the open tenant); returns 0."""
+    of `gateway` (default: the open tenant), under `policy` (a RequestPolicy: --policy and
+    --audit-log); returns 0."""
     from jaxserve.server.openai_serving import OpenAIServing
-    serving = OpenAIServing(engine, model_name, gateway=gateway)
+    serving = OpenAIServing(engine, model_name, gateway=gateway, policy=policy)
     ctx = (CallContext(principal, transport="batch") if principal is not None
            else serving.open_context("batch"))
     writer = ResultWriter(output_path)
@@ -277,6 +281,8 @@ def run_batch(args: argparse.Namespace) -> int:
     from jaxserve.engine_args import engine_args
     from jaxserve.parallel import start_engine
 
+    from jaxserve.server.request_policy import RequestPolicy
+
     gateway, principal = batch_gateway(args.tenants, args.tenant)
     todo = pending_items(args.input, args.output)
     if todo is None:
@@ -284,13 +290,18 @@ def run_batch(args: argparse.Namespace) -> int:
     if not todo:
         print(f"nothing to do: every request is answered in {args.output}", file=sys.stderr)
         return 0
+    policy = RequestPolicy.open(str(args.policy) if args.policy else None,
+                                str(args.audit_log) if args.audit_log else None,
+                                tenants=[principal.tenant])
     engine = start_engine(args.model, dtype=args.dtype, **engine_args(args))
     try:
         return asyncio.run(answer_items(engine, args.served_model_name or args.model, todo,
-                                        args.output, gateway, principal))
+                                        args.output, gateway, principal, policy))
     except KeyboardInterrupt:  # every finished result is already a whole line in the output
         print(f"interrupted: rerun the same command to answer the rest into {args.output}",
               file=sys.stderr)
         return 130
     finally:
         engine.shutdown()
+        if policy is not None:
+            policy.close()

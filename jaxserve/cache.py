@@ -34,10 +34,14 @@ def hash_page(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
 
 
 def extend_page_hashes(hashes: list[bytes], token_ids: Sequence[int], page_size: int,
-                       num_full_pages: int) -> list[bytes]:
-    """Append the chained hashes of pages len(hashes)..num_full_pages-1 of token_ids."""
+                       num_full_pages: int, salt: str | None = None) -> list[bytes]:
+    """Append the chained hashes of pages len(hashes)..num_full_pages-1 of token_ids. `salt`
+    (vLLM's cache_salt: the tenant, or its sharing group) is the first page's parent, so
+    requests with different salts never share a page, and one cannot learn another's prompt
+    from how fast its own is served."""
+    root = hashlib.blake2b(salt.encode(), digest_size=16).digest() if salt else None
     for i in range(len(hashes), num_full_pages):
-        hashes.append(hash_page(hashes[-1] if hashes else None,
+        hashes.append(hash_page(hashes[-1] if hashes else root,
                                 token_ids[i * page_size:(i + 1) * page_size]))
     return hashes
 
@@ -90,7 +94,8 @@ class KVCacheManager:
     def _hashes(self, request: Request, num_full_pages: int) -> list[bytes]:
         hashes = request.page_hashes
         if len(hashes) < num_full_pages:
-            extend_page_hashes(hashes, request.all_token_ids, self.page_size, num_full_pages)
+            extend_page_hashes(hashes, request.all_token_ids, self.page_size, num_full_pages,
+                               request.cache_salt)
         return hashes
 
     def lookup_prefix(self, request: Request) -> list[int]:

@@ -160,6 +160,8 @@ class ServerConfig:
     tool_call_parser: str = "hermes"
     tenants_file: str | None = None  # --tenants: None serves one open tenant, `default`
     idempotency_ttl_s: float = 24 * 3600.0  # how long an Idempotency-Key's response is kept
+    policy_file: str | None = None  # --policy: content policy packs (TOML)
+    audit_log_dir: str | None = None  # --audit-log: hash-chained JSONL, one record per request
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

@@ -282,7 +282,8 @@ class LLMEngine:
                               arrival_time=group.metrics.arrival_time, priority=q.priority,
                               tenant=q.tenant, weight=q.weight,
                               kv_page_fraction=q.kv_page_fraction, deadline=q.deadline,
-                              queue_deadline=q.queue_deadline, max_tokens=p.max_tokens)
+                              queue_deadline=q.queue_deadline, max_tokens=p.max_tokens,
+                              cache_salt=q.cache_salt)
             detok = IncrementalDetokenizer(self.tokenizer,
                                            skip_special_tokens=p.skip_special_tokens,
                                            prompt_ids=prepared.prompt_token_ids)

@@ -46,6 +46,18 @@ class ContextLengthExceeded(InvalidRequest):
     """Prompt plus max_tokens exceed the model's context."""
 
 
+class ContentPolicyViolation(InvalidRequest):
+    """The content policy blocked the prompt (HTTP 400 `content_policy_violation`, gRPC
+    INVALID_ARGUMENT): nothing was generated. The message names the rule, never the text."""
+
+    def __init__(self, rule: str, param: str | None = None, interventions: tuple = ()):
+        # The code leads the message: it is what a gRPC client sees in the status details.
+        super().__init__(f"content_policy_violation: the request was blocked by the content "
+                         f"policy (rule {rule!r})", param)
+        self.rule = rule
+        self.interventions = interventions  # every rule that acted (the audit record's)
+
+
 class EngineOverloaded(JaxServeError):
     """The engine cannot take more requests right now (HTTP 503 `overloaded`): the queue is full,
     or the request was shed from it for a more important one. `retry_after`: seconds, a hint."""
@@ -139,6 +151,8 @@ _STATUS_TABLE: tuple[tuple[type[Exception], ErrorStatus], ...] = (
     (AlreadyExists, ErrorStatus(409, "ALREADY_EXISTS", "invalid_request_error", "already_exists")),
     (ContextLengthExceeded, ErrorStatus(400, "INVALID_ARGUMENT", "invalid_request_error",
                                         "context_length_exceeded")),
+    (ContentPolicyViolation, ErrorStatus(400, "INVALID_ARGUMENT", "invalid_request_error",
+                                         "content_policy_violation")),
     (InvalidRequest, ErrorStatus(400, "INVALID_ARGUMENT", "invalid_request_error")),
     (EngineOverloaded, ErrorStatus(503, "RESOURCE_EXHAUSTED", "server_error", "overloaded")),
     (EngineDead, ErrorStatus(503, "UNAVAILABLE", "server_error", "overloaded")),

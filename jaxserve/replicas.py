@@ -107,11 +107,11 @@ class ReplicaSet:
                 priority: int = 0, *, qos: QoS | None = None) -> PreparedRequest:
         return self.replicas[0].prepare(request_id, prompt, params, priority, qos=qos)
 
-    def route(self, prompt_token_ids: Sequence[int]) -> int:
+    def route(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """The index of the replica a prompt goes to (see jaxserve.replica_routing)."""
         # The prompt's last token is never served from the cache: it must run to sample.
         hashes = extend_page_hashes([], prompt_token_ids, self.page_size,
-                                    (len(prompt_token_ids) - 1) // self.page_size)
+                                    (len(prompt_token_ids) - 1) // self.page_size, cache_salt)
         cached = [r.engine.scheduler.cache.count_cached_prefix(hashes) for r in self.replicas]
         loads = [r.num_queued + r.stats().num_running for r in self.replicas]
         return pick_replica(cached, loads, self.max_imbalance)
@@ -130,7 +130,7 @@ class ReplicaSet:
         if prepared.request_id in self._owner:
             raise InvalidRequest(f"request id {prepared.request_id!r} is already in use",
                                  "request_id")
-        replica = self.replicas[self.route(prepared.prompt_token_ids)]
+        replica = self.replicas[self.route(prepared.prompt_token_ids, prepared.qos.cache_salt)]
         self._owner[prepared.request_id] = replica
         try:
             # aclosing: a consumer that stops early must abort on the replica now, not at GC.

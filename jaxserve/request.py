@@ -66,6 +66,7 @@ class QoS:
     kv_page_fraction: float | None = None  # of the pool; over it, the tenant's new requests wait
     deadline: float | None = None  # absolute time.monotonic()
     queue_deadline: float | None = None  # absolute time.monotonic()
+    cache_salt: str | None = None  # prefix cache pages are shared only under the same salt
 
     def __post_init__(self):
         if not self.weight > 0:
@@ -88,6 +89,7 @@ class Request:
     deadline: float | None = None  # time.monotonic(); see QoS
     queue_deadline: float | None = None
     max_tokens: int | None = None  # output budget, reserved in the fair share until it ends
+    cache_salt: str | None = None  # see QoS
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     page_table: list[int] = field(default_factory=list)  # owned by the KV cache manager

@@ -73,6 +73,24 @@ def test_prefix_hit_shares_pages_and_never_covers_the_whole_sequence():
     assert kv.prefix_cache_queries == 24 and kv.prefix_cache_hits == 8
 
 
+def test_pages_are_shared_only_under_the_same_cache_salt():
+    from jaxserve.gateway.deadlines import request_qos
+    from jaxserve.gateway.tenants import Tenant
+
+    kv = KVCacheManager(num_pages=16, page_size=4)
+    a = Request("a", list(range(12)), cache_salt="tenant:acme")
+    assert kv.admit(a, kv.lookup_prefix(a), 12)
+    _computed(kv, a, 12)
+    assert kv.lookup_prefix(Request("b", list(range(13)), cache_salt="tenant:evil")) == []
+    assert kv.lookup_prefix(Request("c", list(range(13)))) == []
+    assert kv.lookup_prefix(Request("d", list(range(13)), cache_salt="tenant:acme")) \
+        == a.page_table
+    salts = {request_qos(t, 0.0).cache_salt for t in (
+        Tenant("acme"), Tenant("x", cache_sharing_group="org"),
+        Tenant("y", cache_sharing_group="org"))}
+    assert salts == {"tenant:acme", "group:org"}
+
+
 def test_hash_collision_is_caught_by_token_comparison(monkeypatch):
     monkeypatch.setattr(cache_mod, "hash_page", lambda parent, tokens: b"same")
     kv = KVCacheManager(num_pages=8, page_size=2)

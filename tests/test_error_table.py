@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from jaxserve.errors import (DeadlineExceeded, EngineOverloaded, IdempotencyConflict,
+from jaxserve.errors import (ContentPolicyViolation, DeadlineExceeded, EngineOverloaded, IdempotencyConflict,
                              InvalidRequest, NoChatTemplate, QueueTimeout, RateLimitExceeded,
                              RequestFailed, TokenizerError, Unauthenticated, error_reply,
                              error_status, outcome, retry_after)
@@ -23,6 +23,8 @@ from jaxserve.errors import (DeadlineExceeded, EngineOverloaded, IdempotencyConf
     # a chat to a model without a chat template is the caller's 400, not a 500
     (NoChatTemplate("no template"), 400, "INVALID_ARGUMENT", None),
     (RequestFailed("boom"), 500, "INTERNAL", None),
+    (ContentPolicyViolation("sesame", "messages"), 400, "INVALID_ARGUMENT",
+     "content_policy_violation"),
 ])
 def test_each_error_has_one_status(error, http, grpc, code):
     status = error_status(error)

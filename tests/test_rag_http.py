@@ -37,13 +37,13 @@ def service(tmp_path):
     service.close()
 
 
-def _serve(service, scenario, engine=None, model_name="some-llm"):
+def _serve(service, scenario, engine=None, model_name="some-llm", **config):
     """Run `scenario(session, url)` against a started server, and always stop it. With an
     engine, generation is served too (chat completions with "rag" when there is a service)."""
     from jaxserve.server.http import attach_engine
 
     async def main():
-        app = build_app(ServerConfig(port=0), model_name)
+        app = build_app(ServerConfig(port=0, **config), model_name)
         if service is not None:
             add_rag_routes(app, service)
         if engine is not None:
@@ -93,6 +93,34 @@ def test_collection_lifecycle(service):
         assert await _json(s, "GET", f"{url}/v1/collections") == (200, {"object": "list",
                                                                         "data": []})
     _serve(service, scenario)
+
+
+def test_another_tenants_collection_is_a_404_as_if_missing(service, tmp_path):
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[tenant.alice]\napi_keys = ["sk-a"]\n[tenant.bob]\napi_keys = ["sk-b"]\n')
+
+    async def call(s, method, url, key, body=None):
+        async with s.request(method, url, json=body,
+                             headers={"Authorization": f"Bearer {key}"}) as resp:
+            return resp.status, await resp.json()
+
+    async def scenario(s, url):
+        c = f"{url}/v1/collections"
+        assert (await call(s, "POST", c, "sk-a", {"name": "kb"}))[0] == 201
+        assert (await call(s, "POST", f"{c}/kb/documents", "sk-a", {"documents": DOCS}))[0] == 200
+        search = {"query": "capital", "top_k": 1, "mode": "bm25"}
+        missing = await call(s, "POST", f"{c}/nope/search", "sk-b", search)
+        theirs = await call(s, "POST", f"{c}/kb/search", "sk-b", search)
+        assert missing[0] == 404 and theirs == (404, {"error": {
+            **missing[1]["error"], "message": missing[1]["error"]["message"].replace(
+                "'nope'", "'kb'")}})
+        for method, path, body in (("POST", "/kb/documents", {"documents": DOCS}),
+                                   ("DELETE", "/kb/documents/fr", None), ("DELETE", "/kb", None)):
+            assert (await call(s, method, f"{c}{path}", "sk-b", body))[0] == 404
+        assert (await call(s, "GET", c, "sk-b"))[1]["data"] == []
+        assert [d["name"] for d in (await call(s, "GET", c, "sk-a"))[1]["data"]] == ["kb"]
+        assert (await call(s, "POST", f"{c}/kb/search", "sk-a", search))[0] == 200
+    _serve(service, scenario, tenants_file=str(tenants))
 
 
 def test_errors_are_openai_error_bodies(service):

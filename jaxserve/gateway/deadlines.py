@@ -37,4 +37,12 @@ def request_qos(tenant: Tenant, arrival: float, timeout_s: float | None = None) 
                kv_page_fraction=tenant.kv_page_fraction,
                deadline=arrival + min(limits) if limits else None,
                queue_deadline=(arrival + tenant.max_queue_time_s
-                               if tenant.max_queue_time_s is not None else None))
+                               if tenant.max_queue_time_s is not None else None),
+               cache_salt=cache_salt(tenant))
+
+
+def cache_salt(tenant: Tenant) -> str:
+    """The tenant's prefix cache salt: its sharing group's, else its own."""
+    if tenant.cache_sharing_group is not None:
+        return f"group:{tenant.cache_sharing_group}"
+    return f"tenant:{tenant.name}"

@@ -5,7 +5,7 @@ data, and the answer carries citations. Engine-independent: chat completions cal
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,10 +85,16 @@ def build_rag_messages(messages: Sequence[dict], results: Sequence[SearchResult]
     return messages, citations
 
 
-def augment_chat(service: RagService, messages: Sequence[dict],
-                 rag: RagRequest) -> tuple[list[dict], list[dict]]:
-    """Search `rag.collection` for the last user message and build the augmented messages and
-    citations with the service's prompt template (blocking; raises NotFound / InvalidRequest)."""
+def augment_chat(service: RagService, messages: Sequence[dict], rag: RagRequest,
+                 tenant: str | None = None,
+                 screen: Callable[[list[SearchResult]], list[SearchResult]] | None = None
+                 ) -> tuple[list[dict], list[dict]]:
+    """Search `rag.collection` (one of `tenant`'s) for the last user message and build the
+    augmented messages and citations with the service's prompt template (blocking; raises
+    NotFound / InvalidRequest). `screen` (the content policy's input rules) may drop or redact
+    results first."""
     results = service.search(rag.collection, retrieval_query(messages), rag.top_k, rag.mode,
-                             rag.rerank)
+                             rag.rerank, tenant)
+    if screen is not None:
+        results = screen(results)
     return build_rag_messages(messages, results, service.config.prompt)

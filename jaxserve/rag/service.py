@@ -3,6 +3,12 @@
 The front ends (HTTP routes, gRPC Embed, the CLI) and the chat `rag` option all go through this.
 Its methods block (embedding, SQLite, FAISS): async callers run them in an executor. Constructing
 it is cheap; the encoder loads on first use or at `warmup()`.
+
+A collection belongs to the tenant that created it (its name in the file `owner` of the
+collection's directory; a collection without one, made before owners were kept, is the open
+server's tenant `default`'s). A method given `tenant` acts only on that tenant's collections:
+another's is NotFound, word for word as a missing one, so its existence is not revealed.
+`tenant=None` (the CLI, the Python API) sees every collection.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from jaxserve.rag.documents import Document
 from jaxserve.rag.embedder import Embedder
 from jaxserve.rag.rerank import LateInteractionReranker
 
+_OWNER_FILE = "owner"
+_LEGACY_OWNER = "default"
 # Names become directory names: no separators, no dot-only names, bounded length.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -62,53 +70,66 @@ class RagService:
         if model != self.model_name:
             raise ModelNotFound(f"the embedding model is {self.model_name!r}, not {model!r}")
 
-    def list_collections(self) -> list[str]:
+    def list_collections(self, tenant: str | None = None) -> list[str]:
         if not self._root.is_dir():
             return []
         return sorted(p.name for p in self._root.iterdir()
-                      if p.is_dir() and _NAME.fullmatch(p.name))
+                      if p.is_dir() and _NAME.fullmatch(p.name)
+                      and (tenant is None or self._owner(p) == tenant))
 
-    def create_collection(self, name: str) -> Collection:
+    def create_collection(self, name: str, tenant: str | None = None) -> Collection:
         check_collection_name(name)
         with self._lock:
+            # Taken by another tenant: a 409 too (names are one namespace), naming no owner.
             if (self._root / name).exists():
                 raise AlreadyExists(f"collection {name!r} exists already", param="name")
             (self._root / name).mkdir(parents=True)
-        return self.collection(name)
+            (self._root / name / _OWNER_FILE).write_text(tenant or _LEGACY_OWNER)
+        return self.collection(name, tenant)
 
-    def collection(self, name: str) -> Collection:
-        """An existing collection (opened on first use), or NotFound."""
+    @staticmethod
+    def _owner(directory) -> str:
+        try:
+            return (directory / _OWNER_FILE).read_text()
+        except FileNotFoundError:
+            return _LEGACY_OWNER
+
+    def _directory(self, name: str, tenant: str | None):
+        """The collection's directory (caller holds the lock), or NotFound: missing, or another
+        tenant's."""
         check_collection_name(name)
+        directory = self._root / name
+        if not directory.is_dir() or (tenant is not None and self._owner(directory) != tenant):
+            raise NotFound(f"collection {name!r} does not exist", param="collection")
+        return directory
+
+    def collection(self, name: str, tenant: str | None = None) -> Collection:
+        """An existing collection (opened on first use), or NotFound."""
         embedder = self.embedder
         with self._lock:
+            directory = self._directory(name, tenant)
             if name not in self._open:
-                directory = self._root / name
-                if not directory.is_dir():
-                    raise NotFound(f"collection {name!r} does not exist", param="collection")
                 self._open[name] = Collection(name, directory, embedder, self.config,
                                               LateInteractionReranker(embedder))
             return self._open[name]
 
-    def delete_collection(self, name: str) -> None:
-        check_collection_name(name)
+    def delete_collection(self, name: str, tenant: str | None = None) -> None:
         with self._lock:
-            directory = self._root / name
-            if not directory.is_dir():
-                raise NotFound(f"collection {name!r} does not exist", param="collection")
+            directory = self._directory(name, tenant)
             opened = self._open.pop(name, None)
             if opened is not None:
                 opened.close(save=False)
             shutil.rmtree(directory)
 
-    def upsert(self, name: str, documents: list[Document]) -> int:
-        return self.collection(name).upsert(documents)
+    def upsert(self, name: str, documents: list[Document], tenant: str | None = None) -> int:
+        return self.collection(name, tenant).upsert(documents)
 
-    def delete_document(self, name: str, document_id: str) -> None:
-        self.collection(name).delete(document_id)
+    def delete_document(self, name: str, document_id: str, tenant: str | None = None) -> None:
+        self.collection(name, tenant).delete(document_id)
 
     def search(self, name: str, query: str, top_k: int = 5, mode: str = "hybrid",
-               rerank: bool = False) -> list[SearchResult]:
-        return self.collection(name).search(query, top_k, mode, rerank)
+               rerank: bool = False, tenant: str | None = None) -> list[SearchResult]:
+        return self.collection(name, tenant).search(query, top_k, mode, rerank)
 
     def rerank(self, query: str, documents: list[str]) -> tuple[np.ndarray, int]:
         """(relevance score per document, tokens read): the reranker `search(rerank=True)` uses."""

@@ -101,6 +101,11 @@ class TextFilter:
         return FilterResult("".join(out), self.blocked)
 
     @property
+    def position(self) -> int:
+        """Text before this index is decided (sent or redacted); the rest is held back."""
+        return self._pos
+
+    @property
     def interventions(self) -> list[Intervention]:
         """Every rule that acted so far (a block included), with its number of matches."""
         return [Intervention(r.name, r.action, self._stage, k)

@@ -25,6 +25,7 @@ class CallContext:
     timeout_s: float | None = None  # None: only the tenant's request_timeout_s bounds it
     arrival: float = field(default_factory=time.monotonic)
     transport: str = "http"  # "http" | "grpc" | "batch", for the access log
+    client: str | None = None  # the caller's address, for the audit log
 
 
 def tenant_params(principal: Principal, params: SamplingParams,

@@ -100,7 +100,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.send_initial_metadata(
                 tuple(self.serving.gateway.headers(principal).items()))
             # The call's own deadline is the request's (capped by the tenant's timeout).
-            ctx = CallContext(principal, context.time_remaining(), transport="grpc")
+            ctx = CallContext(principal, context.time_remaining(), transport="grpc",
+                              client=context.peer())
             gen = await self.serving.prepare_async("completion", completion_body(request), ctx)
         except JaxServeError as e:
             self._count(tenant, e)

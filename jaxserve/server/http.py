@@ -31,9 +31,10 @@ from jaxserve.server import protocol
 from jaxserve.server.admission import CallContext
 from jaxserve.server import response_models as out
 from jaxserve.server.json_body import LIMITS_KEY, parse_body, read_json
-from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.metrics import CONTENT_TYPE, PolicyMetrics, ServerMetrics
 from jaxserve.server.openai_serving import Generation, OpenAIServing
 from jaxserve.server.openapi import ROUTES_KEY, Route, add_routes, openapi_document
+from jaxserve.server.request_policy import RequestPolicy
 from jaxserve.server.request_models import DetokenizeRequest, request_models
 from jaxserve.server.responses_api import ResponseEvents, ResponseObject, chat_body, rename_param
 from jaxserve.server.validation import validate
@@ -54,6 +55,10 @@ class _State:
         self.idempotency = IdempotencyStore(config.idempotency_ttl_s)
         self.serving: OpenAIServing | None = None
         self.metrics = ServerMetrics(self._stats, self._counters)
+        # Read at build time too: a bad policy file or audit directory fails the start.
+        self.policy = RequestPolicy.open(config.policy_file, config.audit_log_dir,
+                                         PolicyMetrics(self.metrics.registry),
+                                         self.gateway.tenants.tenants.values())
         self.shutting_down = False  # set on SIGTERM: not ready while in-flight requests drain
         self.openapi: dict | None = None  # built on first request, once every route is added
 
@@ -70,7 +75,8 @@ class _State:
         self.serving = OpenAIServing(engine, self.model_name, self.metrics,
                                      self.config.log_prompts, rag,
                                      self.config.max_queued_requests, self.config.limits,
-                                     self.config.tool_call_parser, self.gateway, pricing, fleet)
+                                     self.config.tool_call_parser, self.gateway, pricing, fleet,
+                                     self.policy)
 
     def require_serving(self) -> OpenAIServing:
         if self.serving is None:
@@ -87,6 +93,9 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
                 "X-Accel-Buffering": "no"}
 
 
+def caller(request: web.Request) -> Principal:
+    """Who sent a request on a keyed route (set by the front door before any handler runs)."""
+    return request[_PRINCIPAL]
 
 
 def _error_status(exc: Exception) -> tuple[int, dict]:
@@ -151,7 +160,8 @@ async def _ratelimit_headers(request: web.Request, response: web.StreamResponse)
 def _context(request: web.Request) -> CallContext:
     """Who calls and the deadline asked (X-Request-Timeout), read once from the headers."""
     return CallContext(request[_PRINCIPAL],
-                       deadlines.parse_timeout(request.headers.get(deadlines.HEADER)))
+                       deadlines.parse_timeout(request.headers.get(deadlines.HEADER)),
+                       client=request.remote)
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
@@ -166,6 +176,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     fingerprint = idempotency.fingerprint(request.path.encode() + b"\n" + await request.read())
     stored = state.idempotency.begin(tenant, key, fingerprint)
     if stored is not None:  # the model does not run again
+        if serving.policy is not None:
+            serving.policy.record(request_id=protocol.new_id("replay"), kind=kind, ctx=ctx,
+                                  error=None, model=serving.model_name, idempotent_replay=True)
         return await _replay(request, stored)
     try:
         return await _run(request, serving, kind, body, ctx, functools.partial(
@@ -469,6 +482,13 @@ def serving_of(app: web.Application) -> OpenAIServing:
 def begin_shutdown(app: web.Application) -> None:
     """/ready answers 503 from now on, so balancers stop sending while requests drain."""
     app[STATE_KEY].shutting_down = True
+
+
+def close_app(app: web.Application) -> None:
+    """After the last request: flush the audit log, stop the policy's classifiers."""
+    policy = app[STATE_KEY].policy
+    if policy is not None:
+        policy.close()
 
 
 async def start_server(app: web.Application, host: str, port: int,

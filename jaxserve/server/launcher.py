@@ -106,10 +106,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="retrieval collections live here (default: the jaxserve cache's rag/)")
     parser.add_argument("--no-rag", action="store_true",
                         help="serve generation only: no embeddings, collections or chat 'rag'")
+    add_policy_arguments(parser)
     parser.add_argument("--ssl-certfile", type=Path, default=None,
                         help="serve HTTPS and gRPC over TLS with this PEM certificate (chain)")
     parser.add_argument("--ssl-keyfile", type=Path, default=None,
                         help="the PEM private key of --ssl-certfile")
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    """--policy and --audit-log (serve and batch alike)."""
+    parser.add_argument("--policy", type=Path, default=None, metavar="FILE",
+                        help="content policy packs (TOML; README 'Content policy'): a tenant uses "
+                             "its `policy` pack, others the pack `default` (default: none)")
+    parser.add_argument("--audit-log", type=Path, default=None, metavar="DIR",
+                        help="write one hash-chained JSON line per request to DIR (README 'Audit "
+                             "log'; check it with `jaxserve audit verify DIR`)")
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -123,7 +134,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         shutdown_timeout=args.shutdown_timeout,
                         tool_call_parser=args.tool_call_parser,
                         tenants_file=str(args.tenants) if args.tenants else None,
-                        idempotency_ttl_s=args.idempotency_ttl)
+                        idempotency_ttl_s=args.idempotency_ttl,
+                        policy_file=str(args.policy) if args.policy else None,
+                        audit_log_dir=str(args.audit_log) if args.audit_log else None)
 
 
 def _exit_now(code: int) -> None:
@@ -230,7 +243,7 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
 
 async def _shutdown(app, runner, grpc_server, engine, timeout: float) -> bool:
     """Drain, abort, stop the engine; True if its thread would not stop (it is wedged)."""
-    from jaxserve.server.http import begin_shutdown
+    from jaxserve.server.http import begin_shutdown, close_app
 
     begin_shutdown(app)
     # Both front ends at once: listeners close, requests get `timeout`, then are cancelled and
@@ -240,6 +253,7 @@ async def _shutdown(app, runner, grpc_server, engine, timeout: float) -> bool:
         await asyncio.wait_for(asyncio.gather(*drains), timeout + _ENGINE_STOP_S)
     except asyncio.TimeoutError:
         log.warning("requests were still open after the %.0f s drain", timeout)
+    close_app(app)  # after the drain: every request's audit record is queued, now written
     if engine is None or engine.shutdown(_ENGINE_STOP_S):
         return False
     log.error("the engine thread did not stop (a step that never returns); its stack:\n%s",

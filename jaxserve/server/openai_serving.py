@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator
 
 from jaxserve.config import RequestLimits
 from jaxserve.errors import (ContextLengthExceeded, EngineDead, EngineOverloaded, InvalidRequest,
-                             outcome, version_fault)
+                             JaxServeError, outcome, version_fault)
 from jaxserve.fleet.fleet import Fleet
 from jaxserve.fleet.versions import Lease
 from jaxserve.gateway import Admission, Gateway
@@ -146,13 +146,14 @@ class Generation:
     def __init__(self, serving: "OpenAIServing", gen_id: str, parsed: protocol.ParsedRequest,
                  prepared: list, admission: Admission, ctx: CallContext, lease: Lease,
                  citations: list[dict] | None = None,
-                 tool_output: ToolCallOutput | None = None):
+                 tool_output: ToolCallOutput | None = None, screening=None):
         self.serving = serving
         self.lease = lease  # the version chosen for this request (and its shadow copies)
         self.version = lease.version
         self.engine = lease.version.engine
         self.route = lease.route or ""  # "": the version was addressed by name
         self.tool_output = tool_output or ToolCallOutput(None)
+        self.screening = screening  # request_policy.Screening, or None: no policy, no audit
         self.citations = citations  # retrieval-augmented chat: what the prompt was given
         self.parsed = parsed
         self.chat = parsed.kind == "chat"
@@ -211,7 +212,18 @@ class Generation:
                          self.version.pricing)
 
     def streams(self) -> AsyncIterator[tuple[int, Any]]:
-        return merge_streams([self.engine.generate(prepared=p) for p in self.prepared])
+        return merge_streams([self._until_finished(i, self.engine.generate(prepared=p))
+                              for i, p in enumerate(self.prepared)])
+
+    async def _until_finished(self, index: int, stream: AsyncIterator) -> AsyncIterator:
+        """Prompt `index`'s engine stream, closed (so the engine request is aborted and its
+        pages freed) once every choice of it has ended here: the policy ends a choice before
+        the engine does."""
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                yield out
+                if all(index * self.n + j in self.finish_reasons for j in range(self.n)):
+                    return
 
     async def deltas(self) -> AsyncIterator[tuple[int, str, list[int], Any, str | None]]:
         """(choice, new text, new token ids, new logprobs, finish_reason) as the engine produces
@@ -237,6 +249,8 @@ class Generation:
                 out.metrics.first_scheduled_time - out.metrics.arrival_time)
         for comp in out.outputs:
             choice = stream_index * self.n + comp.index
+            if choice in self.finish_reasons:  # ended (by the engine or by the policy)
+                continue
             t0, k0 = self.sent_text.get(choice, 0), self.sent_tokens.get(choice, 0)
             text, ids = comp.text[t0:], list(comp.token_ids[k0:])
             if ids and metrics is not None:
@@ -257,8 +271,13 @@ class Generation:
             self.sent_text[choice], self.sent_tokens[choice] = len(comp.text), len(comp.token_ids)
             self.completion_tokens[choice] = len(comp.token_ids)
             finish = None
-            if comp.finish_reason is not None and choice not in self.finish_reasons:
+            if comp.finish_reason is not None:
                 finish = self.finish_reasons[choice] = comp.finish_reason
+            if self.screening is not None:
+                text, ids, logprobs, blocked = self.screening.output(
+                    choice, comp.text, text, ids, logprobs, comp.finish_reason is not None)
+                if blocked:  # OpenAI's value; _until_finished stops the engine request
+                    finish = self.finish_reasons[choice] = "content_filter"
             if text or ids or finish:
                 result.append((choice, text, ids, logprobs, finish))
         return result
@@ -410,8 +429,17 @@ class Generation:
             "total_s": round(end - self.arrival, 4),
             "finish_reasons": sorted(set(self.finish_reasons.values())), "status": status}
         if self.serving.log_prompts:  # off by default: prompts may hold what users keep private
-            record["prompt"] = self.parsed.prompts
+            record["prompt"] = (self.parsed.prompts if self.screening is None else
+                                [self.screening.redact_pii(t)
+                                 for t in self.screening.prompt_texts])
         access_log.info(json.dumps(record))
+        if self.serving.policy is not None:
+            self.serving.policy.record(
+                request_id=self.id, kind=self.parsed.kind, ctx=self.ctx, error=error,
+                model=self.serving.model_name, prompt_tokens=self.prompt_tokens,
+                completion_tokens=completion, cost=usage.get("cost"),
+                finish_reasons=[self.finish_reasons.get(i, "") for i in range(self.num_choices)],
+                screening=self.screening)
 
 
 class OpenAIServing:
@@ -425,7 +453,7 @@ class OpenAIServing:
                  rag=None, max_queued_requests: int | None = None,
                  limits: RequestLimits = RequestLimits(), tool_call_parser: str = "hermes",
                  gateway: Gateway | None = None, pricing: Pricing | None = None,
-                 fleet: Fleet | None = None):
+                 fleet: Fleet | None = None, policy=None):
         if fleet is None:
             fleet = (Fleet.of_engine(model_name, engine, pricing=pricing) if engine is not None
                      else Fleet.empty())
@@ -433,6 +461,7 @@ class OpenAIServing:
         self.engine = engine  # the one engine of a --model server; None with a deployment
         # ConfigError at start for an unknown name; "hermes" matches the built-in tool prompt.
         self.tool_parser = get_tool_parser(tool_call_parser)
+        self.policy = policy  # a request_policy.RequestPolicy, or None: no policy, no audit
         self.model_name = model_name
         self.metrics = metrics
         self.log_prompts = log_prompts
@@ -461,10 +490,20 @@ class OpenAIServing:
 
     async def prepare_async(self, kind: str, body: Any, ctx: CallContext) -> Generation:
         """Everything that can fail before generation starts: a failure here is the client's
-        4xx (or 503 when the engine cannot take it), and takes nothing from its tenant. A chat
+        4xx (or 503 when the engine cannot take it), takes nothing from its tenant, and is
+        audited. The tenant's input rules run first (a classifier in its executor). A chat
         with "rag" has its collection searched for the last user message (in an executor:
         embedding and search block) and the results put into the prompt; the response then
         carries "citations"."""
+        try:
+            return await self._prepare_leased(kind, body, ctx)
+        except JaxServeError as e:
+            if self.policy is not None:
+                self.policy.record(request_id=protocol.new_id("req"), kind=kind, ctx=ctx,
+                                   error=e, model=self.model_name)
+            raise
+
+    async def _prepare_leased(self, kind: str, body: Any, ctx: CallContext) -> Generation:
         parsed = self._parse(kind, body, ctx)
         lease = self.fleet.select(parsed.model, user=parsed.user, api_key=ctx.principal.key_id)
         try:
@@ -478,6 +517,10 @@ class OpenAIServing:
         defaults = lease.version.generation_defaults
         if defaults:  # parsed again: the defaults go through the same checks as the body
             parsed = self._parse_body(kind, with_defaults(body, kind, defaults))
+        screening = None
+        if self.policy is not None:
+            parsed, screening = await self.policy.screen(parsed, ctx.principal.tenant,
+                                                         lease.version.engine.tokenizer.decode)
         citations = None
         if parsed.rag is not None:
             if self.rag is None:
@@ -487,13 +530,14 @@ class OpenAIServing:
 
             rag = parse_rag_request(parsed.rag, self.rag.config.search.max_top_k)
             messages, citations = await asyncio.get_running_loop().run_in_executor(
-                None, augment_chat, self.rag, parsed.prompts[0], rag)
+                None, augment_chat, self.rag, parsed.prompts[0], rag, ctx.principal.tenant.name,
+                screening.screen_chunks if screening is not None else None)
             parsed = dataclasses.replace(parsed, prompts=[messages])
         parsed, tool_output = self._tools(parsed)
         if parsed.sampling_params.structured_outputs is not None:  # its grammar compiles
             return await asyncio.get_running_loop().run_in_executor(
-                None, self._start, parsed, ctx, lease, citations, tool_output)
-        return self._start(parsed, ctx, lease, citations, tool_output)
+                None, self._start, parsed, ctx, lease, citations, tool_output, screening)
+        return self._start(parsed, ctx, lease, citations, tool_output, screening)
 
     def _parse_body(self, kind: str, body: Any) -> protocol.ParsedRequest:
         parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
@@ -507,7 +551,8 @@ class OpenAIServing:
         return parsed
 
     def _start(self, parsed: protocol.ParsedRequest, ctx: CallContext, lease: Lease,
-               citations: list[dict] | None, tool_output: ToolCallOutput) -> Generation:
+               citations: list[dict] | None, tool_output: ToolCallOutput,
+               screening=None) -> Generation:
         engine = lease.version.engine
         prompt_ids = [self.prompt_ids(engine.tokenizer, parsed, p) for p in parsed.prompts]
         params = self._fit_context(engine, parsed, prompt_ids)
@@ -525,7 +570,7 @@ class OpenAIServing:
                                     [f"{gen_id}-{i}" for i in range(len(prompt_ids))],
                                     prompt_ids, params, self.max_queued_requests)
         return Generation(self, gen_id, parsed, prepared, admission, ctx, lease, citations,
-                          tool_output)
+                          tool_output, screening)
 
     def _tools(self, parsed: protocol.ParsedRequest
                ) -> tuple[protocol.ParsedRequest, ToolCallOutput]:

@@ -6,6 +6,9 @@ serves), and collections (documents, search).
 collection or document 404, existing collection 409, bad arguments 400. Every call into the
 service (embedding, SQLite, FAISS) runs in the default executor so the event loop keeps serving
 other requests, token streams included.
+
+Collections belong to the caller's tenant (RagService): another tenant's is a 404, as if it did
+not exist, and `GET /v1/collections` lists only the caller's.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from jaxserve.rag.collection import check_search_args
 from jaxserve.rag.documents import parse_documents
 from jaxserve.rag.service import RagService, check_collection_name
 from jaxserve.server import response_models as out
+from jaxserve.server.http import caller
 from jaxserve.server.json_body import parse_body
 from jaxserve.server.openapi import Route, add_routes
 from jaxserve.server.request_models import (CreateCollectionRequest, EmbeddingRequest,
@@ -30,10 +34,14 @@ from jaxserve.server.request_models import (CreateCollectionRequest, EmbeddingRe
 RAG_KEY = web.AppKey("rag", RagService)
 
 
-async def _call(request: web.Request, method: str, *args):
+async def _call(request: web.Request, method: str, *args, **kwargs):
     service = request.app[RAG_KEY]
     return await asyncio.get_running_loop().run_in_executor(
-        None, functools.partial(getattr(service, method), *args))
+        None, functools.partial(getattr(service, method), *args, **kwargs))
+
+
+def _tenant(request: web.Request) -> str:
+    return caller(request).tenant.name
 
 
 async def embeddings(request: web.Request) -> web.Response:
@@ -84,13 +92,15 @@ async def rerank(request: web.Request) -> web.Response:
 
 async def create_collection(request: web.Request) -> web.Response:
     body = await parse_body(request, CreateCollectionRequest)
-    collection = await _call(request, "create_collection", body.name)
+    collection = await _call(request, "create_collection", body.name, _tenant(request))
     return web.json_response(collection.info(), status=201)
 
 
 async def list_collections(request: web.Request) -> web.Response:
+    tenant = _tenant(request)
+
     def infos(service: RagService) -> list[dict]:
-        return [service.collection(name).info() for name in service.list_collections()]
+        return [service.collection(name).info() for name in service.list_collections(tenant)]
 
     data = await asyncio.get_running_loop().run_in_executor(None, infos, request.app[RAG_KEY])
     return web.json_response({"object": "list", "data": data})
@@ -98,7 +108,7 @@ async def list_collections(request: web.Request) -> web.Response:
 
 async def delete_collection(request: web.Request) -> web.Response:
     name = check_collection_name(request.match_info["name"])
-    await _call(request, "delete_collection", name)
+    await _call(request, "delete_collection", name, _tenant(request))
     return web.json_response({"name": name, "deleted": True})
 
 
@@ -106,14 +116,14 @@ async def upsert_documents(request: web.Request) -> web.Response:
     name = check_collection_name(request.match_info["name"])
     body = await parse_body(request, UpsertDocumentsRequest)
     docs = parse_documents([d.model_dump(exclude_none=True) for d in body.documents])
-    chunks = await _call(request, "upsert", name, docs)
+    chunks = await _call(request, "upsert", name, docs, _tenant(request))
     return web.json_response({"collection": name, "documents": len(docs), "chunks": chunks})
 
 
 async def delete_document(request: web.Request) -> web.Response:
     name = check_collection_name(request.match_info["name"])
     document_id = request.match_info["document_id"]
-    await _call(request, "delete_document", name, document_id)
+    await _call(request, "delete_document", name, document_id, _tenant(request))
     return web.json_response({"id": document_id, "deleted": True})
 
 
@@ -124,7 +134,8 @@ async def search(request: web.Request) -> web.Response:
     top_k = 5 if body.top_k is None else body.top_k
     mode, rerank = body.mode or "hybrid", bool(body.rerank)
     check_search_args(body.query, top_k, mode, service.config.search.max_top_k, rerank)
-    results = await _call(request, "search", name, body.query, top_k, mode, rerank)
+    results = await _call(request, "search", name, body.query, top_k, mode, rerank,
+                          _tenant(request))
     return web.json_response({"results": [r.to_dict() for r in results]})
 
 
