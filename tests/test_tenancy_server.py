@@ -243,11 +243,17 @@ def test_idempotent_replay_conflict_and_mismatch(server):
 @pytest.mark.slow
 def test_deadline_504_before_bytes_and_error_event_mid_stream(server):
     url = server.url
+    # The one seat is taken, so these queue (an idle engine may start a request within 1 ms).
+    blocker, _ = in_thread(lambda: post(f"{url}/v1/completions", LONG, "sk-alice",
+                                        X_Request_Timeout="4"))
+    wait_for(lambda: server.engine.stats().num_running == 1, "the long request to run")
     for stream in (False, True):  # expired before it could start: a plain 504 either way
         r = post(f"{url}/v1/completions", {**LONG, "stream": stream}, "sk-alice",
                  X_Request_Timeout="0.001")
         assert r.status_code == 504, r.text
         assert r.json()["error"]["code"] == "deadline_exceeded"
+    blocker.join()
+    server.idle()
     r = post(f"{url}/v1/completions", LONG, "sk-alice", X_Request_Timeout="soon")
     assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Timeout"
     # a stream that started ends with one error event, then [DONE]; its pages come back
