@@ -7,7 +7,7 @@ against them, so a handler that drifts from its description fails there.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,7 +16,9 @@ class Reply(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-FinishReason = Literal["stop", "length", "tool_calls", "abort"] | None
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "abort"] | None
+Fingerprint = Annotated[str | None, Field(description=(
+    "The answering model version's manifest id (null for a model served without one)"))]
 
 
 class Usage(Reply):
@@ -88,8 +90,7 @@ class ChatCompletion(Reply):
     object: Literal["chat.completion"]
     created: int
     model: str
-    system_fingerprint: str | None = Field(None, description=(
-        "The answering model version's manifest id (null for a model served without one)"))
+    system_fingerprint: Fingerprint = None
     choices: list[ChatChoice]
     usage: Usage
     citations: list[Citation] | None = None
@@ -117,8 +118,7 @@ class ChatCompletionChunk(Reply):
     object: Literal["chat.completion.chunk"]
     created: int
     model: str
-    system_fingerprint: str | None = Field(None, description=(
-        "The answering model version's manifest id (null for a model served without one)"))
+    system_fingerprint: Fingerprint = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     citations: list[Citation] | None = None
@@ -143,8 +143,7 @@ class Completion(Reply):
     object: Literal["text_completion"]
     created: int
     model: str
-    system_fingerprint: str | None = Field(None, description=(
-        "The answering model version's manifest id (null for a model served without one)"))
+    system_fingerprint: Fingerprint = None
     choices: list[CompletionChoice]
     usage: Usage
 
@@ -156,8 +155,7 @@ class CompletionChunk(Reply):
     object: Literal["text_completion"]
     created: int
     model: str
-    system_fingerprint: str | None = Field(None, description=(
-        "The answering model version's manifest id (null for a model served without one)"))
+    system_fingerprint: Fingerprint = None
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
