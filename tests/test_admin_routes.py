@@ -36,7 +36,7 @@ def tiny_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     hashes = FileHashCache(tmp_path_factory.mktemp("hashes") / "hashes.json")
-    fleet = Fleet(EngineLoader(strict_compile=True, hashes=hashes))
+    fleet = Fleet(EngineLoader(strict_compile=True, hashes=hashes, stall_timeout=7.5))
     yield fleet
     fleet.shutdown()
 
@@ -105,6 +105,7 @@ def test_load_route_serve_rollback_and_unload(fleet, tiny_path, tmp_path):
         assert v2["pricing"] == {"prompt_per_1m": 1.0, "completion_per_1m": 2.0}
         runner = fleet._versions["v1"].engine.engine.runner
         assert runner._warm and runner.strict
+        assert fleet._versions["v1"].engine.stall_timeout == 7.5  # serve --engine-stall-timeout
 
         # bad loads: the field named; an unknown model 404; a taken name 409; too big 409
         for body, status, param in (

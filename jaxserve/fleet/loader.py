@@ -36,8 +36,10 @@ class EngineLoader:
     """One LLMEngine + AsyncEngine per version, on the default device."""
 
     def __init__(self, *, strict_compile: bool = False, progress: bool = False,
-                 hashes: FileHashCache | None = None):
+                 hashes: FileHashCache | None = None, stall_timeout: float | None = 60.0):
+        """stall_timeout: each version's AsyncEngine's (`serve --engine-stall-timeout`)."""
         self.strict_compile = strict_compile
+        self.stall_timeout = stall_timeout
         self.progress = progress
         self.hashes = hashes or FileHashCache()
 
@@ -62,7 +64,8 @@ class EngineLoader:
             progress=self.progress,
             **{**dict(spec.engine_args), "num_pages": prepared.memory.num_pages})
         manifest = build_manifest(prepared.detail, engine.tokenizer.chat_template, self.hashes)
-        return Loaded(AsyncEngine(engine), manifest, engine.load_seconds, engine.compile_seconds)
+        return Loaded(AsyncEngine(engine, stall_timeout=self.stall_timeout), manifest,
+                      engine.load_seconds, engine.compile_seconds)
 
     def unload(self, engine) -> None:
         engine.shutdown()

@@ -284,7 +284,8 @@ def _start_fleet(args: argparse.Namespace):
     from jaxserve.fleet.fleet import Fleet
     from jaxserve.fleet.loader import EngineLoader
 
-    return Fleet.from_deployment(args.deployment, EngineLoader(progress=True))
+    return Fleet.from_deployment(args.deployment, EngineLoader(
+        progress=True, stall_timeout=args.engine_stall_timeout))
 
 
 def _one_version_fleet(args: argparse.Namespace, name: str, engine):
@@ -300,7 +301,8 @@ def _one_version_fleet(args: argparse.Namespace, name: str, engine):
     spec = VersionSpec(name, args.model, args.dtype, tuple(sorted(engine_args(args).items())))
     return Fleet.of_engine(name, engine, manifest=manifest_of(spec),
                            pricing=pricing_for(args.model),
-                           loader=EngineLoader() if args.admin_key is not None else None)
+                           loader=(EngineLoader(stall_timeout=args.engine_stall_timeout)
+                                   if args.admin_key is not None else None))
 
 
 def _fleet_times(fleet) -> tuple[float, float]:
