@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator
 
 from jaxserve.config import RequestLimits
 from jaxserve.errors import (ContextLengthExceeded, EngineDead, EngineOverloaded, InvalidRequest,
-                             JaxServeError, outcome, version_fault)
+                             outcome, version_fault)
 from jaxserve.fleet.fleet import Fleet
 from jaxserve.fleet.versions import Lease
 from jaxserve.gateway import Admission, Gateway
@@ -436,7 +436,8 @@ class Generation:
         if self.serving.policy is not None:
             self.serving.policy.record(
                 request_id=self.id, kind=self.parsed.kind, ctx=self.ctx, error=error,
-                model=self.serving.model_name, prompt_tokens=self.prompt_tokens,
+                model=self.parsed.model, version=self.version.name,
+                prompt_tokens=self.prompt_tokens,
                 completion_tokens=completion, cost=usage.get("cost"),
                 finish_reasons=[self.finish_reasons.get(i, "") for i in range(self.num_choices)],
                 screening=self.screening)
@@ -494,22 +495,24 @@ class OpenAIServing:
         audited. The tenant's input rules run first (a classifier in its executor). A chat
         with "rag" has its collection searched for the last user message (in an executor:
         embedding and search block) and the results put into the prompt; the response then
-        carries "citations"."""
+        carries "citations".
+
+        A request that fails here (or whose caller leaves meanwhile) gets its one audit
+        record here, naming the version chosen if it got that far; an admitted one gets it
+        from its Generation when it ends."""
+        parsed = lease = None
         try:
-            return await self._prepare_leased(kind, body, ctx)
-        except JaxServeError as e:
+            parsed = self._parse(kind, body, ctx)
+            lease = self.fleet.select(parsed.model, user=parsed.user,
+                                      api_key=ctx.principal.key_id)
+            return await self._prepare(kind, body, parsed, ctx, lease)
+        except BaseException as e:
+            if lease is not None:
+                lease.__exit__(None, None, None)  # releases it and its shadow copies
             if self.policy is not None:
                 self.policy.record(request_id=protocol.new_id("req"), kind=kind, ctx=ctx,
-                                   error=e, model=self.model_name)
-            raise
-
-    async def _prepare_leased(self, kind: str, body: Any, ctx: CallContext) -> Generation:
-        parsed = self._parse(kind, body, ctx)
-        lease = self.fleet.select(parsed.model, user=parsed.user, api_key=ctx.principal.key_id)
-        try:
-            return await self._prepare(kind, body, parsed, ctx, lease)
-        except BaseException:
-            lease.__exit__(None, None, None)  # releases it and its shadow copies
+                                   error=e, model=parsed.model if parsed is not None else None,
+                                   version=lease.version.name if lease is not None else None)
             raise
 
     async def _prepare(self, kind: str, body: Any, parsed: protocol.ParsedRequest,
