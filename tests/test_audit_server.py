@@ -5,8 +5,9 @@ route, a version by name, gRPC, the batch runner); every request to a generation
 exactly one record, those refused before they were parsed too (a missing or wrong key, a body
 that is not JSON or too deep), with the wrong key's id and never the key; /v1/responses is
 recorded under its own route; a `jaxserve.safety.Classifier` named by dotted path in the policy
-file flags, blocks, and blocks on its timeout (fail closed); and `jaxserve audit verify` passes
-on the run's records (the last test: it flushes the log)."""
+file flags, blocks, and blocks on its timeout (fail closed); with n > 1 a choice the output
+filter ends has its engine sequence ended at once while its sibling goes on; and `jaxserve
+audit verify` passes on the run's records (the last test: it flushes the log)."""
 
 from __future__ import annotations
 
@@ -26,13 +27,21 @@ from jaxserve.gateway.keys import key_id
 from jaxserve.gateway.tenants import hash_key
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
+from jaxserve.sampling import SamplingParams
 from jaxserve.server.grpc import start_grpc_server
 from jaxserve.server.http import STATE_KEY, attach_engine, close_app, serving_of
 from tests.test_cli import tiny_gguf
 from tests.test_engine import assert_no_leaks
 from tests.test_server import ServerThread, _request, wait_for
 
-TENANTS = '[tenant.alice]\napi_keys = ["sk-alice"]\n'
+TENANTS = """
+[tenant.alice]
+api_keys = ["sk-alice"]
+
+[tenant.bob]
+api_keys = ["sk-bob"]
+policy = "filtered"
+"""
 # A slow call sleeps 3 s against a 1 s timeout; two workers, so the call after it is not
 # queued behind the sleeping one.
 POLICY = """
@@ -60,6 +69,26 @@ threshold = 0.5
 action = "flag"
 """
 ALICE = {"Authorization": "Bearer sk-alice"}
+# Two seeded choices: the fixture runs it on the engine first and blocks (pack "filtered", bob's)
+# a piece of choice 0's text that choice 1's lacks.
+PROBE = {"prompt": list(range(300, 330)), "n": 2, "max_tokens": 24, "seed": 7,
+         "temperature": 1.0, "ignore_eos": True}
+
+
+def word_of_choice_0(llm: LLMEngine) -> str:
+    """Three letters whose first occurrence is a third or more into the probe's choice 0 and
+    which choice 1 lacks (seeded: the server's run draws the same tokens)."""
+    llm.add_request("probe", {"prompt_token_ids": PROBE["prompt"]}, SamplingParams(
+        n=2, max_tokens=24, seed=7, temperature=1.0, ignore_eos=True))
+    while llm.has_unfinished():
+        outs = [o for o in llm.step() if o.finished]
+        final = outs[0] if outs else None
+    first, second = (c.text.lower() for c in final.outputs)
+    for k in range(len(first) // 3, len(first) - 3):
+        word = first[k:k + 3]
+        if word.isascii() and word.isalpha() and first.find(word) == k and word not in second:
+            return word
+    raise AssertionError(f"no word of {first!r} is missing from {second!r}")
 
 
 def chat(model: str, content: str = "Hello") -> dict:
@@ -70,12 +99,19 @@ def chat(model: str, content: str = "Hello") -> dict:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_tokenizer_fields):
     d = tmp_path_factory.mktemp("audit")
-    (d / "policy.toml").write_text(POLICY)
     (d / "tenants.toml").write_text(TENANTS)
     path = tiny_gguf(d / "tiny.gguf", smollm2_tokenizer_fields, max_position_embeddings=256)
     llm = LLMEngine.from_model(str(path), num_pages=48, max_num_seqs=4,
                                max_num_batched_tokens=64, max_model_len=256,
                                strict_compile=True, progress=False)
+    (d / "policy.toml").write_text(POLICY + f"""
+[[pack.filtered.rule]]
+name = "word"
+stage = "output"
+match = "literal"
+pattern = "{word_of_choice_0(llm)}"
+action = "block"
+""")
     engine = AsyncEngine(llm)
     fleet = Fleet.of_engine("v-a", engine)
     fleet.adopt(VersionSpec("v-b", "tiny"), engine)
@@ -203,6 +239,25 @@ def test_a_classifier_from_the_policy_file_flags_blocks_and_fails_closed(server)
                 "count": 1}])]
 
 
+def test_a_choice_the_filter_ends_frees_its_sequence_while_its_sibling_goes_on(server,
+                                                                             monkeypatch):
+    ended = []
+    abort_sequence = server.engine.abort_sequence
+
+    async def spy(request_id, index):
+        ended.append(index)
+        await abort_sequence(request_id, index)
+    monkeypatch.setattr(server.engine, "abort_sequence", spy)
+    r = post(server, "/v1/completions", {"model": "v-a", **PROBE},
+             headers={"Authorization": "Bearer sk-bob"})
+    assert r.status_code == 200, r.text
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["content_filter", "length"]
+    assert ended == [0]  # choice 0's sequence alone, while choice 1 still ran
+    wait_for(lambda: not server.llm.has_unfinished()
+             and server.engine.stats().pages_in_use == 0, "the engine to go idle")
+    assert_no_leaks(server.llm)
+
+
 def test_audit_log_of_the_run_verifies(server, capsys):
     """Last: the earlier tests' requests are the run."""
     from jaxserve.cli import main
@@ -213,4 +268,4 @@ def test_audit_log_of_the_run_verifies(server, capsys):
     assert capsys.readouterr().out.startswith("ok: ")
     raw = b"".join(p.read_bytes() for p in (server.dir / "audit").glob("audit-*.jsonl"))
     assert b"sk-wrong" not in raw and b"sk-alice" not in raw
-    assert count == 5 + 7 + 1 + 3
+    assert count == 5 + 7 + 1 + 3 + 1

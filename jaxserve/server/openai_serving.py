@@ -218,12 +218,19 @@ class Generation:
     async def _until_finished(self, index: int, stream: AsyncIterator) -> AsyncIterator:
         """Prompt `index`'s engine stream, closed (so the engine request is aborted and its
         pages freed) once every choice of it has ended here: the policy ends a choice before
-        the engine does."""
+        the engine does. A choice it ends while its siblings go on (n > 1) has its engine
+        sequence ended alone, so its pages return at once too."""
+        stopped: set[int] = set()
         async with contextlib.aclosing(stream):
             async for out in stream:
                 yield out
                 if all(index * self.n + j in self.finish_reasons for j in range(self.n)):
                     return
+                for comp in out.outputs:
+                    if comp.finish_reason is None and comp.index not in stopped \
+                            and index * self.n + comp.index in self.finish_reasons:
+                        stopped.add(comp.index)
+                        await self.engine.abort_sequence(self.request_ids[index], comp.index)
 
     async def deltas(self) -> AsyncIterator[tuple[int, str, list[int], Any, str | None]]:
         """(choice, new text, new token ids, new logprobs, finish_reason) as the engine produces
