@@ -162,18 +162,22 @@ def test_each_record_names_the_version_that_answered(server, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
                                "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 2}})
-                   + "\n")
+                   + "\n" + json.dumps({"custom_id": "b", "url": "/v1/completions", "body": 1})
+                   + "\n")  # malformed: refused before the serving layer, recorded all the same
     gateway, principal = batch_gateway(server.dir / "tenants.toml", "alice")
     asyncio.run_coroutine_threadsafe(
         answer_items(server.engine, "tiny", read_input(inp), out, gateway, principal,
                      serving_of(server.app).policy), server.loop).result(120)
     records = all_records(server)[before:]
-    assert [(r["route"], r["status_code"], r["model"], r["version"]) for r in records] == [
+    assert [(r["route"], r["status_code"], r["model"], r["version"]) for r in records[:4]] == [
         ("/v1/chat/completions", 200, "v-a", "v-a"),
         ("/v1/completions", 200, "only-b", "v-b"),  # the route's version
         ("/v1/chat/completions", 404, "v-c", None),  # no version was chosen
-        ("grpc:Generate", 200, "v-b", "v-b"),
-        ("batch:/v1/completions", 200, "tiny", "tiny")]  # the batch runner's one version
+        ("grpc:Generate", 200, "v-b", "v-b")]
+    assert sorted((r["route"], r["status_code"], r["model"], r["version"])
+                  for r in records[4:]) == [  # the batch runner's one version; its bad line
+        ("batch:/v1/completions", 200, "tiny", "tiny"),
+        ("batch:/v1/completions", 400, None, None)]
     assert {r["tenant"] for r in records} == {"alice"}
 
 
@@ -268,4 +272,4 @@ def test_audit_log_of_the_run_verifies(server, capsys):
     assert capsys.readouterr().out.startswith("ok: ")
     raw = b"".join(p.read_bytes() for p in (server.dir / "audit").glob("audit-*.jsonl"))
     assert b"sk-wrong" not in raw and b"sk-alice" not in raw
-    assert count == 5 + 7 + 1 + 3 + 1
+    assert count == 6 + 7 + 1 + 3 + 1
