@@ -217,6 +217,10 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._submit(lambda: self.engine.abort(request_id))
 
+    async def abort_sequence(self, request_id: str, index: int) -> None:
+        """End sequence `index` of the request alone (LLMEngine.abort_sequence)."""
+        self._submit(lambda: self.engine.abort_sequence(request_id, index))
+
     def _submit(self, command: Callable[[], object], request_id: str | None = None,
                 sequences: int = 0) -> None:
         with self._wake:

@@ -40,7 +40,8 @@ class BatchLine:
     custom_id: str | None
     kind: str | None = None
     body: Any = None
-    error: tuple[int, dict] | None = None  # (status_code, OpenAI error body) or None
+    error: InvalidRequest | None = None  # a malformed line: answered with it, never run
+    url: str | None = None  # as the line gave it (a malformed line's audit route)
 
     @property
     def key(self) -> str:
@@ -48,8 +49,8 @@ class BatchLine:
         return f"id:{self.custom_id}" if self.custom_id is not None else f"line:{self.line}"
 
 
-def _invalid(message: str, param: str | None = None) -> tuple[int, dict]:
-    return error_reply(InvalidRequest(message, param))
+def _invalid(message: str, param: str | None = None) -> InvalidRequest:
+    return InvalidRequest(message, param)
 
 
 def parse_line(number: int, text: str) -> BatchLine:
@@ -62,21 +63,24 @@ def parse_line(number: int, text: str) -> BatchLine:
     if not isinstance(obj, dict):
         return BatchLine(number, None, error=_invalid(f"line {number} is not a JSON object"))
     custom_id = obj.get("custom_id")
+    url = obj.get("url") if isinstance(obj.get("url"), str) else None
     if not isinstance(custom_id, str) or not custom_id:
-        return BatchLine(number, None,
+        return BatchLine(number, None, url=url,
                          error=_invalid("'custom_id' is required and must be a non-empty string",
                                         "custom_id"))
     if obj.get("method", "POST") != "POST":
-        return BatchLine(number, custom_id, error=_invalid("'method' must be POST", "method"))
-    kind = URL_KINDS.get(obj.get("url"))
+        return BatchLine(number, custom_id, url=url,
+                         error=_invalid("'method' must be POST", "method"))
+    kind = URL_KINDS.get(url)
     if kind is None:
-        return BatchLine(number, custom_id, error=_invalid(
+        return BatchLine(number, custom_id, url=url, error=_invalid(
             f"'url' must be one of {sorted(URL_KINDS)}, got {obj.get('url')!r}", "url"))
     body = obj.get("body")
     if not isinstance(body, dict):
-        return BatchLine(number, custom_id, error=_invalid("'body' must be a JSON object", "body"))
+        return BatchLine(number, custom_id, url=url,
+                         error=_invalid("'body' must be a JSON object", "body"))
     if body.get("stream"):
-        return BatchLine(number, custom_id,
+        return BatchLine(number, custom_id, url=url,
                          error=_invalid("batch requests cannot stream; drop 'stream'", "stream"))
     return BatchLine(number, custom_id, kind, body)
 
@@ -182,7 +186,10 @@ async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progr
 
     async def one(item: BatchLine) -> None:
         if item.error is not None:
-            finish(item, *item.error)
+            if serving.policy is not None:  # refused before the serving layer: recorded here
+                serving.policy.refused(dataclasses.replace(ctx, route=f"batch:{item.url or ''}"),
+                                       item.error, None)
+            finish(item, *error_reply(item.error))
             return
         try:
             body = await _answer(serving, item, ctx)

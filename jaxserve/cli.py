@@ -177,12 +177,15 @@ def _rag_service(args):
 
 
 def cmd_index(args) -> int:
+    from jaxserve.gateway.tenants import check_name
     from jaxserve.rag.ingest import index_paths
 
+    if args.tenant is not None:
+        check_name(args.tenant, "--tenant")
     service = _rag_service(args)
     try:
         docs, chunks = index_paths(service, args.collection, args.paths,
-                                   progress=not args.no_progress)
+                                   progress=not args.no_progress, tenant=args.tenant)
     finally:
         service.close()
     print(f"indexed {docs} documents ({chunks} chunks) into {args.collection} "
@@ -264,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="text/markdown files (one document each), .jsonl files ({id, text, "
                          "metadata?} per line) or directories of them")
     ix.add_argument("--no-progress", action="store_true")
+    ix.add_argument("--tenant", default=None, metavar="NAME",
+                    help="the tenant (of serve --tenants) a new collection belongs to; another "
+                         "tenant's collection of that name is an error (default: the open "
+                         "server's tenant 'default')")
     ix.set_defaults(func=cmd_index)
 
     se = sub.add_parser("search", help="search a RAG collection")

@@ -306,6 +306,22 @@ class LLMEngine:
         self._pending.append(self._close(group))
         return True
 
+    def abort_sequence(self, request_id: str, index: int) -> bool:
+        """End one of a request's n sequences now (finish_reason "abort"), its pages back at
+        once; its siblings go on (the front end's output filter ended that choice alone).
+        Ending the last one ends the request, whose final output comes with the next step.
+        False if the request or the sequence is unknown or already finished."""
+        group = self._groups.get(request_id)
+        if group is None or not 0 <= index < len(group.seqs) \
+                or group.seqs[index].finish_reason is not None:
+            return False
+        seq = group.seqs[index]
+        self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_ABORTED)
+        self._finish(seq, _FINISH_REASON[RequestStatus.FINISHED_ABORTED])
+        if group.finished:
+            self._pending.append(self._close(group))
+        return True
+
     def shed(self, below: int, num_seqs: int) -> list[str]:
         """Make room in a full queue for a request of priority `below`: end waiting requests of
         less important priorities that have not started (none of their sequences was ever

@@ -145,6 +145,11 @@ class ReplicaSet:
         if replica is not None:
             await replica.abort(request_id)
 
+    async def abort_sequence(self, request_id: str, index: int) -> None:
+        replica = self._owner.get(request_id)
+        if replica is not None:
+            await replica.abort_sequence(request_id, index)
+
     def shutdown(self, timeout: float = 30.0) -> bool:
         """AsyncEngine.shutdown on every replica; False if any engine thread would not end."""
         return all([r.shutdown(timeout) for r in self.replicas])

@@ -16,6 +16,7 @@ from jaxserve.async_engine import AsyncEngine
 from jaxserve.batch_infer import (DuplicateCustomIds, ResultWriter, answered_keys, parse_line,
                                   read_input, result_line, run_batch_on)
 from jaxserve.engine import LLMEngine
+from jaxserve.errors import error_reply
 from jaxserve.sampling import SamplingParams
 from tests.test_cli import ROOT, run_cli, tiny_gguf
 from tests.test_engine import assert_no_leaks
@@ -46,7 +47,7 @@ def test_parse_good_lines():
 ])
 def test_malformed_lines_become_400_results(text, param):
     item = parse_line(7, text)
-    status, body = item.error
+    status, body = error_reply(item.error)
     assert status == 400 and body["error"]["param"] == param
     assert body["error"]["message"]
 
@@ -65,7 +66,8 @@ def test_resume_keys_and_torn_tail(tmp_path):
     out = tmp_path / "out.jsonl"
     writer = ResultWriter(out)
     for item in items[:2]:
-        writer.write(result_line(item, *(item.error or (200, {"ok": True}))))
+        writer.write(result_line(item, *(error_reply(item.error) if item.error
+                                         else (200, {"ok": True}))))
     writer.close()
     with out.open("a") as f:  # a run killed mid-write leaves a partial line
         f.write('{"id": "batch_req_x", "custom_id": "c"')

@@ -245,6 +245,36 @@ def test_abort_mid_generation_frees_pages(tiny_path):
     assert_no_leaks(engine)
 
 
+def test_abort_one_sequence_of_n_frees_its_pages_and_its_siblings_go_on(tiny_path):
+    engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=4,
+                                  max_num_batched_tokens=32, max_model_len=128,
+                                  strict_compile=True, progress=False)
+    params = SamplingParams(n=3, max_tokens=40, ignore_eos=True, seed=1)
+    engine.add_request("r", {"prompt_token_ids": list(range(10, 50))}, params)
+    for _ in range(4):
+        engine.step()
+    held = engine.stats().pages_in_use
+    assert engine.abort_sequence("r", 1)
+    assert not engine.abort_sequence("r", 1) and not engine.abort_sequence("r", 3)
+    assert not engine.abort_sequence("nope", 0)
+    assert engine.stats().pages_in_use < held  # at once, not when its siblings end
+    finals = []
+    while engine.has_unfinished():
+        finals += [out for out in engine.step() if out.finished]
+    [final] = finals
+    reasons = [(c.finish_reason, len(c.token_ids)) for c in final.outputs]
+    assert reasons[0] == reasons[2] == ("length", 40)
+    assert reasons[1][0] == "abort" and reasons[1][1] < 40
+    # Ending the last running sequence ends the request: one final output, nothing leaked.
+    engine.add_request("s", {"prompt_token_ids": list(range(10, 20))},
+                       SamplingParams(n=2, max_tokens=40, ignore_eos=True))
+    engine.step()
+    assert engine.abort_sequence("s", 0) and engine.abort_sequence("s", 1)
+    [out] = engine.step()
+    assert out.finished and [c.finish_reason for c in out.outputs] == ["abort", "abort"]
+    assert_no_leaks(engine)
+
+
 def test_request_validation(tiny_path):
     llm = LLM(str(tiny_path), num_pages=8, max_num_seqs=4, max_num_batched_tokens=16,
               max_model_len=128, warmup=False, progress=False)

@@ -7,6 +7,8 @@ import json
 import pytest
 
 from jaxserve.cli import main
+from jaxserve.rag.config import RagConfig
+from jaxserve.rag.service import RagService
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +42,18 @@ def test_index_then_search(tmp_path, capsys):
                  "capital"]) == 0
     assert len(json.loads(capsys.readouterr().out)["results"]) == 3
 
+    # --tenant: the new collection is that tenant's (as the server's routes see it), and
+    # another tenant cannot index into it.
+    facts = str(tmp_path / "facts.jsonl")
+    assert main(["index", "--collection", "theirs", "--tenant", "bob", "--data-dir", data,
+                 "--no-progress", facts]) == 0
+    capsys.readouterr()
+    service = RagService(RagConfig(tmp_path / "data"))
+    assert (service.list_collections("bob"), service.owner("kb")) == (["theirs"], "default")
+    assert main(["index", "--collection", "theirs", "--tenant", "alice", "--data-dir", data,
+                 "--no-progress", facts]) == 1
+    assert capsys.readouterr().err == "error: collection 'theirs' exists already\n"
+
 
 def test_user_errors_are_one_line(tmp_path, capsys):
     data = str(tmp_path / "data")
@@ -53,3 +67,6 @@ def test_user_errors_are_one_line(tmp_path, capsys):
     assert main(["index", "--collection", "kb", "--data-dir", data, "--no-progress",
                  str(tmp_path / "bad.jsonl")]) == 1
     assert "bad.jsonl:1.text must be a string" in capsys.readouterr().err
+    assert main(["index", "--collection", "kb", "--data-dir", data, "--tenant", "a b",
+                 str(tmp_path / "bad.jsonl")]) == 1
+    assert capsys.readouterr().err.startswith("error: --tenant: must be a name")

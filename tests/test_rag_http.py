@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 
 import grpc
 import numpy as np
@@ -37,15 +38,19 @@ def service(tmp_path):
     service.close()
 
 
-def _serve(service, scenario, engine=None, model_name="some-llm", **config):
+def _serve(service, scenario, engine=None, model_name="some-llm", admin_key=None, **config):
     """Run `scenario(session, url)` against a started server, and always stop it. With an
-    engine, generation is served too (chat completions with "rag" when there is a service)."""
+    engine, generation is served too (chat completions with "rag" when there is a service);
+    with `admin_key`, the admin API."""
+    from jaxserve.server.admin_routes import add_admin_routes
     from jaxserve.server.http import attach_engine
 
     async def main():
         app = build_app(ServerConfig(port=0, **config), model_name)
         if service is not None:
             add_rag_routes(app, service)
+        if admin_key is not None:
+            add_admin_routes(app, None, admin_key)
         if engine is not None:
             attach_engine(app, engine, service)
         runner, port = await start_server(app, "127.0.0.1", 0)
@@ -121,6 +126,49 @@ def test_another_tenants_collection_is_a_404_as_if_missing(service, tmp_path):
         assert [d["name"] for d in (await call(s, "GET", c, "sk-a"))[1]["data"]] == ["kb"]
         assert (await call(s, "POST", f"{c}/kb/search", "sk-a", search))[0] == 200
     _serve(service, scenario, tenants_file=str(tenants))
+
+
+def test_the_admin_key_sees_every_tenants_collections(service, tmp_path):
+    """... those `jaxserve index --tenant` made offline too, which belong to that tenant."""
+    from jaxserve.errors import AlreadyExists
+    from jaxserve.rag.ingest import index_paths
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[tenant.alice]\napi_keys = ["sk-a"]\n[tenant.bob]\napi_keys = ["sk-b"]\n')
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    assert index_paths(service, "offline", [docs], progress=False, tenant="bob") == (3, 3)
+
+    async def call(s, method, url, key, body=None):
+        async with s.request(method, url, json=body,
+                             headers={"Authorization": f"Bearer {key}"}) as resp:
+            return resp.status, await resp.json()
+
+    async def scenario(s, url):
+        c, admin = f"{url}/v1/collections", f"{url}/admin/v1/collections"
+        assert (await call(s, "POST", c, "sk-a", {"name": "kb"}))[0] == 201
+        assert [d["name"] for d in (await call(s, "GET", c, "sk-b"))[1]["data"]] == ["offline"]
+        assert [d["name"] for d in (await call(s, "GET", c, "sk-a"))[1]["data"]] == ["kb"]
+        search = {"query": "capital", "top_k": 1, "mode": "bm25"}
+        assert (await call(s, "POST", f"{c}/offline/search", "sk-a", search))[0] == 404
+        assert (await call(s, "POST", f"{c}/offline/search", "sk-b", search))[0] == 200
+        status, body = await call(s, "GET", admin, "root-key")
+        assert status == 200 and body["data"] == [
+            {"name": "kb", "documents": 0, "chunks": 0, "index": "exact", "owner": "alice"},
+            {"name": "offline", "documents": 3, "chunks": 3, "index": "exact", "owner": "bob"}]
+        assert (await call(s, "GET", f"{admin}/offline", "root-key"))[1]["owner"] == "bob"
+        status, body = await call(s, "POST", f"{admin}/offline/search", "root-key", search)
+        assert status == 200 and len(body["results"]) == 1
+        assert (await call(s, "GET", f"{admin}/nope", "root-key"))[0] == 404
+        for key in ("sk-a", "wrong"):  # a tenant's key is not the admin key
+            assert (await call(s, "GET", admin, key))[0] == 401
+    _serve(service, scenario, tenants_file=str(tenants), admin_key="root-key")
+    with pytest.raises(AlreadyExists):  # a name another tenant holds
+        index_paths(service, "offline", [docs], progress=False, tenant="alice")
+
+    async def no_admin(s, url):  # no --admin-key: no admin
+        return (await call(s, "GET", f"{url}/admin/v1/collections", "anything"))[0]
+    assert _serve(service, no_admin) == 401
 
 
 def test_errors_are_openai_error_bodies(service):

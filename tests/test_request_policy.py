@@ -11,6 +11,7 @@ import pytest
 
 from jaxserve.errors import ConfigError, ContentPolicyViolation
 from jaxserve.gateway.tenants import Tenant
+from jaxserve.server.admission import CallContext
 from jaxserve.server.protocol import ParsedRequest
 from jaxserve.server.request_policy import RequestPolicy, route_of
 from jaxserve.safety import load_policy
@@ -63,8 +64,10 @@ def test_packs_per_tenant_and_errors_at_start(policy, tmp_path):
     with pytest.raises(ConfigError, match="no --policy file"):
         RequestPolicy.open(None, None, tenants=[Tenant("c", policy="strict")])
     assert RequestPolicy.open(None, None, tenants=[Tenant("a")]) is None
-    assert route_of("grpc", "completion") == "grpc:Generate"
-    assert route_of("batch", "chat") == "batch:/v1/chat/completions"
+    assert route_of(CallContext(None, transport="grpc"), "completion") == "grpc:Generate"
+    assert route_of(CallContext(None, transport="batch"), "chat") == "batch:/v1/chat/completions"
+    # The HTTP path the call came by wins: /v1/responses runs as a chat.
+    assert route_of(CallContext(None, route="/v1/responses"), "chat") == "/v1/responses"
 
 
 def test_input_block_redact_and_token_id_prompts(policy):

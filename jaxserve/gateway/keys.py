@@ -30,6 +30,15 @@ def key_id(digest: bytes) -> str:
     return digest.hex()[:12]
 
 
+def presented_key_id(authorization: str | None) -> str | None:
+    """The key id of whatever key a refused caller sent (for its audit record: repeated bad
+    keys show as one id, and the key itself is never written); None when it sent none."""
+    try:
+        return key_id(hash_key(bearer_token(authorization)))
+    except Unauthenticated:
+        return None
+
+
 def bearer_token(authorization: str | None) -> str:
     """The key in an `Authorization: Bearer KEY` value."""
     if not authorization:

@@ -213,7 +213,8 @@ def _globs(value: Any, where: str) -> tuple[str, ...]:
     return tuple(_strings(value, where))
 
 
-def _name(value: Any, where: str) -> str:
+def check_name(value: Any, where: str) -> str:
+    """A tenant (or pack, or group) name, or ConfigError naming `where`."""
     if not isinstance(value, str) or not _NAME.match(value):
         raise ConfigError(f"{where}: must be a name (1-64 letters, digits, '_', '.', '-'), got "
                           f"{value!r}")
@@ -237,8 +238,8 @@ _FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "max_tokens_cap": _positive_int,
     "models": _globs,
     "kv_page_fraction": _fraction,
-    "policy": _name,
+    "policy": check_name,
     "audit_content": _bool,
     "audit_retention_days": _positive_int,
-    "cache_sharing_group": _name,
+    "cache_sharing_group": check_name,
 }

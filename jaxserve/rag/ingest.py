@@ -17,14 +17,16 @@ BATCH_DOCUMENTS = 64
 
 
 def index_paths(service: RagService, name: str, paths: list[Path],
-                progress: bool = True) -> tuple[int, int]:
-    """Upsert every document found under `paths` into collection `name` (created if missing);
-    returns (documents, chunks). Files are read and validated before anything is written."""
+                progress: bool = True, tenant: str | None = None) -> tuple[int, int]:
+    """Upsert every document found under `paths` into collection `name` (created if missing,
+    belonging to `tenant`: None is the open server's `default`); returns (documents, chunks).
+    With a tenant, another tenant's collection of that name is an error (AlreadyExists).
+    Files are read and validated before anything is written."""
     documents = list(read_documents(paths))
     try:
-        collection = service.collection(name)
+        collection = service.collection(name, tenant)
     except NotFound:
-        collection = service.create_collection(name)
+        collection = service.create_collection(name, tenant)
     chunks = 0
     with tqdm(total=len(documents), unit="doc", disable=not progress, file=sys.stderr,
               desc=f"indexing into {name}") as bar:

@@ -8,7 +8,7 @@ A collection belongs to the tenant that created it (its name in the file `owner`
 collection's directory; a collection without one, made before owners were kept, is the open
 server's tenant `default`'s). A method given `tenant` acts only on that tenant's collections:
 another's is NotFound, word for word as a missing one, so its existence is not revealed.
-`tenant=None` (the CLI, the Python API) sees every collection.
+`tenant=None` (the CLI, the Python API, the admin key's routes) sees every collection.
 """
 
 from __future__ import annotations
@@ -86,6 +86,11 @@ class RagService:
             (self._root / name).mkdir(parents=True)
             (self._root / name / _OWNER_FILE).write_text(tenant or _LEGACY_OWNER)
         return self.collection(name, tenant)
+
+    def owner(self, name: str) -> str:
+        """The tenant a collection belongs to (NotFound if it does not exist)."""
+        with self._lock:
+            return self._owner(self._directory(name, None))
 
     @staticmethod
     def _owner(directory) -> str:

@@ -64,12 +64,14 @@ def _digest(key: str) -> bytes:
 
 
 def _authorized(request: web.Request) -> bool:
+    expected = request.app.get(_KEY_DIGEST)  # None: no admin key, so no admin
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(
-        _digest(token.strip()), request.app[_KEY_DIGEST])
+    return expected is not None and scheme.lower() == "bearer" and hmac.compare_digest(
+        _digest(token.strip()), expected)
 
 
-def _admin(handler):
+def admin_only(handler):
+    """The handler behind the admin key (401 without it, or when no --admin-key was set)."""
     @functools.wraps(handler)
     async def wrapped(request: web.Request) -> web.StreamResponse:
         if not _authorized(request):
@@ -91,17 +93,17 @@ async def _in_executor(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-@_admin
+@admin_only
 async def list_versions(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": _fleet(request).versions_info()})
 
 
-@_admin
+@admin_only
 async def get_version(request: web.Request) -> web.Response:
     return web.json_response(_fleet(request).version_info(request.match_info["name"]))
 
 
-@_admin
+@admin_only
 async def load_version(request: web.Request) -> web.Response:
     fleet = _fleet(request)
     body = await read_object(request)
@@ -114,26 +116,26 @@ async def load_version(request: web.Request) -> web.Response:
                              headers={"Location": f"/admin/v1/versions/{version.name}"})
 
 
-@_admin
+@admin_only
 async def unload_version(request: web.Request) -> web.Response:
     fleet = _fleet(request)
     version = fleet.unload(request.match_info["name"])
     return web.json_response(fleet.version_info(version.name), status=202)
 
 
-@_admin
+@admin_only
 async def list_routes(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": _fleet(request).routes_info()})
 
 
-@_admin
+@admin_only
 async def put_route(request: web.Request) -> web.Response:
     fleet, name = _fleet(request), request.match_info["route"]
     route = fleet.set_route(parse_route(name, await read_object(request), base=fleet.route(name)))
     return web.json_response(fleet.route_info(route.name))
 
 
-@_admin
+@admin_only
 async def rollback_route(request: web.Request) -> web.Response:
     fleet = _fleet(request)
     route = fleet.rollback(request.match_info["route"])

@@ -21,11 +21,14 @@ from jaxserve.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class CallContext:
-    principal: Principal
+    # None only for a call refused before its key was accepted (a 401): what its audit record
+    # is written from.
+    principal: Principal | None
     timeout_s: float | None = None  # None: only the tenant's request_timeout_s bounds it
     arrival: float = field(default_factory=time.monotonic)
     transport: str = "http"  # "http" | "grpc" | "batch", for the access log
     client: str | None = None  # the caller's address, for the audit log
+    route: str | None = None  # the HTTP path it came by; None: derived from transport and kind
 
 
 def tenant_params(principal: Principal, params: SamplingParams,

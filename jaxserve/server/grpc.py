@@ -8,6 +8,7 @@ a refusal that may pass later carries `retry-after` (seconds) in its trailing me
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import TYPE_CHECKING
 
 import grpc
@@ -93,16 +94,23 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.serving.metrics.record_request(tenant, outcome(error))
 
     async def Generate(self, request, context):
-        tenant = "none"
+        tenant, ctx = "none", CallContext(None, transport="grpc", client=context.peer())
         try:
             principal = self._principal(context)
             tenant = principal.tenant.name
             await context.send_initial_metadata(
                 tuple(self.serving.gateway.headers(principal).items()))
             # The call's own deadline is the request's (capped by the tenant's timeout).
-            ctx = CallContext(principal, context.time_remaining(), transport="grpc",
-                              client=context.peer())
-            gen = await self.serving.prepare_async("completion", completion_body(request), ctx)
+            ctx = dataclasses.replace(ctx, principal=principal,
+                                      timeout_s=context.time_remaining())
+            body = completion_body(request)
+        except JaxServeError as e:  # before the serving layer, which audits what it refuses
+            self._count(tenant, e)
+            if self.serving.policy is not None:
+                self.serving.policy.refused(ctx, e, _authorization(context))
+            await abort_with(context, e)
+        try:
+            gen = await self.serving.prepare_async("completion", body, ctx)
         except JaxServeError as e:
             self._count(tenant, e)
             await abort_with(context, e)

@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import ssl
+import time
 from typing import Callable
 
 from aiohttp import web
@@ -89,6 +90,10 @@ STATE_KEY = web.AppKey("state", _State)
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
 _PRINCIPAL = web.RequestKey("principal", Principal)  # who calls (set by _front_door)
 _COUNTED = web.RequestKey("counted", bool)  # the request's end is counted (by its Generation)
+# Routes each of whose requests gets one audit record (with --audit-log); from the call into
+# OpenAIServing on, that record is the serving layer's, before it the front door's.
+_AUDITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+_AUDITED = web.RequestKey("audited", bool)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
 
@@ -134,7 +139,7 @@ async def _front_door(request: web.Request, handler):
     if request.path in _OPEN_PATHS or request.path.startswith("/admin/"):
         return await handler(request)
     state: _State = request.app[STATE_KEY]
-    tenant = "none"
+    tenant, principal, arrival = "none", None, time.monotonic()
     try:
         principal = state.gateway.authenticate(request.headers.get("Authorization"))
         request[_PRINCIPAL], tenant = principal, principal.tenant.name
@@ -144,6 +149,11 @@ async def _front_door(request: web.Request, handler):
     except BaseException as exc:
         if not request.get(_COUNTED):
             state.metrics.record_request(tenant, outcome(exc))
+        if state.policy is not None and request.path in _AUDITED_PATHS \
+                and not request.get(_AUDITED):  # a 401, a body that is not JSON, a 409 ...
+            state.policy.refused(CallContext(principal, arrival=arrival, client=request.remote,
+                                             route=request.path),
+                                 exc, request.headers.get("Authorization"))
         raise
     if not request.get(_COUNTED):
         state.metrics.record_request(tenant, "ok")
@@ -161,7 +171,13 @@ def _context(request: web.Request) -> CallContext:
     """Who calls and the deadline asked (X-Request-Timeout), read once from the headers."""
     return CallContext(request[_PRINCIPAL],
                        deadlines.parse_timeout(request.headers.get(deadlines.HEADER)),
-                       client=request.remote)
+                       client=request.remote, route=request.path)
+
+
+async def _prepare(request: web.Request, serving: OpenAIServing, kind: str, body,
+                   ctx: CallContext) -> Generation:
+    request[_AUDITED] = True  # from here on the serving layer writes its audit record
+    return await serving.prepare_async(kind, body, ctx)
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
@@ -176,9 +192,10 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     fingerprint = idempotency.fingerprint(request.path.encode() + b"\n" + await request.read())
     stored = state.idempotency.begin(tenant, key, fingerprint)
     if stored is not None:  # the model does not run again
+        request[_AUDITED] = True
         if serving.policy is not None:
             serving.policy.record(request_id=protocol.new_id("replay"), kind=kind, ctx=ctx,
-                                  error=None, model=serving.model_name, idempotent_replay=True)
+                                  error=None, model=body.get("model"), idempotent_replay=True)
         return await _replay(request, stored)
     try:
         return await _run(request, serving, kind, body, ctx, functools.partial(
@@ -192,7 +209,7 @@ Keep = Callable[[idempotency.StoredResponse], None]
 
 async def _run(request: web.Request, serving: OpenAIServing, kind: str, body,
                ctx: CallContext, keep: Keep | None) -> web.StreamResponse:
-    gen = await serving.prepare_async(kind, body, ctx)
+    gen = await _prepare(request, serving, kind, body, ctx)
     keepalive = request.app[STATE_KEY].config.keepalive_seconds
     return await _respond(request, gen, gen.response, lambda: _stream(
         request, gen, gen.chunks(keepalive), _error_event, keep=keep), keep)
@@ -304,7 +321,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     serving = state.require_serving()
     req = validate(request_models(state.config.limits).responses, await read_json(request))
     try:
-        gen = await serving.prepare_async("chat", chat_body(req), _context(request))
+        gen = await _prepare(request, serving, "chat", chat_body(req), _context(request))
     except InvalidRequest as exc:
         raise rename_param(exc) from None
     response = ResponseObject(req)

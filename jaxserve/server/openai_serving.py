@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator
 
 from jaxserve.config import RequestLimits
 from jaxserve.errors import (ContextLengthExceeded, EngineDead, EngineOverloaded, InvalidRequest,
-                             JaxServeError, outcome, version_fault)
+                             outcome, version_fault)
 from jaxserve.fleet.fleet import Fleet
 from jaxserve.fleet.versions import Lease
 from jaxserve.gateway import Admission, Gateway
@@ -218,12 +218,19 @@ class Generation:
     async def _until_finished(self, index: int, stream: AsyncIterator) -> AsyncIterator:
         """Prompt `index`'s engine stream, closed (so the engine request is aborted and its
         pages freed) once every choice of it has ended here: the policy ends a choice before
-        the engine does."""
+        the engine does. A choice it ends while its siblings go on (n > 1) has its engine
+        sequence ended alone, so its pages return at once too."""
+        stopped: set[int] = set()
         async with contextlib.aclosing(stream):
             async for out in stream:
                 yield out
                 if all(index * self.n + j in self.finish_reasons for j in range(self.n)):
                     return
+                for comp in out.outputs:
+                    if comp.finish_reason is None and comp.index not in stopped \
+                            and index * self.n + comp.index in self.finish_reasons:
+                        stopped.add(comp.index)
+                        await self.engine.abort_sequence(self.request_ids[index], comp.index)
 
     async def deltas(self) -> AsyncIterator[tuple[int, str, list[int], Any, str | None]]:
         """(choice, new text, new token ids, new logprobs, finish_reason) as the engine produces
@@ -436,7 +443,8 @@ class Generation:
         if self.serving.policy is not None:
             self.serving.policy.record(
                 request_id=self.id, kind=self.parsed.kind, ctx=self.ctx, error=error,
-                model=self.serving.model_name, prompt_tokens=self.prompt_tokens,
+                model=self.parsed.model, version=self.version.name,
+                prompt_tokens=self.prompt_tokens,
                 completion_tokens=completion, cost=usage.get("cost"),
                 finish_reasons=[self.finish_reasons.get(i, "") for i in range(self.num_choices)],
                 screening=self.screening)
@@ -494,22 +502,24 @@ class OpenAIServing:
         audited. The tenant's input rules run first (a classifier in its executor). A chat
         with "rag" has its collection searched for the last user message (in an executor:
         embedding and search block) and the results put into the prompt; the response then
-        carries "citations"."""
+        carries "citations".
+
+        A request that fails here (or whose caller leaves meanwhile) gets its one audit
+        record here, naming the version chosen if it got that far; an admitted one gets it
+        from its Generation when it ends."""
+        parsed = lease = None
         try:
-            return await self._prepare_leased(kind, body, ctx)
-        except JaxServeError as e:
+            parsed = self._parse(kind, body, ctx)
+            lease = self.fleet.select(parsed.model, user=parsed.user,
+                                      api_key=ctx.principal.key_id)
+            return await self._prepare(kind, body, parsed, ctx, lease)
+        except BaseException as e:
+            if lease is not None:
+                lease.__exit__(None, None, None)  # releases it and its shadow copies
             if self.policy is not None:
                 self.policy.record(request_id=protocol.new_id("req"), kind=kind, ctx=ctx,
-                                   error=e, model=self.model_name)
-            raise
-
-    async def _prepare_leased(self, kind: str, body: Any, ctx: CallContext) -> Generation:
-        parsed = self._parse(kind, body, ctx)
-        lease = self.fleet.select(parsed.model, user=parsed.user, api_key=ctx.principal.key_id)
-        try:
-            return await self._prepare(kind, body, parsed, ctx, lease)
-        except BaseException:
-            lease.__exit__(None, None, None)  # releases it and its shadow copies
+                                   error=e, model=parsed.model if parsed is not None else None,
+                                   version=lease.version.name if lease is not None else None)
             raise
 
     async def _prepare(self, kind: str, body: Any, parsed: protocol.ParsedRequest,

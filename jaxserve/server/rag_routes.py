@@ -8,7 +8,8 @@ service (embedding, SQLite, FAISS) runs in the default executor so the event loo
 other requests, token streams included.
 
 Collections belong to the caller's tenant (RagService): another tenant's is a 404, as if it did
-not exist, and `GET /v1/collections` lists only the caller's.
+not exist, and `GET /v1/collections` lists only the caller's. The admin key (serve --admin-key)
+lists, reads and searches every tenant's under /admin/v1/collections.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jaxserve.rag.collection import check_search_args
 from jaxserve.rag.documents import parse_documents
 from jaxserve.rag.service import RagService, check_collection_name
 from jaxserve.server import response_models as out
+from jaxserve.server.admin_routes import admin_only
 from jaxserve.server.http import caller
 from jaxserve.server.json_body import parse_body
 from jaxserve.server.openapi import Route, add_routes
@@ -128,15 +130,46 @@ async def delete_document(request: web.Request) -> web.Response:
 
 
 async def search(request: web.Request) -> web.Response:
+    return await _search(request, _tenant(request))
+
+
+async def _search(request: web.Request, tenant: str | None) -> web.Response:
     service = request.app[RAG_KEY]
     name = check_collection_name(request.match_info["name"])
     body = await parse_body(request, SearchRequest)
     top_k = 5 if body.top_k is None else body.top_k
     mode, rerank = body.mode or "hybrid", bool(body.rerank)
     check_search_args(body.query, top_k, mode, service.config.search.max_top_k, rerank)
-    results = await _call(request, "search", name, body.query, top_k, mode, rerank,
-                          _tenant(request))
+    results = await _call(request, "search", name, body.query, top_k, mode, rerank, tenant)
     return web.json_response({"results": [r.to_dict() for r in results]})
+
+
+# ---- the admin key's view: every tenant's collections, each naming its owner
+
+
+def _owned_info(service: RagService, name: str) -> dict:
+    return {**service.collection(name).info(), "owner": service.owner(name)}
+
+
+@admin_only
+async def admin_list_collections(request: web.Request) -> web.Response:
+    def infos(service: RagService) -> list[dict]:
+        return [_owned_info(service, name) for name in service.list_collections()]
+
+    data = await asyncio.get_running_loop().run_in_executor(None, infos, request.app[RAG_KEY])
+    return web.json_response({"object": "list", "data": data})
+
+
+@admin_only
+async def admin_get_collection(request: web.Request) -> web.Response:
+    name = check_collection_name(request.match_info["name"])
+    return web.json_response(await asyncio.get_running_loop().run_in_executor(
+        None, _owned_info, request.app[RAG_KEY], name))
+
+
+@admin_only
+async def admin_search(request: web.Request) -> web.Response:
+    return await _search(request, None)
 
 
 def add_rag_routes(app: web.Application, service: RagService) -> None:
@@ -162,4 +195,13 @@ def add_rag_routes(app: web.Application, service: RagService) -> None:
               "Delete a document", ok=out.DocumentDeleted, errors=(400, 404), tags=tags),
         Route("POST", "/v1/collections/{name}/search", search, "Search a collection",
               SearchRequest, out.SearchResults, errors=(400, 404), tags=tags),
+        # The admin key's (401 without it, or with no --admin-key): every tenant's.
+        Route("GET", "/admin/v1/collections", admin_list_collections,
+              "Every tenant's collections, with their owner", errors=(401,), tags=("admin",)),
+        Route("GET", "/admin/v1/collections/{name}", admin_get_collection,
+              "Any tenant's collection, with its owner", errors=(400, 401, 404),
+              tags=("admin",)),
+        Route("POST", "/admin/v1/collections/{name}/search", admin_search,
+              "Search any tenant's collection", SearchRequest, out.SearchResults,
+              errors=(400, 401, 404), tags=("admin",)),
     ])

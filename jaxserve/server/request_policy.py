@@ -21,16 +21,20 @@ from typing import Callable, Iterable, Sequence
 
 from jaxserve.audit import AuditError, AuditLog, AuditLogConfig, AuditRecord
 from jaxserve.errors import ConfigError, ContentPolicyViolation, error_status, outcome
+from jaxserve.gateway.keys import presented_key_id
 from jaxserve.gateway.tenants import Tenant
 from jaxserve.safety import Intervention, Pack, PolicySet, Rule, TextFilter, load_policy
+from jaxserve.server.protocol import new_id
 
 log = logging.getLogger(__name__)
 
 
-def route_of(transport: str, kind: str) -> str:
+def route_of(ctx, kind: str) -> str:
     """The audit record's `route`: the HTTP path, "grpc:Generate", or "batch:<url>"."""
+    if ctx.route is not None:
+        return ctx.route
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-    return {"http": path, "grpc": "grpc:Generate"}.get(transport, f"{transport}:{path}")
+    return {"http": path, "grpc": "grpc:Generate"}.get(ctx.transport, f"{ctx.transport}:{path}")
 
 
 def _pii_rules(pack: Pack) -> tuple[Rule, ...]:
@@ -190,20 +194,26 @@ class RequestPolicy:
         return parsed, screening
 
     def record(self, *, request_id: str, kind: str, ctx, error: BaseException | None,
-               model: str, prompt_tokens: int = 0, completion_tokens: int = 0,
-               cost: float | None = None, finish_reasons: Sequence[str] = (),
-               screening: Screening | None = None, idempotent_replay: bool = False) -> None:
+               model: str | None, version: str | None = None, prompt_tokens: int = 0,
+               completion_tokens: int = 0, cost: float | None = None,
+               finish_reasons: Sequence[str] = (), screening: Screening | None = None,
+               idempotent_replay: bool = False, key_id: str | None = None) -> None:
         """A request ended (or was refused, or replayed: screening None): its later
-        interventions counted, its audit record queued (never blocks)."""
+        interventions counted, its audit record queued (never blocks). `version`: the model
+        version that answered (None: none was chosen). A call refused before its key was
+        accepted has no principal: its tenant is null and `key_id` is that of the key it sent."""
         if screening is not None and self.metrics is not None:
             self.metrics.record(screening.later_interventions)
         if self.audit is None:
             return
-        tenant = ctx.principal.tenant
+        principal = ctx.principal
+        tenant = principal.tenant if principal is not None else None
+        if principal is not None:
+            key_id = principal.key_id
         interventions = (screening.interventions if screening is not None
                          else getattr(error, "interventions", ()))
         prompt = outputs = None
-        if tenant.audit_content and screening is not None:
+        if tenant is not None and tenant.audit_content and screening is not None:
             prompt = [screening.redact_pii(t) for t in screening.prompt_texts]
             outputs = [screening.redact_pii("".join(screening.outputs.get(i, ())))
                        for i in range(len(finish_reasons))]
@@ -211,8 +221,8 @@ class RequestPolicy:
         code = (200 if error is None else
                 None if status == "client_disconnected" else error_status(error).http)
         record = AuditRecord(
-            request_id, route_of(ctx.transport, kind), status, code, tenant.name,
-            ctx.principal.key_id, model, None, ctx.client,
+            request_id, route_of(ctx, kind), status, code,
+            tenant.name if tenant is not None else None, key_id, model, version, ctx.client,
             time.time() - (time.monotonic() - ctx.arrival), prompt_tokens, completion_tokens,
             cost, tuple(finish_reasons), tuple(interventions),
             deadline_exceeded=status == "deadline", shed=status == "shed",
@@ -221,6 +231,14 @@ class RequestPolicy:
             self.audit.write(record)
         except AuditError as e:  # closed: a request that outlived the shutdown's drain
             log.error("audit record of %s lost: %s", request_id, e)
+
+    def refused(self, ctx, error: BaseException, authorization: str | None) -> None:
+        """The audit record of a request refused before the serving layer saw it (a bad or
+        missing key, a body that is not JSON, too large or too deep, an Idempotency-Key
+        conflict), with what is known: no model or version; without a principal (a 401) the
+        tenant is null and the key id is that of the key sent (`authorization`)."""
+        self.record(request_id=new_id("req"), kind="", ctx=ctx, error=error, model=None,
+                    key_id=presented_key_id(authorization))
 
     def close(self) -> None:
         """Flush the audit log (every queued record written and synced) and stop the
