@@ -218,7 +218,7 @@ def test_http_num_speculative_tokens_opts_out_caps_and_is_bounded(tmp_path,
     0..15 (or not an integer) it is a 400 naming the field."""
     from jaxserve.async_engine import AsyncEngine
     from jaxserve.engine import LLMEngine
-    from tests.test_server import ServerThread, http_post, scrape, wait_idle
+    from tests.test_server import ServerThread, http_post, wait_idle
 
     path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields)
     engine = LLMEngine.from_model(str(path), num_pages=40, max_num_seqs=2,
