@@ -14,6 +14,8 @@ Layout choices:
     layers/{input_norm, post_attention_norm} [L, H],
     layers/{q,k,v}_proj [L, H, heads, D], layers/{q,k,v}_bias [L, heads, D] (Qwen2),
     layers/o_proj [L, Hq, D, H], layers/{gate,up}_proj [L, H, I], layers/down_proj [L, I, H].
+  With config.quantization "int8" the seven projections are uint8 codes of those shapes plus
+  `{name}_scale` and `{name}_min` [L, K / 32, *out] (see `_weight`, jaxserve.weights.quantize).
   Every parameter carries logical axis names (see `param_logical_axes`); `jaxserve.sharding` maps
   them to mesh axes.
 - All layers share one KV cache array [L * num_pages, page_size, 2 * Hkv, D] that rides in the scan
