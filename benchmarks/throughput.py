@@ -9,6 +9,7 @@ its longest request is done, as static batching does), and only the requested to
 
     python benchmarks/throughput.py                       # jaxserve only
     python benchmarks/throughput.py --compare hf          # + HF transformers (pip install .[bench])
+    python benchmarks/throughput.py --compare int8        # + jaxserve with --quantization int8
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from workload import pydoc_workload  # benchmarks/ is the script's directory
 SMOLLM2 = "smollm2-135m-instruct"
 
 
-def run_jaxserve(work, args) -> dict:
+def run_jaxserve(work, args, quantization: str | None = None) -> dict:
     from jaxserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512,
-              progress=False)
+              quantization=quantization, progress=False)
     startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
@@ -73,7 +74,7 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--compare", choices=("hf",), default=None)
+    p.add_argument("--compare", choices=("hf", "int8"), default=None)
     p.add_argument("--hf-batch-size", type=int, default=16)
     args = p.parse_args()
 
@@ -87,6 +88,8 @@ def main() -> None:
     results = {"jaxserve": run_jaxserve(work, args)}
     if args.compare == "hf":
         results["hf"] = run_hf(work, args)
+    if args.compare == "int8":
+        results["int8"] = run_jaxserve(work, args, "int8")
     print(f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens; "
           f"{platform.machine()} {platform.processor() or ''}".rstrip())
     for name, r in results.items():
@@ -97,6 +100,9 @@ def main() -> None:
     if "hf" in results:
         ratio = results["jaxserve"]["output_tok_s"] / results["hf"]["output_tok_s"]
         print(f"jaxserve / HF transformers (static batch {args.hf_batch_size}): {ratio:.2f}x")
+    if "int8" in results:
+        ratio = results["int8"]["output_tok_s"] / results["jaxserve"]["output_tok_s"]
+        print(f"jaxserve --quantization int8 / f32: {ratio:.2f}x")
     print(json.dumps(results))
 
 

@@ -35,6 +35,10 @@ class RopeScaling:
             raise ConfigError(f"rope_scaling.factor must be > 0, got {self.factor}")
 
 
+QUANTIZATIONS = (None, "int8")
+INT8_GROUP = 32  # contraction rows per int8 scale: a Q4_1 / Q4_0 block, so those load exactly
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
@@ -55,6 +59,10 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     sliding_window: int | None = None  # Mistral
     dtype: str = "float32"  # activations and weights
+    # Weight storage of the decoder layers' projections: None stores them in `dtype`; "int8"
+    # stores uint8 codes with a scale and a minimum per INT8_GROUP contraction rows (see
+    # jaxserve.weights.quantize), dequantized to `dtype` inside the step.
+    quantization: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
@@ -71,6 +79,14 @@ class ModelConfig:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be > 0 or None, got {self.sliding_window}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got "
+                              f"{self.quantization!r}")
+        contractions = (self.hidden_size, self.intermediate_size, self.num_heads * self.head_dim)
+        if self.quantization == "int8" and any(k % INT8_GROUP for k in contractions):
+            raise ConfigError(f"int8 quantization needs hidden_size, intermediate_size and "
+                              f"num_heads * head_dim divisible by {INT8_GROUP}, got "
+                              f"{contractions}")
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

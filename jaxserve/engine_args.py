@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jaxserve.config import DistributedConfig
+from jaxserve.config import QUANTIZATIONS, DistributedConfig
 
 DTYPES = ("float32", "bfloat16")
 # Engine settings by their keyword name (the flag is --name-with-dashes) and value type.
@@ -18,6 +18,7 @@ ENGINE_FLAG_TYPES = {
     "num_pages": int, "kv_cache_memory_fraction": float, "enable_prefix_caching": bool,
     "enable_chunked_prefill": bool, "chat_template": str, "tensor_parallel_size": int,
     "data_parallel_size": int, "speculative_ngram": int, "speculative_config": str,
+    "quantization": str,
 }
 
 
@@ -35,6 +36,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_required: bool =
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The engine settings without --model (for commands that name the model otherwise)."""
     parser.add_argument("--dtype", choices=DTYPES, default=None)
+    parser.add_argument("--quantization", "-q", choices=QUANTIZATIONS[1:], default=None,
+                        help="int8: the decoder layers' weights stored as int8 groups of 32 "
+                             "(a quarter of the f32 bytes; faster at small batches on CPU)")
     g = parser.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, help="context length (prompt + output)")
     g.add_argument("--max-num-seqs", type=int, help="sequences per step")

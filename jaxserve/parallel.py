@@ -20,6 +20,7 @@ import jax
 
 from jaxserve import sharding
 from jaxserve.engine import EngineConfig, LLMEngine, make_engine_config, parallel_config
+from jaxserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,12 @@ def build_engines(model: str, *, dtype: str | None = None, devices=None,
     spec = resolve(model)
     started = time.perf_counter()
     args = {**spec.engine_defaults, **engine_args}
+    quantization = args.pop("quantization", None)
     parallel = parallel_config(args)
+    if quantization is not None and parallel.tensor_parallel_size > 1:
+        # The scales of a group span heads (o_proj): they do not shard with them.
+        raise ConfigError(f"quantization {quantization!r} is not supported with "
+                          f"tensor_parallel_size > 1")
     devices = list(jax.devices() if devices is None else devices)
     # Checked before a tensor is read: a size that cannot serve is one error at start.
     sharding.check_parallel(read_config(spec, dtype), parallel, len(devices))
@@ -56,7 +62,7 @@ def build_engines(model: str, *, dtype: str | None = None, devices=None,
     else:
         meshes = sharding.replica_meshes(parallel, devices)
     model_config, replica_params = jax.block_until_ready(
-        load_model_replicas(spec, dtype, meshes))
+        load_model_replicas(spec, dtype, meshes, quantization))
     load_seconds = time.perf_counter() - started
     tp = parallel.tensor_parallel_size
     if tp > 1 and sharding.kv_head_shards(model_config, meshes[0]) == 1:

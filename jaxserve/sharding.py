@@ -32,6 +32,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "vocab": MODEL,
     "cache_pages": None,
     "page_offset": None,
+    "quant_groups": None,  # int8 weights' scales (not with tensor parallelism)
 }
 
 # Axes of the KV cache [L * num_pages, page_size, 2 * Hkv, D]: K/V pairs of a head are adjacent on

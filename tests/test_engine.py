@@ -96,6 +96,18 @@ def test_golden_alone_mixed_and_prefix_cached(smollm2_llm, smollm2_golden):
 
 
 @pytest.mark.slow
+def test_golden_with_int8_weights(smollm2_golden):
+    # The GGUF's Q4_1 blocks land on int8 codes exactly (jaxserve.weights.quantize): the golden
+    # tokens stay equal, from a quarter of the layers' f32 weight bytes.
+    llm = LLM(SMOLLM2, quantization="int8", num_pages=64, max_num_seqs=8,
+              max_num_batched_tokens=256, max_model_len=512, strict_compile=True, progress=False)
+    assert llm.engine.config.model.quantization == "int8"
+    assert_golden(llm.generate(golden_prompts(smollm2_golden), GREEDY), smollm2_golden)
+    assert llm.engine.runner.num_serving_compiles == 0
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.slow
 def test_golden_chunked_prefill_and_preemption(smollm2_golden):
     # (c) 16 tokens per step: every golden prompt but the shortest is split across steps.
     # (e) 8 usable pages of 16 tokens cannot hold the 6 cases at once: requests get preempted

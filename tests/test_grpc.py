@@ -31,7 +31,7 @@ from jaxserve.client import AsyncClient, Client
 from jaxserve.engine import LLMEngine
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.sampling import SamplingParams
-from jaxserve.server.grpc import SERVICE_NAME, start_grpc_server
+from jaxserve.server.grpc import SERVICE_NAME, completion_body, start_grpc_server
 from tests.test_cli import ROOT, tiny_gguf
 from tests.test_engine import assert_no_leaks
 
@@ -191,6 +191,7 @@ INVALID = [
     (dict(prompt="hi", top_p=1.5), "top_p"),
     (dict(prompt="hi", max_tokens=0), "max_tokens"),
     (dict(prompt="hi", repetition_penalty=0.0), "repetition_penalty"),
+    (dict(prompt="hi", num_speculative_tokens=-1), "num_speculative_tokens"),
     (dict(prompt_token_ids=[5, 49152]), "token id 49152 is outside the vocabulary [0, 49152)"),
     # too long: the message gives the numbers
     (dict(prompt_token_ids=[5] * 2040, max_tokens=10),
@@ -451,6 +452,14 @@ def test_16_concurrent_streams_equal_golden(smollm2, smollm2_golden):
         assert list(joined.token_ids) == ids and joined.text == tok.decode(ids)
         assert joined.finish_reason == "length" and joined.usage.completion_tokens == 16
     wait_idle(smollm2.engine)
+
+
+def test_num_speculative_tokens_zero_is_sent_not_dropped():
+    # proto3 `optional`: 0 (opt out of speculation) is present, unlike an unset field.
+    body = completion_body(pb.GenerateRequest(model=TINY, prompt="hi", num_speculative_tokens=0))
+    assert body["num_speculative_tokens"] == 0
+    assert "num_speculative_tokens" not in completion_body(pb.GenerateRequest(model=TINY,
+                                                                              prompt="hi"))
 
 
 def test_typed_errors_map_to_grpc_and_http_statuses():

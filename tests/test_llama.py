@@ -147,6 +147,51 @@ def test_bf16_forward_close_to_f32():
     assert logits16.dtype == np.float64 and np.argmax(logits16[0]) == np.argmax(logits32[0])
 
 
+def _q4_1_exact(params: dict) -> dict:
+    """The projections rounded to what a Q4_1 GGUF holds (16 levels per 32 contraction rows)."""
+    from gguf import GGMLQuantizationType, quants
+
+    layers = dict(params["layers"])
+    for name, num_contract in llama.PROJECTIONS.items():
+        w = np.asarray(layers[name])
+        rows = w.reshape(w.shape[0], -1, int(np.prod(w.shape[1 + num_contract:])))
+        t = np.ascontiguousarray(rows.transpose(0, 2, 1))  # blocks run along the contraction
+        t = quants.dequantize(quants.quantize(t, GGMLQuantizationType.Q4_1),
+                              GGMLQuantizationType.Q4_1)
+        layers[name] = t.transpose(0, 2, 1).reshape(w.shape)
+    return {**params, "layers": layers}
+
+
+def test_int8_weights_give_the_f32_forward_of_q4_1_weights():
+    from jaxserve.errors import ConfigError
+    from jaxserve.weights.quantize import quantize_int8
+
+    config = tiny_config(intermediate_size=64)
+    params = _q4_1_exact(jax.tree.map(np.asarray, llama.init_params(config, jax.random.key(4))))
+    seq = np.random.default_rng(5).integers(0, config.vocab_size, 9).tolist()
+    steps = [[SeqChunk(seq[:8], 0, [3, 4])], [SeqChunk(seq[8:], 8, [3, 4, 6])]]
+    cfg8 = config.replace(quantization="int8")
+    params8 = quantize_int8(params)
+    # The tree the model declares for int8: uint8 codes, f32 scale and min per 32 rows.
+    assert jax.tree.map(lambda x: (x.shape, np.dtype(x.dtype)), params8) == jax.tree.map(
+        lambda x: (x.shape, np.dtype(x.dtype)), llama.param_shapes(cfg8))
+    assert params8["layers"]["o_proj_scale"].shape == (3, 4 * 16 // 32, 32)
+    for (h32, l32), (h8, l8) in zip(run_steps(params, config, steps),
+                                    run_steps(params8, cfg8, steps)):
+        # Q4_1's levels land on int8 codes exactly: only f32 rounding of the dequantization.
+        np.testing.assert_allclose(h8, h32, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(l8, l32, atol=1e-5, rtol=1e-5)
+    # Other weights lose up to half a step of (max - min) / 255 per group: close, not equal.
+    plain = jax.tree.map(np.asarray, llama.init_params(config, jax.random.key(4)))
+    (_, l32), = run_steps(plain, config, steps[:1])
+    (_, l8), = run_steps(quantize_int8(plain), cfg8, steps[:1])
+    assert 0 < np.abs(l8 - l32).max() < 0.05
+    with pytest.raises(ConfigError, match="divisible by 32"):
+        tiny_config(quantization="int8")
+    with pytest.raises(ConfigError, match="quantization must be one of"):
+        tiny_config(quantization="fp8")
+
+
 def test_params_tree_and_logical_axes():
     config = tiny_config(attention_bias=True)
     params = llama.init_params(config, jax.random.key(0))

@@ -79,6 +79,10 @@ def test_completion_prompts_and_fields():
     r = completion(logprobs=3)
     assert r.logprobs == 3 and r.sampling_params.logprobs == 3
     assert completion(echo=True).echo
+    # Per-request speculation: 0 opts out; up to 15 (the largest K a server can run) passes.
+    assert completion().sampling_params.num_speculative_tokens is None
+    assert completion(num_speculative_tokens=0).sampling_params.num_speculative_tokens == 0
+    assert chat(num_speculative_tokens=15).sampling_params.num_speculative_tokens == 15
     for bad in ("", [], [""], ["a", 1], [[1], "a"], [1, True], {"text": "a"}, 5):
         with pytest.raises(InvalidRequest) as e:
             completion(prompt=bad)
@@ -143,6 +147,9 @@ def test_completion_prompts_and_fields():
     (completion, {"suffix": "x"}, "suffix"),
     (completion, {"messages": MSGS}, "messages"),  # a chat field
     (completion, {"max_completion_tokens": 3}, "max_completion_tokens"),
+    (completion, {"num_speculative_tokens": -1}, "num_speculative_tokens"),
+    (chat, {"num_speculative_tokens": 16}, "num_speculative_tokens"),
+    (chat, {"num_speculative_tokens": "0"}, "num_speculative_tokens"),
 ])
 def test_rejections_name_the_field(parse, fields, param):
     with pytest.raises(InvalidRequest) as e:

@@ -206,3 +206,57 @@ def test_smollm2_golden_and_input_grounded_output_with_ngram_drafts(smollm2_path
     assert llm.engine.stats().num_accepted_draft_tokens - drafts >= 10  # it copies the passage
     assert llm.engine.runner.num_serving_compiles == 0
     assert_no_leaks(llm.engine)
+
+
+# ---------------------------------------------------------------- per request, over HTTP
+
+
+def test_http_num_speculative_tokens_opts_out_caps_and_is_bounded(tmp_path,
+                                                                  smollm2_tokenizer_fields):
+    """On a server with --speculative-ngram 3: num_speculative_tokens 0 gives the same greedy
+    output with no drafts counted; above the server's K it is capped (same output); outside
+    0..15 (or not an integer) it is a 400 naming the field."""
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine import LLMEngine
+    from tests.test_server import ServerThread, http_post, wait_idle
+
+    path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields)
+    engine = LLMEngine.from_model(str(path), num_pages=40, max_num_seqs=2,
+                                  max_num_batched_tokens=32, max_model_len=128,
+                                  speculative_ngram=3, strict_compile=True, progress=False)
+    async_engine = AsyncEngine(engine)
+    srv = ServerThread("tiny")
+    try:
+        srv.attach(async_engine)
+
+        def drafts() -> float:
+            return wait_idle(srv.url)["jaxserve:spec_decode_num_draft_tokens_total"]
+
+        # 40 tokens of this random model after this prompt repeat a few earlier ones: the n-gram
+        # drafter proposes. Both routes build SamplingParams in one place (server.protocol).
+        routes = {"completions": ({"prompt": [5, 6, 7, 8] * 6}, lambda r: r["choices"][0]["text"]),
+                  "chat/completions": ({"messages": [{"role": "user", "content": "ab ab ab ab"}]},
+                                       lambda r: r["choices"][0]["message"]["content"])}
+        for route, (prompt, text) in routes.items():
+            body = {"model": "tiny", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                    **prompt}
+            before = drafts()
+            r = http_post(f"{srv.url}/v1/{route}", body)
+            assert r.status_code == 200, r.text
+            speculated = drafts()
+            if route == "completions":  # (the chat prompt happens to draw no n-gram match)
+                assert speculated > before, "the default request should have been given drafts"
+            r_off = http_post(f"{srv.url}/v1/{route}", {**body, "num_speculative_tokens": 0})
+            assert r_off.status_code == 200 and text(r_off.json()) == text(r.json())
+            assert drafts() == speculated
+            r_cap = http_post(f"{srv.url}/v1/{route}", {**body, "num_speculative_tokens": 15})
+            assert r_cap.status_code == 200 and text(r_cap.json()) == text(r.json())
+            for bad in (16, -1, "2", 1.5):
+                err = http_post(f"{srv.url}/v1/{route}", {**body, "num_speculative_tokens": bad})
+                assert err.status_code == 400, (bad, err.text)
+                assert err.json()["error"]["param"] == "num_speculative_tokens", err.text
+    finally:
+        srv.stop()
+        async_engine.shutdown()
+    assert engine.runner.num_serving_compiles == 0
+    assert_no_leaks(engine)

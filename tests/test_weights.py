@@ -284,3 +284,23 @@ def test_load_model_every_format_gives_the_same_tree(tmp_path):
     assert config16.dtype == "bfloat16"
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bf16))
     assert issubclass(WeightsError, JaxServeError)
+
+
+def test_load_model_int8_quantization_and_where_it_is_refused(tmp_path):
+    from jaxserve.errors import ConfigError
+    from jaxserve.parallel import build_engines
+
+    config = tiny(intermediate_size=64)
+    gg = write_gguf(tmp_path / "m.gguf", config, random_params(config))
+    spec = ModelSpec("m", "gguf", gg)
+    config8, params8 = load_model(spec, quantization="int8")
+    assert config8.quantization == "int8"
+    assert params8["layers"]["q_proj"].dtype == jnp.uint8
+    assert params8["embed_tokens"].dtype == jnp.float32  # the LM head stays in the model's dtype
+    assert config8.replace(quantization=None) == load_model(spec)[0]
+    with pytest.raises(ConfigError, match="orbax"):
+        load_model(ModelSpec("m", "orbax", tmp_path / "ckpt"), quantization="int8")
+    with pytest.raises(ConfigError, match="quantization must be one of"):
+        load_model(spec, quantization="fp8")
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        build_engines(str(gg), quantization="int8", tensor_parallel_size=2)

@@ -14,6 +14,8 @@ Layout choices:
     layers/{input_norm, post_attention_norm} [L, H],
     layers/{q,k,v}_proj [L, H, heads, D], layers/{q,k,v}_bias [L, heads, D] (Qwen2),
     layers/o_proj [L, Hq, D, H], layers/{gate,up}_proj [L, H, I], layers/down_proj [L, I, H].
+  With config.quantization "int8" the seven projections are uint8 codes of those shapes plus
+  `{name}_scale` and `{name}_min` [L, K / 32, *out] (see `_weight`, jaxserve.weights.quantize).
   Every parameter carries logical axis names (see `param_logical_axes`); `jaxserve.sharding` maps
   them to mesh axes.
 - All layers share one KV cache array [L * num_pages, page_size, 2 * Hkv, D] that rides in the scan
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.batch import BatchPlan
-from jaxserve.config import ModelConfig
+from jaxserve.config import INT8_GROUP, ModelConfig
 from pallas_kernels import ragged_paged_attention as rpa
 
 
@@ -46,6 +48,40 @@ def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str
 def _fan_in_normal(fan_in: int):
     # Unit-scale activations in random models, so tests of tiny models see real signal.
     return nn.initializers.normal(stddev=fan_in ** -0.5)
+
+
+# The decoder layer's projection weights and how many of their leading axes contract (the rest
+# are output axes): what int8 storage quantizes, per group of contraction rows.
+PROJECTIONS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1,
+               "down_proj": 1}
+
+
+def _uniform_codes(key, shape, dtype):
+    return jax.random.randint(key, shape, 0, 256).astype(dtype)
+
+
+def _weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
+            init) -> jax.Array:
+    """A projection weight (its first PROJECTIONS[name] axes contract) in the model's dtype.
+    Quantized int8 (config.quantization): uint8 codes of the same shape, plus `{name}_scale` and
+    `{name}_min` [K / INT8_GROUP, *out] per group of INT8_GROUP rows of the flattened
+    contraction axes K; dequantized here, inside the step, so only the codes are read from
+    memory (XLA:CPU writes the dequantized layer to a buffer the dot reads: it fits in cache)."""
+    c = module.config
+    dt = jnp.dtype(c.dtype)
+    if c.quantization is None:
+        return _param(module, name, shape, axes, dt, init)
+    num_contract = PROJECTIONS[name]
+    out_shape, out_axes = shape[num_contract:], axes[num_contract:]
+    groups = math.prod(shape[:num_contract]) // INT8_GROUP
+    codes = _param(module, name, shape, axes, jnp.uint8, _uniform_codes)
+    # Random codes over [-1, 1): real weights come from jaxserve.weights.quantize.
+    scale = _param(module, f"{name}_scale", (groups, *out_shape), ("quant_groups", *out_axes),
+                   jnp.float32, nn.initializers.constant(2 / 256))
+    low = _param(module, f"{name}_min", (groups, *out_shape), ("quant_groups", *out_axes),
+                 jnp.float32, nn.initializers.constant(-1.0))
+    w = codes.reshape(groups, INT8_GROUP, *out_shape).astype(jnp.float32)
+    return (w * scale[:, None] + low[:, None]).reshape(shape).astype(dt)
 
 
 def _precision(config: ModelConfig) -> jax.lax.Precision:
@@ -135,11 +171,12 @@ class DecoderLayer(nn.Module):
         einsum = functools.partial(jnp.einsum, precision=_precision(c))
 
         h = rms_norm(x, _param(self, "input_norm", (H,), ("embed",), dt, ones), c.rms_norm_eps)
-        wq = _param(self, "q_proj", (H, Hq, D), ("embed", "heads", "head_dim"), dt, _fan_in_normal(H))
-        wk = _param(self, "k_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"), dt,
-                    _fan_in_normal(H))
-        wv = _param(self, "v_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"), dt,
-                    _fan_in_normal(H))
+        wq = _weight(self, "q_proj", (H, Hq, D), ("embed", "heads", "head_dim"),
+                     _fan_in_normal(H))
+        wk = _weight(self, "k_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"),
+                     _fan_in_normal(H))
+        wv = _weight(self, "v_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"),
+                     _fan_in_normal(H))
         q = einsum("th,hnd->tnd", h, wq)
         k = einsum("th,hnd->tnd", h, wk)
         v = einsum("th,hnd->tnd", h, wv)
@@ -159,15 +196,15 @@ class DecoderLayer(nn.Module):
             attn = q
         else:
             attn, kv_cache = paged_attention(c, self.mesh, q, k, v, kv_cache, batch, layer)
-        wo = _param(self, "o_proj", (Hq, D, H), ("heads", "head_dim", "embed"), dt,
-                    _fan_in_normal(Hq * D))
+        wo = _weight(self, "o_proj", (Hq, D, H), ("heads", "head_dim", "embed"),
+                     _fan_in_normal(Hq * D))
         x = x + einsum("tnd,ndh->th", attn.astype(dt), wo)
 
         h = rms_norm(x, _param(self, "post_attention_norm", (H,), ("embed",), dt, ones),
                      c.rms_norm_eps)
-        w_gate = _param(self, "gate_proj", (H, I), ("embed", "mlp"), dt, _fan_in_normal(H))
-        w_up = _param(self, "up_proj", (H, I), ("embed", "mlp"), dt, _fan_in_normal(H))
-        w_down = _param(self, "down_proj", (I, H), ("mlp", "embed"), dt, _fan_in_normal(I))
+        w_gate = _weight(self, "gate_proj", (H, I), ("embed", "mlp"), _fan_in_normal(H))
+        w_up = _weight(self, "up_proj", (H, I), ("embed", "mlp"), _fan_in_normal(H))
+        w_down = _weight(self, "down_proj", (I, H), ("mlp", "embed"), _fan_in_normal(I))
         mlp = nn.silu(einsum("th,hi->ti", h, w_gate)) * einsum("th,hi->ti", h, w_up)
         x = x + einsum("ti,ih->th", mlp, w_down)
         return (x, kv_cache), None

@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # the RAG stack (FAISS, bm25s) loads only when a service is p
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # Proto3 `optional` scalars that map one-to-one onto OpenAI completion fields.
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos")
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+                    "num_speculative_tokens")
 
 
 def completion_body(request: pb.GenerateRequest) -> dict:

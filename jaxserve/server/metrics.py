@@ -56,7 +56,12 @@ class _EngineCollector:
                     ("counter", "prompt_tokens", "Prompt tokens processed.", s.prompt_tokens),
                     ("counter", "generation_tokens", "Tokens generated.", s.generation_tokens),
                     ("counter", "num_preemptions", "Requests preempted for lack of KV pages.",
-                     s.num_preemptions)):
+                     s.num_preemptions),
+                    ("counter", "spec_decode_num_draft_tokens",
+                     "Speculative draft tokens proposed and verified.", s.num_draft_tokens),
+                    ("counter", "spec_decode_num_accepted_tokens",
+                     "Speculative draft tokens the model confirmed.",
+                     s.num_accepted_draft_tokens)):
                 if name not in families:
                     family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
                     families[name] = family(f"jaxserve:{name}", doc, labels=labels)

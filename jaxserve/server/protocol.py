@@ -26,7 +26,7 @@ _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
     # vLLM-style extras
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-    "skip_special_tokens", "include_stop_str_in_output")
+    "skip_special_tokens", "include_stop_str_in_output", "num_speculative_tokens")
 _DEFAULT_LIMITS = RequestLimits()
 
 

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
                       model_validator)
 
-from jaxserve.config import RequestLimits
+from jaxserve.config import RequestLimits, SpeculativeConfig
 from jaxserve.errors import InvalidRequest
 from jaxserve.rag.config import SEARCH_MODES
 from jaxserve.tools.functions import MAX_TOOLS
@@ -343,6 +343,10 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
         stop_token_ids: list[Int] | None = None
         skip_special_tokens: bool | None = None
         include_stop_str_in_output: bool | None = None
+        num_speculative_tokens: int_in(0, SpeculativeConfig.MAX_SPECULATIVE_TOKENS) | None = Field(
+            None, description="On a server with speculative decoding: at most this many draft "
+                              "tokens per step for this request (0 opts out; more than the "
+                              "server's K means K). Ignored without speculation.")
 
         @model_validator(mode="after")
         def _combinations(self):

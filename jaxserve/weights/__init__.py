@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 from jaxserve.config import ModelConfig
-from jaxserve.errors import WeightsError
+from jaxserve.errors import ConfigError, WeightsError
 from jaxserve.model_registry import ModelSpec
 
 
@@ -56,12 +56,16 @@ def param_bytes(config: ModelConfig) -> int:
                for s in jax.tree.leaves(llama.param_shapes(config)))
 
 
-def load_model(spec: ModelSpec, dtype: str | None = None,
-               mesh: jax.sharding.Mesh | None = None) -> tuple[ModelConfig, dict]:
+def load_model(spec: ModelSpec, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None,
+               quantization: str | None = None) -> tuple[ModelConfig, dict]:
     """(config, params on device). dtype None keeps the source's (f32 for GGUF / HF, as saved for
-    orbax); with a mesh, params are sharded for tensor parallelism (jaxserve.sharding)."""
+    orbax); with a mesh, params are sharded for tensor parallelism (jaxserve.sharding).
+    quantization "int8": the layers' projections stored as int8 groups (weights.quantize)."""
     from jaxserve import sharding
 
+    if quantization is not None and spec.format == "orbax":
+        raise ConfigError(f"quantization {quantization!r} needs a GGUF or HF source, not an orbax "
+                          f"checkpoint ({spec.name})")
     if spec.format == "orbax":
         from jaxserve.weights.checkpoint import config_from_dict, load_checkpoint, read_meta
 
@@ -71,17 +75,22 @@ def load_model(spec: ModelSpec, dtype: str | None = None,
             shardings = sharding.param_shardings(config.replace(dtype=dtype or config.dtype), mesh)
         return load_checkpoint(spec.path, dtype, shardings)
     config, params = load_host(spec, dtype or "float32")
+    config = config.replace(quantization=quantization)
+    if config.quantization == "int8":
+        from jaxserve.weights.quantize import quantize_int8
+
+        params = quantize_int8(params)
     if mesh is None:
         return config, jax.device_put(params)
     return config, jax.device_put(params, sharding.param_shardings(config, mesh))
 
 
-def load_model_replicas(spec: ModelSpec, dtype: str | None,
-                        meshes: list[jax.sharding.Mesh | None]) -> tuple[ModelConfig, list[dict]]:
+def load_model_replicas(spec: ModelSpec, dtype: str | None, meshes: list[jax.sharding.Mesh | None],
+                        quantization: str | None = None) -> tuple[ModelConfig, list[dict]]:
     """The weights read once and placed on each mesh (one per data-parallel replica): the first
     from the source, the others copied device to device from it."""
     from jaxserve import sharding
 
-    config, first = load_model(spec, dtype, meshes[0])
+    config, first = load_model(spec, dtype, meshes[0], quantization)
     return config, [first] + [jax.device_put(first, sharding.param_shardings(config, mesh))
                               for mesh in meshes[1:]]
