@@ -11,9 +11,9 @@ its longest request is done, as static batching does), and only the requested to
     python benchmarks/throughput.py --compare hf          # + HF transformers (pip install .[bench])
     python benchmarks/throughput.py --compare int8        # + jaxserve with --quantization int8
 
-After the workload (unless `--no-decode-step`) each jaxserve run also times the engine's 64-sequence decode step
-(forward over 64 one-token queries at contexts of 46-286 tokens, LM head, greedy sampler: the
-compiled programs serving runs) and reports its FLOP rate as a fraction of an f32 matmul peak
+After the workload (unless `--no-decode-step`) each jaxserve run also times the engine's
+64-sequence decode step (forward over 64 one-token queries at contexts of 46-286 tokens, LM
+head, greedy sampler: the compiled programs serving runs) and reports its FLOP rate as a fraction of an f32 matmul peak
 measured in the same process (benchmarks/kernels.py). FLOPs: 2 x the parameters in matmuls
 (projections, MLP, LM head) x 64 rows, plus attention's 4 x Hq x D per (query, key) pair.
 """
