@@ -10,6 +10,12 @@ its longest request is done, as static batching does), and only the requested to
     python benchmarks/throughput.py                       # jaxserve only
     python benchmarks/throughput.py --compare hf          # + HF transformers (pip install .[bench])
     python benchmarks/throughput.py --compare int8        # + jaxserve with --quantization int8
+
+After the workload (unless `--no-decode-step`) each jaxserve run also times the engine's
+64-sequence decode step (forward over 64 one-token queries at contexts of 46-286 tokens, LM
+head, greedy sampler: the compiled programs serving runs) and reports its FLOP rate as a fraction of an f32 matmul peak
+measured in the same process (benchmarks/kernels.py). FLOPs: 2 x the parameters in matmuls
+(projections, MLP, LM head) x 64 rows, plus attention's 4 x Hq x D per (query, key) pair.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import json
 import platform
 import time
 
+import numpy as np
 from workload import pydoc_workload  # benchmarks/ is the script's directory
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -38,8 +45,52 @@ def run_jaxserve(work, args, quantization: str | None = None) -> dict:
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
     assert [len(o.outputs[0].token_ids) for o in outs] == [n for _, n in work]
-    return {"seconds": elapsed, "startup_seconds": startup,
-            "preemptions": llm.engine.stats().num_preemptions}
+    result = {"seconds": elapsed, "startup_seconds": startup,
+              "preemptions": llm.engine.stats().num_preemptions}
+    if args.decode_step:
+        result["decode_step"] = decode_step_figure(llm.engine.runner, args.max_num_seqs)
+    return result
+
+
+def decode_step_figure(runner, num_seqs: int, repeats: int = 5) -> dict:
+    """The decode step of `num_seqs` sequences through the runner's warmed programs, as a fraction
+    of the f32 matmul peak measured here. It writes K/V into arbitrary pages of the pool: run it
+    only once the engine has nothing left to serve."""
+    from kernels import measure_peaks
+
+    from jaxserve.batch import SeqChunk, make_plan, pages_for
+    from jaxserve.sampling import SamplingParams, SamplingRow
+
+    c, shapes = runner.config, runner.shapes
+    kv_lens = np.random.default_rng(0).integers(46, 287, num_seqs)
+    chunks, next_page = [], 1  # page 0 is the null page
+    for n in kv_lens:
+        pages = list(range(next_page, next_page + pages_for(int(n), shapes.page_size)))
+        next_page += len(pages)
+        chunks.append(SeqChunk([1], int(n) - 1, pages))
+    if next_page > shapes.num_pages:
+        raise SystemExit(f"--decode-step needs {next_page} KV pages, the pool has "
+                         f"{shapes.num_pages}")
+    tokens = shapes.token_bucket(num_seqs)
+    plan = make_plan(chunks, num_tokens_padded=tokens, num_seqs_padded=shapes.seq_bucket(tokens),
+                     pages_per_seq=shapes.pages_per_seq, page_size=shapes.page_size,
+                     num_rows_padded=shapes.logits_bucket(tokens))
+    rows = [SamplingRow(SamplingParams(temperature=0, max_tokens=None), 0, [1], [])] * num_seqs
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        runner.sample(runner.forward(plan), rows)  # returns host arrays: the step is done
+        times.append(time.perf_counter() - t0)
+    step = min(times[1:])
+    H, I, Hq, Hkv, D = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+                        c.head_dim)
+    matmul_params = c.num_layers * (H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I)
+    matmul_params += H * c.vocab_size  # the LM head
+    flops = 2 * matmul_params * num_seqs + 4 * Hq * D * int(kv_lens.sum()) * c.num_layers
+    _, peak = measure_peaks(on_gpu=False)
+    return {"num_seqs": num_seqs, "step_ms": step * 1e3, "gflop": flops / 1e9,
+            "gflop_s": flops / step / 1e9, "matmul_peak_gflop_s": peak / 1e9,
+            "fraction_of_peak": flops / step / peak}
 
 
 def run_hf(work, args) -> dict:
@@ -76,6 +127,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--compare", choices=("hf", "int8"), default=None)
     p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--no-decode-step", dest="decode_step", action="store_false",
+                   help="skip the 64-sequence decode step's fraction of the f32 matmul peak")
     args = p.parse_args()
 
     from jaxserve.model_registry import resolve
@@ -97,6 +150,11 @@ def main() -> None:
         r["total_tok_s"] = (prompt_tokens + output_tokens) / r["seconds"]
         print(f"{name:9s} {r['seconds']:7.1f} s  output {r['output_tok_s']:7.1f} tok/s  "
               f"total {r['total_tok_s']:7.1f} tok/s")
+    step = results["jaxserve"].get("decode_step")
+    if step is not None:
+        print(f"decode step, {step['num_seqs']} sequences: {step['step_ms']:.0f} ms, "
+              f"{step['gflop_s']:.1f} GFLOP/s = {step['fraction_of_peak']:.0%} of the f32 matmul "
+              f"peak measured in this run ({step['matmul_peak_gflop_s']:.1f} GFLOP/s)")
     if "hf" in results:
         ratio = results["jaxserve"]["output_tok_s"] / results["hf"]["output_tok_s"]
         print(f"jaxserve / HF transformers (static batch {args.hf_batch_size}): {ratio:.2f}x")

@@ -210,11 +210,12 @@ class ModelRunner:
                 self._spec((key[1], self.config.vocab_size), jnp.float32),
                 self._spec((key[1], self.bitmask_width), jnp.int32))
         else:
-            _, rows, history_width, top_width = key
+            _, rows, history_width, top_width, all_greedy = key
             md = sampler.make_sampling_metadata([], rows, eos_token_ids=self.eos_token_ids)
             md = md._replace(history_token_ids=np.zeros((rows, history_width), np.int32))
             logits = self._spec((rows, self.config.vocab_size), jnp.float32)
-            sample = jax.jit(functools.partial(sampler.sample, num_top_logprobs=top_width),
+            sample = jax.jit(functools.partial(sampler.sample, num_top_logprobs=top_width,
+                                               all_greedy=all_greedy),
                              **self._sample_shardings)
             lowered = sample.lower(logits, jax.tree.map(lambda x: self._spec(x.shape, x.dtype), md))
         return lowered.compile()
@@ -232,11 +233,12 @@ class ModelRunner:
 
     def program_keys(self) -> list[tuple]:
         """Every program serving can need: one forward per token bucket, and per logits row
-        count the sampler with and without penalties and top logprobs, and the token-bitmask
-        step."""
+        count the sampler with and without penalties, top logprobs and sampled rows, and the
+        token-bitmask step."""
         keys = [("forward", t) for t in self.shapes.token_buckets]
-        keys += [("sample", s, h, k) for s in self.shapes.row_buckets
-                 for h in (0, self.shapes.history_width) for k in (0, sampler.MAX_LOGPROBS)]
+        keys += [("sample", s, h, k, g) for s in self.shapes.row_buckets
+                 for h in (0, self.shapes.history_width) for k in (0, sampler.MAX_LOGPROBS)
+                 for g in (False, True)]
         keys += [("bitmask", s) for s in self.shapes.row_buckets]
         return keys
 
@@ -292,6 +294,8 @@ class ModelRunner:
         """`sample` from its host inputs, without publishing. The sampler metadata and the
         bitmask go to the device in one transfer."""
         md, token_bitmask, num_rows = inputs.metadata, inputs.token_bitmask, logits.shape[0]
+        # From the host metadata, so a multi-host follower picks the same program.
+        all_greedy = bool(np.all(md.temperature < sampler.SAMPLING_EPS))
         if token_bitmask is None:
             md = self._put(md)
         else:
@@ -301,6 +305,6 @@ class ModelRunner:
             md, token_bitmask = self._put((md, token_bitmask))
             logits = self._program(("bitmask", num_rows))(logits, token_bitmask)
         sample = self._program(("sample", num_rows, md.history_token_ids.shape[1],
-                                inputs.top_width))
+                                inputs.top_width, all_greedy))
         out = sample(logits, md)
         return StepOutput(*jax.device_get(tuple(out)))

@@ -134,7 +134,8 @@ _BLOCK = 256
 _BISECT_STEPS = 32
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, *, num_top_logprobs: int = 0) -> SamplerOutput:
+def sample(logits: jax.Array, md: SamplingMetadata, *, num_top_logprobs: int = 0,
+           all_greedy: bool = False) -> SamplerOutput:
     """Draw one token per row of `logits` f32[S, V].
 
     Order: penalties -> min_tokens mask -> temperature -> top-k -> top-p -> min-p -> draw.
@@ -150,6 +151,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, num_top_logprobs: int = 0
     No sort: top-k and top-p thresholds are found by bisection over the logit values (a full sort
     of a 49152-wide row costs ~10 ms on a CPU core), and both run only when some row asks for them.
     The penalty path is compiled in only when md.history_token_ids is wider than 0.
+    `all_greedy` (static; the caller checks md.temperature on the host) compiles the draw out.
     """
     raw = logits.astype(jnp.float32)
     # log_softmax only where read: logit - logsumexp, without an [S, V] log_softmax array.
@@ -160,9 +162,14 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, num_top_logprobs: int = 0
     rows = jnp.arange(logits.shape[0])[:, None]
     blocked = _scatter_ids(md.blocked_token_ids, logits.shape[1])
     logits = logits.at[rows, blocked].set(-jnp.inf, mode="drop")
-    # Both paths for every row: on XLA:CPU a lax.cond skipping the draw for all-greedy batches
-    # saved nothing (its operand buffers cost as much as the ~10 ms draw at 64 x 49152).
-    token_ids = jnp.where(md.temperature < SAMPLING_EPS, _argmax(logits), _draw(logits, md))
+    # A mixed step runs both paths for every row: on XLA:CPU a lax.cond skipping the draw saved
+    # nothing (its operand buffers cost as much as the draw). An all-greedy step is a separate
+    # program without the draw (64 x 49152 on the 2-core AVX2 host: ~41 -> ~10 ms, with
+    # jnp.argmax: a max-then-first-index pair of reductions, fused after the blocked-ids scatter,
+    # materialised the broadcast max and took 18 ms against argmax's 5 ms there).
+    token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not all_greedy:
+        token_ids = jnp.where(md.temperature < SAMPLING_EPS, token_ids, _draw(logits, md))
     logprobs = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0] - lse
     if num_top_logprobs > 0:
         top_logits, top_ids = lax.top_k(raw, num_top_logprobs)
@@ -188,14 +195,6 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     bits = lax.shift_right_logical(bitmask[:, :, None], shifts) & 1
     allowed = bits.reshape(S, -1)[:, :V] != 0
     return jnp.where(allowed, logits, -jnp.inf)
-
-
-def _argmax(x: jax.Array) -> jax.Array:
-    """First index of each row's maximum, as jnp.argmax, but a max and a min reduction: XLA:CPU
-    runs argmax's paired-value reduction ~2.5x slower at V = 49152."""
-    top = jnp.max(x, axis=-1, keepdims=True)
-    iota = lax.broadcasted_iota(jnp.int32, x.shape, 1)
-    return jnp.min(jnp.where(x == top, iota, x.shape[1]), axis=-1)
 
 
 def _scatter_ids(ids: jax.Array, vocab_size: int) -> jax.Array:

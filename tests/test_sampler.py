@@ -11,7 +11,7 @@ from jaxserve.sampler import (_apply_penalties, make_sampling_metadata, sample,
 from jaxserve.sampling import MAX_LOGPROBS, SamplingParams, SamplingRow
 
 EOS = (1,)
-sample_jit = jax.jit(sample, static_argnames="num_top_logprobs")
+sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs", "all_greedy"))
 
 
 def _row(seed=0, prompt=(5, 6), output=(), **params) -> SamplingRow:
@@ -44,6 +44,20 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
     np.testing.assert_array_equal(out.top_token_ids, np.argsort(-logits, -1)[:, :MAX_LOGPROBS])
     np.testing.assert_allclose(out.top_logprobs, np.sort(ref, -1)[:, ::-1][:, :MAX_LOGPROBS],
                                atol=1e-5)
+
+
+def test_all_greedy_program_matches_the_general_one():
+    # The runner's variant for all-greedy steps compiles the draw out: same tokens and logprobs,
+    # with penalties, min_tokens and top logprobs in play.
+    logits = _logits(5, 700, seed=3)
+    rows = [_row(temperature=0), _row(temperature=0, output=[9, 9], repetition_penalty=1.3,
+                                      frequency_penalty=0.5),
+            _row(temperature=0, min_tokens=3, output=[4]), None]
+    md = make_sampling_metadata(rows, 5, eos_token_ids=EOS, history_buckets=(8,))
+    general, greedy = (
+        jax.tree.map(np.asarray, sample_jit(logits, md, num_top_logprobs=MAX_LOGPROBS,
+                                            all_greedy=g)) for g in (False, True))
+    jax.tree.map(np.testing.assert_array_equal, general, greedy)
 
 
 def test_sampled_logprob_is_of_the_raw_distribution():
