@@ -49,39 +49,38 @@ class BatchLine:
         return f"id:{self.custom_id}" if self.custom_id is not None else f"line:{self.line}"
 
 
-def _invalid(message: str, param: str | None = None) -> InvalidRequest:
-    return InvalidRequest(message, param)
-
-
 def parse_line(number: int, text: str) -> BatchLine:
     """Parse one input line; a malformed line becomes an error result, never an exception.
     A line is held to the server's limits on JSON (nesting, valid Unicode)."""
     try:
         obj = load_json(text, RequestLimits().max_json_depth)
     except InvalidRequest as e:
-        return BatchLine(number, None, error=_invalid(f"line {number}: {e}", e.param))
+        return BatchLine(number, None, error=InvalidRequest(f"line {number}: {e}", e.param))
     if not isinstance(obj, dict):
-        return BatchLine(number, None, error=_invalid(f"line {number} is not a JSON object"))
+        return BatchLine(number, None,
+                         error=InvalidRequest(f"line {number} is not a JSON object"))
     custom_id = obj.get("custom_id")
     url = obj.get("url") if isinstance(obj.get("url"), str) else None
     if not isinstance(custom_id, str) or not custom_id:
         return BatchLine(number, None, url=url,
-                         error=_invalid("'custom_id' is required and must be a non-empty string",
-                                        "custom_id"))
+                         error=InvalidRequest(
+                             "'custom_id' is required and must be a non-empty string",
+                             "custom_id"))
     if obj.get("method", "POST") != "POST":
         return BatchLine(number, custom_id, url=url,
-                         error=_invalid("'method' must be POST", "method"))
+                         error=InvalidRequest("'method' must be POST", "method"))
     kind = URL_KINDS.get(url)
     if kind is None:
-        return BatchLine(number, custom_id, url=url, error=_invalid(
+        return BatchLine(number, custom_id, url=url, error=InvalidRequest(
             f"'url' must be one of {sorted(URL_KINDS)}, got {obj.get('url')!r}", "url"))
     body = obj.get("body")
     if not isinstance(body, dict):
         return BatchLine(number, custom_id, url=url,
-                         error=_invalid("'body' must be a JSON object", "body"))
+                         error=InvalidRequest("'body' must be a JSON object", "body"))
     if body.get("stream"):
         return BatchLine(number, custom_id, url=url,
-                         error=_invalid("batch requests cannot stream; drop 'stream'", "stream"))
+                         error=InvalidRequest("batch requests cannot stream; drop 'stream'",
+                                              "stream"))
     return BatchLine(number, custom_id, kind, body)
 
 

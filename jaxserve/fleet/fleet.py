@@ -367,6 +367,15 @@ class Fleet:
                     if v.engine is not None and v.state in (VersionState.READY,
                                                             VersionState.DRAINING)}
 
+    def health(self) -> str:
+        """"ready" while any serving version can answer (others may be loading or draining),
+        else "engine stopped" (every engine loop died: a balancer should move on) or "engine
+        stalled" (no step for the stall timeout while work waits). /ready and gRPC health."""
+        running = [e for e in self.engines().values() if e.is_running]
+        if not running:
+            return "engine stopped"
+        return "engine stalled" if all(e.is_stalled for e in running) else "ready"
+
     def counters(self) -> dict[tuple[str, str], Counters]:
         """A snapshot of the counters by (route, version); route "" for a version addressed by
         name."""

@@ -162,8 +162,8 @@ class GenerationService(pb_grpc.GenerationServicer):
 
 
 class EngineHealthServicer(health.aio.HealthServicer):
-    """gRPC health that turns NOT_SERVING once every version's engine loop has died (a probe restarts the
-    process) or while it is stalled (no step for the stall timeout while work waits), whatever
+    """gRPC health that turns NOT_SERVING once every version's engine loop has died (a probe
+    restarts the process) or while they are stalled (Fleet.health, as HTTP's /ready), whatever
     status was set while it ran."""
 
     def __init__(self, fleet):
@@ -172,9 +172,7 @@ class EngineHealthServicer(health.aio.HealthServicer):
 
     async def Check(self, request, context):
         response = await super().Check(request, context)
-        # Serving while any version can answer, as HTTP's /ready.
-        running = [e for e in self._fleet.engines().values() if e.is_running]
-        if not running or all(e.is_stalled for e in running):
+        if self._fleet.health() != "ready":
             return health_pb2.HealthCheckResponse(
                 status=health_pb2.HealthCheckResponse.NOT_SERVING)
         return response

@@ -410,14 +410,8 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response({"status": "shutting down"}, status=503)
     if state.serving is None:
         return web.json_response({"status": "warming up"}, status=503)
-    # Ready while any version can answer (a deployment's others may be loading or draining).
-    engines = list(state.serving.fleet.engines().values())
-    running = [e for e in engines if e.is_running]
-    if not running:  # the engine loop died: a balancer should move on
-        return web.json_response({"status": "engine stopped"}, status=503)
-    if all(e.is_stalled for e in running):  # no step for --engine-stall-timeout while work waits
-        return web.json_response({"status": "engine stalled"}, status=503)
-    return web.json_response({"status": "ready"})
+    health = state.serving.fleet.health()
+    return web.json_response({"status": health}, status=200 if health == "ready" else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -44,6 +44,19 @@ def _pii_rules(pack: Pack) -> tuple[Rule, ...]:
                  if r.match.startswith("pii:"))
 
 
+def _pack(policy: PolicySet | None, tenant: Tenant) -> Pack | None:
+    """The tenant's pack (see the module); ConfigError for a pack the file lacks or a pack
+    named with no policy file."""
+    if policy is None:
+        if tenant.policy is not None:
+            raise ConfigError(f"tenant {tenant.name!r} names the policy pack "
+                              f"{tenant.policy!r} but no --policy file was given")
+        return None
+    if tenant.policy is not None:
+        return policy.pack(tenant.policy)
+    return policy.packs.get("default")
+
+
 class Screening:
     """One request under its tenant's pack: the input stage's interventions and the prompt texts
     as the model saw them, one output filter per choice, and (with the tenant's audit_content)
@@ -137,10 +150,8 @@ class RequestPolicy:
              tenants: Iterable[Tenant] = ()) -> "RequestPolicy | None":
         """From the flags; None when neither is given. ConfigError / AuditError at start."""
         if policy_file is None and audit_dir is None:
-            for tenant in tenants:
-                if tenant.policy is not None:
-                    raise ConfigError(f"tenant {tenant.name!r} names the policy pack "
-                                      f"{tenant.policy!r} but no --policy file was given")
+            for tenant in tenants:  # a tenant naming a pack: ConfigError
+                _pack(None, tenant)
             return None
         policy = load_policy(policy_file) if policy_file is not None else None
         try:
@@ -157,14 +168,7 @@ class RequestPolicy:
             raise
 
     def pack_for(self, tenant: Tenant) -> Pack | None:
-        if self.policy is None:
-            if tenant.policy is not None:
-                raise ConfigError(f"tenant {tenant.name!r} names the policy pack "
-                                  f"{tenant.policy!r} but no --policy file was given")
-            return None
-        if tenant.policy is not None:
-            return self.policy.pack(tenant.policy)
-        return self.policy.packs.get("default")
+        return _pack(self.policy, tenant)
 
     async def screen(self, parsed, tenant: Tenant, decode: Callable[[list[int]], str]):
         """(the parsed request as the model may see it, its Screening). Raises
