@@ -315,9 +315,7 @@ class LLMEngine:
         if group is None or not 0 <= index < len(group.seqs) \
                 or group.seqs[index].finish_reason is not None:
             return False
-        seq = group.seqs[index]
-        self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_ABORTED)
-        self._finish(seq, _FINISH_REASON[RequestStatus.FINISHED_ABORTED])
+        self._end_sequence(group.seqs[index], RequestStatus.FINISHED_ABORTED)
         if group.finished:
             self._pending.append(self._close(group))
         return True
@@ -516,15 +514,17 @@ class LLMEngine:
         """End the request's unfinished sequences with `status`; their pages go back."""
         for seq in group.seqs:
             if seq.finish_reason is None:
-                self.scheduler.finish_request(seq.request.request_id, status)
-                self._finish(seq, _FINISH_REASON[status])
+                self._end_sequence(seq, status)
 
     def _stop(self, seq: _Sequence, reason: str, text: str) -> None:
         seq.text = text
-        self.scheduler.finish_request(
-            seq.request.request_id,
-            RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH)
-        self._finish(seq, reason)
+        self._end_sequence(seq, RequestStatus.FINISHED_STOPPED if reason == "stop"
+                           else RequestStatus.FINISHED_LENGTH)
+
+    def _end_sequence(self, seq: _Sequence, status: RequestStatus) -> None:
+        """The scheduler frees the sequence's pages; it is finished with status's reason."""
+        self.scheduler.finish_request(seq.request.request_id, status)
+        self._finish(seq, _FINISH_REASON[status])
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
         seq.finish_reason = reason
