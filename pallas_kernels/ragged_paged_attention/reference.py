@@ -6,10 +6,11 @@ while loop whose trip count is the number of live items, and each group walks on
 its own queries can see (causal upper bound, sliding-window lower bound), gathering those pages of
 its own sequences from the cache. Padding sequences produce no items and so cost nothing.
 
-Decodes (q_len 1) take a `q_block=1` path: one item per token, so no query row is computed in
-vain; prefill chunks take a wider block so a chunk's queries share each KV gather. A mixed batch
-runs both paths, each over its own sequences. Items are taken longest first, so the items of one
-group need about the same number of KV blocks.
+Decodes (q_len 1) take their own path (`_decode`): one query per sequence, sequences grouped
+instead of query blocks, so no query row is computed in vain; prefill chunks take query blocks so
+a chunk's queries share each KV gather. A mixed batch runs both paths, each over its own
+sequences. Items (and decoded sequences) are taken longest first, so the members of one group need
+about the same number of KV blocks.
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ import jax.numpy as jnp
 from jax import lax
 
 # Picked by timing on the 2-core CPU (SmolLM2 shape, f32): KV positions per inner step and items
-# per step for each path (decode 8 vs 16 items: 39 vs 43 ms; 64: 82 ms at 64 x 2k). Decode walks
-# 64-token KV blocks: a block is gathered whole, and with 256 a 100-token sequence gathered 2.5x
-# the bytes it reads (64 x 100 tokens: 4 vs 13 ms; 64 x 300: 14 vs 50 ms; 64 x 2000: 75 vs 93 ms).
+# per step for each path. Decode walks 64-token KV blocks: a block is gathered whole, and with 256
+# a 100-token sequence gathered 2.5x the bytes it reads (64 x 100 tokens: 4 vs 13 ms; 64 x 300: 14
+# vs 50 ms; 64 x 2000: 75 vs 93 ms); 4 sequences per step beat 2, 8 and 16 (64 decodes of 46-286
+# tokens: 3.1 vs 3.8, 3.3, 3.2 ms; 16 decodes: 0.9 vs 1.0, 1.2, 1.5 ms), and 32-token blocks lost.
 # Prefill: 32-query items, 4 at a time over 128-token KV blocks beat 2 over 256 on every mix tried
 # (per layer: 4 chunks of 121 + 28 decodes 6.1 -> 4.0 ms; 4 x 512 after 512 cached 62 -> 56 ms;
 # 2 chunks of 236 + 40 decodes 5.6 -> 4.4 ms; 8 chunks of 16 2.6 -> 1.4 ms): less of each block
 # is masked off by causality; 64- and 128-query items won on some mixes and lost on others.
 DECODE_KV_BLOCK_TOKENS = 64
-DECODE_ITEMS_PER_STEP = 8
+DECODE_SEQS_PER_STEP = 4
 PREFILL_KV_BLOCK_TOKENS = 128
 PREFILL_Q_BLOCK = 32
 PREFILL_ITEMS_PER_STEP = 4
@@ -173,16 +175,89 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
     return lax.fori_loop(0, num_groups, group, jnp.zeros((T, Hq, D), q.dtype))
 
 
+def _decode(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
+            soft_cap, include=None):
+    """Sequences of one query (decodes), DECODE_SEQS_PER_STEP at a time, longest first, each group
+    walking its own KV blocks. Written for XLA:CPU: one query per sequence means no query-block
+    axis, so the two contractions are batched matrix products over (sequence, KV head) that XLA
+    runs without the transposes the general path's layout needs (SmolLM2 shape, 64 decodes of
+    46-286 tokens: 6.1 -> 3.1 ms per layer on the 2-core AVX2 host)."""
+    T, Hq, D = q.shape
+    _, ps, H2, _ = kv_cache.shape
+    Hkv = H2 // 2
+    G = Hq // Hkv
+    S, pages_per_seq = page_indices.shape
+    per_step = min(DECODE_SEQS_PER_STEP, S)  # one live sequence gathers for one, not four
+    pages_per_block = max(1, DECODE_KV_BLOCK_TOKENS // ps)
+    blk_tokens = pages_per_block * ps
+    num_blocks = -(-pages_per_seq // pages_per_block)
+    page_indices = jnp.pad(page_indices,
+                           ((0, 0), (0, num_blocks * pages_per_block - pages_per_seq)))
+    live = (jnp.arange(S) < num_seqs[0]) & (cu_q_lens[1:] - cu_q_lens[:-1] == 1)
+    if include is not None:
+        live &= include
+    # The query sits at kv_len - 1; it sees the blocks up to its own and, with a window, from the
+    # block of its first visible position. Dead sequences get an empty range.
+    blk_hi = jnp.where(live, (kv_lens + blk_tokens - 1) // blk_tokens, 0)
+    first = 0 if sliding_window is None else jnp.maximum(kv_lens - sliding_window, 0)
+    blk_lo = jnp.where(live, first // blk_tokens, num_blocks)
+    width = -(-S // per_step) * per_step
+    order = jnp.pad(jnp.argsort(-blk_hi, stable=True), (0, width - S), constant_values=S)
+    seq_lo = jnp.take(blk_lo, order, mode="fill", fill_value=num_blocks)
+    seq_hi = jnp.take(blk_hi, order, mode="fill", fill_value=0)
+    qf = q.astype(jnp.float32).reshape(T, Hkv, G, D) * sm_scale
+
+    def group(g, out):
+        sl = lambda x: lax.dynamic_slice_in_dim(x, g * per_step, per_step)
+        seqs, g_lo, g_hi = sl(order), sl(seq_lo), sl(seq_hi)
+        ok = g_hi > 0
+        rows = jnp.where(ok, jnp.take(cu_q_lens, seqs, mode="clip"), T)  # T: scatter drops it
+        qg = jnp.take(qf, rows, axis=0, mode="clip")  # [I, Hkv, G, D]
+        tables = jnp.take(page_indices, seqs, axis=0, mode="clip")
+        q_pos = jnp.take(kv_lens, seqs, mode="clip") - 1
+
+        def kv_step(b, carry):
+            m, l, acc = carry
+            pages = lax.dynamic_slice_in_dim(tables, b * pages_per_block, pages_per_block, axis=1)
+            kv = kv_cache[pages].reshape(per_step, blk_tokens, Hkv, 2, D).astype(jnp.float32)
+            k, v = kv[..., 0, :], kv[..., 1, :]
+            s = jnp.einsum("ihgd,ikhd->ihgk", qg, k, precision=lax.Precision.HIGHEST)
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            k_pos = b * blk_tokens + jnp.arange(blk_tokens)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            if sliding_window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+            mask = mask[:, None, None, :]
+            s = jnp.where(mask, s, _MASKED)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            l = alpha * l + p.sum(-1)
+            acc = alpha[..., None] * acc + jnp.einsum("ihgk,ikhd->ihgd", p, v,
+                                                      precision=lax.Precision.HIGHEST)
+            return m_new, l, acc
+
+        shape = (per_step, Hkv, G)
+        init = (jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32),
+                jnp.zeros(shape + (D,), jnp.float32))
+        _, l, acc = lax.fori_loop(jnp.min(g_lo), jnp.max(g_hi), kv_step, init)
+        o = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(per_step, Hq, D)
+        return out.at[rows].set(o.astype(out.dtype), mode="drop")
+
+    num_groups = (jnp.sum(live) + per_step - 1) // per_step
+    return lax.fori_loop(0, num_groups, group, jnp.zeros((T, Hq, D), q.dtype))
+
+
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                            sliding_window=None, soft_cap=None):
     """Attention of ragged queries over a paged KV cache (contract: the package docstring).
 
     Rows past cu_q_lens[num_seqs] come back as zeros.
     """
-    attend = functools.partial(_attend, q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                               sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    decode = functools.partial(attend, q_block=1, items_per_step=DECODE_ITEMS_PER_STEP,
-                               kv_block_tokens=DECODE_KV_BLOCK_TOKENS)
+    args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    decode = functools.partial(_decode, *args, **kwargs)
     if q.shape[0] == 1:
         return decode()
     S = cu_q_lens.shape[0] - 1
@@ -194,8 +269,8 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
         # tokens + 2 chunks of 236: 55 ms -> 16 ms on the CPU). Each path writes only its own
         # rows and leaves the others 0, so the sum is the whole answer.
         chunk = q_lens > 1
-        return decode(include=~chunk) + attend(
-            q_block=PREFILL_Q_BLOCK, items_per_step=PREFILL_ITEMS_PER_STEP,
+        return decode(include=~chunk) + _attend(
+            *args, **kwargs, q_block=PREFILL_Q_BLOCK, items_per_step=PREFILL_ITEMS_PER_STEP,
             kv_block_tokens=PREFILL_KV_BLOCK_TOKENS, include=chunk)
 
     return lax.cond(jnp.max(q_lens) <= 1, decode, mixed)
