@@ -136,7 +136,10 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
         sl = lambda x: lax.dynamic_slice_in_dim(x, g * items_per_step, items_per_step)
         g_seq, g_rows, g_first = sl(seq), sl(row_ids), sl(first_pos)
         g_ok = sl(row_ok)
-        qg = jnp.take(qf, g_rows, axis=0, mode="clip")  # [I, Qb, Hkv, G, D]
+        # Head-major [I, Hkv, Qb, G, D], once per group: the contractions below are then batched
+        # over (item, KV head) with the query rows contiguous, which XLA:CPU runs without
+        # transposing them at every KV step.
+        qg = jnp.take(qf, g_rows, axis=0, mode="clip").transpose(0, 2, 1, 3, 4)
         q_pos = g_first[:, None] + r[None, :]  # [I, Qb]
         tables = page_indices[g_seq]  # [I, pages]
         b0, b1 = jnp.min(sl(blk_lo)), jnp.max(sl(blk_hi))
@@ -146,28 +149,28 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
             pages = lax.dynamic_slice_in_dim(tables, b * pages_per_block, pages_per_block, axis=1)
             kv = kv_cache[pages].reshape(items_per_step, blk_tokens, Hkv, 2, D).astype(jnp.float32)
             k, v = kv[..., 0, :], kv[..., 1, :]
-            s = jnp.einsum("iqhgd,ikhd->iqhgk", qg, k, precision=lax.Precision.HIGHEST)
+            s = jnp.einsum("ihqgd,ikhd->ihqgk", qg, k, precision=lax.Precision.HIGHEST)
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             k_pos = b * blk_tokens + jnp.arange(blk_tokens)
             mask = k_pos[None, None, :] <= q_pos[:, :, None]
             if sliding_window is not None:
                 mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-            mask = mask[:, :, None, None, :]
+            mask = mask[:, None, :, None, :]
             s = jnp.where(mask, s, _MASKED)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             alpha = jnp.exp(m - m_new)
             l = alpha * l + p.sum(-1)
-            acc = alpha[..., None] * acc + jnp.einsum("iqhgk,ikhd->iqhgd", p, v,
+            acc = alpha[..., None] * acc + jnp.einsum("ihqgk,ikhd->ihqgd", p, v,
                                                       precision=lax.Precision.HIGHEST)
             return m_new, l, acc
 
-        shape = (items_per_step, q_block, Hkv, G)
+        shape = (items_per_step, Hkv, q_block, G)
         init = (jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32),
                 jnp.zeros(shape + (D,), jnp.float32))
         _, l, acc = lax.fori_loop(b0, b1, kv_step, init)
-        o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        o = (acc / jnp.where(l > 0, l, 1.0)[..., None]).transpose(0, 2, 1, 3, 4)
         o = jnp.where(g_ok[:, :, None, None, None], o, 0.0).reshape(-1, Hq, D)
         return out.at[g_rows.reshape(-1)].set(o.astype(out.dtype), mode="drop")
 
