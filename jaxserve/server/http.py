@@ -26,7 +26,7 @@ from jaxserve.errors import (EngineOverloaded, InvalidRequest, JaxServeError, er
                              error_status, outcome, retry_after)
 from jaxserve.gateway import Gateway, Principal, deadlines, idempotency, load_tenants
 from jaxserve.gateway.idempotency import IdempotencyStore
-from jaxserve.gateway.limits import retry_after_header
+from jaxserve.gateway.limits import Lease, retry_after_header
 from jaxserve.pricing import Pricing
 from jaxserve.server import protocol
 from jaxserve.server.admission import CallContext
@@ -101,6 +101,33 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 def caller(request: web.Request) -> Principal:
     """Who sent a request on a keyed route (set by the front door before any handler runs)."""
     return request[_PRINCIPAL]
+
+
+_LEASE = web.RequestKey("lease", Lease)  # a limited call's hold on its tenant's limits
+
+
+def tenant_limited(*, tokens: bool = False, holds_slot: bool = True):
+    """A keyed route's handler under its tenant's limits, as generations are
+    (`Gateway.admit_call`): a 429 with Retry-After before its body is read. `holds_slot`: work
+    in an executor, one of max_concurrent_requests while it runs; `tokens`: it runs the encoder,
+    whose tokens `charge_tokens` takes once they are known."""
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def limited(request: web.Request) -> web.StreamResponse:
+            lease = request.app[STATE_KEY].gateway.admit_call(caller(request), tokens=tokens,
+                                                               holds_slot=holds_slot)
+            request[_LEASE] = lease
+            try:
+                return await handler(request)
+            finally:
+                lease.settle(0)  # does nothing once charge_tokens settled it
+        return limited
+    return wrap
+
+
+def charge_tokens(request: web.Request, used_tokens: int) -> None:
+    """A `tenant_limited(tokens=True)` call read `used_tokens` (its usage): settle with them."""
+    request[_LEASE].settle(used_tokens)
 
 
 def _error_status(exc: Exception) -> tuple[int, dict]:
@@ -374,6 +401,7 @@ def _engine_for(request: web.Request, serving: OpenAIServing, model: str | None)
     return serving.engine_for(model)
 
 
+@tenant_limited(holds_slot=False)  # answered on the event loop at once: no slot, no tokens
 async def tokenize(request: web.Request) -> web.Response:
     state: _State = request.app[STATE_KEY]
     serving = state.require_serving()
@@ -392,6 +420,7 @@ async def tokenize(request: web.Request) -> web.Response:
                               "max_model_len": engine.max_model_len})
 
 
+@tenant_limited(holds_slot=False)
 async def detokenize(request: web.Request) -> web.Response:
     serving = request.app[STATE_KEY].require_serving()
     body = await parse_body(request, DetokenizeRequest)
@@ -451,9 +480,9 @@ def _routes(config: ServerConfig) -> list[Route]:
         Route("GET", "/v1/models", models_route, "The served model", ok=out.ModelList,
               errors=(401, 503), tags=("openai",)),
         Route("POST", "/tokenize", tokenize, "Prompt or chat messages -> token ids",
-              models.tokenize, out.Tokens, errors=(400, 401, 404, 503), tags=("tokens",)),
+              models.tokenize, out.Tokens, errors=(400, 401, 404, 429, 503), tags=("tokens",)),
         Route("POST", "/detokenize", detokenize, "Token ids -> text", DetokenizeRequest,
-              out.Detokenized, errors=(400, 401, 404, 503), tags=("tokens",)),
+              out.Detokenized, errors=(400, 401, 404, 429, 503), tags=("tokens",)),
         Route("GET", "/health", health, "Alive (200 from the start, while warming up too)",
               ok=out.Status, tags=("operations",)),
         Route("GET", "/ready", ready, "Ready to generate: 200, else 503 with the reason",
