@@ -22,8 +22,8 @@ from typing import Callable
 from aiohttp import web
 
 from jaxserve.config import ServerConfig
-from jaxserve.errors import (EngineOverloaded, InvalidRequest, JaxServeError, error_reply,
-                             error_status, outcome, retry_after)
+from jaxserve.errors import (EngineOverloaded, InvalidRequest, JaxServeError, MethodNotAllowed,
+                             NotFound, error_reply, error_status, outcome, retry_after)
 from jaxserve.gateway import Gateway, Principal, deadlines, idempotency, load_tenants
 from jaxserve.gateway.idempotency import IdempotencyStore
 from jaxserve.gateway.limits import Lease, retry_after_header
@@ -91,8 +91,10 @@ _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
 _PRINCIPAL = web.RequestKey("principal", Principal)  # who calls (set by _front_door)
 _COUNTED = web.RequestKey("counted", bool)  # the request's end is counted (by its Generation)
 # Routes each of whose requests gets one audit record (with --audit-log); from the call into
-# OpenAIServing on, that record is the serving layer's, before it the front door's.
+# OpenAIServing on, that record is the serving layer's, before it the front door's. A keyed
+# caller's request the router refuses (no such path, or not with this method) gets one too.
 _AUDITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+_MAX_AUDITED_PATH = 256  # an unknown path is the caller's text: bounded in its record
 _AUDITED = web.RequestKey("audited", bool)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
@@ -141,7 +143,9 @@ def _error_status(exc: Exception) -> tuple[int, dict]:
 def _map_error(exc: Exception) -> web.Response:
     status, body = _error_status(exc)
     wait = retry_after(exc)
-    headers = {"Retry-After": retry_after_header(wait)} if wait is not None else None
+    headers = {"Retry-After": retry_after_header(wait)} if wait is not None else {}
+    if isinstance(exc, MethodNotAllowed):  # RFC 9110: a 405 says what the path allows
+        headers["Allow"] = ",".join(exc.allowed)
     return web.json_response(body, status=status, headers=headers)
 
 
@@ -160,9 +164,25 @@ async def _errors_middleware(request: web.Request, handler):
 
 
 @web.middleware
+async def _unrouted(request: web.Request, handler):
+    """The router's own refusals (no such path: 404; a path without this method: 405) as typed
+    errors, so they are answered, counted and audited as every other error (OpenAI's words)."""
+    refusal = request.match_info.http_exception
+    if isinstance(refusal, web.HTTPMethodNotAllowed):
+        raise MethodNotAllowed(f"Method not allowed ({request.method} {request.path}); allowed: "
+                               f"{', '.join(sorted(refusal.allowed_methods))}",
+                               tuple(sorted(refusal.allowed_methods)))
+    if refusal is not None:
+        raise NotFound(f"Invalid URL ({request.method} {request.path})")
+    return await handler(request)
+
+
+@web.middleware
 async def _front_door(request: web.Request, handler):
     """Every route but the open ones needs the caller's key (401 `invalid_api_key`); each such
-    request is counted per tenant by outcome (a generation counts itself when it ends)."""
+    request is counted per tenant by outcome (a generation counts itself when it ends). The
+    open routes and the admin API (its own key) are neither: a 404 or 405 there is nobody's,
+    and not audited (anyone could grow the log with them)."""
     if request.path in _OPEN_PATHS or request.path.startswith("/admin/"):
         return await handler(request)
     state: _State = request.app[STATE_KEY]
@@ -176,10 +196,11 @@ async def _front_door(request: web.Request, handler):
     except BaseException as exc:
         if not request.get(_COUNTED):
             state.metrics.record_request(tenant, outcome(exc))
-        if state.policy is not None and request.path in _AUDITED_PATHS \
+        unrouted = request.match_info.http_exception is not None and principal is not None
+        if state.policy is not None and (request.path in _AUDITED_PATHS or unrouted) \
                 and not request.get(_AUDITED):  # a 401, a body that is not JSON, a 409 ...
             state.policy.refused(CallContext(principal, arrival=arrival, client=request.remote,
-                                             route=request.path),
+                                             route=request.path[:_MAX_AUDITED_PATH]),
                                  exc, request.headers.get("Authorization"))
         raise
     if not request.get(_COUNTED):
@@ -222,7 +243,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         request[_AUDITED] = True
         if serving.policy is not None:
             serving.policy.record(request_id=protocol.new_id("replay"), kind=kind, ctx=ctx,
-                                  error=None, model=body.get("model"), idempotent_replay=True)
+                                  error=None, model=body.get("model"), version=stored.version,
+                                  idempotent_replay=True)
         return await _replay(request, stored)
     try:
         return await _run(request, serving, kind, body, ctx, functools.partial(
@@ -256,7 +278,7 @@ async def _respond(request: web.Request, gen: Generation, whole, stream,
         resp = web.json_response(await whole())
         if keep is not None:
             keep(idempotency.StoredResponse(200, (("Content-Type", resp.content_type),),
-                                            body=resp.body))
+                                            body=resp.body, version=gen.version.name))
         return resp
 
 
@@ -327,7 +349,7 @@ async def _stream(request: web.Request, gen: Generation, events, error_event, do
     end = [_sse("[DONE]")] if done else []
     if gen.error is None and keep is not None:  # kept before the end leaves (see _respond)
         keep(idempotency.StoredResponse(200, (("Content-Type", "text/event-stream"),),
-                                        events=(*sent, *end)))
+                                        events=(*sent, *end), version=gen.version.name))
     for data in end:
         await resp.write(data)
     await resp.write_eof()
@@ -495,7 +517,7 @@ def _routes(config: ServerConfig) -> list[Route]:
 
 
 def build_app(config: ServerConfig, model_name: str) -> web.Application:
-    app = web.Application(middlewares=[_errors_middleware, _front_door],
+    app = web.Application(middlewares=[_errors_middleware, _front_door, _unrouted],
                           client_max_size=config.limits.max_body_bytes)
     app[STATE_KEY] = _State(config, model_name)
     app.on_response_prepare.append(_ratelimit_headers)
