@@ -33,7 +33,8 @@ from jaxserve.server.admission import CallContext
 from jaxserve.server import response_models as out
 from jaxserve.server.json_body import LIMITS_KEY, parse_body, read_json
 from jaxserve.server.metrics import CONTENT_TYPE, PolicyMetrics, ServerMetrics
-from jaxserve.server.openai_serving import Generation, OpenAIServing
+from jaxserve.server.generation import Generation
+from jaxserve.server.openai_serving import OpenAIServing
 from jaxserve.server.openapi import ROUTES_KEY, Route, add_routes, openapi_document
 from jaxserve.server.request_policy import RequestPolicy
 from jaxserve.server.request_models import DetokenizeRequest, request_models
