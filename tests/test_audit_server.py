@@ -31,7 +31,8 @@ from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.sampling import SamplingParams
 from jaxserve.server.grpc import start_grpc_server
-from jaxserve.server.http import STATE_KEY, attach_engine, close_app, serving_of
+from jaxserve.server.app_state import STATE_KEY
+from jaxserve.server.http import attach_engine, close_app, serving_of
 from tests.test_cli import tiny_gguf
 from tests.test_engine import assert_no_leaks
 from tests.test_server import ServerThread, _request, wait_for

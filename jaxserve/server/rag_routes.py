@@ -27,7 +27,7 @@ from jaxserve.rag.documents import parse_documents
 from jaxserve.rag.service import RagService, check_collection_name
 from jaxserve.server import response_models as out
 from jaxserve.server.admin_routes import admin_only
-from jaxserve.server.http import caller, charge_tokens, tenant_limited
+from jaxserve.server.front_door import caller, charge_tokens, tenant_limited
 from jaxserve.server.json_body import parse_body
 from jaxserve.server.openapi import Route, add_routes
 from jaxserve.server.request_models import (CreateCollectionRequest, EmbeddingRequest,
