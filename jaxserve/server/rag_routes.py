@@ -7,6 +7,9 @@ collection or document 404, existing collection 409, bad arguments 400. Every ca
 service (embedding, SQLite, FAISS) runs in the default executor so the event loop keeps serving
 other requests, token streams included.
 
+Each tenant route is under its tenant's limits (`front_door.tenant_limited`): a request, a
+concurrency slot while it runs, and for embeddings and rerank the tokens the encoder read.
+
 Collections belong to the caller's tenant (RagService): another tenant's is a 404, as if it did
 not exist, and `GET /v1/collections` lists only the caller's. The admin key (serve --admin-key)
 lists, reads and searches every tenant's under /admin/v1/collections.
