@@ -102,11 +102,19 @@ class EngineDead(JaxServeError):
 
 
 class NotFound(JaxServeError):
-    """A named resource other than a model (a collection, a document) does not exist."""
+    """A named resource other than a model (a collection, a document, a URL) does not exist."""
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class MethodNotAllowed(JaxServeError):
+    """The path exists, but not with this HTTP method (405, with `Allow`: `allowed`)."""
+
+    def __init__(self, message: str, allowed: tuple[str, ...]):
+        super().__init__(message)
+        self.allowed = allowed
 
 
 class AlreadyExists(JaxServeError):
@@ -148,6 +156,8 @@ class ErrorStatus:
 _STATUS_TABLE: tuple[tuple[type[Exception], ErrorStatus], ...] = (
     (ModelNotFound, ErrorStatus(404, "NOT_FOUND", "invalid_request_error", "model_not_found")),
     (NotFound, ErrorStatus(404, "NOT_FOUND", "invalid_request_error", "not_found")),
+    (MethodNotAllowed, ErrorStatus(405, "UNIMPLEMENTED", "invalid_request_error",
+                                   "method_not_allowed")),
     (AlreadyExists, ErrorStatus(409, "ALREADY_EXISTS", "invalid_request_error", "already_exists")),
     (ContextLengthExceeded, ErrorStatus(400, "INVALID_ARGUMENT", "invalid_request_error",
                                         "context_length_exceeded")),

@@ -4,7 +4,9 @@ answered (a fleet of two versions over one engine: which name answered is what i
 route, a version by name, gRPC, the batch runner); every request to a generation route gets
 exactly one record, those refused before they were parsed too (a missing or wrong key, a body
 that is not JSON or too deep), with the wrong key's id and never the key; /v1/responses is
-recorded under its own route; a `jaxserve.safety.Classifier` named by dotted path in the policy
+recorded under its own route; a keyed caller's request the router refuses (404, 405) gets one
+record, an idempotent replay names the version of the answer it replays; a
+`jaxserve.safety.Classifier` named by dotted path in the policy
 file flags, blocks, and blocks on its timeout (fail closed); with n > 1 a choice the output
 filter ends has its engine sequence ended at once while its sibling goes on; and `jaxserve
 audit verify` passes on the run's records (the last test: it flushes the log)."""
@@ -29,7 +31,8 @@ from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.sampling import SamplingParams
 from jaxserve.server.grpc import start_grpc_server
-from jaxserve.server.http import STATE_KEY, attach_engine, close_app, serving_of
+from jaxserve.server.app_state import STATE_KEY
+from jaxserve.server.http import attach_engine, close_app, serving_of
 from tests.test_cli import tiny_gguf
 from tests.test_engine import assert_no_leaks
 from tests.test_server import ServerThread, _request, wait_for
@@ -262,6 +265,41 @@ def test_a_choice_the_filter_ends_frees_its_sequence_while_its_sibling_goes_on(s
     assert_no_leaks(server.llm)
 
 
+def test_the_routers_404_and_405_get_one_record_each_for_a_known_key(server):
+    before = len(all_records(server))
+    missing = post(server, "/v1/chat/completion", chat("v-a"))  # a typo of the route
+    assert missing.status_code == 404
+    assert missing.json()["error"] == {"message": "Invalid URL (POST /v1/chat/completion)",
+                                       "type": "invalid_request_error", "param": None,
+                                       "code": "not_found"}
+    wrong = _request("GET", f"{server.url}/v1/completions", headers=ALICE)
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
+    # not recorded: no key accepted (401 before the router is asked), and the routes open to
+    # anyone (anyone could grow the log with them)
+    assert post(server, "/v1/nope", {}, headers={"Authorization": "Bearer sk-x"}).status_code \
+        == 401
+    assert post(server, "/health", {}, headers={}).status_code == 405
+    assert post(server, "/admin/nope", {}, headers={}).status_code == 404
+    records = all_records(server)[before:]
+    alice = key_id(hash_key("sk-alice"))
+    assert [(r["route"], r["status_code"], r["status"], r["tenant"], r["key_id"], r["model"])
+            for r in records] == [
+        ("/v1/chat/completion", 404, "404_not_found", "alice", alice, None),
+        ("/v1/completions", 405, "405_method_not_allowed", "alice", alice, None)]
+
+
+def test_an_idempotent_replay_records_the_version_that_answered(server):
+    before = len(all_records(server))
+    key = {**ALICE, "Idempotency-Key": "replay-1"}
+    first = post(server, "/v1/chat/completions", chat("only-b"), headers=key)
+    again = post(server, "/v1/chat/completions", chat("only-b"), headers=key)
+    assert again.headers["idempotent-replayed"] == "true" and again.json() == first.json()
+    records = all_records(server)[before:]
+    assert [(r["model"], r["version"], r["idempotent_replay"]) for r in records] == [
+        ("only-b", "v-b", False), ("only-b", "v-b", True)]
+
+
 def test_audit_log_of_the_run_verifies(server, capsys):
     """Last: the earlier tests' requests are the run."""
     from jaxserve.cli import main
@@ -272,4 +310,4 @@ def test_audit_log_of_the_run_verifies(server, capsys):
     assert capsys.readouterr().out.startswith("ok: ")
     raw = b"".join(p.read_bytes() for p in (server.dir / "audit").glob("audit-*.jsonl"))
     assert b"sk-wrong" not in raw and b"sk-alice" not in raw
-    assert count == 6 + 7 + 1 + 3 + 1
+    assert count == 6 + 7 + 1 + 3 + 1 + 2 + 2

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from jaxserve.errors import (ContentPolicyViolation, DeadlineExceeded, EngineOverloaded, IdempotencyConflict,
-                             InvalidRequest, NoChatTemplate, QueueTimeout, RateLimitExceeded,
-                             RequestFailed, TokenizerError, Unauthenticated, error_reply,
-                             error_status, outcome, retry_after)
+                             InvalidRequest, MethodNotAllowed, NoChatTemplate, NotFound,
+                             QueueTimeout, RateLimitExceeded, RequestFailed, TokenizerError,
+                             Unauthenticated, error_reply, error_status, outcome, retry_after)
 
 
 @pytest.mark.parametrize("error, http, grpc, code", [
@@ -23,6 +23,9 @@ from jaxserve.errors import (ContentPolicyViolation, DeadlineExceeded, EngineOve
     # a chat to a model without a chat template is the caller's 400, not a 500
     (NoChatTemplate("no template"), 400, "INVALID_ARGUMENT", None),
     (RequestFailed("boom"), 500, "INTERNAL", None),
+    # the HTTP router's refusals
+    (NotFound("Invalid URL (GET /v1/x)"), 404, "NOT_FOUND", "not_found"),
+    (MethodNotAllowed("GET", ("POST",)), 405, "UNIMPLEMENTED", "method_not_allowed"),
     (ContentPolicyViolation("sesame", "messages"), 400, "INVALID_ARGUMENT",
      "content_policy_violation"),
 ])

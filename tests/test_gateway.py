@@ -209,6 +209,29 @@ def test_limits_requests_tokens_concurrency_and_headers(tmp_path):
     assert e.value.retry_after is None and e.value.param == "n"
 
 
+def test_calls_that_are_not_generations_share_the_limits(tmp_path):
+    """tokenize: a request, no slot, no token; an encoder call: a request, a slot while it runs,
+    and the tokens it read, taken when it ends (into debt if need be)."""
+    clock = Clock()
+    gateway = Gateway(load_tenants(write(tmp_path, TENANTS)), clock)
+    acme = gateway.authenticate(f"Bearer {ACME_KEY}")
+    running = [gateway.admit_call(acme, tokens=True, holds_slot=True) for _ in range(2)]
+    with pytest.raises(RateLimitExceeded, match="Too many concurrent requests"):
+        gateway.admit(acme, [10], 10, n=3)  # the two calls hold 2 of the 4 slots
+    gateway.admit(acme, [10], 10, n=2).settle(30)  # 30 tokens
+    with pytest.raises(RateLimitExceeded, match="requests"):
+        gateway.admit_call(acme, tokens=False, holds_slot=False)  # 3 requests this minute
+    running[0].settle(900)  # more than the bucket holds: 600 - 30 - 900 = -330
+    running[1].settle(0)
+    h = gateway.headers(acme)
+    assert h["x-ratelimit-remaining-tokens"] == "0" and h["x-ratelimit-reset-tokens"] == "1m33s"
+    clock.now += 20  # one request back; 200 tokens refilled: still 130 in debt
+    with pytest.raises(RateLimitExceeded, match="tokens per minute") as e:
+        gateway.admit_call(acme, tokens=True, holds_slot=True)
+    assert e.value.retry_after == pytest.approx(13.1)
+    gateway.admit_call(acme, tokens=False, holds_slot=False).settle(0)  # tokenize: no tokens
+
+
 def test_format_duration_like_openai():
     assert [format_duration(s) for s in (0, 0.0201, 1, 1.51, 59.99, 60, 360, 3723)] == [
         "0ms", "21ms", "1s", "1.6s", "60s", "1m0s", "6m0s", "1h2m3s"]

@@ -468,7 +468,7 @@ def test_typed_errors_map_to_grpc_and_http_statuses():
     from jaxserve.errors import (DeadlineExceeded, EngineDead, EngineOverloaded, InvalidRequest,
                                  ModelNotFound, QueueTimeout, RequestFailed, Unauthenticated)
     from jaxserve.server.grpc import status_for
-    from jaxserve.server.http import _error_status
+    from jaxserve.server.front_door import logged_error_reply
 
     cases = [(EngineOverloaded("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
              (EngineDead("gone"), grpc.StatusCode.UNAVAILABLE, 503),
@@ -480,4 +480,4 @@ def test_typed_errors_map_to_grpc_and_http_statuses():
              (RequestFailed("one request"), grpc.StatusCode.INTERNAL, 500)]
     for error, code, http_status in cases:
         assert status_for(error) == code
-        assert _error_status(error)[0] == http_status
+        assert logged_error_reply(error)[0] == http_status

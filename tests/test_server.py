@@ -24,7 +24,7 @@ from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import ServerConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.server.http import attach_engine, build_app, start_server
-from jaxserve.server.openai_serving import with_keepalive
+from jaxserve.server.streams import with_keepalive
 from jaxserve.server.process import ServerProcess
 from jaxserve.server.rag_routes import add_rag_routes
 from tests.test_cli import ROOT, tiny_gguf

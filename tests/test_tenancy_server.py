@@ -3,7 +3,8 @@ with a tenants file: 401s on every route but the open ones, 404 for a model a te
 use, 429 with Retry-After and OpenAI's x-ratelimit-* headers, Idempotency-Key replay (the model
 does not run again), 409 / 422, deadlines (504 before bytes, one error event mid-stream),
 shedding order on a full queue, the gRPC equivalents, usage cost, per-tenant metrics and access
-log, and the batch runner as a tenant. After each test every KV page is back in the pool."""
+log, the batch runner as a tenant, and the same limits on tokenize, embeddings, rerank and the
+collection routes (and gRPC Embed). After each test every KV page is back in the pool."""
 
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ from jaxserve.errors import ConfigError
 from jaxserve.pricing import Pricing
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
+from jaxserve.rag.config import EMBEDDING_MODEL, ChunkerConfig, EmbedderConfig, RagConfig
+from jaxserve.rag.service import RagService
 from jaxserve.server.grpc import start_grpc_server
 from jaxserve.server.http import attach_engine, serving_of
+from tests.rag_helpers import tiny_embedder
 from tests.test_engine import assert_no_leaks
 from tests.test_server import (Reply, ServerThread, _request, access_records, parse_sse,
                                wait_for)
@@ -53,6 +57,14 @@ max_tokens_cap = 8
 
 [tenant.erin]
 api_keys = ["sk-erin"]
+
+[tenant.frank]
+api_keys = ["sk-frank"]
+requests_per_minute = 2
+
+[tenant.grace]
+api_keys = ["sk-grace"]
+tokens_per_minute = 30
 """
 CHAT = {"model": SMOLLM2, "messages": [{"role": "user", "content": "Name a color."}],
         "temperature": 0, "max_tokens": 8}
@@ -123,16 +135,21 @@ def server(smollm2_path, tmp_path_factory):
                                max_num_batched_tokens=256, max_model_len=512,
                                strict_compile=True, progress=False)
     engine = AsyncEngine(llm)
-    http = ServerThread(SMOLLM2, tenants_file=str(path), max_queued_requests=2)
+    # The retrieval routes (embeddings, collections) with the tiny random encoder.
+    rag = RagService(RagConfig(tmp_path_factory.mktemp("rag"),
+                               EmbedderConfig(max_batch=4, max_length=64),
+                               ChunkerConfig(chunk_tokens=48, overlap_tokens=8)), tiny_embedder())
+    http = ServerThread(SMOLLM2, rag, tenants_file=str(path), max_queued_requests=2)
     http.loop.call_soon_threadsafe(attach_engine, http.app, engine, None, PRICES)
     wait_for(lambda: get(f"{http.url}/ready").status_code == 200, "ready")
-    grpc_server, port = http._call(start_grpc_server(engine, "127.0.0.1", 0, SMOLLM2,
+    grpc_server, port = http._call(start_grpc_server(engine, "127.0.0.1", 0, SMOLLM2, rag=rag,
                                                      serving=serving_of(http.app)))
     srv = Server(http, engine, f"127.0.0.1:{port}", path)
     yield srv
     http._call(grpc_server.stop(grace=None))
     http.stop()
     engine.shutdown()
+    rag.close()
     assert llm.runner.num_serving_compiles == 0
     assert_no_leaks(llm)
 
@@ -197,6 +214,65 @@ def test_rate_limit_429_with_headers_then_grpc_resource_exhausted(server):
     assert m[("jaxserve:requests_total", (("outcome", "ok"), ("tenant", "bob")))] == 2
     assert m[("jaxserve:requests_total",
               (("outcome", "429_rate_limit_exceeded"), ("tenant", "bob")))] == 2
+    server.idle()
+
+
+# Every keyed route that works for a tenant beside generation: (method, path, body).
+WORK_ROUTES = [
+    ("POST", "/tokenize", {"prompt": "a"}),
+    ("POST", "/detokenize", {"tokens": [1]}),
+    ("POST", "/v1/embeddings", {"model": EMBEDDING_MODEL, "input": "Paris"}),
+    ("POST", "/v1/rerank", {"query": "capital", "documents": ["Paris", "bread"]}),
+    ("POST", "/v1/collections", {"name": "kb"}),
+    ("GET", "/v1/collections", None),
+    ("POST", "/v1/collections/kb/documents", {"documents": [{"id": "d", "text": "Paris"}]}),
+    ("POST", "/v1/collections/kb/search", {"query": "Paris", "mode": "bm25"}),
+    ("DELETE", "/v1/collections/kb/documents/d", None),
+    ("DELETE", "/v1/collections/kb", None),
+]
+
+
+def call(url: str, method: str, path: str, body, key: str) -> Reply:
+    return _request(method, url + path, body, headers={"Authorization": f"Bearer {key}"})
+
+
+@pytest.mark.slow
+def test_tokenize_embeddings_and_collections_count_against_the_same_limits(server):
+    url = server.url
+    # frank: 2 requests per minute, whatever the route; then a 429 on every route
+    assert [call(url, *WORK_ROUTES[0], "sk-frank").status_code for _ in range(2)] == [200, 200]
+    for method, path, body in [*WORK_ROUTES, ("POST", "/v1/chat/completions", CHAT)]:
+        r = call(url, method, path, body, "sk-frank")
+        assert r.status_code == 429, (path, r.text)
+        assert r.json()["error"]["code"] == "rate_limit_exceeded", path
+        assert 1 <= int(r.headers["retry-after"]) <= 30, path
+        assert (r.headers["x-ratelimit-limit-requests"],
+                r.headers["x-ratelimit-remaining-requests"]) == ("2", "0"), path
+    embed = pb.EmbedRequest(model=EMBEDDING_MODEL, input=["Paris"])
+    with pytest.raises(grpc.RpcError) as info:
+        server.stub().Embed(embed, metadata=(("authorization", "Bearer sk-frank"),))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert 1 <= int(dict(info.value.trailing_metadata())["retry-after"]) <= 30
+    # another tenant is unaffected: every route answers it
+    for method, path, body in WORK_ROUTES:
+        r = call(url, method, path, body, "sk-erin")
+        assert r.status_code in (200, 201), (path, r.text)
+    server.stub().Embed(embed, metadata=(("authorization", "Bearer sk-erin"),))
+    m = metric_values(url)
+    assert m[("jaxserve:requests_total",
+              (("outcome", "429_rate_limit_exceeded"), ("tenant", "frank")))] == 11
+    # grace: 30 tokens per minute. An embedding is charged the tokens the encoder read (its
+    # usage), into debt; the next encoder call and generation wait it out, tokenize does not.
+    r = call(url, "POST", "/v1/embeddings",
+             {"model": EMBEDDING_MODEL, "input": "Paris is lovely. " * 10}, "sk-grace")
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 30
+    assert r.headers["x-ratelimit-remaining-tokens"] == "0"
+    for method, path, body in (WORK_ROUTES[2], WORK_ROUTES[3],
+                               ("POST", "/v1/chat/completions", CHAT)):
+        r = call(url, method, path, body, "sk-grace")
+        assert r.status_code == 429 and "tokens per minute" in r.json()["error"]["message"], path
+        assert int(r.headers["retry-after"]) >= 1
+    assert call(url, *WORK_ROUTES[0], "sk-grace").status_code == 200
     server.idle()
 
 

@@ -59,6 +59,14 @@ class Gateway:
         arrival = self._clock() if arrival is None else arrival
         return Admission(principal, request_qos(principal.tenant, arrival, timeout_s), lease)
 
+    def admit_call(self, principal: Principal, *, tokens: bool, holds_slot: bool) -> Lease:
+        """A call that is not a generation, under the same limits: one request from
+        requests_per_minute; with `holds_slot`, one of max_concurrent_requests until settled (work
+        in an executor: embeddings, retrieval); with `tokens` (an encoder's input, known once it
+        has read it), one token reserved now, so a bucket in debt refuses the call, and the rest
+        taken by `settle(tokens read)`. RateLimitExceeded (429) having taken nothing."""
+        return self._limiters[principal.tenant.name].acquire(int(tokens), int(holds_slot))
+
     def headers(self, principal: Principal) -> dict[str, str]:
         """x-ratelimit-* for the tenant, for every response."""
         return self._limiters[principal.tenant.name].headers()

@@ -53,12 +53,14 @@ def fingerprint(body: bytes) -> bytes:
 @dataclass(frozen=True)
 class StoredResponse:
     """What a replay sends back: `body` for a plain response, `events` (SSE `data:` payloads, in
-    order) for a stream; `headers` are the response's own (content type, request id, ...)."""
+    order) for a stream; `headers` are the response's own (content type, request id, ...);
+    `version`: the model version that answered, for the replay's audit record."""
 
     status: int
     headers: tuple[tuple[str, str], ...] = ()
     body: bytes | None = None
     events: tuple[bytes, ...] = ()
+    version: str | None = None
 
     @property
     def nbytes(self) -> int:

@@ -4,8 +4,13 @@
   admitted API request takes one.
 - tokens_per_minute: a bucket of that many tokens; admission reserves the request's prompt tokens
   plus max_tokens for each of its sequences (OpenAI counts the same way), and its end settles the
-  reservation with the tokens really used (the unused part goes back).
+  reservation with the tokens really used (the unused part goes back; a use beyond the reservation
+  is taken then, and may leave the bucket in debt, which the tenant's next requests wait out).
 - max_concurrent_requests: sequences admitted and not ended (queued + running; n > 1 counts n).
+
+A call that is not a generation (tokenize, embeddings, retrieval) is admitted the same way with
+what it knows up front: no sequence or one slot, no token or one (an encoder call reads at least
+that); its end settles with the tokens it used, which may be more than it reserved.
 
 `check` is the cheap edge test (nothing consumed, before the body is tokenized); `acquire`
 decides at admission, all or nothing, and returns a `Lease` that the request's end settles.
@@ -124,7 +129,8 @@ class TenantLimiter:
             raise RateLimitExceeded(
                 f"Rate limit reached for requests: limit {t.requests_per_minute} per minute. "
                 f"Please try again in {format_duration(wait)}.", wait)
-        if self._tokens is not None and (wait := self._tokens.wait(tokens, now)) > 0:
+        # A call reserving no token (tokenize) is not held back by a bucket in debt.
+        if self._tokens is not None and tokens and (wait := self._tokens.wait(tokens, now)) > 0:
             raise RateLimitExceeded(
                 f"Rate limit reached for tokens per minute: limit {t.tokens_per_minute}, "
                 f"requested {tokens}. Please try again in {format_duration(wait)}.", wait)
@@ -138,6 +144,8 @@ class TenantLimiter:
         with self._lock:
             if self._tokens is not None and used_tokens < lease.tokens:
                 self._tokens.give_back(lease.tokens - used_tokens, self._clock())
+            elif self._tokens is not None and used_tokens > lease.tokens:
+                self._tokens.take(used_tokens - lease.tokens, self._clock())
             self._in_flight -= lease.num_seqs
 
 
@@ -152,7 +160,8 @@ class Lease:
         self.settled = False
 
     def settle(self, used_tokens: int) -> None:
-        """The request ended having used `used_tokens` (prompt + completion, all choices)."""
+        """The request ended having used `used_tokens` (prompt + completion, all choices; the
+        tokens an encoder read)."""
         if not self.settled:
             self.settled = True
             self._limiter._settle(self, used_tokens)

@@ -137,13 +137,20 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 "this server was started without an embedding model")
         try:
-            self._principal(context)
-            self.rag.check_model(request.model)
-            if not request.input:
-                raise InvalidRequest("'input' must hold at least one string", param="input")
-            # The encoder blocks: run it off the event loop, as the HTTP routes do.
-            vectors, _ = await asyncio.get_running_loop().run_in_executor(
-                None, self.rag.embed, list(request.input))
+            # Under the tenant's limits as HTTP's /v1/embeddings (Gateway.admit_call).
+            lease = self.serving.gateway.admit_call(self._principal(context), tokens=True,
+                                                    holds_slot=True)
+            try:
+                self.rag.check_model(request.model)
+                if not request.input:
+                    raise InvalidRequest("'input' must hold at least one string",
+                                         param="input")
+                # The encoder blocks: run it off the event loop, as the HTTP routes do.
+                vectors, num_tokens = await asyncio.get_running_loop().run_in_executor(
+                    None, self.rag.embed, list(request.input))
+                lease.settle(num_tokens)
+            finally:
+                lease.settle(0)  # does nothing once settled with the tokens read
         except JaxServeError as e:
             await abort_with(context, e)
         return pb.EmbedResponse(embeddings=[pb.Embedding(values=v.tolist()) for v in vectors])

@@ -1,351 +1,36 @@
-"""aiohttp OpenAI-compatible front end: chat and text completions (SSE streaming), responses
-(server/responses_api.py), models, tokenize/detokenize, health/ready, Prometheus metrics, and GET
-/openapi.json describing them all.
-
-The handlers only translate: a body is read within the request limits (size, nesting, Unicode)
-and validated by its request model, protocol.py turns it into engine requests, the AsyncEngine
-generates, this module streams. A client that goes away (mid-stream or while waiting for a
-non-streaming answer) cancels its handler — the server runs with handler cancellation on — and
-the `finally` blocks abort its engine requests, so their KV pages return at once.
+"""The aiohttp OpenAI-compatible server: its route table (the generation routes:
+server/generation_routes.py; models, tokenize/detokenize, health/ready, Prometheus metrics, and
+GET /openapi.json describing them all), the app built around the front door
+(server/front_door.py), and starting, attaching the engine to, and stopping it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import json
-import logging
 import ssl
-import time
-from typing import Callable
 
 from aiohttp import web
 
 from jaxserve.config import ServerConfig
-from jaxserve.errors import (EngineOverloaded, InvalidRequest, JaxServeError, error_reply,
-                             error_status, outcome, retry_after)
-from jaxserve.gateway import Gateway, Principal, deadlines, idempotency, load_tenants
-from jaxserve.gateway.idempotency import IdempotencyStore
-from jaxserve.gateway.limits import retry_after_header
+from jaxserve.errors import InvalidRequest
 from jaxserve.pricing import Pricing
 from jaxserve.server import protocol
-from jaxserve.server.admission import CallContext
 from jaxserve.server import response_models as out
-from jaxserve.server.json_body import LIMITS_KEY, parse_body, read_json
-from jaxserve.server.metrics import CONTENT_TYPE, PolicyMetrics, ServerMetrics
-from jaxserve.server.openai_serving import Generation, OpenAIServing
+from jaxserve.server.app_state import STATE_KEY, AppState
+from jaxserve.server.front_door import MIDDLEWARES, caller, ratelimit_headers, tenant_limited
+from jaxserve.server.generation_routes import chat_completions, completions, responses
+from jaxserve.server.json_body import LIMITS_KEY, parse_body
+from jaxserve.server.metrics import CONTENT_TYPE
+from jaxserve.server.openai_serving import OpenAIServing
 from jaxserve.server.openapi import ROUTES_KEY, Route, add_routes, openapi_document
-from jaxserve.server.request_policy import RequestPolicy
 from jaxserve.server.request_models import DetokenizeRequest, request_models
-from jaxserve.server.responses_api import ResponseEvents, ResponseObject, chat_body, rename_param
-from jaxserve.server.validation import validate
-
-log = logging.getLogger("jaxserve.server")
-
-
-class _State:
-    """The app's state. The engine arrives after warmup: until then /health answers and /ready
-    and the generation endpoints say the server is warming up."""
-
-    def __init__(self, config: ServerConfig, model_name: str):
-        self.config = config
-        self.model_name = model_name
-        # Read at build time: a bad tenants file is one error at start, naming file and field.
-        self.gateway = Gateway(load_tenants(config.tenants_file) if config.tenants_file
-                               else None)
-        self.idempotency = IdempotencyStore(config.idempotency_ttl_s)
-        self.serving: OpenAIServing | None = None
-        self.metrics = ServerMetrics(self._stats, self._counters)
-        # Read at build time too: a bad policy file or audit directory fails the start.
-        self.policy = RequestPolicy.open(config.policy_file, config.audit_log_dir,
-                                         PolicyMetrics(self.metrics.registry),
-                                         self.gateway.tenants.tenants.values())
-        self.shutting_down = False  # set on SIGTERM: not ready while in-flight requests drain
-        self.openapi: dict | None = None  # built on first request, once every route is added
-
-    def _stats(self) -> dict:
-        if self.serving is None:  # warming up: no engine numbers yet
-            return {}
-        return {name: engine.replica_stats()
-                for name, engine in self.serving.fleet.engines().items()}
-
-    def _counters(self) -> dict:
-        return {} if self.serving is None else self.serving.fleet.counters()
-
-    def attach(self, engine, rag=None, pricing: Pricing | None = None, fleet=None) -> None:
-        self.serving = OpenAIServing(engine, self.model_name, self.metrics,
-                                     self.config.log_prompts, rag,
-                                     self.config.max_queued_requests, self.config.limits,
-                                     self.config.tool_call_parser, self.gateway, pricing, fleet,
-                                     self.policy)
-
-    def require_serving(self) -> OpenAIServing:
-        if self.serving is None:
-            raise EngineOverloaded("the server is warming up; retry when GET /ready answers 200")
-        return self.serving
-
-
-STATE_KEY = web.AppKey("state", _State)
-# Routes anyone may call (probes, scrapes, the API description); the admin API has its own key.
-_OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
-_PRINCIPAL = web.RequestKey("principal", Principal)  # who calls (set by _front_door)
-_COUNTED = web.RequestKey("counted", bool)  # the request's end is counted (by its Generation)
-# Routes each of whose requests gets one audit record (with --audit-log); from the call into
-# OpenAIServing on, that record is the serving layer's, before it the front door's.
-_AUDITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
-_AUDITED = web.RequestKey("audited", bool)
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no"}
-
-
-def caller(request: web.Request) -> Principal:
-    """Who sent a request on a keyed route (set by the front door before any handler runs)."""
-    return request[_PRINCIPAL]
-
-
-def _error_status(exc: Exception) -> tuple[int, dict]:
-    """Status and OpenAI error body of an exception (the table is jaxserve.errors'); a 500 is
-    logged with its traceback."""
-    if error_status(exc).http == 500:
-        log.exception("request failed", exc_info=exc)
-    return error_reply(exc)
-
-
-def _map_error(exc: Exception) -> web.Response:
-    status, body = _error_status(exc)
-    wait = retry_after(exc)
-    headers = {"Retry-After": retry_after_header(wait)} if wait is not None else None
-    return web.json_response(body, status=status, headers=headers)
-
-
-@web.middleware
-async def _errors_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except web.HTTPException:
-        raise
-    except JaxServeError as exc:
-        return _map_error(exc)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - one failing request must not take the server down
-        return _map_error(exc)
-
-
-@web.middleware
-async def _front_door(request: web.Request, handler):
-    """Every route but the open ones needs the caller's key (401 `invalid_api_key`); each such
-    request is counted per tenant by outcome (a generation counts itself when it ends)."""
-    if request.path in _OPEN_PATHS or request.path.startswith("/admin/"):
-        return await handler(request)
-    state: _State = request.app[STATE_KEY]
-    tenant, principal, arrival = "none", None, time.monotonic()
-    try:
-        principal = state.gateway.authenticate(request.headers.get("Authorization"))
-        request[_PRINCIPAL], tenant = principal, principal.tenant.name
-        resp = await handler(request)
-    except web.HTTPException:
-        raise
-    except BaseException as exc:
-        if not request.get(_COUNTED):
-            state.metrics.record_request(tenant, outcome(exc))
-        if state.policy is not None and request.path in _AUDITED_PATHS \
-                and not request.get(_AUDITED):  # a 401, a body that is not JSON, a 409 ...
-            state.policy.refused(CallContext(principal, arrival=arrival, client=request.remote,
-                                             route=request.path),
-                                 exc, request.headers.get("Authorization"))
-        raise
-    if not request.get(_COUNTED):
-        state.metrics.record_request(tenant, "ok")
-    return resp
-
-
-async def _ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:
-    """OpenAI's x-ratelimit-* on every response to a known tenant, streams and errors too."""
-    principal = request.get(_PRINCIPAL)
-    if principal is not None:
-        response.headers.update(request.app[STATE_KEY].gateway.headers(principal))
-
-
-def _context(request: web.Request) -> CallContext:
-    """Who calls and the deadline asked (X-Request-Timeout), read once from the headers."""
-    return CallContext(request[_PRINCIPAL],
-                       deadlines.parse_timeout(request.headers.get(deadlines.HEADER)),
-                       client=request.remote, route=request.path)
-
-
-async def _prepare(request: web.Request, serving: OpenAIServing, kind: str, body,
-                   ctx: CallContext) -> Generation:
-    request[_AUDITED] = True  # from here on the serving layer writes its audit record
-    return await serving.prepare_async(kind, body, ctx)
-
-
-async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
-    state: _State = request.app[STATE_KEY]
-    ctx = _context(request)
-    key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
-    serving = state.require_serving()
-    body = await read_json(request)
-    if key is None:
-        return await _run(request, serving, kind, body, ctx, None)
-    tenant = ctx.principal.tenant.name
-    fingerprint = idempotency.fingerprint(request.path.encode() + b"\n" + await request.read())
-    stored = state.idempotency.begin(tenant, key, fingerprint)
-    if stored is not None:  # the model does not run again
-        request[_AUDITED] = True
-        if serving.policy is not None:
-            serving.policy.record(request_id=protocol.new_id("replay"), kind=kind, ctx=ctx,
-                                  error=None, model=body.get("model"), idempotent_replay=True)
-        return await _replay(request, stored)
-    try:
-        return await _run(request, serving, kind, body, ctx, functools.partial(
-            state.idempotency.complete, tenant, key, fingerprint))
-    finally:
-        state.idempotency.abandon(tenant, key)  # unless completed: a retry then runs again
-
-
-Keep = Callable[[idempotency.StoredResponse], None]
-
-
-async def _run(request: web.Request, serving: OpenAIServing, kind: str, body,
-               ctx: CallContext, keep: Keep | None) -> web.StreamResponse:
-    gen = await _prepare(request, serving, kind, body, ctx)
-    keepalive = request.app[STATE_KEY].config.keepalive_seconds
-    return await _respond(request, gen, gen.response, lambda: _stream(
-        request, gen, gen.chunks(keepalive), _error_event, keep=keep), keep)
-
-
-async def _respond(request: web.Request, gen: Generation, whole, stream,
-                   keep: Keep | None = None) -> web.StreamResponse:
-    """Answer an admitted generation, `whole()` (a JSON body) or `stream()` (the streamed
-    response), inside `gen.running()` (settled, counted, logged, its engine requests freed
-    however it ends). `keep` (for an Idempotency-Key) receives what a replay sends once the
-    request is answered in full: the body, or the SSE events (kept before the stream's end goes
-    out: a client that closes right after [DONE] cancels this handler)."""
-    request[_COUNTED] = True
-    async with gen.running():
-        if gen.parsed.stream:
-            return await stream()
-        resp = web.json_response(await whole())
-        if keep is not None:
-            keep(idempotency.StoredResponse(200, (("Content-Type", resp.content_type),),
-                                            body=resp.body))
-        return resp
-
-
-async def _replay(request: web.Request, stored: idempotency.StoredResponse) -> web.StreamResponse:
-    headers = {**dict(stored.headers), "Idempotent-Replayed": "true"}
-    if stored.body is not None:
-        return web.Response(status=stored.status, body=stored.body, headers=headers)
-    resp = web.StreamResponse(status=stored.status, headers={**_SSE_HEADERS, **headers})
-    await resp.prepare(request)
-    for event in stored.events:
-        await resp.write(event)
-    await resp.write_eof()
-    return resp
-
-
-def _sse(payload: dict | str, event: str | None = None) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return ((f"event: {event}\n" if event else "") + f"data: {data}\n\n").encode()
-
-
-def _error_event(exc: Exception) -> bytes:
-    # As vLLM does: one error event (OpenAI clients raise it), then the usual end.
-    return _sse(_error_status(exc)[1])
-
-
-async def _stream(request: web.Request, gen: Generation, events, error_event, done: bool = True,
-                  keep: Keep | None = None) -> web.StreamResponse:
-    """The SSE response of `events` (JSON payloads, None for a keep-alive); an error reported in
-    it is left in `gen.error`. A payload with a "type" is a named event (the Responses API's);
-    `done`: end with `data: [DONE]` (chat and completions).
-
-    The status line waits for the engine's first output (or the first keep-alive): a request
-    refused while queued (deadline 504, shed 503, queue time 429) is then still a plain error
-    reply. After it, an error is one error event."""
-    resp = web.StreamResponse(headers=_SSE_HEADERS)
-    held: list[bytes] = []  # events before the engine answered (chat's role, echo, created)
-    sent: list[bytes] = []  # what a replay sends (keep-alives left out)
-
-    async def send(data: bytes) -> None:
-        sent.append(data)
-        await resp.write(data)  # drains the transport: each token leaves as it is produced
-
-    try:
-        async for payload in events:
-            data = None if payload is None else _sse(payload, payload.get("type"))
-            if not resp.prepared:
-                if data is not None and not gen.engine_answered:
-                    held.append(data)
-                    continue
-                await resp.prepare(request)
-                for h in held:
-                    await send(h)
-            if data is None:
-                await resp.write(b": keep-alive\n\n")
-            else:
-                await send(data)
-    except ConnectionResetError:  # the client is gone: nobody to report to
-        raise
-    except Exception as exc:  # noqa: BLE001 - reported below
-        if not resp.prepared:
-            raise  # nothing sent yet: a plain error reply
-        await resp.write(error_event(exc))
-        gen.error = exc
-    if not resp.prepared:
-        await resp.prepare(request)
-        for h in held:
-            await send(h)
-    end = [_sse("[DONE]")] if done else []
-    if gen.error is None and keep is not None:  # kept before the end leaves (see _respond)
-        keep(idempotency.StoredResponse(200, (("Content-Type", "text/event-stream"),),
-                                        events=(*sent, *end)))
-    for data in end:
-        await resp.write(data)
-    await resp.write_eof()
-    return resp
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "chat")
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "completion")
-
-
-async def responses(request: web.Request) -> web.StreamResponse:
-    """POST /v1/responses over the chat path (server/responses_api.py)."""
-    state: _State = request.app[STATE_KEY]
-    serving = state.require_serving()
-    req = validate(request_models(state.config.limits).responses, await read_json(request))
-    try:
-        gen = await _prepare(request, serving, "chat", chat_body(req), _context(request))
-    except InvalidRequest as exc:
-        raise rename_param(exc) from None
-    response = ResponseObject(req)
-
-    async def whole():
-        return response.from_chat(await gen.response())
-
-    events = ResponseEvents(response)
-
-    def error_event(exc: Exception) -> bytes:
-        event = events.error(_error_status(exc)[1])
-        return _sse(event, event["type"])
-
-    return await _respond(request, gen, whole, lambda: _stream(
-        request, gen, events.events(gen.chunks(state.config.keepalive_seconds)), error_event,
-        done=False))
 
 
 async def models_route(request: web.Request) -> web.Response:
     """The routes (what most clients send as "model") and every ready version (addressable by
     name too); a version says its `system_fingerprint`, a route its versions and weights."""
-    state: _State = request.app[STATE_KEY]
+    state: AppState = request.app[STATE_KEY]
     serving = state.require_serving()
-    tenant, created = request[_PRINCIPAL].tenant, protocol.now()
+    tenant, created = caller(request).tenant, protocol.now()
     routes, versions = serving.fleet.models()
     data = []
     for name in routes:
@@ -370,12 +55,13 @@ def _engine_for(request: web.Request, serving: OpenAIServing, model: str | None)
             raise InvalidRequest("'model' is required: this server serves several models",
                                  param="model")
         return serving.engine
-    request[_PRINCIPAL].tenant.check_model(model)
+    caller(request).tenant.check_model(model)
     return serving.engine_for(model)
 
 
+@tenant_limited(holds_slot=False)  # answered on the event loop at once: no slot, no tokens
 async def tokenize(request: web.Request) -> web.Response:
-    state: _State = request.app[STATE_KEY]
+    state: AppState = request.app[STATE_KEY]
     serving = state.require_serving()
     body = await parse_body(request, request_models(state.config.limits).tokenize)
     engine = _engine_for(request, serving, body.model)
@@ -392,6 +78,7 @@ async def tokenize(request: web.Request) -> web.Response:
                               "max_model_len": engine.max_model_len})
 
 
+@tenant_limited(holds_slot=False)
 async def detokenize(request: web.Request) -> web.Response:
     serving = request.app[STATE_KEY].require_serving()
     body = await parse_body(request, DetokenizeRequest)
@@ -405,7 +92,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    state: _State = request.app[STATE_KEY]
+    state: AppState = request.app[STATE_KEY]
     if state.shutting_down:
         return web.json_response({"status": "shutting down"}, status=503)
     if state.serving is None:
@@ -415,12 +102,12 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    state: _State = request.app[STATE_KEY]
+    state: AppState = request.app[STATE_KEY]
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 async def openapi(request: web.Request) -> web.Response:
-    state: _State = request.app[STATE_KEY]
+    state: AppState = request.app[STATE_KEY]
     if state.openapi is None:
         state.openapi = openapi_document(request.app[ROUTES_KEY], "jaxserve", _version())
     return web.json_response(state.openapi)
@@ -451,9 +138,9 @@ def _routes(config: ServerConfig) -> list[Route]:
         Route("GET", "/v1/models", models_route, "The served model", ok=out.ModelList,
               errors=(401, 503), tags=("openai",)),
         Route("POST", "/tokenize", tokenize, "Prompt or chat messages -> token ids",
-              models.tokenize, out.Tokens, errors=(400, 401, 404, 503), tags=("tokens",)),
+              models.tokenize, out.Tokens, errors=(400, 401, 404, 429, 503), tags=("tokens",)),
         Route("POST", "/detokenize", detokenize, "Token ids -> text", DetokenizeRequest,
-              out.Detokenized, errors=(400, 401, 404, 503), tags=("tokens",)),
+              out.Detokenized, errors=(400, 401, 404, 429, 503), tags=("tokens",)),
         Route("GET", "/health", health, "Alive (200 from the start, while warming up too)",
               ok=out.Status, tags=("operations",)),
         Route("GET", "/ready", ready, "Ready to generate: 200, else 503 with the reason",
@@ -466,10 +153,10 @@ def _routes(config: ServerConfig) -> list[Route]:
 
 
 def build_app(config: ServerConfig, model_name: str) -> web.Application:
-    app = web.Application(middlewares=[_errors_middleware, _front_door],
+    app = web.Application(middlewares=MIDDLEWARES,
                           client_max_size=config.limits.max_body_bytes)
-    app[STATE_KEY] = _State(config, model_name)
-    app.on_response_prepare.append(_ratelimit_headers)
+    app[STATE_KEY] = AppState(config, model_name)
+    app.on_response_prepare.append(ratelimit_headers)
     app[LIMITS_KEY] = config.limits
     add_routes(app, _routes(config))
     return app

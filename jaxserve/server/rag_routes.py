@@ -7,6 +7,9 @@ collection or document 404, existing collection 409, bad arguments 400. Every ca
 service (embedding, SQLite, FAISS) runs in the default executor so the event loop keeps serving
 other requests, token streams included.
 
+Each tenant route is under its tenant's limits (`front_door.tenant_limited`): a request, a
+concurrency slot while it runs, and for embeddings and rerank the tokens the encoder read.
+
 Collections belong to the caller's tenant (RagService): another tenant's is a 404, as if it did
 not exist, and `GET /v1/collections` lists only the caller's. The admin key (serve --admin-key)
 lists, reads and searches every tenant's under /admin/v1/collections.
@@ -27,7 +30,7 @@ from jaxserve.rag.documents import parse_documents
 from jaxserve.rag.service import RagService, check_collection_name
 from jaxserve.server import response_models as out
 from jaxserve.server.admin_routes import admin_only
-from jaxserve.server.http import caller
+from jaxserve.server.front_door import caller, charge_tokens, tenant_limited
 from jaxserve.server.json_body import parse_body
 from jaxserve.server.openapi import Route, add_routes
 from jaxserve.server.request_models import (CreateCollectionRequest, EmbeddingRequest,
@@ -46,6 +49,7 @@ def _tenant(request: web.Request) -> str:
     return caller(request).tenant.name
 
 
+@tenant_limited(tokens=True)
 async def embeddings(request: web.Request) -> web.Response:
     service = request.app[RAG_KEY]
     body = await parse_body(request, EmbeddingRequest)
@@ -54,6 +58,7 @@ async def embeddings(request: web.Request) -> web.Response:
     if any(not t for t in texts):
         raise InvalidRequest("'input' strings must not be empty", param="input")
     vectors, num_tokens = await _call(request, "embed", texts)
+    charge_tokens(request, num_tokens)
     if body.dimensions is not None and body.dimensions != vectors.shape[1]:
         raise InvalidRequest(f"'dimensions' must be {vectors.shape[1]} for {service.model_name} "
                              f"(it cannot shorten its embeddings)", param="dimensions")
@@ -67,6 +72,7 @@ async def embeddings(request: web.Request) -> web.Response:
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
 
 
+@tenant_limited(tokens=True)
 async def rerank(request: web.Request) -> web.Response:
     """POST /v1/rerank: {model?, query, documents, top_n?, return_documents?} -> {id, model,
     results: [{index, relevance_score, document: {text}}] best first, usage}. top_n 0 or absent:
@@ -83,6 +89,7 @@ async def rerank(request: web.Request) -> web.Response:
         raise InvalidRequest(f"'top_n' must be an integer in [1, {len(documents)}] (the number "
                              f"of documents), or 0 for all, got {top_n!r}", param="top_n")
     scores, num_tokens = await _call(request, "rerank", body.query, documents)
+    charge_tokens(request, num_tokens)
     order = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n or len(documents)]
     results = [{"index": i, "relevance_score": float(scores[i]),
                 **({"document": {"text": documents[i]}} if body.return_documents is not False
@@ -92,12 +99,14 @@ async def rerank(request: web.Request) -> web.Response:
                               "results": results, "usage": {"total_tokens": num_tokens}})
 
 
+@tenant_limited()
 async def create_collection(request: web.Request) -> web.Response:
     body = await parse_body(request, CreateCollectionRequest)
     collection = await _call(request, "create_collection", body.name, _tenant(request))
     return web.json_response(collection.info(), status=201)
 
 
+@tenant_limited()
 async def list_collections(request: web.Request) -> web.Response:
     tenant = _tenant(request)
 
@@ -108,12 +117,14 @@ async def list_collections(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
+@tenant_limited()
 async def delete_collection(request: web.Request) -> web.Response:
     name = check_collection_name(request.match_info["name"])
     await _call(request, "delete_collection", name, _tenant(request))
     return web.json_response({"name": name, "deleted": True})
 
 
+@tenant_limited()
 async def upsert_documents(request: web.Request) -> web.Response:
     name = check_collection_name(request.match_info["name"])
     body = await parse_body(request, UpsertDocumentsRequest)
@@ -122,6 +133,7 @@ async def upsert_documents(request: web.Request) -> web.Response:
     return web.json_response({"collection": name, "documents": len(docs), "chunks": chunks})
 
 
+@tenant_limited()
 async def delete_document(request: web.Request) -> web.Response:
     name = check_collection_name(request.match_info["name"])
     document_id = request.match_info["document_id"]
@@ -129,6 +141,7 @@ async def delete_document(request: web.Request) -> web.Response:
     return web.json_response({"id": document_id, "deleted": True})
 
 
+@tenant_limited()
 async def search(request: web.Request) -> web.Response:
     return await _search(request, _tenant(request))
 
@@ -172,29 +185,34 @@ async def admin_search(request: web.Request) -> web.Response:
     return await _search(request, None)
 
 
+# A tenant route's errors beside its own: a bad body, a missing key, its tenant's limits.
+_LIMITED = (400, 401, 429)
+
+
 def add_rag_routes(app: web.Application, service: RagService) -> None:
     """Serve embeddings and collections from `service`; call before the server starts."""
     app[RAG_KEY] = service
     tags = ("retrieval",)
     add_routes(app, [
         Route("POST", "/v1/embeddings", embeddings, "Embeddings (OpenAI)", EmbeddingRequest,
-              out.Embeddings, errors=(400, 404), tags=("openai",)),
+              out.Embeddings, errors=_LIMITED + (404,), tags=("openai",)),
         Route("POST", "/v1/rerank", rerank, "Rerank documents for a query (Cohere / Jina shape)",
-              RerankRequest, out.Reranked, errors=(400, 404), tags=tags),
+              RerankRequest, out.Reranked, errors=_LIMITED + (404,), tags=tags),
         Route("POST", "/v1/collections", create_collection, "Create a collection",
-              CreateCollectionRequest, out.CollectionInfo, ok_status=201, errors=(400, 409),
+              CreateCollectionRequest, out.CollectionInfo, ok_status=201,
+              errors=_LIMITED + (409,),
               tags=tags),
         Route("GET", "/v1/collections", list_collections, "List collections",
-              ok=out.CollectionList, tags=tags),
+              ok=out.CollectionList, errors=_LIMITED, tags=tags),
         Route("DELETE", "/v1/collections/{name}", delete_collection, "Delete a collection",
-              ok=out.CollectionDeleted, errors=(400, 404), tags=tags),
+              ok=out.CollectionDeleted, errors=_LIMITED + (404,), tags=tags),
         Route("POST", "/v1/collections/{name}/documents", upsert_documents,
               "Add or replace documents (by id)", UpsertDocumentsRequest, out.DocumentsUpserted,
-              errors=(400, 404), tags=tags),
+              errors=_LIMITED + (404,), tags=tags),
         Route("DELETE", "/v1/collections/{name}/documents/{document_id}", delete_document,
-              "Delete a document", ok=out.DocumentDeleted, errors=(400, 404), tags=tags),
+              "Delete a document", ok=out.DocumentDeleted, errors=_LIMITED + (404,), tags=tags),
         Route("POST", "/v1/collections/{name}/search", search, "Search a collection",
-              SearchRequest, out.SearchResults, errors=(400, 404), tags=tags),
+              SearchRequest, out.SearchResults, errors=_LIMITED + (404,), tags=tags),
         # The admin key's (401 without it, or with no --admin-key): every tenant's.
         Route("GET", "/admin/v1/collections", admin_list_collections,
               "Every tenant's collections, with their owner", errors=(401,), tags=("admin",)),

@@ -1,0 +1,171 @@
+"""The HTTP front door, in front of every handler: who calls (the tenant's key: 401), the
+router's own refusals (404, 405) and every typed error as OpenAI's error body (the one table in
+jaxserve.errors, with Retry-After and Allow), each keyed request counted per tenant by outcome
+and, where it is the front door's, audited; OpenAI's x-ratelimit-* on every response to a known
+tenant; and the tenant's limits on the routes beside generation (`tenant_limited`)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+
+from aiohttp import web
+
+from jaxserve.errors import (JaxServeError, MethodNotAllowed, NotFound, error_reply, error_status,
+                             outcome, retry_after)
+from jaxserve.gateway import Principal, deadlines
+from jaxserve.gateway.limits import Lease, retry_after_header
+from jaxserve.server.admission import CallContext
+from jaxserve.server.app_state import STATE_KEY, AppState
+
+log = logging.getLogger("jaxserve.server")
+
+# Routes anyone may call (probes, scrapes, the API description); the admin API has its own key.
+_OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
+_PRINCIPAL = web.RequestKey("principal", Principal)  # who calls (set by _front_door)
+_COUNTED = web.RequestKey("counted", bool)  # the request's end is counted (by its Generation)
+# Routes each of whose requests gets one audit record (with --audit-log); from the call into
+# OpenAIServing on, that record is the serving layer's, before it the front door's. A keyed
+# caller's request the router refuses (no such path, or not with this method) gets one too.
+_AUDITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+_MAX_AUDITED_PATH = 256  # an unknown path is the caller's text: bounded in its record
+_AUDITED = web.RequestKey("audited", bool)
+
+
+def caller(request: web.Request) -> Principal:
+    """Who sent a request on a keyed route (set by the front door before any handler runs)."""
+    return request[_PRINCIPAL]
+
+
+_LEASE = web.RequestKey("lease", Lease)  # a limited call's hold on its tenant's limits
+
+
+def tenant_limited(*, tokens: bool = False, holds_slot: bool = True):
+    """A keyed route's handler under its tenant's limits, as generations are
+    (`Gateway.admit_call`): a 429 with Retry-After before its body is read. `holds_slot`: work
+    in an executor, one of max_concurrent_requests while it runs; `tokens`: it runs the encoder,
+    whose tokens `charge_tokens` takes once they are known."""
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def limited(request: web.Request) -> web.StreamResponse:
+            lease = request.app[STATE_KEY].gateway.admit_call(caller(request), tokens=tokens,
+                                                               holds_slot=holds_slot)
+            request[_LEASE] = lease
+            try:
+                return await handler(request)
+            finally:
+                lease.settle(0)  # does nothing once charge_tokens settled it
+        return limited
+    return wrap
+
+
+def charge_tokens(request: web.Request, used_tokens: int) -> None:
+    """A `tenant_limited(tokens=True)` call read `used_tokens` (its usage): settle with them."""
+    request[_LEASE].settle(used_tokens)
+
+
+def logged_error_reply(exc: Exception) -> tuple[int, dict]:
+    """Status and OpenAI error body of an exception (the table is jaxserve.errors'); a 500 is
+    logged with its traceback."""
+    if error_status(exc).http == 500:
+        log.exception("request failed", exc_info=exc)
+    return error_reply(exc)
+
+
+def _map_error(exc: Exception) -> web.Response:
+    status, body = logged_error_reply(exc)
+    wait = retry_after(exc)
+    headers = {"Retry-After": retry_after_header(wait)} if wait is not None else {}
+    if isinstance(exc, MethodNotAllowed):  # RFC 9110: a 405 says what the path allows
+        headers["Allow"] = ",".join(exc.allowed)
+    return web.json_response(body, status=status, headers=headers)
+
+
+@web.middleware
+async def _errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except JaxServeError as exc:
+        return _map_error(exc)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one failing request must not take the server down
+        return _map_error(exc)
+
+
+@web.middleware
+async def _unrouted(request: web.Request, handler):
+    """The router's own refusals (no such path: 404; a path without this method: 405) as typed
+    errors, so they are answered, counted and audited as every other error (OpenAI's words)."""
+    refusal = request.match_info.http_exception
+    if isinstance(refusal, web.HTTPMethodNotAllowed):
+        raise MethodNotAllowed(f"Method not allowed ({request.method} {request.path}); allowed: "
+                               f"{', '.join(sorted(refusal.allowed_methods))}",
+                               tuple(sorted(refusal.allowed_methods)))
+    if refusal is not None:
+        raise NotFound(f"Invalid URL ({request.method} {request.path})")
+    return await handler(request)
+
+
+@web.middleware
+async def _front_door(request: web.Request, handler):
+    """Every route but the open ones needs the caller's key (401 `invalid_api_key`); each such
+    request is counted per tenant by outcome (a generation counts itself when it ends). The
+    open routes and the admin API (its own key) are neither: a 404 or 405 there is nobody's,
+    and not audited (anyone could grow the log with them)."""
+    if request.path in _OPEN_PATHS or request.path.startswith("/admin/"):
+        return await handler(request)
+    state: AppState = request.app[STATE_KEY]
+    tenant, principal, arrival = "none", None, time.monotonic()
+    try:
+        principal = state.gateway.authenticate(request.headers.get("Authorization"))
+        request[_PRINCIPAL], tenant = principal, principal.tenant.name
+        resp = await handler(request)
+    except web.HTTPException:
+        raise
+    except BaseException as exc:
+        if not request.get(_COUNTED):
+            state.metrics.record_request(tenant, outcome(exc))
+        unrouted = request.match_info.http_exception is not None and principal is not None
+        if state.policy is not None and (request.path in _AUDITED_PATHS or unrouted) \
+                and not request.get(_AUDITED):  # a 401, a body that is not JSON, a 409 ...
+            state.policy.refused(CallContext(principal, arrival=arrival, client=request.remote,
+                                             route=request.path[:_MAX_AUDITED_PATH]),
+                                 exc, request.headers.get("Authorization"))
+        raise
+    if not request.get(_COUNTED):
+        state.metrics.record_request(tenant, "ok")
+    return resp
+
+
+async def ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """OpenAI's x-ratelimit-* on every response to a known tenant, streams and errors too."""
+    principal = request.get(_PRINCIPAL)
+    if principal is not None:
+        response.headers.update(request.app[STATE_KEY].gateway.headers(principal))
+
+
+def call_context(request: web.Request) -> CallContext:
+    """Who calls and the deadline asked (X-Request-Timeout), read once from the headers."""
+    return CallContext(request[_PRINCIPAL],
+                       deadlines.parse_timeout(request.headers.get(deadlines.HEADER)),
+                       client=request.remote, route=request.path)
+
+
+def hand_audit_to_serving(request: web.Request) -> None:
+    """From here on the serving layer writes the request's one audit record (or its replay's)."""
+    request[_AUDITED] = True
+
+
+def hand_count_to_generation(request: web.Request) -> None:
+    """The request's end is counted by its Generation (`running()`), not here."""
+    request[_COUNTED] = True
+
+
+# Outermost first: errors become replies around everything, the key is checked before the
+# router's refusal is raised (so a caller without a key learns nothing about the paths).
+MIDDLEWARES = (_errors_middleware, _front_door, _unrouted)
