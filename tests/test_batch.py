@@ -44,7 +44,8 @@ def test_small_buckets_have_as_many_sequences_and_rows_as_tokens():
 def test_drafts_may_grow_a_small_step_to_16_tokens_and_a_larger_one_to_its_own_bucket():
     s = shapes(max_num_batched_tokens=256)
     assert [s.draft_bucket(n) for n in (1, 5, 16, 17, 100)] == [16, 16, 16, 32, 128]
-    assert shapes(max_num_seqs=4, max_num_batched_tokens=8).draft_bucket(1) == 8  # never past the largest
+    # Never past the largest bucket.
+    assert shapes(max_num_seqs=4, max_num_batched_tokens=8).draft_bucket(1) == 8
     # With 16-token buckets (the behaviour before small buckets) a draft never changes the bucket.
     s = shapes(min_token_bucket=16, max_num_batched_tokens=64)
     assert all(s.draft_bucket(n) == s.token_bucket(n) for n in range(1, 65))
