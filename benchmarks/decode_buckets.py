@@ -31,7 +31,7 @@ SIZES = (1, 2, 4, 8, 16)
 def compile_table(runner) -> dict:
     """Compile seconds: the forward per token bucket; the samplers and bitmask per row bucket."""
     forward, rows = {}, defaultdict(float)
-    for key, secs in runner.compile_seconds.items():
+    for key, secs in runner.program_compile_seconds.items():
         if key[0] == "forward":
             forward[key[1]] = round(secs, 2)
         else:

@@ -179,7 +179,7 @@ class ModelRunner:
                                           out_shardings=self._replicated)
         self.bitmask_width = sampler.bitmask_width(config.vocab_size)
         self._programs: dict[tuple, Callable] = {}
-        self.compile_seconds: dict[tuple, float] = {}  # per program key, filled by warmup
+        self.program_compile_seconds: dict[tuple, float] = {}  # per program key, filled by warmup
         self.num_serving_compiles = 0
         self._warm = False
 
@@ -252,7 +252,7 @@ class ModelRunner:
                         disable=not progress):
             started = time.perf_counter()
             self._program(key)
-            self.compile_seconds[key] = time.perf_counter() - started
+            self.program_compile_seconds[key] = time.perf_counter() - started
         self._warm = True
 
     def close(self) -> None:
