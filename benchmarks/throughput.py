@@ -58,23 +58,10 @@ def decode_step_figure(runner, num_seqs: int, repeats: int = 5) -> dict:
     only once the engine has nothing left to serve."""
     from kernels import measure_peaks
 
-    from jaxserve.batch import SeqChunk, make_plan, pages_for
     from jaxserve.sampling import SamplingParams, SamplingRow
 
-    c, shapes = runner.config, runner.shapes
-    kv_lens = np.random.default_rng(0).integers(46, 287, num_seqs)
-    chunks, next_page = [], 1  # page 0 is the null page
-    for n in kv_lens:
-        pages = list(range(next_page, next_page + pages_for(int(n), shapes.page_size)))
-        next_page += len(pages)
-        chunks.append(SeqChunk([1], int(n) - 1, pages))
-    if next_page > shapes.num_pages:
-        raise SystemExit(f"--decode-step needs {next_page} KV pages, the pool has "
-                         f"{shapes.num_pages}")
-    tokens = shapes.token_bucket(num_seqs)
-    plan = make_plan(chunks, num_tokens_padded=tokens, num_seqs_padded=shapes.seq_bucket(tokens),
-                     pages_per_seq=shapes.pages_per_seq, page_size=shapes.page_size,
-                     num_rows_padded=shapes.logits_bucket(tokens))
+    c = runner.config
+    plan, kv_lens = decode_plan(runner.shapes, num_seqs)
     rows = [SamplingRow(SamplingParams(temperature=0, max_tokens=None), 0, [1], [])] * num_seqs
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up
@@ -91,6 +78,27 @@ def decode_step_figure(runner, num_seqs: int, repeats: int = 5) -> dict:
     return {"num_seqs": num_seqs, "step_ms": step * 1e3, "gflop": flops / 1e9,
             "gflop_s": flops / step / 1e9, "matmul_peak_gflop_s": peak / 1e9,
             "fraction_of_peak": flops / step / peak}
+
+
+def decode_plan(shapes, num_seqs: int, num_tokens: int | None = None):
+    """A decode step's plan: `num_seqs` one-token queries at contexts of 46-286 tokens (seeded)
+    in pages of their own, padded to `num_tokens` (default: its token bucket); and the contexts."""
+    from jaxserve.batch import SeqChunk, make_plan, pages_for
+
+    kv_lens = np.random.default_rng(0).integers(46, 287, num_seqs)
+    chunks, next_page = [], 1  # page 0 is the null page
+    for n in kv_lens:
+        pages = list(range(next_page, next_page + pages_for(int(n), shapes.page_size)))
+        next_page += len(pages)
+        chunks.append(SeqChunk([1], int(n) - 1, pages))
+    if next_page > shapes.num_pages:
+        raise SystemExit(f"a {num_seqs}-sequence decode step needs {next_page} KV pages, the "
+                         f"pool has {shapes.num_pages}")
+    tokens = num_tokens or shapes.token_bucket(num_seqs)
+    plan = make_plan(chunks, num_tokens_padded=tokens, num_seqs_padded=shapes.seq_bucket(tokens),
+                     pages_per_seq=shapes.pages_per_seq, page_size=shapes.page_size,
+                     num_rows_padded=shapes.logits_bucket(tokens))
+    return plan, kv_lens
 
 
 def run_hf(work, args) -> dict:

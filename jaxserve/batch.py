@@ -21,6 +21,11 @@ import numpy as np
 from jaxserve.config import SchedulerConfig
 
 NULL_PAGE = 0
+# Speculation's drafts may fill a step up to this many tokens (or its own bucket's padding, if
+# larger): the smallest step before smaller buckets existed, where n-gram speculation was
+# measured to pay (benchmarks/RESULTS.md), so drafts keep their room while plain small steps
+# take the small buckets.
+DRAFT_ROOM_TOKENS = 16
 
 
 class BatchPlan(NamedTuple):
@@ -58,7 +63,7 @@ def next_power_of_two(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
-def token_buckets(max_num_batched_tokens: int, min_bucket: int = 16) -> list[int]:
+def token_buckets(max_num_batched_tokens: int, min_bucket: int) -> list[int]:
     """Powers of two from min_bucket (or less, if the budget is smaller) to cover the budget."""
     top = next_power_of_two(max_num_batched_tokens)
     b = min(min_bucket, top)
@@ -108,12 +113,19 @@ class StepShapes:
     @classmethod
     def of(cls, scheduler: SchedulerConfig, page_size: int, num_pages: int,
            num_speculative_tokens: int = 0) -> "StepShapes":
-        return cls(tuple(token_buckets(scheduler.max_num_batched_tokens)), scheduler.max_num_seqs,
+        return cls(tuple(token_buckets(scheduler.max_num_batched_tokens,
+                                       scheduler.min_token_bucket)), scheduler.max_num_seqs,
                    page_size, pages_for(scheduler.max_model_len, page_size), num_pages,
                    next_power_of_two(scheduler.max_model_len), num_speculative_tokens)
 
     def token_bucket(self, num_tokens: int) -> int:
         return pick_token_bucket(num_tokens, self.token_buckets)
+
+    def draft_bucket(self, num_tokens: int) -> int:
+        """The token bucket a step of num_tokens may grow to with draft tokens: its own, or the
+        one of DRAFT_ROOM_TOKENS (within the largest bucket) if that is larger."""
+        room = min(DRAFT_ROOM_TOKENS, self.token_buckets[-1])
+        return self.token_bucket(max(num_tokens, room))
 
     def seq_bucket(self, num_tokens_padded: int) -> int:
         return seq_bucket(num_tokens_padded, self.max_num_seqs)

@@ -571,7 +571,7 @@ def _find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] |
 
 _CACHE_FIELDS = ("page_size", "num_pages", "kv_cache_memory_fraction", "enable_prefix_caching")
 _SCHEDULER_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "enable_chunked_prefill")
+                     "enable_chunked_prefill", "min_token_bucket")
 
 
 def parallel_config(args: dict) -> ParallelConfig:

@@ -14,11 +14,11 @@ from jaxserve.config import QUANTIZATIONS, DistributedConfig
 DTYPES = ("float32", "bfloat16")
 # Engine settings by their keyword name (the flag is --name-with-dashes) and value type.
 ENGINE_FLAG_TYPES = {
-    "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int, "page_size": int,
-    "num_pages": int, "kv_cache_memory_fraction": float, "enable_prefix_caching": bool,
-    "enable_chunked_prefill": bool, "chat_template": str, "tensor_parallel_size": int,
-    "data_parallel_size": int, "speculative_ngram": int, "speculative_config": str,
-    "quantization": str,
+    "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
+    "min_token_bucket": int, "page_size": int, "num_pages": int, "kv_cache_memory_fraction": float,
+    "enable_prefix_caching": bool, "enable_chunked_prefill": bool, "chat_template": str,
+    "tensor_parallel_size": int, "data_parallel_size": int, "speculative_ngram": int,
+    "speculative_config": str, "quantization": str,
 }
 
 
@@ -43,6 +43,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, help="context length (prompt + output)")
     g.add_argument("--max-num-seqs", type=int, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, help="tokens per step")
+    g.add_argument("--min-token-bucket", type=int,
+                   help="the smallest step the forward is compiled for, a power of two (default "
+                        "1; 16 on an accelerator saves compile time)")
     g.add_argument("--page-size", type=int, help="tokens per KV page (a power of two)")
     g.add_argument("--num-pages", type=int, help="KV pool size (default: from memory)")
     g.add_argument("--kv-cache-memory-fraction", type=float,

@@ -22,9 +22,9 @@ class LLM:
     """model: a registered name or a path (GGUF file, HF directory, orbax checkpoint).
     engine_args: page_size, num_pages, kv_cache_memory_fraction, enable_prefix_caching,
     kv_cache_dtype, max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill,
-    chat_template (a jinja template file or text replacing the model's), tensor_parallel_size
-    (params and KV cache sharded over that many devices), quantization ("int8": the decoder
-    layers' weights stored as int8 groups; see jaxserve.weights.quantize).
+    min_token_bucket, chat_template (a jinja template file or text replacing the model's),
+    tensor_parallel_size (params and KV cache sharded over that many devices), quantization
+    ("int8": the decoder layers' weights stored as int8 groups; see jaxserve.weights.quantize).
     warmup=False compiles each program on first use instead of all at start (one-off scripts)."""
 
     def __init__(self, model: str, *, dtype: str | None = None, warmup: bool = True,

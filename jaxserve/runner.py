@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import time
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -178,6 +179,7 @@ class ModelRunner:
                                           out_shardings=self._replicated)
         self.bitmask_width = sampler.bitmask_width(config.vocab_size)
         self._programs: dict[tuple, Callable] = {}
+        self.program_compile_seconds: dict[tuple, float] = {}  # per program key, filled by warmup
         self.num_serving_compiles = 0
         self._warm = False
 
@@ -248,7 +250,9 @@ class ModelRunner:
         keys = self.program_keys()
         for key in tqdm(keys, desc="compiling", unit="program", file=sys.stderr,
                         disable=not progress):
+            started = time.perf_counter()
             self._program(key)
+            self.program_compile_seconds[key] = time.perf_counter() - started
         self._warm = True
 
     def close(self) -> None:

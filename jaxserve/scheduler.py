@@ -23,10 +23,11 @@ itself) instead of failing; then the step admits nobody (pages are short: admitt
 churn). A waiting request of strictly higher priority than a running one, finding no sequence slot
 or no page, preempts it the same way. A request preempted in a step is not readmitted in it.
 With a drafter (speculative decoding), decodes then take draft tokens in what is left of the step:
-only the padding of the token bucket the step needs anyway and of its logits rows, never pages
-that would need a preemption, never past max_tokens or max_model_len. So speculation backs off by
-itself as the batch fills (a full batch gets no drafts) and never makes a step dearer in programs
-or padding. `update_from_output` keeps the drafts the sampled tokens confirm.
+only the padding of its token bucket, or of the bucket of DRAFT_ROOM_TOKENS (16) for a smaller
+step (`StepShapes.draft_bucket`), and of that bucket's logits rows; never pages that would need a
+preemption, never past max_tokens or max_model_len. So speculation backs off by itself as the
+batch fills (a full batch gets no drafts) and never needs a program warmup did not compile.
+`update_from_output` keeps the drafts the sampled tokens confirm.
 The engine decides when a request stops (eos, max_tokens, stop strings) and calls
 `finish_request`; the scheduler itself ends requests that can never run (FINISHED_ERROR), outgrow
 max_model_len (FINISHED_LENGTH) or run out of time (above): see `take_finished`.
@@ -298,12 +299,12 @@ class Scheduler:
     # ---- internals ---------------------------------------------------------------------------
 
     def _add_drafts(self, step: _Step) -> None:
-        """Give the step's decodes draft tokens in its spare room: the padding of the token
-        bucket and of the logits rows the step pays for anyway, within the budget, over pages
-        free without a preemption. Drafts are dealt one per decode at a time, most important
-        first, since a sequence's first draft is its likeliest to stand."""
+        """Give the step's decodes draft tokens in its spare room: the padding of its draft
+        bucket and of that bucket's logits rows, within the budget, over pages free without a
+        preemption. Drafts are dealt one per decode at a time, most important first, since a
+        sequence's first draft is its likeliest to stand."""
         used = self.config.max_num_batched_tokens - step.budget
-        bucket = self.shapes.token_bucket(used)
+        bucket = self.shapes.draft_bucket(used)
         spare = min(bucket - used, step.budget,
                     self.shapes.logits_bucket(bucket) - len(step.scheduled))
         if spare <= 0:

@@ -1,4 +1,8 @@
-"""Shared fixtures: golden outputs and the real SmolLM2 model, loaded once per session."""
+"""Shared fixtures: golden outputs and the real SmolLM2 model, loaded once per session.
+
+Tests of the layers above the engine (HTTP, gRPC, batch, policy, tenancy, audit, TLS, replicas)
+start their engines with min_token_bucket=16: small steps are the engine tests' subject, and each
+bucket below 16 is one more forward, and one more row count of samplers, to compile per engine."""
 
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ def server(tmp_path_factory, smollm2_tokenizer_fields):
     path = tiny_gguf(d / "tiny.gguf", smollm2_tokenizer_fields, max_position_embeddings=256)
     llm = LLMEngine.from_model(str(path), num_pages=48, max_num_seqs=4,
                                max_num_batched_tokens=64, max_model_len=256,
-                               strict_compile=True, progress=False)
+                               min_token_bucket=16, strict_compile=True, progress=False)
     (d / "policy.toml").write_text(POLICY + f"""
 [[pack.filtered.rule]]
 name = "word"

@@ -95,7 +95,7 @@ def tiny_engine(tmp_path_factory, smollm2_tokenizer_fields):
                      max_position_embeddings=2048)
     llm_engine = LLMEngine.from_model(str(path), num_pages=128, max_num_seqs=8,
                                       max_num_batched_tokens=32, max_model_len=2048,
-                                      strict_compile=True, progress=False)
+                                      min_token_bucket=16, strict_compile=True, progress=False)
     engine = AsyncEngine(llm_engine)
     yield engine
     engine.shutdown()
@@ -294,7 +294,8 @@ def test_batch_cli_ctrl_c_resume_golden_and_tools_script(smollm2_path, smollm2_g
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join(lines) + "\n")
     args = ["--model", SMOLLM2, "--input", str(inp), "--output", str(out), "--max-model-len",
-            "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--num-pages", "64"]
+            "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--num-pages", "64",
+            "--min-token-bucket", "16"]
     proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "batch", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -11,8 +11,8 @@ def test_generate_fills_and_then_reuses_the_compile_cache(tmp_path):
     model = small_vocab_gguf(tmp_path / "tiny.gguf")
     cache = tmp_path / "xla"
     argv = ("generate", "--model", str(model), "--prompt-token-ids", "5,6,7", "--max-tokens", "3",
-            "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--num-pages", "16",
-            "--compile-cache-dir", str(cache))
+            "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--min-token-bucket", "16",
+            "--num-pages", "16", "--compile-cache-dir", str(cache))
     first = run_cli(*argv)
     assert first.returncode == 0, first.stderr[-2000:]
     entries = sorted(p.name for p in cache.iterdir())

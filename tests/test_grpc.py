@@ -38,7 +38,7 @@ from tests.test_engine import assert_no_leaks
 SMOLLM2 = "smollm2-135m-instruct"
 TINY = "tiny"
 TINY_ENGINE_ARGS = dict(num_pages=160, max_num_seqs=8, max_num_batched_tokens=32,
-                        max_model_len=2048)
+                        max_model_len=2048, min_token_bucket=16)
 LONG = 2000  # max_tokens of a request that cannot finish before the tests end it
 
 
@@ -413,7 +413,7 @@ def test_serve_grpc_port_shares_the_engine_with_http(tiny, tiny_path, tmp_path):
 def smollm2(smollm2_path):
     llm_engine = LLMEngine.from_model(SMOLLM2, num_pages=96, max_num_seqs=16,
                                       max_num_batched_tokens=64, max_model_len=256,
-                                      strict_compile=True, progress=False)
+                                      min_token_bucket=16, strict_compile=True, progress=False)
     yield from served(llm_engine, SMOLLM2)
 
 

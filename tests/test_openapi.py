@@ -40,7 +40,7 @@ def fuzz_server(tmp_path_factory, smollm2_tokenizer_fields):
     path = tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", smollm2_tokenizer_fields)
     llm_engine = LLMEngine.from_model(str(path), num_pages=48, max_num_seqs=4,
                                       max_num_batched_tokens=32, max_model_len=64,
-                                      strict_compile=True, progress=False)
+                                      min_token_bucket=16, strict_compile=True, progress=False)
     rag = RagService(RagConfig(tmp_path_factory.mktemp("rag"),
                                EmbedderConfig(max_batch=4, max_length=64),
                                ChunkerConfig(chunk_tokens=48, overlap_tokens=8)), tiny_embedder())

@@ -37,9 +37,10 @@ from tests.test_cli import ROOT, assert_one_line_error, run_cli, tiny_gguf
 from tests.test_server import http_get, http_post, wait_for
 
 SMOLLM2 = "smollm2-135m-instruct"
-# Small buckets: every server here compiles 2 forwards and 4 samplers per replica.
+# Few buckets: every server here compiles 2 forwards and one row count's samplers per replica.
 ENGINE_FLAGS = ["--max-model-len", "256", "--num-pages", "96", "--max-num-seqs", "4",
-                "--max-num-batched-tokens", "32", "--no-rag", "--port", "0"]
+                "--max-num-batched-tokens", "32", "--min-token-bucket", "16", "--no-rag", "--port",
+                "0"]
 
 
 def devices_env(n: int) -> dict[str, str]:
@@ -383,7 +384,8 @@ def test_two_process_group_tp4_golden_then_clean_shutdown(smollm2_path, smollm2_
 def test_dead_follower_makes_the_leader_unready(tmp_path, smollm2_tokenizer_fields):
     path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields)
     flags = ["--max-model-len", "128", "--num-pages", "32", "--max-num-seqs", "4",
-             "--max-num-batched-tokens", "16", "--no-rag", "--port", "0"]
+             "--max-num-batched-tokens", "16", "--min-token-bucket", "16", "--no-rag", "--port",
+             "0"]
     group = Group(str(path), flags, tmp_path)
     base = group.url.removesuffix("/v1")
     try:

@@ -82,7 +82,7 @@ def server(smollm2_path, tmp_path_factory):
     (d / "tenants.toml").write_text(TENANTS)
     llm = LLMEngine.from_model(SMOLLM2, num_pages=64, max_num_seqs=2,
                                max_num_batched_tokens=128, max_model_len=256,
-                               strict_compile=True, progress=False)
+                               min_token_bucket=16, strict_compile=True, progress=False)
     engine = AsyncEngine(llm)
     http = ServerThread(SMOLLM2, tenants_file=str(d / "tenants.toml"),
                         policy_file=str(d / "policy.toml"), audit_log_dir=str(d / "audit"),

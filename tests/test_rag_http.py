@@ -325,7 +325,7 @@ def tiny_llm(tmp_path_factory, smollm2_tokenizer_fields):
                      max_position_embeddings=1024)
     engine = AsyncEngine(LLMEngine.from_model(str(path), num_pages=64, max_num_seqs=4,
                                               max_num_batched_tokens=64, max_model_len=1024,
-                                              progress=False))
+                                              min_token_bucket=16, progress=False))
     yield engine
     engine.shutdown()
 

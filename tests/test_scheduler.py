@@ -18,6 +18,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from jaxserve.batch import next_power_of_two
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import ConfigError, ContextLengthExceeded, InvalidRequest
 from jaxserve.request import Request, RequestStatus
@@ -204,9 +205,9 @@ def test_outputs_match_reference():
 def test_speculation_keeps_outputs_and_takes_only_spare_room():
     """Drafts stand up to the first wrong one and the model's own token follows (outputs equal
     the reference, which the fake runner reads back through the pages, so a rejected draft's
-    K/V left where the next token must overwrite it would show); drafts only fill the padding
-    of the step's token bucket (a full bucket gets none) and never pass max_tokens."""
-    run = make(num_pages=64, page_size=4, max_num_seqs=8, max_num_batched_tokens=16,
+    K/V left where the next token must overwrite it would show); drafts only fill a step up to
+    16 tokens (DRAFT_ROOM_TOKENS; a full step gets none) and never pass max_tokens."""
+    run = make(num_pages=64, page_size=4, max_num_seqs=8, max_num_batched_tokens=32,
                speculative_tokens=3)
     for i in range(6):
         run.add(Request(f"r{i}", prompt(i, 3 + 5 * i), max_tokens=7 + i), max_tokens=7 + i)
@@ -216,9 +217,12 @@ def test_speculation_keeps_outputs_and_takes_only_spare_room():
         if out is None:
             break
         plain = sum(s.num_tokens for s in out.scheduled)
-        bucket = len(out.plan.token_ids)
-        assert bucket == (16 if plain <= 16 else 32)  # drafts never raise the bucket
-        drafts_by_step.append((plain, sum(len(s.draft_token_ids) for s in out.scheduled)))
+        drafts = sum(len(s.draft_token_ids) for s in out.scheduled)
+        # The step's own bucket, drafts included; drafts fill at most the room of 16 tokens or
+        # of the bucket the plain step needs anyway.
+        assert len(out.plan.token_ids) == next_power_of_two(plain + drafts)
+        assert plain + drafts <= max(16, next_power_of_two(plain))
+        drafts_by_step.append((plain, drafts))
         for s in out.scheduled:
             r = s.request
             assert len(r.output_token_ids) + s.num_rows <= run.max_tokens[r.request_id]
@@ -231,8 +235,8 @@ def test_speculation_keeps_outputs_and_takes_only_spare_room():
         assert r.output_token_ids == reference(r.prompt_token_ids, run.max_tokens[rid]), rid
     stats = run.sched.stats()
     assert 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens
-    assert all(drafts <= 16 - plain for plain, drafts in drafts_by_step)
-    assert any(plain == 16 for plain, _ in drafts_by_step)  # full steps happened, without drafts
+    assert any(plain == 32 for plain, _ in drafts_by_step)  # full steps happened, without drafts
+    assert any(plain < 16 and drafts for plain, drafts in drafts_by_step)
     assert sum(drafts for _, drafts in drafts_by_step) == stats.num_draft_tokens
 
 
@@ -244,6 +248,10 @@ def test_plan_shapes_come_from_the_buckets():
     assert out.plan.kv_lens.shape == (4,)  # min(32, next_pow2(max_num_seqs))
     assert out.plan.page_indices.shape == (4, 10)  # ceil(max_model_len / page_size)
     assert [(s.num_tokens, s.samples) for s in out.scheduled] == [(20, True)]
+    run.sched.update_from_output(out, [7])
+    out = run.sched.schedule()  # a lone decode: the 1-token bucket, one sequence, one row
+    assert [len(a) for a in (out.plan.token_ids, out.plan.kv_lens, out.plan.logits_indices)] == [
+        1, 1, 1]
 
 
 def test_chunked_prefill_splits_a_long_prompt_while_decodes_keep_flowing():

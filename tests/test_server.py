@@ -181,7 +181,7 @@ def test_keepalive_fills_silence_and_stops_with_the_stream():
 def engine(smollm2_path):
     return LLMEngine.from_model(SMOLLM2, num_pages=256, max_num_seqs=32,
                                 max_num_batched_tokens=256, max_model_len=512,
-                                strict_compile=True, progress=False)
+                                min_token_bucket=16, strict_compile=True, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -577,7 +577,8 @@ def test_warmup_then_ready_then_engine_failure(tiny_path, caplog):
         # 5 usable pages of 16 tokens: less than the 128-token context
         llm_engine = LLMEngine.from_model(str(tiny_path), num_pages=6, max_num_seqs=4,
                                           max_num_batched_tokens=32, max_model_len=128,
-                                          strict_compile=True, progress=False)
+                                          min_token_bucket=16, strict_compile=True,
+                                          progress=False)
         engine = AsyncEngine(llm_engine)
         srv.attach(engine)
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
@@ -657,7 +658,7 @@ def test_full_queue_is_a_503_before_any_stream_starts(tiny_path, monkeypatch):
     the two accepted ones finish, and later the same request is served."""
     llm_engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=1,
                                       max_num_batched_tokens=32, max_model_len=128,
-                                      strict_compile=True, progress=False)
+                                      min_token_bucket=16, strict_compile=True, progress=False)
     # Hold the engine loop once a request runs, until the refusals are checked: the queue then
     # stays full however fast the tiny model is.
     release, step = threading.Event(), llm_engine.step
@@ -712,7 +713,7 @@ def test_serve_subprocess_chat_then_sigterm(smollm2_path, smollm2_golden, tmp_pa
     with log_path.open("w") as stderr:
         server = ServerProcess(["--model", SMOLLM2, "--port", "0", "--max-model-len", "512",
                                 "--num-pages", "64", "--max-num-seqs", "4",
-                                "--max-num-batched-tokens", "64",
+                                "--max-num-batched-tokens", "64", "--min-token-bucket", "16",
                                 "--data-dir", str(tmp_path / "rag")], stderr, cwd=ROOT,
                                ready_timeout_s=300)
         try:

@@ -38,7 +38,8 @@ def server(tmp_path_factory, smollm2_tokenizer_fields):
         srv = ServerProcess(
             ["--model", str(path), "--served-model-name", TINY, "--port", "0", "--grpc-port",
              "0", "--no-rag", "--max-model-len", "128", "--num-pages", "64", "--max-num-seqs", "4",
-             "--max-num-batched-tokens", "16", "--engine-stall-timeout", str(STALL_S),
+             "--max-num-batched-tokens", "16", "--min-token-bucket", "16",
+             "--engine-stall-timeout", str(STALL_S),
              "--shutdown-timeout", str(SHUTDOWN_S), "--max-body-bytes", str(MAX_BODY)],
             stderr, cwd=ROOT, ready_timeout_s=600, module="tests.serve_wedgeable")
         srv.log_path = log_path

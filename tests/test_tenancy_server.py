@@ -133,7 +133,7 @@ def server(smollm2_path, tmp_path_factory):
     # One sequence slot and a queue of two: the shedding test fills both with one request each.
     llm = LLMEngine.from_model(SMOLLM2, num_pages=128, max_num_seqs=1,
                                max_num_batched_tokens=256, max_model_len=512,
-                               strict_compile=True, progress=False)
+                               min_token_bucket=16, strict_compile=True, progress=False)
     engine = AsyncEngine(llm)
     # The retrieval routes (embeddings, collections) with the tiny random encoder.
     rag = RagService(RagConfig(tmp_path_factory.mktemp("rag"),

@@ -103,7 +103,7 @@ def test_serve_over_tls_http_and_grpc(certs, tiny_path, tmp_path):
         server = ServerProcess(
             ["--model", str(tiny_path), "--served-model-name", TINY, "--port", "0",
              "--grpc-port", "0", "--no-rag", "--max-num-seqs", "1", "--max-num-batched-tokens",
-             "8", "--max-model-len", "128", "--num-pages", "16",
+             "8", "--min-token-bucket", "8", "--max-model-len", "128", "--num-pages", "16",
              "--ssl-certfile", str(certs["cert"]), "--ssl-keyfile", str(certs["key"])],
             stderr, cwd=ROOT, ready_timeout_s=300)
         try:
