@@ -96,19 +96,58 @@ def query_items(cu_q_lens, kv_lens, num_seqs, *, q_block, num_items, sliding_win
                       blk_hi.astype(jnp.int32), ends[-1])
 
 
+def _kv_blocks(page_indices, page_size: int, kv_block_tokens: int):
+    """(page table padded so every block's slice is in range, pages per block, tokens per block,
+    number of blocks). Padded entries are masked by kv_len."""
+    pages_per_seq = page_indices.shape[1]
+    pages_per_block = max(1, kv_block_tokens // page_size)
+    num_blocks = -(-pages_per_seq // pages_per_block)
+    page_indices = jnp.pad(page_indices,
+                           ((0, 0), (0, num_blocks * pages_per_block - pages_per_seq)))
+    return page_indices, pages_per_block, pages_per_block * page_size, num_blocks
+
+
+def _visible(k_pos, q_pos, sliding_window):
+    """Which cache positions k_pos [K] each query at positions q_pos [...] sees: [..., K]."""
+    mask = k_pos <= q_pos[..., None]
+    if sliding_window is not None:
+        mask &= k_pos > q_pos[..., None] - sliding_window
+    return mask
+
+
+def _softmax_init(shape, head_dim: int):
+    """Online-softmax state for queries of `shape`: running max, sum, and weighted values."""
+    return (jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (head_dim,), jnp.float32))
+
+
+def _softmax_step(carry, s, mask, v, pv_spec: str, soft_cap):
+    """Fold one KV block into the online softmax: scores s [..., K] under mask, values v
+    combined with the probabilities by the einsum pv_spec."""
+    m, l, acc = carry
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(mask, s, _MASKED)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    acc = alpha[..., None] * acc + jnp.einsum(pv_spec, p, v, precision=lax.Precision.HIGHEST)
+    return m_new, alpha * l + p.sum(-1), acc
+
+
+def _softmax_out(l, acc):
+    return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
 def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
             soft_cap, q_block, items_per_step, kv_block_tokens, include=None):
     T, Hq, D = q.shape
     _, ps, H2, _ = kv_cache.shape
     Hkv = H2 // 2
     G = Hq // Hkv
-    S, pages_per_seq = page_indices.shape
-    pages_per_block = max(1, kv_block_tokens // ps)
-    blk_tokens = pages_per_block * ps
-    num_blocks = -(-pages_per_seq // pages_per_block)
-    # Pad the page table so every block's slice is in range; padded entries are masked by kv_len.
-    page_indices = jnp.pad(page_indices,
-                           ((0, 0), (0, num_blocks * pages_per_block - pages_per_seq)))
+    S = page_indices.shape[0]
+    page_indices, pages_per_block, blk_tokens, num_blocks = _kv_blocks(page_indices, ps,
+                                                                      kv_block_tokens)
 
     num_items = -(-T // q_block) + S
     num_items = -(-num_items // items_per_step) * items_per_step
@@ -145,32 +184,17 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
         b0, b1 = jnp.min(sl(blk_lo)), jnp.max(sl(blk_hi))
 
         def kv_step(b, carry):
-            m, l, acc = carry
             pages = lax.dynamic_slice_in_dim(tables, b * pages_per_block, pages_per_block, axis=1)
             kv = kv_cache[pages].reshape(items_per_step, blk_tokens, Hkv, 2, D).astype(jnp.float32)
             k, v = kv[..., 0, :], kv[..., 1, :]
             s = jnp.einsum("ihqgd,ikhd->ihqgk", qg, k, precision=lax.Precision.HIGHEST)
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
-            k_pos = b * blk_tokens + jnp.arange(blk_tokens)
-            mask = k_pos[None, None, :] <= q_pos[:, :, None]
-            if sliding_window is not None:
-                mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-            mask = mask[:, None, :, None, :]
-            s = jnp.where(mask, s, _MASKED)
-            m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-            alpha = jnp.exp(m - m_new)
-            l = alpha * l + p.sum(-1)
-            acc = alpha[..., None] * acc + jnp.einsum("ihqgk,ikhd->ihqgd", p, v,
-                                                      precision=lax.Precision.HIGHEST)
-            return m_new, l, acc
+            mask = _visible(b * blk_tokens + jnp.arange(blk_tokens), q_pos, sliding_window)
+            return _softmax_step(carry, s, mask[:, None, :, None, :], v, "ihqgk,ikhd->ihqgd",
+                                 soft_cap)
 
-        shape = (items_per_step, Hkv, q_block, G)
-        init = (jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32),
-                jnp.zeros(shape + (D,), jnp.float32))
+        init = _softmax_init((items_per_step, Hkv, q_block, G), D)
         _, l, acc = lax.fori_loop(b0, b1, kv_step, init)
-        o = (acc / jnp.where(l > 0, l, 1.0)[..., None]).transpose(0, 2, 1, 3, 4)
+        o = _softmax_out(l, acc).transpose(0, 2, 1, 3, 4)
         o = jnp.where(g_ok[:, :, None, None, None], o, 0.0).reshape(-1, Hq, D)
         return out.at[g_rows.reshape(-1)].set(o.astype(out.dtype), mode="drop")
 
@@ -189,13 +213,10 @@ def _decode(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
     _, ps, H2, _ = kv_cache.shape
     Hkv = H2 // 2
     G = Hq // Hkv
-    S, pages_per_seq = page_indices.shape
+    S = page_indices.shape[0]
     per_step = min(DECODE_SEQS_PER_STEP, S)  # one live sequence gathers for one, not four
-    pages_per_block = max(1, DECODE_KV_BLOCK_TOKENS // ps)
-    blk_tokens = pages_per_block * ps
-    num_blocks = -(-pages_per_seq // pages_per_block)
-    page_indices = jnp.pad(page_indices,
-                           ((0, 0), (0, num_blocks * pages_per_block - pages_per_seq)))
+    page_indices, pages_per_block, blk_tokens, num_blocks = _kv_blocks(page_indices, ps,
+                                                                      DECODE_KV_BLOCK_TOKENS)
     live = (jnp.arange(S) < num_seqs[0]) & (cu_q_lens[1:] - cu_q_lens[:-1] == 1)
     if include is not None:
         live &= include
@@ -220,32 +241,16 @@ def _decode(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
         q_pos = jnp.take(kv_lens, seqs, mode="clip") - 1
 
         def kv_step(b, carry):
-            m, l, acc = carry
             pages = lax.dynamic_slice_in_dim(tables, b * pages_per_block, pages_per_block, axis=1)
             kv = kv_cache[pages].reshape(per_step, blk_tokens, Hkv, 2, D).astype(jnp.float32)
             k, v = kv[..., 0, :], kv[..., 1, :]
             s = jnp.einsum("ihgd,ikhd->ihgk", qg, k, precision=lax.Precision.HIGHEST)
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
-            k_pos = b * blk_tokens + jnp.arange(blk_tokens)
-            mask = k_pos[None, :] <= q_pos[:, None]
-            if sliding_window is not None:
-                mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-            mask = mask[:, None, None, :]
-            s = jnp.where(mask, s, _MASKED)
-            m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-            alpha = jnp.exp(m - m_new)
-            l = alpha * l + p.sum(-1)
-            acc = alpha[..., None] * acc + jnp.einsum("ihgk,ikhd->ihgd", p, v,
-                                                      precision=lax.Precision.HIGHEST)
-            return m_new, l, acc
+            mask = _visible(b * blk_tokens + jnp.arange(blk_tokens), q_pos, sliding_window)
+            return _softmax_step(carry, s, mask[:, None, None, :], v, "ihgk,ikhd->ihgd", soft_cap)
 
-        shape = (per_step, Hkv, G)
-        init = (jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32),
-                jnp.zeros(shape + (D,), jnp.float32))
+        init = _softmax_init((per_step, Hkv, G), D)
         _, l, acc = lax.fori_loop(jnp.min(g_lo), jnp.max(g_hi), kv_step, init)
-        o = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(per_step, Hq, D)
+        o = _softmax_out(l, acc).reshape(per_step, Hq, D)
         return out.at[rows].set(o.astype(out.dtype), mode="drop")
 
     num_groups = (jnp.sum(live) + per_step - 1) // per_step
