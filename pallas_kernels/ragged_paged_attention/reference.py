@@ -107,6 +107,16 @@ def _kv_blocks(page_indices, page_size: int, kv_block_tokens: int):
     return page_indices, pages_per_block, pages_per_block * page_size, num_blocks
 
 
+def _kv_block(kv_cache, tables, b, pages_per_block: int):
+    """KV block b of each row's page table [I, pages]: K and V [I, tokens, Hkv, D] in f32, and
+    the block's cache positions [tokens]."""
+    _, ps, H2, D = kv_cache.shape
+    pages = lax.dynamic_slice_in_dim(tables, b * pages_per_block, pages_per_block, axis=1)
+    kv = kv_cache[pages].reshape(tables.shape[0], pages_per_block * ps, H2 // 2, 2, D)
+    kv = kv.astype(jnp.float32)
+    return kv[..., 0, :], kv[..., 1, :], b * pages_per_block * ps + jnp.arange(pages_per_block * ps)
+
+
 def _visible(k_pos, q_pos, sliding_window):
     """Which cache positions k_pos [K] each query at positions q_pos [...] sees: [..., K]."""
     mask = k_pos <= q_pos[..., None]
@@ -184,11 +194,9 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
         b0, b1 = jnp.min(sl(blk_lo)), jnp.max(sl(blk_hi))
 
         def kv_step(b, carry):
-            pages = lax.dynamic_slice_in_dim(tables, b * pages_per_block, pages_per_block, axis=1)
-            kv = kv_cache[pages].reshape(items_per_step, blk_tokens, Hkv, 2, D).astype(jnp.float32)
-            k, v = kv[..., 0, :], kv[..., 1, :]
+            k, v, k_pos = _kv_block(kv_cache, tables, b, pages_per_block)
             s = jnp.einsum("ihqgd,ikhd->ihqgk", qg, k, precision=lax.Precision.HIGHEST)
-            mask = _visible(b * blk_tokens + jnp.arange(blk_tokens), q_pos, sliding_window)
+            mask = _visible(k_pos, q_pos, sliding_window)
             return _softmax_step(carry, s, mask[:, None, :, None, :], v, "ihqgk,ikhd->ihqgd",
                                  soft_cap)
 
@@ -241,11 +249,9 @@ def _decode(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
         q_pos = jnp.take(kv_lens, seqs, mode="clip") - 1
 
         def kv_step(b, carry):
-            pages = lax.dynamic_slice_in_dim(tables, b * pages_per_block, pages_per_block, axis=1)
-            kv = kv_cache[pages].reshape(per_step, blk_tokens, Hkv, 2, D).astype(jnp.float32)
-            k, v = kv[..., 0, :], kv[..., 1, :]
+            k, v, k_pos = _kv_block(kv_cache, tables, b, pages_per_block)
             s = jnp.einsum("ihgd,ikhd->ihgk", qg, k, precision=lax.Precision.HIGHEST)
-            mask = _visible(b * blk_tokens + jnp.arange(blk_tokens), q_pos, sliding_window)
+            mask = _visible(k_pos, q_pos, sliding_window)
             return _softmax_step(carry, s, mask[:, None, None, :], v, "ihgk,ikhd->ihgd", soft_cap)
 
         init = _softmax_init((per_step, Hkv, G), D)
