@@ -202,7 +202,10 @@ class AsyncEngine:
                     raise item
                 if item.error is not None:
                     finished = True
-                    raise RequestFailed(f"request {request_id} failed: {item.error}")
+                    if isinstance(item.error, JaxServeError):  # the request's own fault: typed
+                        raise item.error
+                    raise RequestFailed(f"request {request_id} failed: "
+                                        f"{type(item.error).__name__}: {item.error}")
                 finished = item.finished
                 if finished and (error := _outcome_error(request_id, item)) is not None:
                     raise error

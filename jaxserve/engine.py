@@ -114,7 +114,7 @@ class _Group:
     metrics: RequestMetrics
     seqs: list[_Sequence] = field(default_factory=list)
     holdback: int = 0  # trailing chars not shown while running: a stop string may still form
-    error: str | None = None  # set when the request failed on its own (see _fail)
+    error: Exception | None = None  # set when the request failed on its own (see _fail)
 
     @property
     def finished(self) -> bool:
@@ -289,7 +289,8 @@ class LLMEngine:
                                            prompt_ids=prepared.prompt_token_ids)
             group.seqs.append(_Sequence(i, request, p.sequence_seed(i), detok,
                                         [] if p.logprobs is not None else None,
-                                        prepared.grammar.matcher() if prepared.grammar else None))
+                                        prepared.grammar.matcher(p.structured_outputs.param)
+                                        if prepared.grammar else None))
         # The n sequences enter the scheduler's queue in one step.
         self.scheduler.add_requests([seq.request for seq in group.seqs])
         for seq in group.seqs:
@@ -505,8 +506,9 @@ class LLMEngine:
 
     def _fail(self, group: _Group, error: Exception) -> None:
         """End a request whose host-side processing raised: its pages go back, and its final
-        output carries the error (the front ends answer that request alone with a 500)."""
-        group.error = f"{type(error).__name__}: {error}"
+        output carries the error: the front ends answer that request alone, with its typed
+        status (a constraint the tokenizer cannot follow is a 400) or else a 500."""
+        group.error = error
         self._end_group(group, RequestStatus.FINISHED_ABORTED)
         self._pending.append(self._close(group))
 

@@ -48,4 +48,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     metrics: RequestMetrics | None = field(default=None, repr=False)
-    error: str | None = None  # the request failed on its own (finish_reason "abort"); others ran on
+    # the request failed on its own (finish_reason "abort"); the others ran on
+    error: Exception | None = None

@@ -169,7 +169,7 @@ def test_bitmask_path_matches_llguidance_on_random_schemas(grammars, tokenizer, 
     from jaxserve.structured.grammar import grammar_text
 
     constraint = SO(json=schema)
-    ours = grammars.compile(constraint).matcher()
+    ours = grammars.compile(constraint).matcher(constraint.param)
     reference = llguidance.LLMatcher(grammars._tokenizer(), grammar_text(constraint),
                                      log_level=0)
     apply = jax.jit(apply_token_bitmask)
@@ -333,6 +333,23 @@ def test_a_bad_constraint_fails_in_prepare(tiny_llm):
     assert err.value.param == "guided_regex"
     assert not tiny_llm.engine.has_unfinished()
 
+
+
+def test_a_constraint_the_tokenizer_cannot_spell_fails_that_request_as_a_400(tiny_llm):
+    """U+B149C's UTF-8 starts with byte 0xF2, which no SmolLM2 token spells: the regex compiles,
+    llguidance's mask then allows a token its matcher refuses. That request alone ends with a
+    typed 400 naming its field (the fuzzer found it as a 500); the request beside it finishes."""
+    from jaxserve.structured.grammar import GrammarViolation
+
+    outs = tiny_llm.generate(["a", "b"], [
+        SamplingParams(max_tokens=4, structured_outputs=SO(regex="\U000B149C",
+                                                           param="guided_regex")),
+        SamplingParams(max_tokens=4, ignore_eos=True)])
+    assert isinstance(outs[0].error, GrammarViolation) and isinstance(outs[0].error,
+                                                                      InvalidRequest)
+    assert outs[0].error.param == "guided_regex" and "token" in str(outs[0].error)
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 4
+    assert_no_leaks(tiny_llm.engine)
 
 # ---------------------------------------------------------------- SmolLM2
 

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from jaxserve.errors import ConfigError, InvalidRequest, TokenizerError
+from jaxserve.structured.grammar import GrammarViolation
 from jaxserve.tokenizer import Tokenizer, read_chat_template
 from jaxserve.tools.choice import forced_tool_call
 from jaxserve.tools.functions import parse_tool_choice, parse_tools
@@ -188,11 +189,11 @@ def test_forced_call_grammar_accepts_exactly_valid_calls(parser, smollm2_grammar
     bad_args = one.format(n="get_weather", k=key, a='{"town": "Paris"}')
 
     def accepts(constraint, text):
-        matcher = grammars.compile(constraint).matcher()
+        matcher = grammars.compile(constraint).matcher(constraint.param)
         try:
             for t in tok.encode(text, add_special_tokens=False):
                 matcher.accept(t)
-        except RuntimeError:
+        except GrammarViolation:
             return False
         return matcher.is_accepting
 

@@ -40,9 +40,11 @@ def lark_json(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
 
 
-class GrammarViolation(RuntimeError):
-    """A sampled token the matcher refused: the bitmask and the matcher disagree (a bug), or the
-    matcher hit one of llguidance's resource limits mid-generation."""
+class GrammarViolation(InvalidRequest):
+    """A sampled token the matcher refused, so the constraint cannot be followed on: it was
+    allowed by the matcher's own mask, so the constraint itself is at fault, e.g. a character
+    whose UTF-8 bytes no token of this vocabulary spells (llguidance then masks wrongly), or a
+    grammar that hit one of llguidance's resource limits mid-generation. The request's 400."""
 
 
 def grammar_text(constraint: StructuredOutputsParams) -> str:
@@ -75,8 +77,9 @@ class GrammarMatcher:
     generated tokens), so neither is a matcher; it is dropped when its sequence ends. Draft
     tokens (speculative decoding) advance copies only (`speculate`)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher):
+    def __init__(self, matcher: llguidance.LLMatcher, param: str):
         self._matcher = matcher
+        self._param = param  # the request field the constraint came from, for the 400
 
     def speculate(self, draft_token_ids: Sequence[int]) -> list[GrammarMatcher]:
         """The states a step verifying these drafts needs the masks of: this matcher, then a
@@ -90,13 +93,17 @@ class GrammarMatcher:
             matcher = matcher.deep_copy()
             if not matcher.consume_token(int(token)):
                 break
-            states.append(GrammarMatcher(matcher))
+            states.append(GrammarMatcher(matcher, self._param))
         return states
 
     def accept(self, token_id: int) -> None:
         if not self._matcher.consume_token(int(token_id)):
-            raise GrammarViolation(f"token {token_id} refused by the grammar: "
-                                   f"{self._matcher.get_error()}")
+            # llguidance's error spans lines (its state and grammar): the first says why.
+            why = self._matcher.get_error().strip().split("\n", 1)[0][:300]
+            raise GrammarViolation(
+                f"'{self._param}': generation reached a point this model's tokenizer cannot "
+                f"continue the constraint from (token {token_id} refused: {why})",
+                param=self._param)
 
     @property
     def is_finished(self) -> bool:
@@ -115,8 +122,10 @@ class CompiledGrammar:
     def __init__(self, template: llguidance.LLMatcher):
         self._template = template
 
-    def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._template.deep_copy())
+    def matcher(self, param: str) -> GrammarMatcher:
+        """param: the request field the constraint came from (compiled grammars are shared by
+        every request with the same constraint, whatever field it came in)."""
+        return GrammarMatcher(self._template.deep_copy(), param)
 
 
 class GrammarCompiler:
