@@ -124,11 +124,13 @@ def test_reference_long_context_crosses_kv_blocks():
     # Contexts longer than one KV block (reference.*_KV_BLOCK_TOKENS) and a prefill longer than
     # one query block exercise the loops' bounds, on the prefill path and on the decode-only one;
     # nine decodes of mixed lengths fill more than two groups of the decode path, the last one
-    # partly, with a chunk among them.
+    # partly, with a chunk among them; five short queries (speculative verify rows, 2-8
+    # queries) fill more than one group of theirs, beside decodes and a chunk.
     rng = np.random.default_rng(0)
     nine = ([1] * 4 + [30] + [1] * 5, [70, 5, 600, 129, 40, 0, 64, 65, 300, 1])
+    verify = ([5, 1, 8, 2, 30, 3, 1, 6], [600, 70, 130, 63, 40, 0, 300, 64])
     for q_lens, ctx_lens in (([1, 45, 1], [600, 300, 0]), ([1, 1, 1], [600, 130, 63]), nine,
-                             ([1] * 9, nine[1][:9])):
+                             ([1] * 9, nine[1][:9]), verify):
         args = make_case(rng, q_lens=q_lens, ctx_lens=ctx_lens, page_size=16, Hq=4, Hkv=2, D=64,
                          dtype="float32")
         check("reference", args, dtype="float32")

@@ -8,8 +8,9 @@ its own sequences from the cache. Padding sequences produce no items and so cost
 
 Decodes (q_len 1) take their own path (`_decode`): one query per sequence, sequences grouped
 instead of query blocks, so no query row is computed in vain; prefill chunks take query blocks so
-a chunk's queries share each KV gather. A mixed batch runs both paths, each over its own
-sequences. Items (and decoded sequences) are taken longest first, so the members of one group need
+a chunk's queries share each KV gather. Short queries (speculative verify rows: a decode and its
+drafts) take query blocks of SHORT_QUERY_TOKENS over the decode path's KV blocks, so they do not
+pay for a prefill block's padding. A mixed batch runs every path, each over its own sequences. Items (and decoded sequences) are taken longest first, so the members of one group need
 about the same number of KV blocks.
 """
 
@@ -36,6 +37,12 @@ DECODE_SEQS_PER_STEP = 4
 PREFILL_KV_BLOCK_TOKENS = 128
 PREFILL_Q_BLOCK = 32
 PREFILL_ITEMS_PER_STEP = 4
+# Sequences of 2-8 queries (a decode verifying up to 7 drafts) take 8-query items, 4 at a time,
+# over 64-token KV blocks: on the prefill path one 5-token verify at 500 tokens cost 3.7 ms per
+# layer, here 1.1-1.3 (8 of them at 300: 4.3-4.8 -> 1.4-1.5 ms). Each query row on the decode path
+# instead (its pages gathered per row) won for one sequence but lost for many (12 chunks of 8:
+# 5.9 -> 10.5 ms).
+SHORT_QUERY_TOKENS = 8
 
 _MASKED = -1e30
 
@@ -150,7 +157,9 @@ def _softmax_out(l, acc):
 
 
 def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
-            soft_cap, q_block, items_per_step, kv_block_tokens, include=None):
+            soft_cap, q_block, items_per_step, kv_block_tokens, include=None, one_item_each=False):
+    """Query blocks of q_block rows (`query_items`), items_per_step at a time. one_item_each:
+    every included sequence has at most q_block queries, so there are at most S items."""
     T, Hq, D = q.shape
     _, ps, H2, _ = kv_cache.shape
     Hkv = H2 // 2
@@ -159,7 +168,7 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
     page_indices, pages_per_block, blk_tokens, num_blocks = _kv_blocks(page_indices, ps,
                                                                       kv_block_tokens)
 
-    num_items = -(-T // q_block) + S
+    num_items = S if one_item_each else -(-T // q_block) + S
     num_items = -(-num_items // items_per_step) * items_per_step
     items = query_items(cu_q_lens, kv_lens, num_seqs[0], q_block=q_block, num_items=num_items,
                         sliding_window=sliding_window, block_tokens=blk_tokens, include=include)
@@ -278,12 +287,15 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     q_lens = jnp.where(jnp.arange(S) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
 
     def mixed():
-        # Decodes on the decode path, chunks on the prefill path: as a prefill item a decode
-        # computes a whole q_block of rows for its one query (SmolLM2 shape, 40 decodes at 300
-        # tokens + 2 chunks of 236: 55 ms -> 16 ms on the CPU). Each path writes only its own
-        # rows and leaves the others 0, so the sum is the whole answer.
-        chunk = q_lens > 1
-        return decode(include=~chunk) + _attend(
+        # Decodes on the decode path, short queries and chunks on query blocks of their size: as
+        # a prefill item a decode computes a whole q_block of rows for its one query (SmolLM2
+        # shape, 40 decodes at 300 tokens + 2 chunks of 236: 55 ms -> 16 ms on the CPU). Each
+        # path writes only its own rows and leaves the others 0, so the sum is the whole answer.
+        chunk = q_lens > SHORT_QUERY_TOKENS
+        short = (q_lens > 1) & ~chunk
+        return decode(include=q_lens <= 1) + _attend(
+            *args, **kwargs, q_block=SHORT_QUERY_TOKENS, items_per_step=DECODE_SEQS_PER_STEP,
+            kv_block_tokens=DECODE_KV_BLOCK_TOKENS, include=short, one_item_each=True) + _attend(
             *args, **kwargs, q_block=PREFILL_Q_BLOCK, items_per_step=PREFILL_ITEMS_PER_STEP,
             kv_block_tokens=PREFILL_KV_BLOCK_TOKENS, include=chunk)
 
