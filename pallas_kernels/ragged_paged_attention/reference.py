@@ -10,8 +10,9 @@ Decodes (q_len 1) take their own path (`_decode`): one query per sequence, seque
 instead of query blocks, so no query row is computed in vain; prefill chunks take query blocks so
 a chunk's queries share each KV gather. Short queries (speculative verify rows: a decode and its
 drafts) take query blocks of SHORT_QUERY_TOKENS over the decode path's KV blocks, so they do not
-pay for a prefill block's padding. A mixed batch runs every path, each over its own sequences. Items (and decoded sequences) are taken longest first, so the members of one group need
-about the same number of KV blocks.
+pay for a prefill block's padding. A mixed batch runs every path, each over its own sequences.
+Items (and decoded sequences) are taken longest first, so the members of one group need about the
+same number of KV blocks; the items left over after the full groups go one at a time.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ PREFILL_Q_BLOCK = 32
 PREFILL_ITEMS_PER_STEP = 4
 # Sequences of 2-8 queries (a decode verifying up to 7 drafts) take 8-query items, 4 at a time,
 # over 64-token KV blocks: on the prefill path one 5-token verify at 500 tokens cost 3.7 ms per
-# layer, here 1.1-1.3 (8 of them at 300: 4.3-4.8 -> 1.4-1.5 ms). Each query row on the decode path
-# instead (its pages gathered per row) won for one sequence but lost for many (12 chunks of 8:
-# 5.9 -> 10.5 ms).
+# layer, here 1.1-1.3 (8 of them at 300: 4.3-4.8 -> 1.4-1.5 ms; and 0.45 for the one verify once
+# leftover items went singly). Each query row on the decode path instead (its pages gathered per
+# row) won for one sequence but lost for many (12 chunks of 8: 5.9 -> 10.5 ms).
 SHORT_QUERY_TOKENS = 8
 
 _MASKED = -1e30
