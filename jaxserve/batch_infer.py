@@ -186,8 +186,8 @@ async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progr
     async def one(item: BatchLine) -> None:
         if item.error is not None:
             if serving.policy is not None:  # refused before the serving layer: recorded here
-                serving.policy.refused(dataclasses.replace(ctx, route=f"batch:{item.url or ''}"),
-                                       item.error, None)
+                serving.policy.record_call(
+                    dataclasses.replace(ctx, route=f"batch:{item.url or ''}"), item.error, None)
             finish(item, *error_reply(item.error))
             return
         try:

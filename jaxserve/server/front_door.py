@@ -7,18 +7,19 @@ tenant; and the tenant's limits on the routes beside generation (`tenant_limited
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
-import time
 
 from aiohttp import web
 
 from jaxserve.errors import (JaxServeError, MethodNotAllowed, NotFound, error_reply, error_status,
-                             outcome, retry_after)
+                             retry_after)
 from jaxserve.gateway import Principal, deadlines
 from jaxserve.gateway.limits import Lease, retry_after_header
 from jaxserve.server.admission import CallContext
 from jaxserve.server.app_state import STATE_KEY, AppState
+from jaxserve.server.calls import end_call
 
 log = logging.getLogger("jaxserve.server")
 
@@ -114,32 +115,34 @@ async def _unrouted(request: web.Request, handler):
 @web.middleware
 async def _front_door(request: web.Request, handler):
     """Every route but the open ones needs the caller's key (401 `invalid_api_key`); each such
-    request is counted per tenant by outcome (a generation counts itself when it ends). The
-    open routes and the admin API (its own key) are neither: a 404 or 405 there is nobody's,
-    and not audited (anyone could grow the log with them)."""
+    request is counted per tenant by outcome (`calls.end_call`; a generation counts itself when
+    it ends). The open routes and the admin API (its own key) are neither: a 404 or 405 there
+    is nobody's, and not audited (anyone could grow the log with them)."""
     if request.path in _OPEN_PATHS or request.path.startswith("/admin/"):
         return await handler(request)
     state: AppState = request.app[STATE_KEY]
-    tenant, principal, arrival = "none", None, time.monotonic()
+    ctx = CallContext(None, client=request.remote, route=request.path[:_MAX_AUDITED_PATH])
     try:
         principal = state.gateway.authenticate(request.headers.get("Authorization"))
-        request[_PRINCIPAL], tenant = principal, principal.tenant.name
+        request[_PRINCIPAL] = principal
+        ctx = dataclasses.replace(ctx, principal=principal)
         resp = await handler(request)
     except web.HTTPException:
         raise
     except BaseException as exc:
-        if not request.get(_COUNTED):
-            state.metrics.record_request(tenant, outcome(exc))
-        unrouted = request.match_info.http_exception is not None and principal is not None
-        if state.policy is not None and (request.path in _AUDITED_PATHS or unrouted) \
-                and not request.get(_AUDITED):  # a 401, a body that is not JSON, a 409 ...
-            state.policy.refused(CallContext(principal, arrival=arrival, client=request.remote,
-                                             route=request.path[:_MAX_AUDITED_PATH]),
-                                 exc, request.headers.get("Authorization"))
+        _end(request, state, ctx, exc)
         raise
-    if not request.get(_COUNTED):
-        state.metrics.record_request(tenant, "ok")
+    _end(request, state, ctx, None, resp.status)
     return resp
+
+
+def _end(request: web.Request, state: AppState, ctx: CallContext, error: BaseException | None,
+         status_code: int = 200) -> None:
+    unrouted = request.match_info.http_exception is not None and ctx.principal is not None
+    end_call(state.metrics, state.policy, ctx, error, count=not request.get(_COUNTED),
+             audit=(error is not None and not request.get(_AUDITED)  # a 401, a bad body, a 409
+                    and (request.path in _AUDITED_PATHS or unrouted)),
+             authorization=request.headers.get("Authorization"), status_code=status_code)
 
 
 async def ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:
