@@ -139,6 +139,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         error, num_tokens = None, 0
         try:
             ctx = dataclasses.replace(ctx, principal=self._principal(context))
+            if self.serving.policy is not None:  # a call whose record the log cannot take
+                self.serving.policy.check_accepting()
             # Under the tenant's limits as HTTP's /v1/embeddings (Gateway.admit_call).
             lease = self.serving.gateway.admit_call(ctx.principal, tokens=True, holds_slot=True)
             try:
@@ -155,7 +157,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         except BaseException as e:  # JaxServeError, or the client left (cancelled)
             error = e
         finally:
-            self._end(ctx, context, error, audit=False)
+            self._end(ctx, context, error, prompt_tokens=num_tokens)
         if error is not None:
             if not isinstance(error, JaxServeError):
                 raise error
