@@ -1,8 +1,10 @@
 """Offline batch inference over an OpenAI Batch API .jsonl file: `jaxserve batch`.
 
-Every request is submitted to the engine up front so continuous batching keeps it full. Each
-result is appended and flushed as one whole line the moment it finishes, so an interrupted run
-(crash, Ctrl-C) leaves a valid file, and a rerun skips requests already answered."""
+It runs on one model (--model) or on the versions and routes of a deployment file
+(--deployment, as `serve` takes it). Every request is submitted to the engine up front so
+continuous batching keeps it full. Each result is appended and flushed as one whole line the
+moment it finishes, so an interrupted run (crash, Ctrl-C) leaves a valid file, and a rerun skips
+requests already answered."""
 
 from __future__ import annotations
 
@@ -186,8 +188,8 @@ async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progr
     async def one(item: BatchLine) -> None:
         if item.error is not None:
             if serving.policy is not None:  # refused before the serving layer: recorded here
-                serving.policy.refused(dataclasses.replace(ctx, route=f"batch:{item.url or ''}"),
-                                       item.error, None)
+                serving.policy.record_call(
+                    dataclasses.replace(ctx, route=f"batch:{item.url or ''}"), item.error, None)
             finish(item, *error_reply(item.error))
             return
         try:
@@ -206,15 +208,16 @@ async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progr
 
 
 def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
-    from jaxserve.engine_args import add_engine_arguments
+    from jaxserve.engine_args import add_deployment_arguments
     from jaxserve.server.launcher import add_policy_arguments
 
-    add_engine_arguments(parser)
+    add_deployment_arguments(parser)  # --model, or --deployment as `serve` takes it
     parser.add_argument("--input", required=True, type=Path, help="OpenAI Batch API .jsonl")
     parser.add_argument("--output", required=True, type=Path,
                         help="results .jsonl; appended to, and answered requests are skipped")
     parser.add_argument("--served-model-name", default=None,
-                        help="the 'model' the input's bodies name (default: --model)")
+                        help="the 'model' the input's bodies name (default: --model; not with "
+                             "--deployment, whose routes and versions the bodies name)")
     parser.add_argument("--tenants", type=Path, default=None, metavar="FILE",
                         help="the server's tenants file (TOML), for --tenant's limits and class")
     parser.add_argument("--tenant", default=None,
@@ -251,12 +254,13 @@ def batch_gateway(tenants_file: Path | None, tenant: str | None) -> tuple[Gatewa
 
 async def answer_items(engine, model_name: str, todo: list[BatchLine], output_path: Path,
                        gateway: Gateway | None = None, principal: Principal | None = None,
-                       policy=None) -> int:
-    """Answer `todo` on `engine` (an AsyncEngine), appending to `output_path`, as `principal`
+                       policy=None, fleet=None) -> int:
+    """Answer `todo` on `engine` (an AsyncEngine) named `model_name`, or on the versions and
+    routes of `fleet` (--deployment; engine None), appending to `output_path`, as `principal`
     of `gateway` (default: the open tenant), under `policy` (a RequestPolicy: --policy and
     --audit-log); returns 0."""
     from jaxserve.server.openai_serving import OpenAIServing
-    serving = OpenAIServing(engine, model_name, gateway=gateway, policy=policy)
+    serving = OpenAIServing(engine, model_name, gateway=gateway, policy=policy, fleet=fleet)
     ctx = (CallContext(principal, transport="batch") if principal is not None
            else serving.open_context("batch"))
     writer = ResultWriter(output_path)
@@ -284,11 +288,14 @@ async def run_batch_on(engine, model_name: str, input_path: Path, output_path: P
 
 def run_batch(args: argparse.Namespace) -> int:
     """`jaxserve batch`: check the files, load the engine, answer what is left, shut it down."""
-    from jaxserve.engine_args import engine_args
+    from jaxserve.engine_args import check_model_or_deployment, engine_args, start_fleet
     from jaxserve.parallel import start_engine
-
     from jaxserve.server.request_policy import RequestPolicy
 
+    check_model_or_deployment(args)
+    if args.deployment is not None and args.served_model_name is not None:
+        raise ConfigError("--served-model-name names --model; with --deployment the bodies "
+                          "name the file's routes and versions")
     gateway, principal = batch_gateway(args.tenants, args.tenant)
     todo = pending_items(args.input, args.output)
     if todo is None:
@@ -299,15 +306,22 @@ def run_batch(args: argparse.Namespace) -> int:
     policy = RequestPolicy.open(str(args.policy) if args.policy else None,
                                 str(args.audit_log) if args.audit_log else None,
                                 tenants=[principal.tenant])
-    engine = start_engine(args.model, dtype=args.dtype, **engine_args(args))
+    engine = fleet = None
     try:
-        return asyncio.run(answer_items(engine, args.served_model_name or args.model, todo,
-                                        args.output, gateway, principal, policy))
+        if args.deployment is not None:  # every version loaded and compiled, as `serve` does
+            fleet = start_fleet(args.deployment)
+        else:
+            engine = start_engine(args.model, dtype=args.dtype, **engine_args(args))
+        name = args.served_model_name or args.model or str(args.deployment)
+        return asyncio.run(answer_items(engine, name, todo, args.output, gateway, principal,
+                                        policy, fleet))
     except KeyboardInterrupt:  # every finished result is already a whole line in the output
         print(f"interrupted: rerun the same command to answer the rest into {args.output}",
               file=sys.stderr)
         return 130
     finally:
-        engine.shutdown()
+        for running in (engine, fleet):
+            if running is not None:
+                running.shutdown()
         if policy is not None:
             policy.close()

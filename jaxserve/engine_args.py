@@ -69,6 +69,35 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "devices, behind one front door")
 
 
+def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model or --deployment (`serve` and `batch` alike): one model, or the versions and
+    routes of a deployment file; `check_model_or_deployment` checks one was given."""
+    add_engine_arguments(parser, model_required=False)
+    parser.add_argument("--deployment", type=Path, default=None, metavar="FILE",
+                        help="the model versions and routes of this TOML file (README 'Model "
+                             "versions'; in place of --model, whose engine flags then do not "
+                             "apply: each version has its own); a request's 'model' names a "
+                             "route or a version")
+
+
+def check_model_or_deployment(args: argparse.Namespace) -> None:
+    from jaxserve.errors import ConfigError
+
+    if (args.model is None) == (args.deployment is None):
+        raise ConfigError("give either --model (one model) or --deployment FILE (versions and "
+                          "routes), not both")
+
+
+def start_fleet(path: Path, *, progress: bool = True, stall_timeout: float | None = 60.0):
+    """Every version of a deployment file loaded and compiled, its routes installed (a Fleet);
+    one ConfigError naming the file and the field for any problem with it."""
+    from jaxserve.fleet.fleet import Fleet
+    from jaxserve.fleet.loader import EngineLoader
+
+    return Fleet.from_deployment(path, EngineLoader(progress=progress,
+                                                    stall_timeout=stall_timeout))
+
+
 def engine_args(args: argparse.Namespace) -> dict:
     """The flags the user set, as LLMEngine.from_model keyword arguments."""
     return {k: getattr(args, k) for k in ENGINE_FLAG_TYPES if getattr(args, k, None) is not None}

@@ -5,7 +5,9 @@ route, a version by name, gRPC, the batch runner); every request to a generation
 exactly one record, those refused before they were parsed too (a missing or wrong key, a body
 that is not JSON or too deep), with the wrong key's id and never the key; /v1/responses is
 recorded under its own route; a keyed caller's request the router refuses (404, 405) gets one
-record, an idempotent replay names the version of the answer it replays; a
+record, an idempotent replay names the version of the answer it replays; every call beside
+generation (embeddings, rerank, tokenize, detokenize, collections, gRPC Embed) gets one record
+and is counted per tenant (gRPC Embed and ListModels as HTTP's calls); a
 `jaxserve.safety.Classifier` named by dotted path in the policy
 file flags, blocks, and blocks on its timeout (fail closed); with n > 1 a choice the output
 filter ends has its engine sequence ended at once while its sibling goes on; and `jaxserve
@@ -18,6 +20,7 @@ import json
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.batch_infer import answer_items, batch_gateway, read_input
@@ -29,10 +32,13 @@ from jaxserve.gateway.keys import key_id
 from jaxserve.gateway.tenants import hash_key
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
+from jaxserve.rag.config import EMBEDDING_MODEL, ChunkerConfig, EmbedderConfig, RagConfig
+from jaxserve.rag.service import RagService
 from jaxserve.sampling import SamplingParams
 from jaxserve.server.grpc import start_grpc_server
 from jaxserve.server.app_state import STATE_KEY
 from jaxserve.server.http import attach_engine, close_app, serving_of
+from tests.rag_helpers import tiny_embedder
 from tests.test_cli import tiny_gguf
 from tests.test_engine import assert_no_leaks
 from tests.test_server import ServerThread, _request, wait_for
@@ -119,11 +125,15 @@ action = "block"
     fleet = Fleet.of_engine("v-a", engine)
     fleet.adopt(VersionSpec("v-b", "tiny"), engine)
     fleet.set_route(Route("only-b", (("v-b", 1.0),)))
-    http = ServerThread("tiny", tenants_file=str(d / "tenants.toml"),
+    # The retrieval routes (embeddings, rerank, collections, gRPC Embed), tiny random encoder.
+    rag = RagService(RagConfig(d / "rag", EmbedderConfig(max_batch=4, max_length=64),
+                               ChunkerConfig(chunk_tokens=48, overlap_tokens=8)),
+                     tiny_embedder())
+    http = ServerThread("tiny", rag, tenants_file=str(d / "tenants.toml"),
                         policy_file=str(d / "policy.toml"), audit_log_dir=str(d / "audit"))
     http.loop.call_soon_threadsafe(lambda: attach_engine(http.app, None, fleet=fleet))
     wait_for(lambda: _request("GET", f"{http.url}/ready").status_code == 200, "ready")
-    grpc_server, port = http._call(start_grpc_server(None, "127.0.0.1", 0, "unused",
+    grpc_server, port = http._call(start_grpc_server(None, "127.0.0.1", 0, "unused", rag=rag,
                                                      serving=serving_of(http.app)))
     http.dir, http.engine, http.llm = d, engine, llm
     http.grpc_target = f"127.0.0.1:{port}"
@@ -132,6 +142,7 @@ action = "block"
     http.stop()
     close_app(http.app)
     engine.shutdown()
+    rag.close()
     assert llm.runner.num_serving_compiles == 0
     assert_no_leaks(llm)
 
@@ -289,6 +300,74 @@ def test_the_routers_404_and_405_get_one_record_each_for_a_known_key(server):
         ("/v1/completions", 405, "405_method_not_allowed", "alice", alice, None)]
 
 
+def test_every_call_beside_generation_gets_one_record_and_is_counted(server):
+    """Embeddings, rerank, tokenize, detokenize, the collection routes and gRPC Embed: one
+    record each (a 4xx and a 401 too), with the tokens the encoder read; /v1/models and gRPC
+    ListModels are counted but not recorded (clients poll them)."""
+    before = len(all_records(server))
+    bob = {"Authorization": "Bearer sk-bob"}
+    calls = [
+        ("POST", "/v1/embeddings", {"model": EMBEDDING_MODEL, "input": ["Paris", "a b"]}, ALICE),
+        ("POST", "/v1/rerank", {"query": "capital", "documents": ["Paris", "bread"]}, ALICE),
+        ("POST", "/tokenize", {"model": "v-a", "prompt": "Hello"}, bob),
+        ("POST", "/detokenize", {"model": "v-a", "tokens": [1, 2]}, ALICE),
+        ("POST", "/detokenize", {"model": "v-a", "tokens": [-1]}, ALICE),  # 400
+        ("POST", "/v1/collections", {"name": "kb"}, ALICE),
+        ("GET", "/v1/collections", None, ALICE),
+        ("POST", "/v1/collections/kb/documents", {"documents": [{"id": "d", "text": "Paris"}]},
+         ALICE),
+        ("POST", "/v1/collections/kb/search", {"query": "Paris", "mode": "bm25"}, ALICE),
+        ("POST", "/v1/collections/nope/search", {"query": "Paris"}, ALICE),  # 404
+        ("DELETE", "/v1/collections/kb/documents/d", None, ALICE),
+        ("DELETE", "/v1/collections/kb", None, ALICE),
+        ("POST", "/v1/embeddings", {"model": EMBEDDING_MODEL, "input": "x"}, {}),  # 401
+        ("GET", "/v1/models", None, ALICE),  # not recorded
+    ]
+    statuses = [_request(m, f"{server.url}{path}", body, headers=h).status_code
+                for m, path, body, h in calls]
+    assert statuses == [200, 200, 200, 200, 400, 201, 200, 200, 200, 404, 200, 200, 401, 200]
+    metadata = (("authorization", "Bearer sk-alice"),)
+    counted = requests_by_outcome(server, "alice")
+    reply = stub(server).Embed(pb.EmbedRequest(model=EMBEDDING_MODEL, input=["a"]),
+                               metadata=metadata)
+    assert len(reply.embeddings) == 1
+    with pytest.raises(grpc.RpcError) as e:
+        stub(server).Embed(pb.EmbedRequest(model="nope", input=["a"]), metadata=metadata)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert {m.id for m in stub(server).ListModels(pb.ListModelsRequest(),
+                                                  metadata=metadata).models} >= {"v-a"}
+    records = all_records(server)[before:]
+    alice, bob_id = key_id(hash_key("sk-alice")), key_id(hash_key("sk-bob"))
+    expected = [(path, status, "alice" if h is ALICE else "bob" if h is bob else None,
+                 alice if h is ALICE else bob_id if h is bob else None)
+                for (_, path, _, h), status in zip(calls[:-1], statuses)]
+    expected += [("grpc:Embed", 200, "alice", alice), ("grpc:Embed", 404, "alice", alice)]
+    assert [(r["route"], r["status_code"], r["tenant"], r["key_id"]) for r in records] \
+        == expected
+    assert [r["status"] for r in records if r["status_code"] >= 400] == [
+        "400_invalid_request_error", "404_not_found", "401_invalid_api_key",
+        "404_model_not_found"]
+    tokens = {(r["route"], r["prompt_tokens"]) for r in records if r["prompt_tokens"]}
+    assert {route for route, _ in tokens} == {"/v1/embeddings", "/v1/rerank", "grpc:Embed"}
+    assert all(r["completion_tokens"] == 0 and r["version"] is None and "content" not in r
+               and r["request_id"] for r in records)
+    assert len({r["request_id"] for r in records}) == len(records)
+    # counted per tenant by outcome as HTTP's calls are: gRPC Embed and ListModels too
+    now = requests_by_outcome(server, "alice")
+    assert {k: now[k] - counted.get(k, 0) for k in now if now[k] != counted.get(k, 0)} == {
+        "ok": 2, "404_model_not_found": 1}
+
+
+def requests_by_outcome(server, tenant: str) -> dict[str, float]:
+    """jaxserve:requests_total of `tenant` by outcome, summed over versions and routes."""
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(_request("GET", f"{server.url}/metrics").text):
+        for s in family.samples:
+            if s.name == "jaxserve:requests_total" and s.labels["tenant"] == tenant:
+                counts[s.labels["outcome"]] = counts.get(s.labels["outcome"], 0) + s.value
+    return counts
+
+
 def test_an_idempotent_replay_records_the_version_that_answered(server):
     before = len(all_records(server))
     key = {**ALICE, "Idempotency-Key": "replay-1"}
@@ -310,4 +389,4 @@ def test_audit_log_of_the_run_verifies(server, capsys):
     assert capsys.readouterr().out.startswith("ok: ")
     raw = b"".join(p.read_bytes() for p in (server.dir / "audit").glob("audit-*.jsonl"))
     assert b"sk-wrong" not in raw and b"sk-alice" not in raw
-    assert count == 6 + 7 + 1 + 3 + 1 + 2 + 2
+    assert count == 6 + 7 + 1 + 3 + 1 + 2 + 15 + 2

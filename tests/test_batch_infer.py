@@ -1,5 +1,6 @@
 """Offline batch inference: file handling (parsing, duplicate ids, resume after a torn write),
-then the real engine answering a mixed file, an interrupted run resumed, and `jaxserve batch` /
+then the real engine answering a mixed file, an interrupted run resumed, `jaxserve batch
+--deployment` answering each line on the version its model selects, and `jaxserve batch` /
 tools/batch_infer.py on SmolLM2 against the golden outputs."""
 
 import asyncio
@@ -335,3 +336,44 @@ def test_batch_cli_ctrl_c_resume_golden_and_tools_script(smollm2_path, smollm2_g
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "nothing to do" in proc.stderr, proc.stderr[-3000:]
     assert out.read_text() == written
+
+
+# ---------------------------------------------------------------- --deployment, as serve's
+
+
+def test_batch_deployment_answers_each_line_on_the_version_its_model_selects(
+        tmp_path, smollm2_tokenizer_fields, capsys):
+    from jaxserve.cli import main
+
+    gguf = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields,
+                     max_position_embeddings=256)
+    engine = (f'model = "{gguf}"\nnum_pages = 32\nmax_num_seqs = 4\n'
+              f"max_num_batched_tokens = 32\nmin_token_bucket = 16\n")
+    deployment = tmp_path / "deploy.toml"
+    # Two versions of one file; their max_model_len differs, so do their manifests.
+    deployment.write_text(f"[version.v-a]\n{engine}max_model_len = 128\n"
+                          f"[version.v-b]\n{engine}max_model_len = 256\n"
+                          "[route.r]\nweights = { v-a = 0, v-b = 1 }\n")
+    lines = [json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions",
+                         "body": {"model": model, "prompt": "Hi", "max_tokens": 3}})
+             for cid, model in (("route", "r"), ("version", "v-a"), ("unknown", "nope"))]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    common = ["--input", str(inp), "--output", str(out), "--compile-cache-dir", ""]
+    assert main(["batch", "--deployment", str(deployment), *common]) == 0
+    results = {r["custom_id"]: r["response"] for r in _results(out)}
+    assert results["unknown"]["status_code"] == 404
+    bodies = {cid: results[cid]["body"] for cid in ("route", "version")}
+    assert [results[cid]["status_code"] for cid in bodies] == [200, 200]
+    assert {cid: b["model"] for cid, b in bodies.items()} == {"route": "v-b", "version": "v-a"}
+    fingerprints = {b["system_fingerprint"] for b in bodies.values()}
+    assert len(fingerprints) == 2 and all(f.startswith("fp_") for f in fingerprints)
+    # one or the other, as serve; --served-model-name names --model only
+    capsys.readouterr()
+    assert main(["batch", *common]) == 1
+    assert main(["batch", "--deployment", str(deployment), "--model", TINY, *common]) == 1
+    assert main(["batch", "--deployment", str(deployment), "--served-model-name", "x",
+                 *common]) == 1
+    errors = capsys.readouterr().err.splitlines()
+    assert [("either --model" in e, "--served-model-name" in e) for e in errors] == [
+        (True, False), (True, False), (False, True)]

@@ -7,11 +7,13 @@ check that the server routes the same way, that one user keeps one version, that
 carries its version's `system_fingerprint`, that versions are addressable by name, that a shadow
 copy never reaches the client and is counted and compared, that weight changes and rollbacks
 while 16 streams run fail none of them, and that an unload drains. Plus the admin API's 401 and a
-malformed deployment file failing `jaxserve serve` with one line naming the field.
+malformed deployment file failing `jaxserve serve` with one line naming the field. And, on a tiny
+model, structured-output and forced-tool-call requests shadowed like any other.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import subprocess
@@ -307,3 +309,64 @@ def test_unload_drains_in_flight_requests(server):  # last: smol-b is gone after
     assert server.post(chat("Hi", model="smollm2", user="x", max_tokens=1)).json()["model"] \
         == "smol-a"
 
+
+
+# ---------------------------------------------------------------- shadows of constrained requests
+
+
+def test_structured_output_and_forced_tool_call_requests_are_shadowed(
+        tmp_path, smollm2_tokenizer_fields):
+    """A constrained request is copied like any other: the shadow version's engine compiles
+    the constraint for its own tokenizer and its greedy answer is compared with the primary's
+    (a tiny model; two versions over one engine)."""
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine import LLMEngine
+    from jaxserve.fleet.deployment import VersionSpec
+    from jaxserve.server.openai_serving import OpenAIServing
+    from tests.test_cli import tiny_gguf
+
+    path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields,
+                     max_position_embeddings=256)
+    llm = LLMEngine.from_model(str(path), num_pages=48, max_num_seqs=4,
+                               max_num_batched_tokens=64, max_model_len=256,
+                               min_token_bucket=16, strict_compile=True, progress=False)
+    engine = AsyncEngine(llm)
+    fleet = Fleet.of_engine("v-a", engine)
+    fleet.adopt(VersionSpec("v-b", "tiny"), engine)
+    fleet.set_route(Route("shadowed", (("v-a", 1.0),), shadow=(("v-b", 1.0),)))
+    tool = {"type": "function", "function": {"name": "noop", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
+    greedy = {"model": "shadowed", "temperature": 0, "max_tokens": 24}
+    requests = [
+        ("completion", {**greedy, "prompt": "Pick", "structured_outputs": {
+            "choice": ["yes", "no"]}}),
+        ("chat", {**greedy, "messages": [{"role": "user", "content": "Pick"}], "tools": [tool],
+                  "tool_choice": {"type": "function", "function": {"name": "noop"}}}),
+    ]
+
+    async def run() -> list[dict]:
+        serving = OpenAIServing(None, "tiny", fleet=fleet)
+        answers = []
+        for kind, body in requests:
+            gen = await serving.prepare_async(kind, body, serving.open_context("http"))
+            async with gen.running():
+                answers.append(await gen.response())
+        # the copies run in the background, after their primaries' admission
+        for _ in range(600):
+            counters = fleet.counters().get(("shadowed", "v-b"))
+            if counters is not None and counters.shadow_compared == 2:
+                break
+            await asyncio.sleep(0.1)
+        return answers
+
+    try:
+        text, tool_call = asyncio.run(run())
+        assert text["choices"][0]["text"] in ("yes", "no")
+        assert tool_call["choices"][0]["finish_reason"] == "tool_calls"
+        counters = fleet.counters()[("shadowed", "v-b")]
+        assert (counters.shadow_requests, counters.shadow_compared, counters.shadow_errors,
+                counters.requests) == (2, 2, 0, 0)
+    finally:
+        engine.shutdown()
+    assert llm.runner.num_serving_compiles == 0
+    assert_no_leaks(llm)

@@ -36,7 +36,7 @@ class AuditRecord:
     after redaction)."""
 
     request_id: str
-    route: str  # "/v1/chat/completions", "/v1/completions", "grpc:Generate", "batch:<url>"
+    route: str  # the HTTP path, "grpc:Generate", "grpc:Embed", "batch:<url>"
     status: str  # "ok", "error", "client_disconnected", ... (as the access log)
     status_code: int | None = None  # HTTP status, or the equivalent for gRPC and batch
     tenant: str | None = None

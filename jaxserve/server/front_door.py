@@ -7,18 +7,19 @@ tenant; and the tenant's limits on the routes beside generation (`tenant_limited
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
-import time
 
 from aiohttp import web
 
 from jaxserve.errors import (JaxServeError, MethodNotAllowed, NotFound, error_reply, error_status,
-                             outcome, retry_after)
+                             retry_after)
 from jaxserve.gateway import Principal, deadlines
 from jaxserve.gateway.limits import Lease, retry_after_header
 from jaxserve.server.admission import CallContext
 from jaxserve.server.app_state import STATE_KEY, AppState
+from jaxserve.server.calls import end_call
 
 log = logging.getLogger("jaxserve.server")
 
@@ -26,12 +27,15 @@ log = logging.getLogger("jaxserve.server")
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
 _PRINCIPAL = web.RequestKey("principal", Principal)  # who calls (set by _front_door)
 _COUNTED = web.RequestKey("counted", bool)  # the request's end is counted (by its Generation)
-# Routes each of whose requests gets one audit record (with --audit-log); from the call into
-# OpenAIServing on, that record is the serving layer's, before it the front door's. A keyed
-# caller's request the router refuses (no such path, or not with this method) gets one too.
-_AUDITED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
-_MAX_AUDITED_PATH = 256  # an unknown path is the caller's text: bounded in its record
+# Every keyed request gets one audit record (with --audit-log): from the call into
+# OpenAIServing on, a generation's is the serving layer's, every other the front door's. Not
+# /v1/models: clients poll it as a health check (it is not rate-limited either), and it reads
+# nothing of a tenant's. A request the router refuses (no such path, or not with this method)
+# is recorded for a known tenant only, so keyless scanners cannot grow the log.
+_UNAUDITED_PATHS = frozenset({"/v1/models"})
+_MAX_AUDITED_PATH = 256  # a path is the caller's text: bounded in its record
 _AUDITED = web.RequestKey("audited", bool)
+_USED_TOKENS = web.RequestKey("used_tokens", int)  # an encoder call's tokens (its usage)
 
 
 def caller(request: web.Request) -> Principal:
@@ -50,8 +54,11 @@ def tenant_limited(*, tokens: bool = False, holds_slot: bool = True):
     def wrap(handler):
         @functools.wraps(handler)
         async def limited(request: web.Request) -> web.StreamResponse:
-            lease = request.app[STATE_KEY].gateway.admit_call(caller(request), tokens=tokens,
-                                                               holds_slot=holds_slot)
+            state: AppState = request.app[STATE_KEY]
+            if state.policy is not None:  # a call whose record the log cannot take: 503
+                state.policy.check_accepting()
+            lease = state.gateway.admit_call(caller(request), tokens=tokens,
+                                             holds_slot=holds_slot)
             request[_LEASE] = lease
             try:
                 return await handler(request)
@@ -62,8 +69,10 @@ def tenant_limited(*, tokens: bool = False, holds_slot: bool = True):
 
 
 def charge_tokens(request: web.Request, used_tokens: int) -> None:
-    """A `tenant_limited(tokens=True)` call read `used_tokens` (its usage): settle with them."""
+    """A `tenant_limited(tokens=True)` call read `used_tokens` (its usage): settle with them
+    (its audit record's `prompt_tokens`)."""
     request[_LEASE].settle(used_tokens)
+    request[_USED_TOKENS] = used_tokens
 
 
 def logged_error_reply(exc: Exception) -> tuple[int, dict]:
@@ -114,32 +123,35 @@ async def _unrouted(request: web.Request, handler):
 @web.middleware
 async def _front_door(request: web.Request, handler):
     """Every route but the open ones needs the caller's key (401 `invalid_api_key`); each such
-    request is counted per tenant by outcome (a generation counts itself when it ends). The
-    open routes and the admin API (its own key) are neither: a 404 or 405 there is nobody's,
-    and not audited (anyone could grow the log with them)."""
+    request is counted per tenant by outcome and audited (`calls.end_call`), unless its
+    Generation counts it or the serving layer audits it. The open routes and the admin API
+    (its own key) are neither: a 404 or 405 there is nobody's."""
     if request.path in _OPEN_PATHS or request.path.startswith("/admin/"):
         return await handler(request)
     state: AppState = request.app[STATE_KEY]
-    tenant, principal, arrival = "none", None, time.monotonic()
+    ctx = CallContext(None, client=request.remote, route=request.path[:_MAX_AUDITED_PATH])
     try:
         principal = state.gateway.authenticate(request.headers.get("Authorization"))
-        request[_PRINCIPAL], tenant = principal, principal.tenant.name
+        request[_PRINCIPAL] = principal
+        ctx = dataclasses.replace(ctx, principal=principal)
         resp = await handler(request)
     except web.HTTPException:
         raise
     except BaseException as exc:
-        if not request.get(_COUNTED):
-            state.metrics.record_request(tenant, outcome(exc))
-        unrouted = request.match_info.http_exception is not None and principal is not None
-        if state.policy is not None and (request.path in _AUDITED_PATHS or unrouted) \
-                and not request.get(_AUDITED):  # a 401, a body that is not JSON, a 409 ...
-            state.policy.refused(CallContext(principal, arrival=arrival, client=request.remote,
-                                             route=request.path[:_MAX_AUDITED_PATH]),
-                                 exc, request.headers.get("Authorization"))
+        _end(request, state, ctx, exc)
         raise
-    if not request.get(_COUNTED):
-        state.metrics.record_request(tenant, "ok")
+    _end(request, state, ctx, None, resp.status)
     return resp
+
+
+def _end(request: web.Request, state: AppState, ctx: CallContext, error: BaseException | None,
+         status_code: int = 200) -> None:
+    routed = request.match_info.http_exception is None
+    end_call(state.metrics, state.policy, ctx, error, count=not request.get(_COUNTED),
+             audit=(not request.get(_AUDITED) and request.path not in _UNAUDITED_PATHS
+                    and (routed or ctx.principal is not None)),
+             authorization=request.headers.get("Authorization"),
+             prompt_tokens=request.get(_USED_TOKENS, 0), status_code=status_code)
 
 
 async def ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:

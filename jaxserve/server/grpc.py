@@ -16,11 +16,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.config import RequestLimits
-from jaxserve.errors import InvalidRequest, JaxServeError, error_status, outcome, retry_after
+from jaxserve.errors import InvalidRequest, JaxServeError, error_status, retry_after
 from jaxserve.gateway.limits import retry_after_header
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.server.admission import CallContext
+from jaxserve.server.calls import end_call
 from jaxserve.server.openai_serving import OpenAIServing
 
 if TYPE_CHECKING:  # the RAG stack (FAISS, bm25s) loads only when a service is passed in
@@ -90,15 +91,15 @@ class GenerationService(pb_grpc.GenerationServicer):
     def _principal(self, context):
         return self.serving.gateway.authenticate(_authorization(context))
 
-    def _count(self, tenant: str, error: BaseException) -> None:
-        if self.serving.metrics is not None:
-            self.serving.metrics.record_request(tenant, outcome(error))
+    def _end(self, ctx: CallContext, context, error: BaseException | None, **kwargs) -> None:
+        """A call no Generation ends: counted and audited as HTTP's (calls.end_call)."""
+        end_call(self.serving.metrics, self.serving.policy, ctx, error,
+                 authorization=_authorization(context), **kwargs)
 
     async def Generate(self, request, context):
-        tenant, ctx = "none", CallContext(None, transport="grpc", client=context.peer())
+        ctx = CallContext(None, transport="grpc", client=context.peer())
         try:
             principal = self._principal(context)
-            tenant = principal.tenant.name
             await context.send_initial_metadata(
                 tuple(self.serving.gateway.headers(principal).items()))
             # The call's own deadline is the request's (capped by the tenant's timeout).
@@ -106,14 +107,12 @@ class GenerationService(pb_grpc.GenerationServicer):
                                       timeout_s=context.time_remaining())
             body = completion_body(request)
         except JaxServeError as e:  # before the serving layer, which audits what it refuses
-            self._count(tenant, e)
-            if self.serving.policy is not None:
-                self.serving.policy.refused(ctx, e, _authorization(context))
+            self._end(ctx, context, e)
             await abort_with(context, e)
         try:
             gen = await self.serving.prepare_async("completion", body, ctx)
         except JaxServeError as e:
-            self._count(tenant, e)
+            self._end(ctx, context, e, audit=False)
             await abort_with(context, e)
         # Cancellation (the client left, or its deadline passed) ends the block too: the
         # request's pages are freed now rather than when it would have finished.
@@ -136,10 +135,14 @@ class GenerationService(pb_grpc.GenerationServicer):
         if self.rag is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 "this server was started without an embedding model")
+        ctx = CallContext(None, transport="grpc", client=context.peer(), route="grpc:Embed")
+        error, num_tokens = None, 0
         try:
+            ctx = dataclasses.replace(ctx, principal=self._principal(context))
+            if self.serving.policy is not None:  # a call whose record the log cannot take
+                self.serving.policy.check_accepting()
             # Under the tenant's limits as HTTP's /v1/embeddings (Gateway.admit_call).
-            lease = self.serving.gateway.admit_call(self._principal(context), tokens=True,
-                                                    holds_slot=True)
+            lease = self.serving.gateway.admit_call(ctx.principal, tokens=True, holds_slot=True)
             try:
                 self.rag.check_model(request.model)
                 if not request.input:
@@ -151,21 +154,31 @@ class GenerationService(pb_grpc.GenerationServicer):
                 lease.settle(num_tokens)
             finally:
                 lease.settle(0)  # does nothing once settled with the tokens read
-        except JaxServeError as e:
-            await abort_with(context, e)
+        except BaseException as e:  # JaxServeError, or the client left (cancelled)
+            error = e
+        finally:
+            self._end(ctx, context, error, prompt_tokens=num_tokens)
+        if error is not None:
+            if not isinstance(error, JaxServeError):
+                raise error
+            await abort_with(context, error)
         return pb.EmbedResponse(embeddings=[pb.Embedding(values=v.tolist()) for v in vectors])
 
     async def ListModels(self, request, context):
+        ctx = CallContext(None, transport="grpc", client=context.peer())
         try:
-            principal = self._principal(context)
+            ctx = dataclasses.replace(ctx, principal=self._principal(context))
         except JaxServeError as e:
+            self._end(ctx, context, e, audit=False)
             await abort_with(context, e)
+        # Counted, not audited: as HTTP's /v1/models, which clients poll as a health check.
+        self._end(ctx, context, None, audit=False)
         routes, versions = self.serving.fleet.models()
         models = [pb.Model(id=name) for name in routes] + [
             pb.Model(id=v.name, max_model_len=v.engine.max_model_len,
                      system_fingerprint=v.fingerprint or "") for v in versions]
         return pb.ListModelsResponse(models=[m for m in models
-                                             if principal.tenant.may_use(m.id)])
+                                             if ctx.principal.tenant.may_use(m.id)])
 
 
 class EngineHealthServicer(health.aio.HealthServicer):

@@ -53,13 +53,9 @@ _LIMIT_HELP = {
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from jaxserve.engine_args import add_distributed_arguments, add_engine_arguments
+    from jaxserve.engine_args import add_deployment_arguments, add_distributed_arguments
 
-    add_engine_arguments(parser, model_required=False)
-    parser.add_argument("--deployment", type=Path, default=None, metavar="FILE",
-                        help="serve the model versions and routes of this TOML file (README "
-                             "'Model versions'; in place of --model, whose engine flags then do "
-                             "not apply: each version has its own)")
+    add_deployment_arguments(parser)
     parser.add_argument("--admin-key", default=None, metavar="KEY",
                         help="enable the admin API under /admin/v1 (load and unload versions, "
                              "change and roll back routes), for 'Authorization: Bearer KEY' only "
@@ -155,7 +151,7 @@ def _overdue() -> None:
 
 async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
     """group_leader: this is process 0 of a multi-host group (jax.distributed initialised)."""
-    from jaxserve.engine_args import engine_args
+    from jaxserve.engine_args import engine_args, start_fleet
     from jaxserve.server.grpc import start_grpc_server
     from jaxserve.server.http import attach_engine, build_app, serving_of, start_server
     from jaxserve.server.admin_routes import add_admin_routes, set_admin_fleet
@@ -192,7 +188,8 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     if args.deployment is not None:
-        load = loop.run_in_executor(None, _start_fleet, args)
+        load = loop.run_in_executor(None, lambda: start_fleet(
+            args.deployment, stall_timeout=args.engine_stall_timeout))
     else:
         load = loop.run_in_executor(None, lambda: _start_engine(
             args, engine_args(args), group_leader, config.engine_stall_timeout))
@@ -279,15 +276,6 @@ def _start_engine(args: argparse.Namespace, engine_kwargs: dict, group_leader: b
     return engine, leader
 
 
-def _start_fleet(args: argparse.Namespace):
-    """Every version of the deployment file loaded and compiled, its routes installed."""
-    from jaxserve.fleet.fleet import Fleet
-    from jaxserve.fleet.loader import EngineLoader
-
-    return Fleet.from_deployment(args.deployment, EngineLoader(
-        progress=True, stall_timeout=args.engine_stall_timeout))
-
-
 def _one_version_fleet(args: argparse.Namespace, name: str, engine):
     """--model as a fleet of one version named as clients address it, with its manifest (its
     system_fingerprint). With --admin-key, versions can be loaded beside it."""
@@ -327,13 +315,11 @@ def _warm_rag(rag) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxserve.engine_args import distributed_config, engine_args
+    from jaxserve.engine_args import check_model_or_deployment, distributed_config, engine_args
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if (args.model is None) == (args.deployment is None):
-        raise ConfigError("give either --model (one model) or --deployment FILE (versions and "
-                          "routes), not both")
+    check_model_or_deployment(args)
     dist = distributed_config(args)
     if args.deployment is not None:
         if dist is not None:

@@ -185,8 +185,9 @@ async def admin_search(request: web.Request) -> web.Response:
     return await _search(request, None)
 
 
-# A tenant route's errors beside its own: a bad body, a missing key, its tenant's limits.
-_LIMITED = (400, 401, 429)
+# A tenant route's errors beside its own: a bad body, a missing key, its tenant's limits, an
+# audit log that cannot take its record (--audit-log).
+_LIMITED = (400, 401, 429, 503)
 
 
 def add_rag_routes(app: web.Application, service: RagService) -> None:

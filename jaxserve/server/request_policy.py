@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def route_of(ctx, kind: str) -> str:
-    """The audit record's `route`: the HTTP path, "grpc:Generate", or "batch:<url>"."""
+    """A generation's audit record `route`: the HTTP path, "grpc:Generate", or "batch:<url>"."""
     if ctx.route is not None:
         return ctx.route
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
@@ -201,11 +201,13 @@ class RequestPolicy:
                model: str | None, version: str | None = None, prompt_tokens: int = 0,
                completion_tokens: int = 0, cost: float | None = None,
                finish_reasons: Sequence[str] = (), screening: Screening | None = None,
-               idempotent_replay: bool = False, key_id: str | None = None) -> None:
+               idempotent_replay: bool = False, key_id: str | None = None,
+               status_code: int = 200) -> None:
         """A request ended (or was refused, or replayed: screening None): its later
         interventions counted, its audit record queued (never blocks). `version`: the model
         version that answered (None: none was chosen). A call refused before its key was
-        accepted has no principal: its tenant is null and `key_id` is that of the key it sent."""
+        accepted has no principal: its tenant is null and `key_id` is that of the key it sent.
+        `status_code`: that of a success (201 for a created collection)."""
         if screening is not None and self.metrics is not None:
             self.metrics.record(screening.later_interventions)
         if self.audit is None:
@@ -222,7 +224,7 @@ class RequestPolicy:
             outputs = [screening.redact_pii("".join(screening.outputs.get(i, ())))
                        for i in range(len(finish_reasons))]
         status = outcome(error)
-        code = (200 if error is None else
+        code = (status_code if error is None else
                 None if status == "client_disconnected" else error_status(error).http)
         record = AuditRecord(
             request_id, route_of(ctx, kind), status, code,
@@ -236,13 +238,23 @@ class RequestPolicy:
         except AuditError as e:  # closed: a request that outlived the shutdown's drain
             log.error("audit record of %s lost: %s", request_id, e)
 
-    def refused(self, ctx, error: BaseException, authorization: str | None) -> None:
-        """The audit record of a request refused before the serving layer saw it (a bad or
-        missing key, a body that is not JSON, too large or too deep, an Idempotency-Key
-        conflict), with what is known: no model or version; without a principal (a 401) the
-        tenant is null and the key id is that of the key sent (`authorization`)."""
+    def check_accepting(self) -> None:
+        """AuditBacklogFull (a 503) while the audit log cannot take another record."""
+        if self.audit is not None:
+            self.audit.check_accepting()
+
+    def record_call(self, ctx, error: BaseException | None, authorization: str | None,
+                    prompt_tokens: int = 0, status_code: int = 200) -> None:
+        """The audit record of a call no Generation records: a call that is not a generation
+        (embeddings, rerank, tokenize, collections, gRPC Embed; `prompt_tokens`: the tokens
+        the encoder read, `status_code`: its success status), or a request refused before
+        the serving layer saw it (a bad or missing key, a body that is not JSON, too large or
+        too deep, an Idempotency-Key conflict), with what is known: no model or version;
+        without a principal (a 401) the tenant is null and the key id is that of the key sent
+        (`authorization`)."""
         self.record(request_id=new_id("req"), kind="", ctx=ctx, error=error, model=None,
-                    key_id=presented_key_id(authorization))
+                    prompt_tokens=prompt_tokens, key_id=presented_key_id(authorization),
+                    status_code=status_code)
 
     def close(self) -> None:
         """Flush the audit log (every queued record written and synced) and stop the

@@ -1,11 +1,13 @@
 """Shadow copies: a request a route also sends to another version, whose answer nobody sees.
 
-A copy runs the primary's request as parsed (same prompts, same sampling), so the two answers
-compare like for like. It is the least important work on its engine: it runs at SHADOW_PRIORITY,
-below every tenant class, so the scheduler serves it last and sheds it first, and a copy the
-engine's queue cannot take is dropped rather than refused to anyone. It never touches the
-tenant's limits or the client's response. When both ends are greedy (temperature 0, one choice
-each), the copy's tokens are compared with the primary's and the fleet records the agreement.
+A copy runs the primary's request as parsed (same prompts, same sampling, the same constraint:
+structured outputs or a forced tool call, whose grammar the shadow version's engine compiles for
+its own tokenizer), so the two answers compare like for like. It is the least important work on
+its engine: it runs at SHADOW_PRIORITY, below every tenant class, so the scheduler serves it last
+and sheds it first, and a copy the engine's queue cannot take is dropped rather than refused to
+anyone. It never touches the tenant's limits or the client's response. When both ends are greedy
+(temperature 0, one choice each), the copy's tokens are compared with the primary's and the
+fleet records the agreement.
 """
 
 from __future__ import annotations
@@ -38,13 +40,8 @@ def _greedy(params) -> bool:
 def start(lease, parsed, params, prompt_ids_of, primary_tokens: asyncio.Future,
           max_queued: int | None, request_id: str) -> None:
     """Run one shadow copy in the background. `prompt_ids_of(tokenizer, parsed, prompt)`
-    tokenizes a prompt for the shadow's own tokenizer; `primary_tokens` resolves to the primary's token ids
-    per prompt once it answered in full (None when it did not). A constrained request
-    (structured outputs, a forced tool call) is not copied: its grammar was compiled for the
-    primary's tokenizer."""
-    if params.structured_outputs is not None:
-        lease.release()
-        return
+    tokenizes a prompt for the shadow's own tokenizer; `primary_tokens` resolves to the
+    primary's token ids per prompt once it answered in full (None when it did not)."""
     task = asyncio.ensure_future(_run(lease, parsed, params, prompt_ids_of, primary_tokens,
                                       max_queued, request_id))
     _TASKS.add(task)
@@ -59,13 +56,23 @@ async def _run(lease, parsed, params, prompt_ids_of, primary_tokens, max_queued,
         prompt_ids = [prompt_ids_of(engine.tokenizer, parsed, p) for p in parsed.prompts]
         params = engine.fit_kv_pool([len(p) for p in prompt_ids], params)
         qos = QoS(priority=SHADOW_PRIORITY, tenant="shadow")
-        prepared = [engine.prepare(f"{request_id}-shadow-{lease.version.name}-{i}",
+
+        def prepare() -> list:
+            return [engine.prepare(f"{request_id}-shadow-{lease.version.name}-{i}",
                                    {"prompt_token_ids": ids}, params, qos=qos)
                     for i, ids in enumerate(prompt_ids)]
+
+        # A constraint's grammar compiles here, for this version's tokenizer (one its vocabulary
+        # cannot spell is an InvalidRequest: no copy): off the event loop, as the primary's.
+        prepared = (await asyncio.get_running_loop().run_in_executor(None, prepare)
+                    if params.structured_outputs is not None else prepare())
         engine.admit(len(prepared) * params.n, max_queued, SHADOW_PRIORITY)
     except JaxServeError:  # no room, or a request this version cannot take: no copy
         lease.release()
         return
+    except asyncio.CancelledError:  # the server stops while the grammar compiles
+        lease.release()
+        raise
     error, started = False, asyncio.get_running_loop().time()
     ttft = None
     try:
