@@ -59,7 +59,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "sequence's own prompt and output (n-gram lookup); 0 or absent: off")
     g.add_argument("--speculative-config", metavar="JSON",
                    help='vLLM\'s form, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\'')
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 3}\'')
     g.add_argument("--chat-template", help="a jinja chat template file (or the template itself) "
                    "to use instead of the model's")
     g.add_argument("--tensor-parallel-size", "-tp", type=int,

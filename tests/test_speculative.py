@@ -38,8 +38,12 @@ def test_propose_ngram_takes_the_longest_then_most_recent_match():
     assert propose_ngram(a([1, 2, 3, 4]), 3, 1, 3).tolist() == []
     assert propose_ngram(a([1, 2, 3, 1]), 3, 2, 3).tolist() == []
     assert propose_ngram(a([5]), 3, 1, 3).tolist() == []
-    assert NgramProposer(SpeculativeConfig(num_speculative_tokens=2)).propose(
+    assert NgramProposer(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=4,
+                                           prompt_lookup_min=1)).propose(
         [1, 2, 3, 1, 2], 9) == [3, 1]
+    # the default lookup needs 3 matching tokens
+    assert NgramProposer(SpeculativeConfig()).propose([1, 2, 3, 1, 2], 9) == []
+    assert NgramProposer(SpeculativeConfig()).propose([1, 2, 3, 4, 1, 2, 3], 9) == [4, 1, 2, 3]
 
 
 def test_speculative_config_follows_vllm():
@@ -223,7 +227,11 @@ def test_http_num_speculative_tokens_opts_out_caps_and_is_bounded(tmp_path,
     path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields)
     engine = LLMEngine.from_model(str(path), num_pages=40, max_num_seqs=2,
                                   max_num_batched_tokens=32, max_model_len=128,
-                                  speculative_ngram=3, strict_compile=True, progress=False)
+                                  # 1-token matches too: the random model repeats single tokens
+                                  speculative_config={"num_speculative_tokens": 3,
+                                                      "prompt_lookup_max": 4,
+                                                      "prompt_lookup_min": 1},
+                                  strict_compile=True, progress=False)
     async_engine = AsyncEngine(engine)
     srv = ServerThread("tiny")
     try:
