@@ -288,7 +288,8 @@ async def run_batch_on(engine, model_name: str, input_path: Path, output_path: P
 
 def run_batch(args: argparse.Namespace) -> int:
     """`jaxserve batch`: check the files, load the engine, answer what is left, shut it down."""
-    from jaxserve.engine_args import check_model_or_deployment, engine_args, start_fleet
+    from jaxserve.engine_args import (check_model_or_deployment, engine_args,
+                                      one_version_fleet, start_fleet)
     from jaxserve.parallel import start_engine
     from jaxserve.server.request_policy import RequestPolicy
 
@@ -310,9 +311,10 @@ def run_batch(args: argparse.Namespace) -> int:
     try:
         if args.deployment is not None:  # every version loaded and compiled, as `serve` does
             fleet = start_fleet(args.deployment)
-        else:
-            engine = start_engine(args.model, dtype=args.dtype, **engine_args(args))
         name = args.served_model_name or args.model or str(args.deployment)
+        if args.deployment is None:  # as `serve --model`: results carry its system_fingerprint
+            engine = start_engine(args.model, dtype=args.dtype, **engine_args(args))
+            fleet = one_version_fleet(args, name, engine)
         return asyncio.run(answer_items(engine, name, todo, args.output, gateway, principal,
                                         policy, fleet))
     except KeyboardInterrupt:  # every finished result is already a whole line in the output
@@ -320,8 +322,8 @@ def run_batch(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     finally:
-        for running in (engine, fleet):
-            if running is not None:
-                running.shutdown()
+        running = fleet if fleet is not None else engine  # a fleet shuts its engines down
+        if running is not None:
+            running.shutdown()
         if policy is not None:
             policy.close()

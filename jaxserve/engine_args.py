@@ -98,6 +98,20 @@ def start_fleet(path: Path, *, progress: bool = True, stall_timeout: float | Non
                                                     stall_timeout=stall_timeout))
 
 
+def one_version_fleet(args: argparse.Namespace, name: str, engine, loader=None):
+    """--model (`serve` and `batch` alike) as a fleet of one version named as clients address
+    it, with its manifest (its system_fingerprint) and pricing; `loader` (an EngineLoader) lets
+    versions be loaded beside it."""
+    from jaxserve.fleet.deployment import VersionSpec
+    from jaxserve.fleet.fleet import Fleet
+    from jaxserve.fleet.manifest import manifest_of
+    from jaxserve.pricing import pricing_for
+
+    spec = VersionSpec(name, args.model, args.dtype, tuple(sorted(engine_args(args).items())))
+    return Fleet.of_engine(name, engine, manifest=manifest_of(spec),
+                           pricing=pricing_for(args.model), loader=loader)
+
+
 def engine_args(args: argparse.Namespace) -> dict:
     """The flags the user set, as LLMEngine.from_model keyword arguments."""
     return {k: getattr(args, k) for k in ENGINE_FLAG_TYPES if getattr(args, k, None) is not None}

@@ -325,6 +325,8 @@ def test_batch_cli_ctrl_c_resume_golden_and_tools_script(smollm2_path, smollm2_g
         "<|im_end|>", "")
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"]["prompt_tokens"] == len(chat["input_ids"])
+    # --model is a one-version fleet with its manifest, as in serve
+    assert body["system_fingerprint"].startswith("fp_")
     for key, case in zip(("text", "ids"), raw):
         choice = by_id[key]["body"]["choices"][0]
         assert choice["text"] == case["greedy_text"] and choice["finish_reason"] == "length"

@@ -151,7 +151,8 @@ def _overdue() -> None:
 
 async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
     """group_leader: this is process 0 of a multi-host group (jax.distributed initialised)."""
-    from jaxserve.engine_args import engine_args, start_fleet
+    from jaxserve.engine_args import engine_args, one_version_fleet, start_fleet
+    from jaxserve.fleet.loader import EngineLoader
     from jaxserve.server.grpc import start_grpc_server
     from jaxserve.server.http import attach_engine, build_app, serving_of, start_server
     from jaxserve.server.admin_routes import add_admin_routes, set_admin_fleet
@@ -209,8 +210,11 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
             # Replicas load and compile together: the first one's times are the set's.
             llm_engine = getattr(engine, "replicas", [engine])[0].engine
             load_s, compile_s = llm_engine.load_seconds, llm_engine.compile_seconds
-            fleet = await loop.run_in_executor(None, _one_version_fleet, args, model_name,
-                                               engine)
+            # With --admin-key, versions can be loaded beside it.
+            loader = (EngineLoader(stall_timeout=args.engine_stall_timeout)
+                      if args.admin_key is not None else None)
+            fleet = await loop.run_in_executor(None, one_version_fleet, args, model_name,
+                                               engine, loader)
         if rag is not None:
             await loop.run_in_executor(None, _warm_rag, rag)
         attach_engine(app, engine, rag, fleet=fleet)
@@ -274,23 +278,6 @@ def _start_engine(args: argparse.Namespace, engine_kwargs: dict, group_leader: b
                           **multihost.group_engine_args(engine_kwargs))
     leader.watch(engine.fail)
     return engine, leader
-
-
-def _one_version_fleet(args: argparse.Namespace, name: str, engine):
-    """--model as a fleet of one version named as clients address it, with its manifest (its
-    system_fingerprint). With --admin-key, versions can be loaded beside it."""
-    from jaxserve.engine_args import engine_args
-    from jaxserve.fleet.deployment import VersionSpec
-    from jaxserve.fleet.fleet import Fleet
-    from jaxserve.fleet.loader import EngineLoader
-    from jaxserve.fleet.manifest import manifest_of
-    from jaxserve.pricing import pricing_for
-
-    spec = VersionSpec(name, args.model, args.dtype, tuple(sorted(engine_args(args).items())))
-    return Fleet.of_engine(name, engine, manifest=manifest_of(spec),
-                           pricing=pricing_for(args.model),
-                           loader=(EngineLoader(stall_timeout=args.engine_stall_timeout)
-                                   if args.admin_key is not None else None))
 
 
 def _fleet_times(fleet) -> tuple[float, float]:
