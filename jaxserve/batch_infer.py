@@ -309,10 +309,10 @@ def run_batch(args: argparse.Namespace) -> int:
                                 tenants=[principal.tenant])
     engine = fleet = None
     try:
+        name = args.served_model_name or args.model or str(args.deployment)
         if args.deployment is not None:  # every version loaded and compiled, as `serve` does
             fleet = start_fleet(args.deployment)
-        name = args.served_model_name or args.model or str(args.deployment)
-        if args.deployment is None:  # as `serve --model`: results carry its system_fingerprint
+        else:  # as `serve --model`: results carry its system_fingerprint
             engine = start_engine(args.model, dtype=args.dtype, **engine_args(args))
             fleet = one_version_fleet(args, name, engine)
         return asyncio.run(answer_items(engine, name, todo, args.output, gateway, principal,
