@@ -44,13 +44,16 @@ def timeit(fn, *args, iters=20, repeats=3):
     return best
 
 
-def measure_peaks(on_gpu):
+def measure_peaks(on_gpu, dtype=None):
+    """(copy bytes/s, matmul FLOP/s); the matmul in `dtype` (default bf16 on GPU, f32 on CPU), on
+    random data (zeros and ones can run faster than real data)."""
     n = (1 << 28) if on_gpu else (1 << 25)  # f32 elements: 1 GiB on GPU, 128 MiB on CPU
     x = jnp.arange(n, dtype=jnp.float32)
     copy = jax.jit(lambda a: a * 2.0)
     bw = 2 * x.nbytes / timeit(copy, x, iters=10)
     m = 8192 if on_gpu else 1024
-    a = jnp.ones((m, m), jnp.bfloat16 if on_gpu else jnp.float32)
+    dtype = dtype or (jnp.bfloat16 if on_gpu else jnp.float32)
+    a = jax.random.normal(jax.random.key(0), (m, m), dtype)
     mm = jax.jit(lambda a: a @ a)
     flops = 2 * m ** 3 / timeit(mm, a, iters=10)
     return bw, flops

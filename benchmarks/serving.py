@@ -172,12 +172,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-pages", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--dtype", default=None,
+                   help="the engine's dtype (default: the model's; e.g. bfloat16 on a GPU)")
 
 
 def engine_kwargs(args) -> dict:
-    return {"max_model_len": args.max_model_len, "num_pages": args.num_pages,
-            "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens}
+    kwargs = {"max_model_len": args.max_model_len, "num_pages": args.num_pages,
+              "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens}
+    return kwargs if args.dtype is None else {**kwargs, "dtype": args.dtype}
 
 
 def serve_flags(args) -> list[str]:
