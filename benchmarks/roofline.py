@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 from kernels import measure_peaks  # benchmarks/ is the script's directory
-from throughput import SMOLLM2
+from throughput import SMOLLM2, layer_matmul_params, step_plan
 
 LLAMA_1B = dict(name="llama-1b-random", vocab_size=128256, hidden_size=2048,
                 intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -70,22 +70,6 @@ def make_runner(config, params, args, num_seqs: int, max_tokens: int):
                        eos_token_ids=[0])
 
 
-def plan_of(runner, token_lists, start_positions):
-    """One step's plan: each sequence's tokens appended at its start position, in pages of its
-    own (page 0 is the null page)."""
-    from jaxserve.batch import SeqChunk, make_plan, pages_for
-
-    shapes, chunks, next_page = runner.shapes, [], 1
-    for tokens, start in zip(token_lists, start_positions):
-        n = pages_for(start + len(tokens), shapes.page_size)
-        chunks.append(SeqChunk(tokens, start, list(range(next_page, next_page + n))))
-        next_page += n
-    tokens = shapes.token_bucket(sum(len(t) for t in token_lists))
-    return make_plan(chunks, num_tokens_padded=tokens, num_seqs_padded=shapes.seq_bucket(tokens),
-                     pages_per_seq=shapes.pages_per_seq, page_size=shapes.page_size,
-                     num_rows_padded=shapes.logits_bucket(tokens))
-
-
 def time_plan(runner, plan, num_rows: int, repeats: int) -> tuple[float, float]:
     """(step, queued) seconds, each the best of `repeats` (after one compile-and-warm call)."""
     import jax
@@ -110,22 +94,14 @@ def time_plan(runner, plan, num_rows: int, repeats: int) -> tuple[float, float]:
     return step, queued
 
 
-def model_figures(c, params) -> tuple[int, int]:
-    """(bytes of all weights, parameters in matmuls per token without the LM head)."""
-    import jax
-
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    H, I, Hq, Hkv, D = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
-    return weight_bytes, c.num_layers * (H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I)
-
-
 def run_model(name: str, args, bw: float, peak: float) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
     config, params = load(name, args.dtype)
     c = config
-    weight_bytes, layer_params = model_figures(c, params)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    layer_params = layer_matmul_params(c)
     kv_token_bytes = c.num_layers * 2 * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize
     rng = np.random.default_rng(0)
     rows = []
@@ -133,7 +109,7 @@ def run_model(name: str, args, bw: float, peak: float) -> list[dict]:
     runner = make_runner(config, params, args, num_seqs=64, max_tokens=max_tokens)
 
     def measure(batch: str, token_lists, starts):
-        plan = plan_of(runner, token_lists, starts)
+        plan = step_plan(runner.shapes, token_lists, starts)
         step, queued = time_plan(runner, plan, len(token_lists), args.repeats)
         tokens = sum(len(t) for t in token_lists)
         # (query, key) pairs: query i of a chunk at position start + i sees start + i + 1 keys

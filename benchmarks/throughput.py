@@ -69,35 +69,46 @@ def decode_step_figure(runner, num_seqs: int, repeats: int = 5) -> dict:
         runner.sample(runner.forward(plan), rows)  # returns host arrays: the step is done
         times.append(time.perf_counter() - t0)
     step = min(times[1:])
-    H, I, Hq, Hkv, D = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
-                        c.head_dim)
-    matmul_params = c.num_layers * (H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I)
-    matmul_params += H * c.vocab_size  # the LM head
-    flops = 2 * matmul_params * num_seqs + 4 * Hq * D * int(kv_lens.sum()) * c.num_layers
+    matmul_params = layer_matmul_params(c) + c.hidden_size * c.vocab_size  # and the LM head
+    flops = (2 * matmul_params * num_seqs
+             + 4 * c.num_heads * c.head_dim * int(kv_lens.sum()) * c.num_layers)
     _, peak = measure_peaks(on_gpu=False)
     return {"num_seqs": num_seqs, "step_ms": step * 1e3, "gflop": flops / 1e9,
             "gflop_s": flops / step / 1e9, "matmul_peak_gflop_s": peak / 1e9,
             "fraction_of_peak": flops / step / peak}
 
 
-def decode_plan(shapes, num_seqs: int, num_tokens: int | None = None):
-    """A decode step's plan: `num_seqs` one-token queries at contexts of 46-286 tokens (seeded)
-    in pages of their own, padded to `num_tokens` (default: its token bucket); and the contexts."""
+def layer_matmul_params(c) -> int:
+    """Parameters in the decoder layers' matmuls (attention projections, MLP); no LM head."""
+    H, I, Hq, Hkv, D = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+                        c.head_dim)
+    return c.num_layers * (H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I)
+
+
+def step_plan(shapes, token_lists, start_positions, num_tokens: int | None = None):
+    """One step's plan: each sequence's tokens appended at its start position, in pages of its
+    own (page 0 is the null page), padded to `num_tokens` (default: the tokens' bucket)."""
     from jaxserve.batch import SeqChunk, make_plan, pages_for
 
-    kv_lens = np.random.default_rng(0).integers(46, 287, num_seqs)
-    chunks, next_page = [], 1  # page 0 is the null page
-    for n in kv_lens:
-        pages = list(range(next_page, next_page + pages_for(int(n), shapes.page_size)))
-        next_page += len(pages)
-        chunks.append(SeqChunk([1], int(n) - 1, pages))
+    chunks, next_page = [], 1
+    for tokens, start in zip(token_lists, start_positions):
+        n = pages_for(start + len(tokens), shapes.page_size)
+        chunks.append(SeqChunk(tokens, start, list(range(next_page, next_page + n))))
+        next_page += n
     if next_page > shapes.num_pages:
-        raise SystemExit(f"a {num_seqs}-sequence decode step needs {next_page} KV pages, the "
+        raise SystemExit(f"a step of {len(chunks)} sequences needs {next_page} KV pages, the "
                          f"pool has {shapes.num_pages}")
-    tokens = num_tokens or shapes.token_bucket(num_seqs)
-    plan = make_plan(chunks, num_tokens_padded=tokens, num_seqs_padded=shapes.seq_bucket(tokens),
+    tokens = num_tokens or shapes.token_bucket(sum(len(t) for t in token_lists))
+    return make_plan(chunks, num_tokens_padded=tokens, num_seqs_padded=shapes.seq_bucket(tokens),
                      pages_per_seq=shapes.pages_per_seq, page_size=shapes.page_size,
                      num_rows_padded=shapes.logits_bucket(tokens))
+
+
+def decode_plan(shapes, num_seqs: int, num_tokens: int | None = None):
+    """A decode step's plan: `num_seqs` one-token queries at contexts of 46-286 tokens (seeded),
+    padded to `num_tokens` (default: its token bucket); and the contexts."""
+    kv_lens = np.random.default_rng(0).integers(46, 287, num_seqs)
+    plan = step_plan(shapes, [[1]] * num_seqs, [int(n) - 1 for n in kv_lens], num_tokens)
     return plan, kv_lens
 
 
