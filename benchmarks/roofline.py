@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 from kernels import measure_peaks  # benchmarks/ is the script's directory
-from throughput import SMOLLM2, layer_matmul_params, step_plan
+from throughput import SMOLLM2, greedy_step_seconds, step_flops, step_plan
 
 LLAMA_1B = dict(name="llama-1b-random", vocab_size=128256, hidden_size=2048,
                 intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -74,15 +74,8 @@ def time_plan(runner, plan, num_rows: int, repeats: int) -> tuple[float, float]:
     """(step, queued) seconds, each the best of `repeats` (after one compile-and-warm call)."""
     import jax
 
-    from jaxserve.sampling import SamplingParams, SamplingRow
-
-    rows = [SamplingRow(SamplingParams(temperature=0, max_tokens=None), 0, [1], [])] * num_rows
-    runner.sample(runner.forward(plan), rows)
-    step = queued = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        runner.sample(runner.forward(plan), rows)  # returns host arrays: the step is done
-        step = min(step, time.perf_counter() - t0)
+    step = greedy_step_seconds(runner, plan, num_rows, repeats)
+    queued = float("inf")
     for _ in range(repeats):
         iters = 10
         jax.block_until_ready(runner.kv_cache)
@@ -101,7 +94,6 @@ def run_model(name: str, args, bw: float, peak: float) -> list[dict]:
     config, params = load(name, args.dtype)
     c = config
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    layer_params = layer_matmul_params(c)
     kv_token_bytes = c.num_layers * 2 * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize
     rng = np.random.default_rng(0)
     rows = []
@@ -115,8 +107,7 @@ def run_model(name: str, args, bw: float, peak: float) -> list[dict]:
         # (query, key) pairs: query i of a chunk at position start + i sees start + i + 1 keys
         pairs = sum(len(t) * (s + 1) + len(t) * (len(t) - 1) // 2
                     for t, s in zip(token_lists, starts))
-        flops = (2 * layer_params * tokens + 2 * c.hidden_size * c.vocab_size * len(token_lists)
-                 + 4 * c.num_heads * c.head_dim * pairs * c.num_layers)
+        flops = step_flops(c, tokens, len(token_lists), pairs)
         kv_tokens = sum(s + len(t) for t, s in zip(token_lists, starts))
         nbytes = weight_bytes + kv_tokens * kv_token_bytes
         floor = max(flops / peak, nbytes / bw)

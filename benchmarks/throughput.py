@@ -58,31 +58,38 @@ def decode_step_figure(runner, num_seqs: int, repeats: int = 5) -> dict:
     only once the engine has nothing left to serve."""
     from kernels import measure_peaks
 
-    from jaxserve.sampling import SamplingParams, SamplingRow
-
-    c = runner.config
     plan, kv_lens = decode_plan(runner.shapes, num_seqs)
-    rows = [SamplingRow(SamplingParams(temperature=0, max_tokens=None), 0, [1], [])] * num_seqs
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        t0 = time.perf_counter()
-        runner.sample(runner.forward(plan), rows)  # returns host arrays: the step is done
-        times.append(time.perf_counter() - t0)
-    step = min(times[1:])
-    matmul_params = layer_matmul_params(c) + c.hidden_size * c.vocab_size  # and the LM head
-    flops = (2 * matmul_params * num_seqs
-             + 4 * c.num_heads * c.head_dim * int(kv_lens.sum()) * c.num_layers)
+    step = greedy_step_seconds(runner, plan, num_seqs, repeats)
+    flops = step_flops(runner.config, num_seqs, num_seqs, int(kv_lens.sum()))
     _, peak = measure_peaks(on_gpu=False)
     return {"num_seqs": num_seqs, "step_ms": step * 1e3, "gflop": flops / 1e9,
             "gflop_s": flops / step / 1e9, "matmul_peak_gflop_s": peak / 1e9,
             "fraction_of_peak": flops / step / peak}
 
 
-def layer_matmul_params(c) -> int:
-    """Parameters in the decoder layers' matmuls (attention projections, MLP); no LM head."""
+def greedy_step_seconds(runner, plan, num_rows: int, repeats: int) -> float:
+    """Best of `repeats` synchronous engine steps over `plan` (forward, greedy sampler on its
+    first `num_rows` logits rows, tokens back on the host), after one warm-up step."""
+    from jaxserve.sampling import SamplingParams, SamplingRow
+
+    rows = [SamplingRow(SamplingParams(temperature=0, max_tokens=None), 0, [1], [])] * num_rows
+    runner.sample(runner.forward(plan), rows)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        runner.sample(runner.forward(plan), rows)  # returns host arrays: the step is done
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def step_flops(c, num_tokens: int, num_logits_rows: int, attended_pairs: int) -> int:
+    """FLOPs of a step: 2 x the decoder layers' matmul parameters (projections, MLP) per token,
+    the LM head per logits row, and attention's 4 x Hq x D per (query, key) pair per layer."""
     H, I, Hq, Hkv, D = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
                         c.head_dim)
-    return c.num_layers * (H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I)
+    layer_params = c.num_layers * (H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * I)
+    return (2 * layer_params * num_tokens + 2 * H * c.vocab_size * num_logits_rows
+            + 4 * Hq * D * attended_pairs * c.num_layers)
 
 
 def step_plan(shapes, token_lists, start_positions, num_tokens: int | None = None):
