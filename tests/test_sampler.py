@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampler import (_apply_penalties, make_sampling_metadata, sample,
+from jaxserve.sampler import (_apply_penalties, _argmax, make_sampling_metadata, sample,
                               top_logprobs_width)
 from jaxserve.sampling import MAX_LOGPROBS, SamplingParams, SamplingRow
 
@@ -44,6 +44,18 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
     np.testing.assert_array_equal(out.top_token_ids, np.argsort(-logits, -1)[:, :MAX_LOGPROBS])
     np.testing.assert_allclose(out.top_logprobs, np.sort(ref, -1)[:, ::-1][:, :MAX_LOGPROBS],
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("V", [1000, 49152, 50257, 151936, 7])
+def test_blockwise_argmax_is_numpys_first_maximum(V):
+    # Widths a block divides (1000, 49152, 151936), one padded to blocks (50257 is 29 x 1733),
+    # and one narrower than a block; ties across and within blocks keep the first index.
+    x = _logits(6, V, seed=V)
+    x[1, V // 2] = x[1, V - 1] = 50.0  # tie in different blocks
+    x[2, :] = -np.inf  # every token blocked: index 0, as jnp.argmax
+    x[3, -1] = 60.0  # in the last (possibly padded) block
+    x[4, min(3, V - 1)] = x[4, min(4, V - 1)] = 70.0  # tie in one block
+    np.testing.assert_array_equal(np.asarray(jax.jit(_argmax)(x)), x.argmax(-1))
 
 
 def test_all_greedy_program_matches_the_general_one():
