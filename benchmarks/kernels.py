@@ -155,7 +155,7 @@ def main():
     on_gpu = jax.default_backend() == "gpu"
     device = (jax.devices()[0].device_kind if on_gpu
               else f"CPU ({platform.processor() or 'host'}, {os.cpu_count()} cores)")
-    kernels = ["pallas_gpu"] if on_gpu else []
+    kernels = ["pallas_gpu"] if on_gpu else ["cpu"]
     if a.check and kernels and not check(kernels):
         print("CHECK FAILED: benchmark numbers below are for a kernel that is wrong somewhere")
 
@@ -178,8 +178,9 @@ def main():
         D, Hq, Hkv = shape["D"], shape["Hq"], shape["Hkv"]
         nbytes, flops = work(q_lens, kv_lens, Hq, Hkv, D, jnp.dtype(shape["dtype"]).itemsize)
         sm = D ** -0.5
-        runs = {"reference": (jax.jit(functools.partial(
-            rpa.ragged_paged_attention, impl="reference", sm_scale=sm)), args)}
+        runs = {impl: (jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl,
+                                                 sm_scale=sm)), args)
+                for impl in ("reference", *([] if on_gpu else ["cpu"]))}
         if on_gpu:
             from pallas_kernels.ragged_paged_attention import gpu
             configs = [dict()]
@@ -215,7 +216,7 @@ def main():
                     jax.jit(functools.partial(jax_paged_decode, sm_scale=sm)),
                     (q, k_pages, v_pages, pi, kvl))
         for impl, (fn, fargs) in runs.items():
-            t = timeit(fn, *fargs, iters=2 if impl == "reference" and not on_gpu else 20)
+            t = timeit(fn, *fargs, iters=20 if on_gpu else 3)
             lines.append(f"| {name} | {impl} | {t * 1e3:.3f} | {nbytes / t / 1e9:.1f} | "
                          f"{100 * nbytes / t / bw_peak:.0f}% | {flops / t / 1e12:.3f} | "
                          f"{100 * flops / t / flop_peak:.1f}% |")

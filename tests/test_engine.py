@@ -433,6 +433,10 @@ def test_deadlines_queue_timeouts_and_shedding_end_whole_requests(tiny_path):
     assert_no_leaks(engine)
 
     engine.scheduler.clock = time.monotonic
+    # Steps of at least 10 ms, so "hold" (120 tokens) keeps both seats past the 0.2 s deadlines
+    # below on any host: the tiny model's own step takes ~1 ms on a fast one.
+    step_alone = engine.step
+    engine.step = lambda: (time.sleep(0.01), step_alone())[1]
     async_engine = AsyncEngine(engine)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pallas_kernels import ragged_paged_attention as rpa
+from pallas_kernels.ragged_paged_attention import cpu
 
 TOL = {"float32": 2e-3, "bfloat16": 2e-2}
 
@@ -120,7 +121,17 @@ def test_reference_matches_numpy(case, hq_hkv, sliding_window, soft_cap):
     run_case("reference", case, hq_hkv, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
-def test_reference_long_context_crosses_kv_blocks():
+@settings(max_examples=15, deadline=None)
+@given(case=batches(), hq_hkv=heads,
+       sliding_window=st.sampled_from([None, None, 1, 7, 40]),
+       soft_cap=st.sampled_from([None, None, 5.0]))
+def test_cpu_kernel_matches_numpy(case, hq_hkv, sliding_window, soft_cap):
+    # Decodes through the C++ kernel (f32), the other rows and bf16 through the reference.
+    run_case("cpu", case, hq_hkv, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_long_context_crosses_kv_blocks(impl):
     # Contexts longer than one KV block (reference.*_KV_BLOCK_TOKENS) and a prefill longer than
     # one query block exercise the loops' bounds, on the prefill path and on the decode-only one;
     # nine decodes of mixed lengths fill more than two groups of the decode path, the last one
@@ -133,8 +144,8 @@ def test_reference_long_context_crosses_kv_blocks():
                              ([1] * 9, nine[1][:9]), verify):
         args = make_case(rng, q_lens=q_lens, ctx_lens=ctx_lens, page_size=16, Hq=4, Hkv=2, D=64,
                          dtype="float32")
-        check("reference", args, dtype="float32")
-        check("reference", args, dtype="float32", sliding_window=100)
+        check(impl, args, dtype="float32")
+        check(impl, args, dtype="float32", sliding_window=100)
 
 
 def test_write_kv_round_trip():
@@ -195,8 +206,26 @@ def test_unknown_impl_raises():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="auto picks a kernel off CPU")
-def test_auto_picks_reference_on_cpu():
-    assert rpa._auto_impl() == "reference"
+def test_auto_picks_the_cpu_path_and_its_kernel_builds():
+    # The suite's machines have a C++ compiler: the kernel must build there, or every decode
+    # test above would pass on the reference alone.
+    assert rpa._auto_impl() == "cpu"
+    assert cpu.available()
+
+
+def test_cpu_kernel_falls_back_to_the_reference_without_a_compiler(tmp_path, monkeypatch,
+                                                                    caplog):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    cpu.available.cache_clear()
+    try:
+        assert not cpu.available()
+        assert "CPU decode kernel unavailable" in caplog.text
+        args = make_case(np.random.default_rng(5), q_lens=[1, 1, 9], ctx_lens=[40, 3, 20],
+                         page_size=16, Hq=4, Hkv=2, D=64, dtype="float32")
+        check("cpu", args, dtype="float32")
+    finally:
+        cpu.available.cache_clear()  # the next caller builds (or finds) the real kernel again
 
 
 # ---- Pallas kernels in interpret mode (slow on CPU: few, small examples) -------------------------

@@ -19,17 +19,18 @@ from pallas_kernels.ragged_paged_attention import reference
 from pallas_kernels.ragged_paged_attention.reference import write_kv
 from pallas_kernels.ragged_paged_attention.validate import validate_inputs
 
-IMPLS = ("reference", "pallas_tpu", "pallas_gpu")
+IMPLS = ("reference", "cpu", "pallas_tpu", "pallas_gpu")
 
 
 def _auto_impl() -> str:
-    backend = jax.default_backend()
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "reference")
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "cpu"}.get(jax.default_backend(),
+                                                                         "reference")
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                            sliding_window=None, soft_cap=None, impl="auto", interpret=False):
-    """Dispatch to an implementation; impl="auto" picks by backend (CPU -> reference)."""
+    """Dispatch to an implementation; impl="auto" picks by backend (CPU -> cpu: the reference
+    with decodes through a C++ kernel where it builds and takes the shapes)."""
     validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                     sliding_window=sliding_window, soft_cap=soft_cap)
     if impl == "auto":
@@ -38,6 +39,9 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     if impl == "reference":
         return reference.ragged_paged_attention(*args, **kwargs)
+    if impl == "cpu":
+        from pallas_kernels.ragged_paged_attention import cpu
+        return cpu.ragged_paged_attention(*args, **kwargs)
     if impl == "pallas_tpu":
         from pallas_kernels.ragged_paged_attention import tpu
         return tpu.ragged_paged_attention(*args, **kwargs, interpret=interpret)

@@ -291,14 +291,15 @@ def _decode(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                           sliding_window=None, soft_cap=None):
+                           sliding_window=None, soft_cap=None, decode_impl=None):
     """Attention of ragged queries over a paged KV cache (contract: the package docstring).
 
-    Rows past cu_q_lens[num_seqs] come back as zeros.
+    Rows past cu_q_lens[num_seqs] come back as zeros. `decode_impl` replaces the decode path
+    (`_decode`'s signature and contract; the CPU kernel, see cpu.py).
     """
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    decode = functools.partial(_decode, *args, **kwargs)
+    decode = functools.partial(decode_impl or _decode, *args, **kwargs)
     if q.shape[0] == 1:
         return decode()
     S = cu_q_lens.shape[0] - 1

@@ -1,0 +1,120 @@
+"""The CPU path: decodes through a C++ XLA FFI kernel (cpu_decode.cc), everything else through the
+pure-JAX reference.
+
+A decode step is most of a CPU serving run, and the reference's decode spends more time in XLA
+ops around the arithmetic than in it: each block of pages is gathered into a fresh buffer,
+transposed for the batched dots and folded into the online softmax by a while loop of small ops.
+The kernel reads each sequence's pages in place, one (sequence, KV head) per work item on XLA's
+intra-op thread pool. Query blocks (prefill chunks, speculative verifies) stay on the reference,
+whose batched dots suit them.
+
+The kernel is compiled on first use with the host's C++ compiler (`$CXX`, else g++), for this
+CPU (-march=native), into $JAXSERVE_CACHE/kernels (default ~/.cache/jaxserve/kernels) under a
+name keyed by the source, the compiler command and the CPU's flags, so a cache shared between
+hosts never hands one a binary built for another. Without a compiler, or if the build fails,
+`available()` is False and decodes take the reference's path (logged once); so do bf16 caches and
+shapes the kernel does not take (`supports`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shlex
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.ragged_paged_attention import reference
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_decode.cc")
+_TARGET = "jaxserve_paged_decode"
+# What the kernel takes (cpu_decode.cc checks the same): beyond these the reference runs.
+HEAD_DIMS = (64, 128)
+MAX_PAGE_SIZE = 64
+MAX_QUERIES_PER_KV_HEAD = 8
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(out: Path, command: list[str]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name and renamed: concurrent first uses never load a partial file.
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        part = Path(tmp) / out.name
+        subprocess.run([*command, "-o", str(part)], check=True, capture_output=True, text=True,
+                       timeout=300)
+        os.replace(part, out)
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Build (once per source, compiler and CPU) and register the kernel; False if it cannot be
+    built here."""
+    cxx = shlex.split(os.environ.get("CXX", "g++"))
+    command = [*cxx, "-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
+               f"-I{jax.ffi.include_dir()}", str(_SOURCE)]
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *command, _cpu_flags()]).encode())
+    root = os.environ.get("JAXSERVE_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "jaxserve"
+    lib = base / "kernels" / f"cpu_decode-{key.hexdigest()[:16]}.so"
+    try:
+        if not lib.exists():
+            _build(lib, command)
+        handler = ctypes.cdll.LoadLibrary(str(lib)).JaxservePagedDecode
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", None) or e
+        log.warning("CPU decode kernel unavailable, decodes use the pure-JAX reference: %s",
+                    str(detail).strip()[-2000:])
+        return False
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    return True
+
+
+def supports(q, kv_cache) -> bool:
+    """Whether the kernel takes these shapes and dtypes (f32 queries and cache)."""
+    _, Hq, D = q.shape
+    _, page_size, H2, _ = kv_cache.shape
+    return (q.dtype == jnp.float32 and kv_cache.dtype == jnp.float32 and D in HEAD_DIMS
+            and page_size <= MAX_PAGE_SIZE and Hq % (H2 // 2) == 0
+            and Hq // (H2 // 2) <= MAX_QUERIES_PER_KV_HEAD)
+
+
+def decode(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+           sliding_window=None, soft_cap=None, include=None):
+    """The rows of sequences with one query (and `include`d, when given); every other row 0.
+    Same contract as the reference's decode path."""
+    S = page_indices.shape[0]
+    include = jnp.ones((S,), jnp.int32) if include is None else include.astype(jnp.int32)
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, include,
+                sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+                soft_cap=np.float32(soft_cap or 0.0))
+
+
+def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                           sliding_window=None, soft_cap=None):
+    """The reference with its decode path replaced by the kernel where the kernel is built and
+    takes these shapes (`available`, `supports`); else the reference alone."""
+    use_kernel = supports(q, kv_cache) and available()
+    return reference.ragged_paged_attention(
+        q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap,
+        decode_impl=decode if use_kernel else None)
