@@ -113,21 +113,14 @@ def run_case(impl, case, hq_hkv, *, sliding_window=None, soft_cap=None, interpre
           interpret=interpret)
 
 
-@settings(max_examples=25, deadline=None)
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@settings(max_examples=20, deadline=None)
 @given(case=batches(), hq_hkv=heads,
        sliding_window=st.sampled_from([None, None, 1, 7, 40]),
        soft_cap=st.sampled_from([None, None, 5.0]))
-def test_reference_matches_numpy(case, hq_hkv, sliding_window, soft_cap):
-    run_case("reference", case, hq_hkv, sliding_window=sliding_window, soft_cap=soft_cap)
-
-
-@settings(max_examples=15, deadline=None)
-@given(case=batches(), hq_hkv=heads,
-       sliding_window=st.sampled_from([None, None, 1, 7, 40]),
-       soft_cap=st.sampled_from([None, None, 5.0]))
-def test_cpu_kernel_matches_numpy(case, hq_hkv, sliding_window, soft_cap):
-    # Decodes through the C++ kernel (f32), the other rows and bf16 through the reference.
-    run_case("cpu", case, hq_hkv, sliding_window=sliding_window, soft_cap=soft_cap)
+def test_matches_numpy(impl, case, hq_hkv, sliding_window, soft_cap):
+    # cpu: decodes through the C++ kernel (f32), the other rows and bf16 through the reference.
+    run_case(impl, case, hq_hkv, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
