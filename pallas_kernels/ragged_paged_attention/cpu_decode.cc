@@ -3,7 +3,8 @@
 // One query per sequence (a decode) against its pages of the cache, read in place: the pure-JAX
 // reference gathers each block of pages into a fresh buffer, transposes it for the batched dots
 // and runs its online softmax as a while loop of many small XLA ops; here each (sequence, KV head)
-// walks its pages once, with the scores, the softmax and the weighted values in registers.
+// walks its pages once, its scores, softmax state and weighted values in small buffers that stay
+// in L1.
 // Layout and semantics: the package docstring of ragged_paged_attention (K head h at slot 2h,
 // V head h at 2h + 1 of a page row). Rows of sequences not selected by `include` come back 0.
 #include <algorithm>
