@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -24,6 +25,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr float kMasked = -1e30f;  // the reference's running-max start and masked score
+// The largest page and the most queries per KV head the kernel takes (cpu.py's `supports`
+// checks the same bounds before choosing it).
+constexpr int kMaxPage = 64;
+constexpr int kMaxGroup = 8;
 
 // exp(x) for x <= 0 (scores minus their running max): 2^n * 2^f with a degree-6 polynomial for
 // 2^f, f in [-0.5, 0.5]; relative error ~1e-7, as XLA's own vectorised exp. Written so the
@@ -64,7 +69,6 @@ struct Problem {
 // serves all G queries.
 template <int D, int G>
 void AttendOne(const Problem& p, int64_t seq, int64_t h) {
-  constexpr int kMaxPage = 64;
   const int64_t ps = p.page_size;
   const int64_t row = p.cu_q_lens[seq];
   const int64_t len = p.kv_lens[seq];
@@ -141,7 +145,6 @@ void AttendOne(const Problem& p, int64_t seq, int64_t h) {
 
 using AttendFn = void (*)(const Problem&, int64_t, int64_t);
 
-constexpr int kMaxGroup = 8;
 template <int D, int... G>
 constexpr std::array<AttendFn, sizeof...(G)> AttendTable(std::integer_sequence<int, G...>) {
   return {AttendOne<D, G + 1>...};
@@ -179,9 +182,10 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   const int64_t G = Hq / Hkv;
   AttendFn attend = (D == 64 || D == 128) && G >= 1 && G <= kMaxGroup
                         ? (D == 64 ? kAttend64 : kAttend128)[G - 1] : nullptr;
-  if (attend == nullptr || kd[3] != D || G * Hkv != Hq || kd[1] > 64) {
+  if (attend == nullptr || kd[3] != D || G * Hkv != Hq || kd[1] > kMaxPage) {
     return ffi::Error::InvalidArgument(
-        "paged decode: head_dim must be 64 or 128, page_size <= 64, <= 8 queries per KV head");
+        "paged decode: head_dim must be 64 or 128, page_size <= " + std::to_string(kMaxPage) +
+        ", <= " + std::to_string(kMaxGroup) + " queries per KV head");
   }
   std::memset(out->typed_data(), 0, sizeof(float) * T * Hq * D);
   auto work = std::make_shared<Work>();
