@@ -119,7 +119,8 @@ def run_case(impl, case, hq_hkv, *, sliding_window=None, soft_cap=None, interpre
        sliding_window=st.sampled_from([None, None, 1, 7, 40]),
        soft_cap=st.sampled_from([None, None, 5.0]))
 def test_matches_numpy(impl, case, hq_hkv, sliding_window, soft_cap):
-    # cpu: decodes through the C++ kernel (f32), the other rows and bf16 through the reference.
+    # cpu: decodes and short queries through the C++ kernel (f32), chunks and bf16 through the
+    # reference.
     run_case(impl, case, hq_hkv, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
@@ -129,12 +130,14 @@ def test_long_context_crosses_kv_blocks(impl):
     # one query block exercise the loops' bounds, on the prefill path and on the decode-only one;
     # nine decodes of mixed lengths fill more than two groups of the decode path, the last one
     # partly, with a chunk among them; five short queries (speculative verify rows, 2-8
-    # queries) fill more than one group of theirs, beside decodes and a chunk.
+    # queries) fill more than one group of theirs, beside decodes and a chunk, and then without
+    # the chunk (the cpu path's kernel-only branch).
     rng = np.random.default_rng(0)
     nine = ([1] * 4 + [30] + [1] * 5, [70, 5, 600, 129, 40, 0, 64, 65, 300, 1])
     verify = ([5, 1, 8, 2, 30, 3, 1, 6], [600, 70, 130, 63, 40, 0, 300, 64])
+    verify_only = ([n for n in verify[0] if n <= 8], [c for n, c in zip(*verify) if n <= 8])
     for q_lens, ctx_lens in (([1, 45, 1], [600, 300, 0]), ([1, 1, 1], [600, 130, 63]), nine,
-                             ([1] * 9, nine[1][:9]), verify):
+                             ([1] * 9, nine[1][:9]), verify, verify_only):
         args = make_case(rng, q_lens=q_lens, ctx_lens=ctx_lens, page_size=16, Hq=4, Hkv=2, D=64,
                          dtype="float32")
         check(impl, args, dtype="float32")

@@ -1,19 +1,21 @@
-"""The CPU path: decodes through a C++ XLA FFI kernel (cpu_decode.cc), everything else through the
-pure-JAX reference.
+"""The CPU path: decodes and short queries through a C++ XLA FFI kernel (cpu_decode.cc), prefill
+chunks through the pure-JAX reference.
 
 A decode step is most of a CPU serving run, and the reference's decode spends more time in XLA
 ops around the arithmetic than in it: each block of pages is gathered into a fresh buffer,
 transposed for the batched dots and folded into the online softmax by a while loop of small ops.
 The kernel reads each sequence's pages in place, one (sequence, KV head) per work item on XLA's
-intra-op thread pool. Query blocks (prefill chunks, speculative verifies) stay on the reference,
-whose batched dots suit them.
+intra-op thread pool. Speculative verifies (a decode and its drafts, up to
+reference.SHORT_QUERY_TOKENS queries) go the same way, each query with its own causal bound; their
+pages are read once for all their queries. Prefill chunks stay on the reference, whose batched
+query blocks suit them.
 
 The kernel is compiled on first use with the host's C++ compiler (`$CXX`, else g++), for this
 CPU (-march=native), into $JAXSERVE_CACHE/kernels (default ~/.cache/jaxserve/kernels) under a
 name keyed by the source, the compiler command and the CPU's flags, so a cache shared between
 hosts never hands one a binary built for another. Without a compiler, or if the build fails,
-`available()` is False and decodes take the reference's path (logged once); so do bf16 caches and
-shapes the kernel does not take (`supports`).
+`available()` is False and everything takes the reference's paths (logged once); so do bf16
+caches and shapes the kernel does not take (`supports`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ _TARGET = "jaxserve_paged_decode"
 HEAD_DIMS = (64, 128)
 MAX_PAGE_SIZE = 64
 MAX_QUERIES_PER_KV_HEAD = 8
+# Sequences of up to this many queries take the kernel (it refuses more than its kMaxQueries).
+MAX_QUERIES_PER_SEQUENCE = reference.SHORT_QUERY_TOKENS
 
 
 def _cpu_flags() -> str:
@@ -97,24 +101,25 @@ def supports(q, kv_cache) -> bool:
             and Hq // (H2 // 2) <= MAX_QUERIES_PER_KV_HEAD)
 
 
-def decode(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-           sliding_window=None, soft_cap=None, include=None):
-    """The rows of sequences with one query (and `include`d, when given); every other row 0.
-    Same contract as the reference's decode path."""
+def short_queries(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                  sliding_window=None, soft_cap=None, include=None):
+    """The rows of sequences with 1 to MAX_QUERIES_PER_SEQUENCE queries (and `include`d, when
+    given); every other row 0. The reference's `short_impl` contract."""
     S = page_indices.shape[0]
     include = jnp.ones((S,), jnp.int32) if include is None else include.astype(jnp.int32)
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, include,
                 sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
-                soft_cap=np.float32(soft_cap or 0.0))
+                soft_cap=np.float32(soft_cap or 0.0),
+                max_queries=np.int64(MAX_QUERIES_PER_SEQUENCE))
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                            sliding_window=None, soft_cap=None):
-    """The reference with its decode path replaced by the kernel where the kernel is built and
-    takes these shapes (`available`, `supports`); else the reference alone."""
+    """The reference with its decode and short-query paths replaced by the kernel where the kernel
+    is built and takes these shapes (`available`, `supports`); else the reference alone."""
     use_kernel = supports(q, kv_cache) and available()
     return reference.ragged_paged_attention(
         q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap,
-        decode_impl=decode if use_kernel else None)
+        short_impl=short_queries if use_kernel else None)

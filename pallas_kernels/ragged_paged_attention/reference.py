@@ -291,31 +291,39 @@ def _decode(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                           sliding_window=None, soft_cap=None, decode_impl=None):
+                           sliding_window=None, soft_cap=None, short_impl=None):
     """Attention of ragged queries over a paged KV cache (contract: the package docstring).
 
-    Rows past cu_q_lens[num_seqs] come back as zeros. `decode_impl` replaces the decode path
-    (`_decode`'s signature and contract; the CPU kernel, see cpu.py).
+    Rows past cu_q_lens[num_seqs] come back as zeros. `short_impl` replaces the decode and
+    short-query paths: `_decode`'s signature and contract, for every sequence of up to
+    SHORT_QUERY_TOKENS queries (the CPU kernel, see cpu.py).
     """
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    decode = functools.partial(decode_impl or _decode, *args, **kwargs)
+    short = functools.partial(short_impl or _decode, *args, **kwargs)
     if q.shape[0] == 1:
-        return decode()
+        return short()
     S = cu_q_lens.shape[0] - 1
     q_lens = jnp.where(jnp.arange(S) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    chunk = q_lens > SHORT_QUERY_TOKENS
+
+    def short_queries():
+        # Decodes on the decode path, short queries on query blocks of their size: as a prefill
+        # item a decode computes a whole q_block of rows for its one query (SmolLM2 shape, 40
+        # decodes at 300 tokens + 2 chunks of 236: 55 ms -> 16 ms on the CPU). Each path writes
+        # only its own rows and leaves the others 0, so the sum is the whole answer.
+        if short_impl is not None:
+            return short(include=~chunk)
+        return short(include=q_lens <= 1) + _attend(
+            *args, **kwargs, q_block=SHORT_QUERY_TOKENS, items_per_step=DECODE_SEQS_PER_STEP,
+            kv_block_tokens=DECODE_KV_BLOCK_TOKENS, include=(q_lens > 1) & ~chunk,
+            one_item_each=True)
 
     def mixed():
-        # Decodes on the decode path, short queries and chunks on query blocks of their size: as
-        # a prefill item a decode computes a whole q_block of rows for its one query (SmolLM2
-        # shape, 40 decodes at 300 tokens + 2 chunks of 236: 55 ms -> 16 ms on the CPU). Each
-        # path writes only its own rows and leaves the others 0, so the sum is the whole answer.
-        chunk = q_lens > SHORT_QUERY_TOKENS
-        short = (q_lens > 1) & ~chunk
-        return decode(include=q_lens <= 1) + _attend(
-            *args, **kwargs, q_block=SHORT_QUERY_TOKENS, items_per_step=DECODE_SEQS_PER_STEP,
-            kv_block_tokens=DECODE_KV_BLOCK_TOKENS, include=short, one_item_each=True) + _attend(
+        return short_queries() + _attend(
             *args, **kwargs, q_block=PREFILL_Q_BLOCK, items_per_step=PREFILL_ITEMS_PER_STEP,
             kv_block_tokens=PREFILL_KV_BLOCK_TOKENS, include=chunk)
 
-    return lax.cond(jnp.max(q_lens) <= 1, decode, mixed)
+    if short_impl is not None:
+        return lax.cond(jnp.any(chunk), mixed, short_queries)
+    return lax.cond(jnp.max(q_lens) <= 1, short, mixed)
