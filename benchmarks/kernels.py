@@ -170,6 +170,7 @@ def main():
     else:  # SmolLM2-135M's attention shape in f32: the CPU serving path
         shape = dict(Hq=9, Hkv=3, D=64, page_size=16, dtype=jnp.float32)
     batches = {"decode 64 x 2k ctx": ([1] * 64, [2048] * 64),
+               "verify 64 x 5 queries, 2k ctx": ([5] * 64, [2048] * 64),
                "prefill 4 x 512 chunk (+512 cached)": ([512] * 4, [1024] * 4)}
     rng = np.random.default_rng(0)
     for name, (q_lens, kv_lens) in batches.items():
