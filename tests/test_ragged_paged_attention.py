@@ -89,7 +89,8 @@ def check(impl, args, *, dtype, sliding_window=None, soft_cap=None, interpret=Fa
 
 # ---- the batch shapes hypothesis explores --------------------------------------------------------
 
-heads = st.sampled_from([(4, 4), (8, 2), (4, 1)])  # MHA, GQA, MQA
+# MHA, GQA (SmolLM2's 3 queries per KV head among them), MQA (8: the CPU kernel's largest group)
+heads = st.sampled_from([(4, 4), (8, 2), (9, 3), (4, 1), (8, 1)])
 
 
 @st.composite
@@ -142,6 +143,30 @@ def test_long_context_crosses_kv_blocks(impl):
                          dtype="float32")
         check(impl, args, dtype="float32")
         check(impl, args, dtype="float32", sliding_window=100)
+    # Windows shorter than a verify's queries, and pages smaller than the CPU kernel's prefetch
+    # distance.
+    for page_size in (2, 16):
+        args = make_case(rng, q_lens=verify_only[0], ctx_lens=verify_only[1], page_size=page_size,
+                         Hq=9, Hkv=3, D=64, dtype="float32")
+        check(impl, args, dtype="float32", sliding_window=3)
+
+
+def test_cpu_path_runs_decodes_and_verifies_in_the_kernel():
+    # A batch of decodes and verifies only: the cpu path's program calls the kernel (a shape it
+    # refused would pass the numeric tests on the reference alone).
+    rng = np.random.default_rng(1)
+    args = make_case(rng, q_lens=[5, 1, 8], ctx_lens=[40, 70, 3], page_size=16, Hq=9, Hkv=3, D=64,
+                     dtype="float32")
+    assert cpu.supports(args[0], args[1]) and cpu.available()
+    run = {impl: jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl, sm_scale=0.125))
+           for impl in ("cpu", "reference")}
+    assert cpu._TARGET in run["cpu"].lower(*args).as_text()
+    # Outside the contract (kv_len < q_len: the first queries sit before position 0 and see
+    # nothing), the kernel still answers as the reference does, zeros for those queries.
+    args = (args[0], args[1], args[2].at[0].set(3)) + args[3:]  # 5 queries, 3 tokens
+    got, want = (np.asarray(run[impl](*args)) for impl in ("cpu", "reference"))
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert not got[:2].any()
 
 
 def test_write_kv_round_trip():
@@ -216,7 +241,7 @@ def test_cpu_kernel_falls_back_to_the_reference_without_a_compiler(tmp_path, mon
     cpu.available.cache_clear()
     try:
         assert not cpu.available()
-        assert "CPU decode kernel unavailable" in caplog.text
+        assert "CPU attention kernel unavailable" in caplog.text
         args = make_case(np.random.default_rng(5), q_lens=[1, 1, 9], ctx_lens=[40, 3, 20],
                          page_size=16, Hq=4, Hkv=2, D=64, dtype="float32")
         check("cpu", args, dtype="float32")

@@ -30,7 +30,7 @@ def _auto_impl() -> str:
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                            sliding_window=None, soft_cap=None, impl="auto", interpret=False):
     """Dispatch to an implementation; impl="auto" picks by backend (CPU -> cpu: the reference
-    with decodes through a C++ kernel where it builds and takes the shapes)."""
+    with decodes and verifies through a C++ kernel where it builds and takes the shapes)."""
     validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
                     sliding_window=sliding_window, soft_cap=soft_cap)
     if impl == "auto":

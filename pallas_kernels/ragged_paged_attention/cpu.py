@@ -44,8 +44,9 @@ _TARGET = "jaxserve_paged_decode"
 HEAD_DIMS = (64, 128)
 MAX_PAGE_SIZE = 64
 MAX_QUERIES_PER_KV_HEAD = 8
-# Sequences of up to this many queries take the kernel (it refuses more than its kMaxQueries).
-MAX_QUERIES_PER_SEQUENCE = reference.SHORT_QUERY_TOKENS
+# The most queries per sequence the kernel takes (cpu_decode.cc's kMaxQueries). The reference hands
+# it every sequence of up to SHORT_QUERY_TOKENS queries; `supports` keeps it off a longer bound.
+MAX_QUERIES_PER_SEQUENCE = 8
 
 
 def _cpu_flags() -> str:
@@ -85,7 +86,8 @@ def available() -> bool:
         handler = ctypes.cdll.LoadLibrary(str(lib)).JaxservePagedDecode
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or e
-        log.warning("CPU decode kernel unavailable, decodes use the pure-JAX reference: %s",
+        log.warning("CPU attention kernel unavailable, decodes and verifies use the pure-JAX "
+                    "reference: %s",
                     str(detail).strip()[-2000:])
         return False
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
@@ -98,12 +100,13 @@ def supports(q, kv_cache) -> bool:
     _, page_size, H2, _ = kv_cache.shape
     return (q.dtype == jnp.float32 and kv_cache.dtype == jnp.float32 and D in HEAD_DIMS
             and page_size <= MAX_PAGE_SIZE and Hq % (H2 // 2) == 0
-            and Hq // (H2 // 2) <= MAX_QUERIES_PER_KV_HEAD)
+            and Hq // (H2 // 2) <= MAX_QUERIES_PER_KV_HEAD
+            and reference.SHORT_QUERY_TOKENS <= MAX_QUERIES_PER_SEQUENCE)
 
 
 def short_queries(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                   sliding_window=None, soft_cap=None, include=None):
-    """The rows of sequences with 1 to MAX_QUERIES_PER_SEQUENCE queries (and `include`d, when
+    """The rows of sequences with 1 to reference.SHORT_QUERY_TOKENS queries (and `include`d, when
     given); every other row 0. The reference's `short_impl` contract."""
     S = page_indices.shape[0]
     include = jnp.ones((S,), jnp.int32) if include is None else include.astype(jnp.int32)
@@ -111,7 +114,7 @@ def short_queries(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm
     return call(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, include,
                 sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
                 soft_cap=np.float32(soft_cap or 0.0),
-                max_queries=np.int64(MAX_QUERIES_PER_SEQUENCE))
+                max_queries=np.int64(reference.SHORT_QUERY_TOKENS))
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,

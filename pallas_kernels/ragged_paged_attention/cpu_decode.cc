@@ -92,14 +92,16 @@ void AttendOne(const Problem& p, int64_t seq, int64_t h) {
   const int64_t nq = kDecode ? 1 : p.cu_q_lens[seq + 1] - row;
   const int64_t len = p.kv_lens[seq];
   const int64_t token_stride = 2 * p.hkv * D;
-  // Positions [lo[r], hi[r]) of query r; the first query's lo is the lowest any query sees.
-  int64_t lo[kMaxQueries], hi[kMaxQueries];
+  constexpr int kQ = kDecode ? 1 : kMaxQueries;
+  // Positions [lo[r], hi[r]) of query r; the first query's lo is the lowest any query sees. (A
+  // query before position 0, kv_len < q_len, sees none and comes back 0, as in the reference.)
+  int64_t lo[kQ], hi[kQ];
   for (int64_t r = 0; r < nq; ++r) {
     hi[r] = len - nq + r + 1;
     lo[r] = p.sliding_window > 0 ? std::max<int64_t>(0, hi[r] - p.sliding_window) : 0;
   }
-  alignas(64) float q[kMaxQueries][G][D], acc[kMaxQueries][G][D], s[kMaxQueries][G][kMaxPage];
-  float m[kMaxQueries][G], l[kMaxQueries][G];
+  alignas(64) float q[kQ][G][D], acc[kQ][G][D], s[kQ][G][kMaxPage];
+  float m[kQ][G], l[kQ][G];
   for (int64_t r = 0; r < nq; ++r) {
     for (int g = 0; g < G; ++g) {
       const float* src = p.q + ((row + r) * p.hkv * G + h * G + g) * D;
@@ -109,20 +111,23 @@ void AttendOne(const Problem& p, int64_t seq, int64_t h) {
       l[r][g] = 0.0f;
     }
   }
+  // Clamped as XLA clamps a gather index: a bad page table, or a kv_len past its row, reads a
+  // wrong page, never past the table or the pool.
+  const auto page_at = [&](int64_t i) {
+    const int64_t entry = std::min(i, p.pages_per_seq - 1);
+    return std::clamp<int64_t>(p.pages[seq * p.pages_per_seq + entry], 0, p.num_pages - 1);
+  };
   for (int64_t first = lo[0] - lo[0] % ps; first < len; first += ps) {
-    // Clamped as XLA clamps a gather index: a bad page table reads a wrong page, never past
-    // the pool.
-    const int64_t page =
-        std::clamp<int64_t>(p.pages[seq * p.pages_per_seq + first / ps], 0, p.num_pages - 1);
+    const int64_t page = page_at(first / ps);
     const float* base = p.kv + page * ps * token_stride + 2 * h * D;
     // A page that does not follow this one in memory is one the hardware prefetcher has not
     // seen coming: ask for this head's rows of it while this page is computed (64 decodes of
     // 46-286 tokens in pages spread at random over the pool, on the 2-core AVX-512 host: 0.68
     // -> 0.47 ms per layer; no change when the pages are in order).
-    const int64_t next = first + ps < len ? std::clamp<int64_t>(
-        p.pages[seq * p.pages_per_seq + first / ps + 1], 0, p.num_pages - 1) : page + 1;
+    const bool has_next = first + ps < len;
+    const int64_t next = has_next ? page_at(first / ps + 1) : page;
     const float* next_base = p.kv + next * ps * token_stride + 2 * h * D;
-    if (next != page + 1) {
+    if (has_next && next != page + 1) {
       for (int64_t t = 0; t < ps; ++t) PrefetchRow<D>(next_base + t * token_stride);
     }
     // This page's tokens [t0, t1) that some query sees; query r sees [r0, r1) of them.
@@ -252,7 +257,7 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   int64_t n = 0;
   for (int64_t s = 0; s < live; ++s) {
     const int64_t nq = cu[s + 1] - cu[s];
-    if (work->problem.include[s] && nq >= 1 && nq <= max_queries && lens[s] >= nq &&
+    if (work->problem.include[s] && nq >= 1 && nq <= max_queries && lens[s] > 0 &&
         cu[s] >= 0 && cu[s + 1] <= T) {
       work->seqs[n++] = static_cast<int32_t>(s);
     }

@@ -308,10 +308,11 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     chunk = q_lens > SHORT_QUERY_TOKENS
 
     def short_queries():
-        # Decodes on the decode path, short queries on query blocks of their size: as a prefill
-        # item a decode computes a whole q_block of rows for its one query (SmolLM2 shape, 40
-        # decodes at 300 tokens + 2 chunks of 236: 55 ms -> 16 ms on the CPU). Each path writes
-        # only its own rows and leaves the others 0, so the sum is the whole answer.
+        # short_impl takes them all; else decodes on the decode path and short queries on query
+        # blocks of their size: as a prefill item a decode computes a whole q_block of rows for
+        # its one query (SmolLM2 shape, 40 decodes at 300 tokens + 2 chunks of 236: 55 ms -> 16
+        # ms on the CPU). Each path writes only its own rows and leaves the others 0, so the sum
+        # is the whole answer.
         if short_impl is not None:
             return short(include=~chunk)
         return short(include=q_lens <= 1) + _attend(
