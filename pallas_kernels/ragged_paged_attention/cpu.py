@@ -87,8 +87,7 @@ def available() -> bool:
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or e
         log.warning("CPU attention kernel unavailable, decodes and verifies use the pure-JAX "
-                    "reference: %s",
-                    str(detail).strip()[-2000:])
+                    "reference: %s", str(detail).strip()[-2000:])
         return False
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
     return True

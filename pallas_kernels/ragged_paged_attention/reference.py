@@ -325,6 +325,7 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
             *args, **kwargs, q_block=PREFILL_Q_BLOCK, items_per_step=PREFILL_ITEMS_PER_STEP,
             kv_block_tokens=PREFILL_KV_BLOCK_TOKENS, include=chunk)
 
-    if short_impl is not None:
-        return lax.cond(jnp.any(chunk), mixed, short_queries)
-    return lax.cond(jnp.max(q_lens) <= 1, short, mixed)
+    # A batch that one path covers runs only that one: decodes alone, or with short_impl every
+    # batch without a chunk.
+    alone = SHORT_QUERY_TOKENS if short_impl is not None else 1
+    return lax.cond(jnp.max(q_lens) <= alone, short, mixed)
