@@ -10,6 +10,7 @@ its longest request is done, as static batching does), and only the requested to
     python benchmarks/throughput.py                       # jaxserve only
     python benchmarks/throughput.py --compare hf          # + HF transformers (pip install .[bench])
     python benchmarks/throughput.py --compare int8        # + jaxserve with --quantization int8
+    python benchmarks/throughput.py --compare bf16-kv     # + jaxserve with --kv-cache-dtype bfloat16
 
 After the workload (unless `--no-decode-step`) each jaxserve run also times the engine's
 64-sequence decode step (forward over 64 one-token queries at contexts of 46-286 tokens, LM
@@ -31,13 +32,13 @@ from workload import pydoc_workload  # benchmarks/ is the script's directory
 SMOLLM2 = "smollm2-135m-instruct"
 
 
-def run_jaxserve(work, args, quantization: str | None = None) -> dict:
+def run_jaxserve(work, args, **engine) -> dict:
     from jaxserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=512,
-              quantization=quantization, progress=False)
+              progress=False, **engine)
     startup = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
@@ -151,7 +152,7 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--compare", choices=("hf", "int8"), default=None)
+    p.add_argument("--compare", choices=("hf", "int8", "bf16-kv"), default=None)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--no-decode-step", dest="decode_step", action="store_false",
                    help="skip the 64-sequence decode step's fraction of the f32 matmul peak")
@@ -168,7 +169,9 @@ def main() -> None:
     if args.compare == "hf":
         results["hf"] = run_hf(work, args)
     if args.compare == "int8":
-        results["int8"] = run_jaxserve(work, args, "int8")
+        results["int8"] = run_jaxserve(work, args, quantization="int8")
+    if args.compare == "bf16-kv":
+        results["bf16-kv"] = run_jaxserve(work, args, kv_cache_dtype="bfloat16")
     print(f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens; "
           f"{platform.machine()} {platform.processor() or ''}".rstrip())
     for name, r in results.items():
@@ -176,17 +179,20 @@ def main() -> None:
         r["total_tok_s"] = (prompt_tokens + output_tokens) / r["seconds"]
         print(f"{name:9s} {r['seconds']:7.1f} s  output {r['output_tok_s']:7.1f} tok/s  "
               f"total {r['total_tok_s']:7.1f} tok/s")
-    step = results["jaxserve"].get("decode_step")
-    if step is not None:
-        print(f"decode step, {step['num_seqs']} sequences: {step['step_ms']:.0f} ms, "
-              f"{step['gflop_s']:.1f} GFLOP/s = {step['fraction_of_peak']:.0%} of the f32 matmul "
-              f"peak measured in this run ({step['matmul_peak_gflop_s']:.1f} GFLOP/s)")
+    for name, r in results.items():
+        if (step := r.get("decode_step")) is not None:
+            print(f"{name} decode step, {step['num_seqs']} sequences: {step['step_ms']:.0f} ms, "
+                  f"{step['gflop_s']:.1f} GFLOP/s = {step['fraction_of_peak']:.0%} of the f32 "
+                  f"matmul peak measured in this run ({step['matmul_peak_gflop_s']:.1f} GFLOP/s)")
     if "hf" in results:
         ratio = results["jaxserve"]["output_tok_s"] / results["hf"]["output_tok_s"]
         print(f"jaxserve / HF transformers (static batch {args.hf_batch_size}): {ratio:.2f}x")
     if "int8" in results:
         ratio = results["int8"]["output_tok_s"] / results["jaxserve"]["output_tok_s"]
         print(f"jaxserve --quantization int8 / f32: {ratio:.2f}x")
+    if "bf16-kv" in results:
+        ratio = results["bf16-kv"]["output_tok_s"] / results["jaxserve"]["output_tok_s"]
+        print(f"jaxserve --kv-cache-dtype bfloat16 / f32: {ratio:.2f}x")
     print(json.dumps(results))
 
 

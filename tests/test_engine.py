@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 
+import jax
 import pytest
 from jax import monitoring
 
@@ -285,6 +286,33 @@ def test_abort_one_sequence_of_n_frees_its_pages_and_its_siblings_go_on(tiny_pat
     [out] = engine.step()
     assert out.finished and [c.finish_reason for c in out.outputs] == ["abort", "abort"]
     assert_no_leaks(engine)
+
+
+def test_bf16_kv_cache_through_the_cpu_kernel_library(tiny_path, monkeypatch):
+    # kv_cache_dtype="bfloat16" on CPU: decodes, KV writes and prefill chunks' page gathers go
+    # through cpu_decode.cc (XLA:CPU widens the whole cache to f32 around a bf16 scatter or
+    # gather). Chunked prefills beside decodes; the tokens are those of the pure-XLA path.
+    from jaxserve.cli import build_parser
+    from jaxserve.engine_args import engine_args
+    from pallas_kernels.ragged_paged_attention import cpu
+
+    flags = engine_args(build_parser().parse_args(
+        ["serve", "--model", str(tiny_path), "--kv-cache-dtype", "bfloat16", "--num-pages", "40",
+         "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "128"]))
+    assert flags["kv_cache_dtype"] == "bfloat16"
+    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 9 * i))} for i in range(4)]
+
+    def run():
+        jax.clear_caches()  # the forward is traced again, with or without the library
+        llm = LLM(str(tiny_path), **flags, warmup=False, progress=False)
+        assert llm.engine.runner.kv_cache.dtype == "bfloat16"
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+    assert cpu.available()
+    with_library = run()
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    assert run() == with_library
+    jax.clear_caches()
 
 
 def test_request_validation(tiny_path):

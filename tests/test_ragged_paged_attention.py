@@ -46,9 +46,10 @@ def numpy_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
     return out
 
 
-def make_case(rng, *, q_lens, ctx_lens, page_size, Hq, Hkv, D, dtype, pad_tokens=3, pad_seqs=2,
-              pages_per_seq=None):
-    """A batch of sequences with random cached contexts; returns kernel args and the raw cache."""
+def make_case(rng, *, q_lens, ctx_lens, page_size, Hq, Hkv, D, dtype, cache_dtype=None,
+              pad_tokens=3, pad_seqs=2, pages_per_seq=None):
+    """A batch of sequences with random cached contexts; returns kernel args and the raw cache.
+    The cache is `cache_dtype` (default `dtype`, the queries')."""
     kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     need = [-(-n // page_size) for n in kv_lens]
     pages_per_seq = pages_per_seq or max(need) + 1
@@ -67,7 +68,7 @@ def make_case(rng, *, q_lens, ctx_lens, page_size, Hq, Hkv, D, dtype, pad_tokens
     kv_lens_arr[:len(kv_lens)] = kv_lens
     cache = rng.standard_normal((num_pages, page_size, 2 * Hkv, D)).astype(np.float32)
     q = rng.standard_normal((T, Hq, D)).astype(np.float32)
-    cache, q = (jnp.asarray(a, dtype) for a in (cache, q))
+    cache, q = jnp.asarray(cache, cache_dtype or dtype), jnp.asarray(q, dtype)
     return (q, cache, jnp.asarray(kv_lens_arr), jnp.asarray(page_indices), jnp.asarray(cu),
             jnp.asarray([len(q_lens)], jnp.int32))
 
@@ -96,12 +97,15 @@ heads = st.sampled_from([(4, 4), (8, 2), (9, 3), (4, 1), (8, 1)])
 @st.composite
 def batches(draw, max_seqs=4, max_q=20, max_ctx=70):
     n = draw(st.integers(1, max_seqs))
+    dtype = draw(st.sampled_from(["float32", "bfloat16"]))
     q_lens = [draw(st.sampled_from([1, 1, draw(st.integers(1, max_q))])) for _ in range(n)]
     ctx = [draw(st.integers(0, max_ctx)) for _ in range(n)]
     return dict(q_lens=q_lens, ctx_lens=ctx,
                 page_size=draw(st.sampled_from([16, 32])),
                 D=draw(st.sampled_from([64, 128])),
-                dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+                dtype=dtype,
+                # f32 queries over a bf16 cache: a model with kv_cache_dtype="bfloat16"
+                cache_dtype=draw(st.sampled_from([dtype, "bfloat16"])),
                 seed=draw(st.integers(0, 2**16)))
 
 
@@ -120,8 +124,9 @@ def run_case(impl, case, hq_hkv, *, sliding_window=None, soft_cap=None, interpre
        sliding_window=st.sampled_from([None, None, 1, 7, 40]),
        soft_cap=st.sampled_from([None, None, 5.0]))
 def test_matches_numpy(impl, case, hq_hkv, sliding_window, soft_cap):
-    # cpu: decodes and short queries through the C++ kernel (f32), chunks and bf16 through the
-    # reference.
+    # cpu: decodes and short queries through the C++ kernel (f32 queries, f32 or bf16 cache),
+    # chunks and bf16 queries through the reference. The oracle reads the bf16 cache's values, so
+    # f32 queries keep the f32 tolerance over either cache.
     run_case(impl, case, hq_hkv, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
@@ -151,12 +156,13 @@ def test_long_context_crosses_kv_blocks(impl):
         check(impl, args, dtype="float32", sliding_window=3)
 
 
-def test_cpu_path_runs_decodes_and_verifies_in_the_kernel():
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_cpu_path_runs_decodes_and_verifies_in_the_kernel(cache_dtype):
     # A batch of decodes and verifies only: the cpu path's program calls the kernel (a shape it
     # refused would pass the numeric tests on the reference alone).
     rng = np.random.default_rng(1)
     args = make_case(rng, q_lens=[5, 1, 8], ctx_lens=[40, 70, 3], page_size=16, Hq=9, Hkv=3, D=64,
-                     dtype="float32")
+                     dtype="float32", cache_dtype=cache_dtype)
     assert cpu.supports(args[0], args[1]) and cpu.available()
     run = {impl: jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl, sm_scale=0.125))
            for impl in ("cpu", "reference")}
@@ -169,25 +175,34 @@ def test_cpu_path_runs_decodes_and_verifies_in_the_kernel():
     assert not got[:2].any()
 
 
-def test_write_kv_round_trip():
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_write_kv_round_trip(impl, cache_dtype):
+    # cpu: a bf16 cache is written by the kernel library, rounded as XLA's convert rounds.
     rng = np.random.default_rng(1)
-    P, ps, Hkv, D, T = 6, 16, 2, 64, 5
-    cache = jnp.zeros((P, ps, 2 * Hkv, D), jnp.float32)
+    P, ps, Hkv, D, T = 6, 16, 2, 64, 6
+    cache = jnp.zeros((P, ps, 2 * Hkv, D), cache_dtype)
     k = jnp.asarray(rng.standard_normal((T, Hkv, D)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((T, Hkv, D)), jnp.float32)
-    slots = jnp.asarray([17, 18, 40, 95, 3], jnp.int32)
-    out = jax.jit(rpa.write_kv, donate_argnums=0)(cache, k, v, slots)
-    flat = np.asarray(out).reshape(P * ps, 2 * Hkv, D)
-    np.testing.assert_array_equal(flat[np.asarray(slots)][:, 0::2], k)
-    np.testing.assert_array_equal(flat[np.asarray(slots)][:, 1::2], v)
-    untouched = np.setdiff1d(np.arange(P * ps), slots)
+    slots = jnp.asarray([17, 18, 40, 95, 3, P * ps], jnp.int32)  # the last is dropped
+    write = functools.partial(rpa.write_kv, impl=impl)
+    out = jax.jit(write, donate_argnums=0)(cache, k, v, slots)
+    assert out.dtype == cache_dtype
+    flat = np.asarray(out.astype(jnp.float32)).reshape(P * ps, 2 * Hkv, D)
+    live = np.asarray(slots)[:-1]
+    rounded = lambda x: np.asarray(x[:-1].astype(cache_dtype).astype(jnp.float32))
+    np.testing.assert_array_equal(flat[live][:, 0::2], rounded(k))
+    np.testing.assert_array_equal(flat[live][:, 1::2], rounded(v))
+    untouched = np.setdiff1d(np.arange(P * ps), live)
     assert not flat[untouched].any()
 
 
-def test_write_kv_in_place_in_a_loop_carry():
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_write_kv_in_place_in_a_loop_carry(cache_dtype):
     # The model writes each layer's K/V inside a scan over layers: the compiled program must not
-    # copy the cache (no extra buffer of the cache's size beyond the donated argument).
-    cache = jnp.zeros((64, 16, 4, 64), jnp.float32)
+    # copy the cache (no extra buffer of the cache's size beyond the donated argument). A bf16
+    # cache through XLA's scatter would be widened to f32 around it, twice the cache's size.
+    cache = jnp.zeros((64, 16, 4, 64), cache_dtype)
     k = jnp.ones((4, 2, 64), jnp.float32)
 
     def step(c, i):

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import jax
 
+import jax.numpy as jnp
+
 from pallas_kernels.ragged_paged_attention import reference
-from pallas_kernels.ragged_paged_attention.reference import write_kv
 from pallas_kernels.ragged_paged_attention.validate import validate_inputs
 
 IMPLS = ("reference", "cpu", "pallas_tpu", "pallas_gpu")
@@ -25,6 +26,19 @@ IMPLS = ("reference", "cpu", "pallas_tpu", "pallas_gpu")
 def _auto_impl() -> str:
     return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "cpu"}.get(jax.default_backend(),
                                                                          "reference")
+
+
+def write_kv(kv_cache, k, v, slot_mapping, *, impl="auto"):
+    """Scatter this step's K/V into the cache at `slot_mapping` (reference.write_kv). On the cpu
+    path a bf16 cache is written by the CPU kernel library: XLA:CPU would widen the whole cache to
+    f32 around its scatter."""
+    if impl == "auto":
+        impl = _auto_impl()
+    if impl == "cpu" and kv_cache.dtype == jnp.bfloat16:
+        from pallas_kernels.ragged_paged_attention import cpu
+        if cpu.available():
+            return cpu.write_kv(kv_cache, k, v, slot_mapping)
+    return reference.write_kv(kv_cache, k, v, slot_mapping)
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,

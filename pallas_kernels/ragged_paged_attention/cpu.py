@@ -15,7 +15,13 @@ CPU (-march=native), into $JAXSERVE_CACHE/kernels (default ~/.cache/jaxserve/ker
 name keyed by the source, the compiler command and the CPU's flags, so a cache shared between
 hosts never hands one a binary built for another. Without a compiler, or if the build fails,
 `available()` is False and everything takes the reference's paths (logged once); so do bf16
-caches and shapes the kernel does not take (`supports`).
+queries and shapes the kernel does not take (`supports`).
+
+A bf16 cache (`kv_cache_dtype="bfloat16"`) is read as f32, as the reference reads it, at half the
+bytes. Its KV write and the prefill path's page gather go through the same library
+(`write_kv`, `gather_pages`): XLA:CPU has no bf16 scatter or gather and widens the operand to f32
+around one, which for the cache is the whole cache, twice per layer (64 decodes over a bf16
+cache: 2.6 s per step through XLA).
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_decode.cc")
 _TARGET = "jaxserve_paged_decode"
+# The library's handlers: target name -> symbol.
+_HANDLERS = {_TARGET: "JaxservePagedDecode", "jaxserve_write_kv": "JaxserveWriteKv",
+             "jaxserve_gather_pages": "JaxserveGatherPages"}
 # What the kernel takes (cpu_decode.cc checks the same): beyond these the reference runs.
 HEAD_DIMS = (64, 128)
 MAX_PAGE_SIZE = 64
@@ -83,22 +92,24 @@ def available() -> bool:
     try:
         if not lib.exists():
             _build(lib, command)
-        handler = ctypes.cdll.LoadLibrary(str(lib)).JaxservePagedDecode
+        library = ctypes.cdll.LoadLibrary(str(lib))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or e
         log.warning("CPU attention kernel unavailable, decodes and verifies use the pure-JAX "
                     "reference: %s", str(detail).strip()[-2000:])
         return False
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    for target, symbol in _HANDLERS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                    platform="cpu")
     return True
 
 
 def supports(q, kv_cache) -> bool:
-    """Whether the kernel takes these shapes and dtypes (f32 queries and cache)."""
+    """Whether the kernel takes these shapes and dtypes (f32 queries, an f32 or bf16 cache)."""
     _, Hq, D = q.shape
     _, page_size, H2, _ = kv_cache.shape
-    return (q.dtype == jnp.float32 and kv_cache.dtype == jnp.float32 and D in HEAD_DIMS
-            and page_size <= MAX_PAGE_SIZE and Hq % (H2 // 2) == 0
+    return (q.dtype == jnp.float32 and kv_cache.dtype in (jnp.float32, jnp.bfloat16)
+            and D in HEAD_DIMS and page_size <= MAX_PAGE_SIZE and Hq % (H2 // 2) == 0
             and Hq // (H2 // 2) <= MAX_QUERIES_PER_KV_HEAD
             and reference.SHORT_QUERY_TOKENS <= MAX_QUERIES_PER_SEQUENCE)
 
@@ -116,12 +127,32 @@ def short_queries(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm
                 max_queries=np.int64(reference.SHORT_QUERY_TOKENS))
 
 
+def gather_pages(kv_cache, pages):
+    """The cache's pages `pages` [...] widened to f32: [..., page_size, 2 * Hkv, D]; indices are
+    clamped into the cache as XLA's gather clamps them. The reference's `gather_pages` hook."""
+    call = jax.ffi.ffi_call("jaxserve_gather_pages",
+                            jax.ShapeDtypeStruct((*pages.shape, *kv_cache.shape[1:]), jnp.float32))
+    return call(kv_cache, pages)
+
+
+def write_kv(kv_cache, k, v, slot_mapping):
+    """reference.write_kv in place through the library (the output aliases the cache); for an
+    f32 or bf16 cache, where `available()`."""
+    rows = reference.kv_rows(kv_cache, k, v, slot_mapping).astype(jnp.float32)
+    call = jax.ffi.ffi_call("jaxserve_write_kv",
+                            jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
+                            input_output_aliases={0: 0})
+    return call(kv_cache, rows, slot_mapping)
+
+
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                            sliding_window=None, soft_cap=None):
     """The reference with its decode and short-query paths replaced by the kernel where the kernel
-    is built and takes these shapes (`available`, `supports`); else the reference alone."""
+    is built and takes these shapes (`available`, `supports`), and a bf16 cache's page gathers by
+    the library's; else the reference alone."""
     use_kernel = supports(q, kv_cache) and available()
     return reference.ragged_paged_attention(
         q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap,
-        short_impl=short_queries if use_kernel else None)
+        short_impl=short_queries if use_kernel else None,
+        gather_pages=gather_pages if use_kernel and kv_cache.dtype == jnp.bfloat16 else None)

@@ -9,6 +9,11 @@
 // verifies).
 // Layout and semantics: the package docstring of ragged_paged_attention (K head h at slot 2h,
 // V head h at 2h + 1 of a page row). Rows of sequences not selected by `include` come back 0.
+// The cache is f32 or bf16 (read as f32, as the reference reads it); queries and output are f32.
+//
+// Also here, for a bf16 cache: the KV write and the page gather of the prefill path. XLA:CPU has
+// no bf16 scatter or gather and widens the operand to f32 around one, which for the cache is the
+// whole cache, twice per layer (64 decodes: 2.6 s per step instead of ~80 ms).
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -57,18 +62,53 @@ inline float ExpNonPositive(float x) {
   return p * scale;
 }
 
-// Ask for one token's K and V rows of a head (2 * D floats, contiguous).
+// A bf16 cache element: the high half of an f32, widened exactly.
+struct Bf16 {
+  uint16_t bits;
+};
+inline float ToF32(float x) { return x; }
+inline float ToF32(Bf16 x) {
+  const uint32_t wide = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+// Round to nearest even, NaN kept (quietened), as XLA's convert rounds.
+inline Bf16 ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return Bf16{static_cast<uint16_t>((u >> 16) | 0x40u)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return Bf16{static_cast<uint16_t>(u >> 16)};
+}
+// One K or V row of a head as f32: the row itself for an f32 cache, else widened into `buf` once,
+// not once per query that reads it (64 decodes of 46-286 tokens, AVX-512 host: 0.50 -> 0.36 ms
+// per layer; f32 0.42).
 template <int D>
-inline void PrefetchRow(const float* row) {
+inline const float* RowF32(const float* row, float*) {
+  return row;
+}
+template <int D>
+inline const float* RowF32(const Bf16* row, float* buf) {
+#pragma omp simd
+  for (int d = 0; d < D; ++d) buf[d] = ToF32(row[d]);
+  return buf;
+}
+inline void Store(float x, float* dst) { *dst = x; }
+inline void Store(float x, Bf16* dst) { *dst = ToBf16(x); }
+
+// Ask for one token's K and V rows of a head (2 * D elements, contiguous).
+template <typename T, int D>
+inline void PrefetchRow(const T* row) {
   const char* bytes = reinterpret_cast<const char*>(row);
-  for (int b = 0; b < 2 * D * static_cast<int>(sizeof(float)); b += 64) {
+  for (int b = 0; b < 2 * D * static_cast<int>(sizeof(T)); b += 64) {
     __builtin_prefetch(bytes + b);
   }
 }
 
 struct Problem {
   const float* q;        // [T, Hq, D]
-  const float* kv;       // [P, page_size, 2 * Hkv, D]
+  const void* kv;        // [P, page_size, 2 * Hkv, D], f32 or bf16
   const int32_t* kv_lens;
   const int32_t* pages;  // [S, pages_per_seq]
   const int32_t* cu_q_lens;
@@ -84,9 +124,11 @@ struct Problem {
 // len - Q + r and sees the positions up to its own (and, with a window, the last `window` of
 // them). D and G are compile-time so the loops over them unroll and each K and V row, loaded
 // once, serves all Q * G queries; so is Q for a decode (Q = 1; a loop over a runtime Q cost
-// decodes 15%: 0.47 -> 0.55 ms per layer, 64 decodes on the AVX-512 host).
-template <int D, int G, bool kDecode>
+// decodes 15%: 0.47 -> 0.55 ms per layer, 64 decodes on the AVX-512 host). T is the cache's
+// element type.
+template <typename T, int D, int G, bool kDecode>
 void AttendOne(const Problem& p, int64_t seq, int64_t h) {
+  const T* kv = static_cast<const T*>(p.kv);
   const int64_t ps = p.page_size;
   const int64_t row = p.cu_q_lens[seq];
   const int64_t nq = kDecode ? 1 : p.cu_q_lens[seq + 1] - row;
@@ -100,7 +142,7 @@ void AttendOne(const Problem& p, int64_t seq, int64_t h) {
     hi[r] = len - nq + r + 1;
     lo[r] = p.sliding_window > 0 ? std::max<int64_t>(0, hi[r] - p.sliding_window) : 0;
   }
-  alignas(64) float q[kQ][G][D], acc[kQ][G][D], s[kQ][G][kMaxPage];
+  alignas(64) float q[kQ][G][D], acc[kQ][G][D], s[kQ][G][kMaxPage], row_buf[D];
   float m[kQ][G], l[kQ][G];
   for (int64_t r = 0; r < nq; ++r) {
     for (int g = 0; g < G; ++g) {
@@ -119,27 +161,27 @@ void AttendOne(const Problem& p, int64_t seq, int64_t h) {
   };
   for (int64_t first = lo[0] - lo[0] % ps; first < len; first += ps) {
     const int64_t page = page_at(first / ps);
-    const float* base = p.kv + page * ps * token_stride + 2 * h * D;
+    const T* base = kv + page * ps * token_stride + 2 * h * D;
     // A page that does not follow this one in memory is one the hardware prefetcher has not
     // seen coming: ask for this head's rows of it while this page is computed (64 decodes of
     // 46-286 tokens in pages spread at random over the pool, on the 2-core AVX-512 host: 0.68
     // -> 0.47 ms per layer; no change when the pages are in order).
     const bool has_next = first + ps < len;
     const int64_t next = has_next ? page_at(first / ps + 1) : page;
-    const float* next_base = p.kv + next * ps * token_stride + 2 * h * D;
+    const T* next_base = kv + next * ps * token_stride + 2 * h * D;
     if (has_next && next != page + 1) {
-      for (int64_t t = 0; t < ps; ++t) PrefetchRow<D>(next_base + t * token_stride);
+      for (int64_t t = 0; t < ps; ++t) PrefetchRow<T, D>(next_base + t * token_stride);
     }
     // This page's tokens [t0, t1) that some query sees; query r sees [r0, r1) of them.
     const int64_t t0 = std::max(first, lo[0]) - first, t1 = std::min(first + ps, len) - first;
     for (int64_t t = t0; t < t1; ++t) {
-      const float* k = base + t * token_stride;
+      const float* k = RowF32<D>(base + t * token_stride, row_buf);
       // A head's row is a third (SmolLM2) of the token's row, so the hardware sees a strided
       // stream that stops at every 4 KiB page: ask for the row kRowsAhead tokens on, in this
       // page or the next (64 decodes of 46-286 tokens in the engine, pages in order, 2-core
       // AVX-512 host: the step 100 -> 96 ms; 16 decodes 36.9 -> 35.1; 1 decode 20.6 -> 19.8).
       if (const int64_t a = t + kRowsAhead; first + a < len && a < 2 * ps) {
-        PrefetchRow<D>(a < ps ? base + a * token_stride : next_base + (a - ps) * token_stride);
+        PrefetchRow<T, D>(a < ps ? base + a * token_stride : next_base + (a - ps) * token_stride);
       }
       for (int64_t r = 0; r < nq; ++r) {
         for (int g = 0; g < G; ++g) {
@@ -171,7 +213,7 @@ void AttendOne(const Problem& p, int64_t seq, int64_t h) {
       }
     }
     for (int64_t t = t0; t < t1; ++t) {
-      const float* v = base + t * token_stride + D;
+      const float* v = RowF32<D>(base + t * token_stride + D, row_buf);
       for (int64_t r = 0; r < nq; ++r) {
         for (int g = 0; g < G; ++g) {
           const float w = s[r][g][t];
@@ -194,13 +236,17 @@ void AttendOne(const Problem& p, int64_t seq, int64_t h) {
 using AttendFn = void (*)(const Problem&, int64_t, int64_t);
 
 // [G - 1][Q > 1]: the decode and the short-query variant of each group size.
-template <int D, int... G>
-constexpr std::array<std::array<AttendFn, 2>, sizeof...(G)> AttendTable(
-    std::integer_sequence<int, G...>) {
-  return {{{AttendOne<D, G + 1, true>, AttendOne<D, G + 1, false>}...}};
+using AttendTable = std::array<std::array<AttendFn, 2>, kMaxGroup>;
+template <typename T, int D, int... G>
+constexpr AttendTable MakeAttendTable(std::integer_sequence<int, G...>) {
+  return {{{AttendOne<T, D, G + 1, true>, AttendOne<T, D, G + 1, false>}...}};
 }
-constexpr auto kAttend64 = AttendTable<64>(std::make_integer_sequence<int, kMaxGroup>());
-constexpr auto kAttend128 = AttendTable<128>(std::make_integer_sequence<int, kMaxGroup>());
+// [bf16 cache][D == 128]
+constexpr AttendTable kAttend[2][2] = {
+    {MakeAttendTable<float, 64>(std::make_integer_sequence<int, kMaxGroup>()),
+     MakeAttendTable<float, 128>(std::make_integer_sequence<int, kMaxGroup>())},
+    {MakeAttendTable<Bf16, 64>(std::make_integer_sequence<int, kMaxGroup>()),
+     MakeAttendTable<Bf16, 128>(std::make_integer_sequence<int, kMaxGroup>())}};
 
 // Work items (sequence, KV head) of the included sequences, shared by the caller and the pool's
 // workers through an atomic cursor; the caller returns once every claimed item is done.
@@ -221,7 +267,7 @@ struct Work {
   }
 };
 
-ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv,
+ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv,
                        ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                        ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                        ffi::Buffer<ffi::S32> include, ffi::ResultBuffer<ffi::F32> out,
@@ -233,9 +279,13 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   }
   const int64_t T = qd[0], Hq = qd[1], D = qd[2], Hkv = kd[2] / 2, S = pd[0];
   const int64_t G = Hq / Hkv;
-  const std::array<AttendFn, 2>* attend = (D == 64 || D == 128) && G >= 1 && G <= kMaxGroup
-                                              ? &(D == 64 ? kAttend64 : kAttend128)[G - 1]
-                                              : nullptr;
+  const bool bf16 = kv.element_type() == ffi::DataType::BF16;
+  const std::array<AttendFn, 2>* attend =
+      (D == 64 || D == 128) && G >= 1 && G <= kMaxGroup ? &kAttend[bf16][D == 128][G - 1]
+                                                         : nullptr;
+  if (!bf16 && kv.element_type() != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("paged decode: the cache must be f32 or bf16");
+  }
   if (attend == nullptr || kd[3] != D || G * Hkv != Hq || kd[1] > kMaxPage ||
       max_queries < 1 || max_queries > kMaxQueries) {
     return ffi::Error::InvalidArgument(
@@ -245,7 +295,7 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   }
   std::memset(out->typed_data(), 0, sizeof(float) * T * Hq * D);
   auto work = std::make_shared<Work>();
-  work->problem = Problem{q.typed_data(), kv.typed_data(), kv_lens.typed_data(),
+  work->problem = Problem{q.typed_data(), kv.untyped_data(), kv_lens.typed_data(),
                           page_indices.typed_data(), cu_q_lens.typed_data(), include.typed_data(),
                           out->typed_data(), kd[0], kd[1], Hkv, pd[1], sm_scale, soft_cap,
                           sliding_window};
@@ -273,13 +323,97 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   return ffi::Error::Success();
 }
 
+// rows [T, 2 * Hkv, D] (K and V interleaved, f32) into the cache's token slots `slots` [T]
+// (page * page_size + offset); slots outside the cache are dropped, as the reference's scatter
+// drops them. The output is the cache, updated in place (aliased by the caller).
+template <typename T>
+void WriteRows(const float* rows, const int32_t* slots, int64_t num_rows, int64_t row_size,
+               int64_t num_slots, T* cache) {
+  for (int64_t t = 0; t < num_rows; ++t) {
+    if (slots[t] < 0 || slots[t] >= num_slots) continue;
+    T* dst = cache + slots[t] * row_size;
+    const float* src = rows + t * row_size;
+#pragma omp simd
+    for (int64_t i = 0; i < row_size; ++i) Store(src[i], dst + i);
+  }
+}
+
+ffi::Error WriteKv(ffi::AnyBuffer cache, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::S32> slots,
+                   ffi::Result<ffi::AnyBuffer> out) {
+  const auto cd = cache.dimensions(), rd = rows.dimensions();
+  if (cd.size() != 4 || rd.size() != 3 || rd[1] != cd[2] || rd[2] != cd[3] ||
+      slots.element_count() != rd[0] || out->untyped_data() != cache.untyped_data()) {
+    return ffi::Error::InvalidArgument("write kv: shapes, or the output not the cache");
+  }
+  const int64_t row_size = cd[2] * cd[3], num_slots = cd[0] * cd[1];
+  switch (cache.element_type()) {
+    case ffi::DataType::F32:
+      WriteRows(rows.typed_data(), slots.typed_data(), rd[0], row_size, num_slots,
+                static_cast<float*>(out->untyped_data()));
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      WriteRows(rows.typed_data(), slots.typed_data(), rd[0], row_size, num_slots,
+                static_cast<Bf16*>(out->untyped_data()));
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("write kv: the cache must be f32 or bf16");
+  }
+}
+
+// The pages `pages` [N] of the cache, widened to f32: [N, page_size, 2 * Hkv, D]. Indices are
+// clamped into the cache, as XLA clamps a gather's.
+template <typename T>
+void GatherRows(const T* cache, const int32_t* pages, int64_t num, int64_t page_elems,
+                int64_t num_pages, float* out) {
+  for (int64_t i = 0; i < num; ++i) {
+    const T* src = cache + std::clamp<int64_t>(pages[i], 0, num_pages - 1) * page_elems;
+    float* dst = out + i * page_elems;
+#pragma omp simd
+    for (int64_t e = 0; e < page_elems; ++e) dst[e] = ToF32(src[e]);
+  }
+}
+
+ffi::Error GatherPages(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> pages,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  const auto cd = cache.dimensions();
+  const int64_t page_elems = cd.size() == 4 ? cd[1] * cd[2] * cd[3] : 0;
+  if (page_elems == 0 || out->element_count() != pages.element_count() * page_elems) {
+    return ffi::Error::InvalidArgument("gather pages: shapes");
+  }
+  switch (cache.element_type()) {
+    case ffi::DataType::F32:
+      GatherRows(static_cast<const float*>(cache.untyped_data()), pages.typed_data(),
+                 pages.element_count(), page_elems, cd[0], out->typed_data());
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      GatherRows(static_cast<const Bf16*>(cache.untyped_data()), pages.typed_data(),
+                 pages.element_count(), page_elems, cd[0], out->typed_data());
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("gather pages: the cache must be f32 or bf16");
+  }
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKv, WriteKv,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // kv_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // rows
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots
+                                  .Ret<ffi::AnyBuffer>());        // kv_cache (aliased)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGatherPages, GatherPages,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pages
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // f32 pages
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, PagedDecode,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // kv_cache
+                                  .Arg<ffi::AnyBuffer>()          // kv_cache, f32 or bf16
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // page_indices
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens

@@ -48,19 +48,25 @@ SHORT_QUERY_TOKENS = 8
 _MASKED = -1e30
 
 
-def write_kv(kv_cache, k, v, slot_mapping):
-    """Scatter new K/V rows into the cache at `slot_mapping` (page * page_size + offset).
-
-    K head h lands at slot 2h and V head h at 2h + 1 of axis 2. The reshapes are bitcasts, so with
-    the cache donated (or a loop carry) XLA updates it in place.
-    """
-    P, ps, H2, D = kv_cache.shape
+def kv_rows(kv_cache, k, v, slot_mapping):
+    """This step's K/V as cache rows [T, 2 * Hkv, D] (K head h at slot 2h, V head h at 2h + 1),
+    checked against the cache and the slot mapping."""
+    _, _, H2, D = kv_cache.shape
     T = k.shape[0]
     if k.shape != v.shape or k.shape[1:] != (H2 // 2, D) or slot_mapping.shape != (T,):
         raise ValueError(f"write_kv: k {k.shape}, v {v.shape}, slot_mapping {slot_mapping.shape} "
                          f"do not fit a cache of shape {kv_cache.shape} "
                          f"(k/v must be [T, {H2 // 2}, {D}])")
-    kv = jnp.stack([k, v], axis=2).reshape(T, H2, D).astype(kv_cache.dtype)
+    return jnp.stack([k, v], axis=2).reshape(T, H2, D)
+
+
+def write_kv(kv_cache, k, v, slot_mapping):
+    """Scatter new K/V rows into the cache at `slot_mapping` (page * page_size + offset); slots
+    outside the cache are dropped. The reshapes are bitcasts, so with the cache donated (or a loop
+    carry) XLA updates it in place.
+    """
+    P, ps, H2, D = kv_cache.shape
+    kv = kv_rows(kv_cache, k, v, slot_mapping).astype(kv_cache.dtype)
     flat = kv_cache.reshape(P * ps, H2, D).at[slot_mapping].set(kv, mode="drop")
     return flat.reshape(P, ps, H2, D)
 
@@ -115,13 +121,14 @@ def _kv_blocks(page_indices, page_size: int, kv_block_tokens: int):
     return page_indices, pages_per_block, pages_per_block * page_size, num_blocks
 
 
-def _kv_block(kv_cache, tables, b, pages_per_block: int):
+def _kv_block(kv_cache, tables, b, pages_per_block: int, gather_pages=None):
     """KV block b of each row's page table [I, pages]: K and V [I, tokens, Hkv, D] in f32, and
-    the block's cache positions [tokens]."""
+    the block's cache positions [tokens]. gather_pages(kv_cache, pages [I, n]) -> f32 [I, n,
+    page_size, 2 * Hkv, D] replaces XLA's gather (see ragged_paged_attention)."""
     _, ps, H2, D = kv_cache.shape
     pages = lax.dynamic_slice_in_dim(tables, b * pages_per_block, pages_per_block, axis=1)
-    kv = kv_cache[pages].reshape(tables.shape[0], pages_per_block * ps, H2 // 2, 2, D)
-    kv = kv.astype(jnp.float32)
+    kv = kv_cache[pages] if gather_pages is None else gather_pages(kv_cache, pages)
+    kv = kv.reshape(tables.shape[0], pages_per_block * ps, H2 // 2, 2, D).astype(jnp.float32)
     return kv[..., 0, :], kv[..., 1, :], b * pages_per_block * ps + jnp.arange(pages_per_block * ps)
 
 
@@ -158,7 +165,8 @@ def _softmax_out(l, acc):
 
 
 def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
-            soft_cap, q_block, items_per_step, kv_block_tokens, include=None, one_item_each=False):
+            soft_cap, q_block, items_per_step, kv_block_tokens, include=None, one_item_each=False,
+            gather_pages=None):
     """Query blocks of q_block rows (`query_items`), items_per_step at a time. one_item_each:
     every included sequence has at most q_block queries, so there are at most S items."""
     T, Hq, D = q.shape
@@ -207,7 +215,7 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
             b0, b1 = jnp.min(sl(blk_lo)), jnp.max(sl(blk_hi))
 
             def kv_step(b, carry):
-                k, v, k_pos = _kv_block(kv_cache, tables, b, pages_per_block)
+                k, v, k_pos = _kv_block(kv_cache, tables, b, pages_per_block, gather_pages)
                 s = jnp.einsum("ihqgd,ikhd->ihqgk", qg, k, precision=lax.Precision.HIGHEST)
                 mask = _visible(k_pos, q_pos, sliding_window)
                 return _softmax_step(carry, s, mask[:, None, :, None, :], v,
@@ -235,7 +243,7 @@ def _in_groups(num_live, per_step: int, groups_of, out):
 
 
 def _decode(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
-            soft_cap, include=None):
+            soft_cap, include=None, gather_pages=None):
     """Sequences of one query (decodes), DECODE_SEQS_PER_STEP at a time, longest first, each group
     walking its own KV blocks. Written for XLA:CPU: one query per sequence means no query-block
     axis, so the two contractions are batched matrix products over (sequence, KV head) that XLA
@@ -274,7 +282,7 @@ def _decode(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
             q_pos = jnp.take(kv_lens, seqs, mode="clip") - 1
 
             def kv_step(b, carry):
-                k, v, k_pos = _kv_block(kv_cache, tables, b, pages_per_block)
+                k, v, k_pos = _kv_block(kv_cache, tables, b, pages_per_block, gather_pages)
                 s = jnp.einsum("ihgd,ikhd->ihgk", qg, k, precision=lax.Precision.HIGHEST)
                 mask = _visible(k_pos, q_pos, sliding_window)
                 return _softmax_step(carry, s, mask[:, None, None, :], v, "ihgk,ikhd->ihgd",
@@ -291,16 +299,19 @@ def _decode(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                           sliding_window=None, soft_cap=None, short_impl=None):
+                           sliding_window=None, soft_cap=None, short_impl=None, gather_pages=None):
     """Attention of ragged queries over a paged KV cache (contract: the package docstring).
 
     Rows past cu_q_lens[num_seqs] come back as zeros. `short_impl` replaces the decode and
     short-query paths: `_decode`'s signature and contract, for every sequence of up to
-    SHORT_QUERY_TOKENS queries (the CPU kernel, see cpu.py).
+    SHORT_QUERY_TOKENS queries (the CPU kernel, see cpu.py). `gather_pages` replaces the gather
+    of cache pages (`_kv_block`; cpu.py's for a bf16 cache, which XLA:CPU would widen whole).
     """
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    short = functools.partial(short_impl or _decode, *args, **kwargs)
+    short = functools.partial(short_impl or functools.partial(_decode, gather_pages=gather_pages),
+                              *args, **kwargs)
+    kwargs["gather_pages"] = gather_pages
     if q.shape[0] == 1:
         return short()
     S = cu_q_lens.shape[0] - 1
