@@ -97,12 +97,16 @@ def test_golden_alone_mixed_and_prefix_cached(smollm2_llm, smollm2_golden):
 
 
 @pytest.mark.slow
-def test_golden_with_int8_weights(smollm2_golden):
-    # The GGUF's Q4_1 blocks land on int8 codes exactly (jaxserve.weights.quantize): the golden
-    # tokens stay equal, from a quarter of the layers' f32 weight bytes.
-    llm = LLM(SMOLLM2, quantization="int8", num_pages=64, max_num_seqs=8,
-              max_num_batched_tokens=256, max_model_len=512, strict_compile=True, progress=False)
-    assert llm.engine.config.model.quantization == "int8"
+@pytest.mark.parametrize("engine", [dict(quantization="int8"), dict(kv_cache_dtype="bfloat16")],
+                         ids=["int8-weights", "bf16-kv-cache"])
+def test_golden_with_int8_weights_or_a_bf16_kv_cache(smollm2_golden, engine):
+    # int8: the GGUF's Q4_1 blocks land on int8 codes exactly (jaxserve.weights.quantize), from a
+    # quarter of the layers' f32 weight bytes. bf16 KV cache: K and V rounded to bf16, attention
+    # still in f32. Either way the golden tokens stay equal.
+    llm = LLM(SMOLLM2, **engine, num_pages=64, max_num_seqs=8, max_num_batched_tokens=256,
+              max_model_len=512, strict_compile=True, progress=False)
+    assert llm.engine.config.model.quantization == engine.get("quantization")
+    assert llm.engine.runner.kv_cache.dtype == engine.get("kv_cache_dtype", "float32")
     assert_golden(llm.generate(golden_prompts(smollm2_golden), GREEDY), smollm2_golden)
     assert llm.engine.runner.num_serving_compiles == 0
     assert_no_leaks(llm.engine)
@@ -288,30 +292,40 @@ def test_abort_one_sequence_of_n_frees_its_pages_and_its_siblings_go_on(tiny_pat
     assert_no_leaks(engine)
 
 
-def test_bf16_kv_cache_through_the_cpu_kernel_library(tiny_path, monkeypatch):
+def test_bf16_kv_cache_through_the_cpu_kernel_library(tmp_path, smollm2_tokenizer_fields,
+                                                      monkeypatch):
     # kv_cache_dtype="bfloat16" on CPU: decodes, KV writes and prefill chunks' page gathers go
     # through cpu_decode.cc (XLA:CPU widens the whole cache to f32 around a bf16 scatter or
-    # gather). Chunked prefills beside decodes; the tokens are those of the pure-XLA path.
+    # gather); head_dim 64, a shape the attention kernel takes. Chunked prefills beside decodes;
+    # the tokens are those of the pure-XLA path.
     from jaxserve.cli import build_parser
     from jaxserve.engine_args import engine_args
     from pallas_kernels.ragged_paged_attention import cpu
 
+    path = tiny_gguf(tmp_path / "tiny64.gguf", smollm2_tokenizer_fields, hidden_size=128,
+                     num_heads=2, num_kv_heads=1, head_dim=64)
     flags = engine_args(build_parser().parse_args(
-        ["serve", "--model", str(tiny_path), "--kv-cache-dtype", "bfloat16", "--num-pages", "40",
+        ["serve", "--model", str(path), "--kv-cache-dtype", "bfloat16", "--num-pages", "40",
          "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "128"]))
     assert flags["kv_cache_dtype"] == "bfloat16"
     prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 9 * i))} for i in range(4)]
 
     def run():
         jax.clear_caches()  # the forward is traced again, with or without the library
-        llm = LLM(str(tiny_path), **flags, warmup=False, progress=False)
-        assert llm.engine.runner.kv_cache.dtype == "bfloat16"
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        llm = LLM(str(path), **flags, warmup=False, progress=False)
+        runner = llm.engine.runner
+        assert runner.kv_cache.dtype == "bfloat16"
+        program = runner._forward_jit.lower(runner.params, runner.kv_cache,
+                                            runner._plan_spec(32)).as_text()
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)], program
 
     assert cpu.available()
-    with_library = run()
+    with_library, program = run()
+    assert all(target in program for target in cpu._HANDLERS)
     monkeypatch.setattr(cpu, "available", lambda: False)
-    assert run() == with_library
+    without, program = run()
+    assert not any(target in program for target in cpu._HANDLERS)
+    assert without == with_library
     jax.clear_caches()
 
 

@@ -198,6 +198,24 @@ def test_write_kv_round_trip(impl, cache_dtype):
 
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_cpu_write_kv_rounds_as_xla_converts(cache_dtype):
+    # The library's write (both of its element types) against XLA's scatter and convert, on the
+    # values where rounding goes wrong: the largest finite f32 (to inf in bf16), ties to even
+    # either way, a value just under a tie, infinities, NaN.
+    bits = np.array([0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x3F807FFF, 0x7F800000, 0xFF800000,
+                     0x7FC00000, 0xC0490FDB], np.uint32)
+    k = jnp.asarray(bits.view(np.float32).reshape(1, 1, 8))
+    cache = jnp.zeros((2, 2, 2, 8), cache_dtype)
+    slots = jnp.asarray([3], jnp.int32)
+    got, want = (np.asarray(jax.jit(write)(cache, k, -k, slots))
+                 for write in (cpu.write_kv, rpa.reference.write_kv))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    uint = np.uint16 if cache_dtype == "bfloat16" else np.uint32
+    np.testing.assert_array_equal(got.view(uint)[ok], want.view(uint)[ok])
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
 def test_write_kv_in_place_in_a_loop_carry(cache_dtype):
     # The model writes each layer's K/V inside a scan over layers: the compiled program must not
     # copy the cache (no extra buffer of the cache's size beyond the donated argument). A bf16

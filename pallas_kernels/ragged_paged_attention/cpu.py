@@ -93,7 +93,7 @@ def available() -> bool:
         if not lib.exists():
             _build(lib, command)
         library = ctypes.cdll.LoadLibrary(str(lib))
-    except (OSError, subprocess.SubprocessError) as e:
+    except (OSError, AttributeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or e
         log.warning("CPU attention kernel unavailable, decodes and verifies use the pure-JAX "
                     "reference: %s", str(detail).strip()[-2000:])
@@ -132,7 +132,7 @@ def gather_pages(kv_cache, pages):
     clamped into the cache as XLA's gather clamps them. The reference's `gather_pages` hook."""
     call = jax.ffi.ffi_call("jaxserve_gather_pages",
                             jax.ShapeDtypeStruct((*pages.shape, *kv_cache.shape[1:]), jnp.float32))
-    return call(kv_cache, pages)
+    return call(kv_cache, pages.astype(jnp.int32))
 
 
 def write_kv(kv_cache, k, v, slot_mapping):
@@ -142,17 +142,18 @@ def write_kv(kv_cache, k, v, slot_mapping):
     call = jax.ffi.ffi_call("jaxserve_write_kv",
                             jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
                             input_output_aliases={0: 0})
-    return call(kv_cache, rows, slot_mapping)
+    return call(kv_cache, rows, slot_mapping.astype(jnp.int32))
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                            sliding_window=None, soft_cap=None):
     """The reference with its decode and short-query paths replaced by the kernel where the kernel
     is built and takes these shapes (`available`, `supports`), and a bf16 cache's page gathers by
-    the library's; else the reference alone."""
+    the library's whatever the shapes; else the reference alone."""
     use_kernel = supports(q, kv_cache) and available()
+    library_gather = kv_cache.dtype == jnp.bfloat16 and available()
     return reference.ragged_paged_attention(
         q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap,
         short_impl=short_queries if use_kernel else None,
-        gather_pages=gather_pages if use_kernel and kv_cache.dtype == jnp.bfloat16 else None)
+        gather_pages=gather_pages if library_gather else None)

@@ -324,8 +324,9 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
 }
 
 // rows [T, 2 * Hkv, D] (K and V interleaved, f32) into the cache's token slots `slots` [T]
-// (page * page_size + offset); slots outside the cache are dropped, as the reference's scatter
-// drops them. The output is the cache, updated in place (aliased by the caller).
+// (page * page_size + offset); slots past the cache are dropped, as the reference's scatter drops
+// them, and so are negative ones (which XLA would count from the end; the engine has none). The
+// output is the cache, updated in place (aliased by the caller).
 template <typename T>
 void WriteRows(const float* rows, const int32_t* slots, int64_t num_rows, int64_t row_size,
                int64_t num_slots, T* cache) {
@@ -361,7 +362,8 @@ ffi::Error WriteKv(ffi::AnyBuffer cache, ffi::Buffer<ffi::F32> rows, ffi::Buffer
 }
 
 // The pages `pages` [N] of the cache, widened to f32: [N, page_size, 2 * Hkv, D]. Indices are
-// clamped into the cache, as XLA clamps a gather's.
+// clamped into the cache, as XLA clamps a gather's (a negative one, which XLA would count from
+// the end, reads page 0, the engine's null page).
 template <typename T>
 void GatherRows(const T* cache, const int32_t* pages, int64_t num, int64_t page_elems,
                 int64_t num_pages, float* out) {
@@ -377,7 +379,8 @@ ffi::Error GatherPages(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> pages,
                        ffi::ResultBuffer<ffi::F32> out) {
   const auto cd = cache.dimensions();
   const int64_t page_elems = cd.size() == 4 ? cd[1] * cd[2] * cd[3] : 0;
-  if (page_elems == 0 || out->element_count() != pages.element_count() * page_elems) {
+  if (page_elems == 0 || cd[0] < 1 ||
+      out->element_count() != pages.element_count() * page_elems) {
     return ffi::Error::InvalidArgument("gather pages: shapes");
   }
   switch (cache.element_type()) {
