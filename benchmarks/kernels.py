@@ -78,9 +78,9 @@ def make_batch(rng, *, q_lens, kv_lens, Hq, Hkv, D, page_size, dtype):
             jnp.asarray([S], jnp.int32))
 
 
-def work(q_lens, kv_lens, Hq, Hkv, D, itemsize):
+def work(q_lens, kv_lens, Hq, Hkv, D, itemsize, kv_itemsize=None):
     pairs = sum(sum(kv - ql + i + 1 for i in range(ql)) for ql, kv in zip(q_lens, kv_lens))
-    kv_bytes = sum(kv_lens) * 2 * Hkv * D * itemsize
+    kv_bytes = sum(kv_lens) * 2 * Hkv * D * (kv_itemsize or itemsize)
     qo_bytes = 2 * sum(q_lens) * Hq * D * itemsize
     return kv_bytes + qo_bytes, 4 * Hq * D * pairs
 
@@ -180,8 +180,12 @@ def main():
         nbytes, flops = work(q_lens, kv_lens, Hq, Hkv, D, jnp.dtype(shape["dtype"]).itemsize)
         sm = D ** -0.5
         runs = {impl: (jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl,
-                                                 sm_scale=sm)), args)
+                                                 sm_scale=sm)), args, nbytes)
                 for impl in ("reference", *([] if on_gpu else ["cpu"]))}
+        if not on_gpu and max(q_lens) <= 8:
+            # Decodes and verifies over a bf16 cache (--kv-cache-dtype bfloat16): half the bytes.
+            runs["cpu, bf16 cache"] = (runs["cpu"][0], (q, cache.astype(jnp.bfloat16), *args[2:]),
+                                       work(q_lens, kv_lens, Hq, Hkv, D, 4, kv_itemsize=2)[0])
         if on_gpu:
             from pallas_kernels.ragged_paged_attention import gpu
             configs = [dict()]
@@ -202,24 +206,24 @@ def main():
                 print(f"sweep {name} {cfg or 'default'}: {t * 1e3:.3f} ms", flush=True)
                 if best is None or t < best[0]:
                     best = (t, cfg, fn)
-            runs[f"pallas_gpu {best[1] or 'default'}"] = (best[2], args)
+            runs[f"pallas_gpu {best[1] or 'default'}"] = (best[2], args, nbytes)
             # Dense K/V laid out contiguously per sequence (the layout a non-paged server keeps).
             L = max(kv_lens)
             kv_dense = cache[pi].reshape(len(q_lens), -1, 2 * Hkv, D)[:, :L]
             if len(set(q_lens)) == 1:
                 runs["dense XLA (contiguous KV)"] = (
                     jax.jit(functools.partial(dense_xla, sm_scale=sm)),
-                    (q, kv_dense, kvl))
+                    (q, kv_dense, kvl), nbytes)
             if set(q_lens) == {1}:
                 k_pages = jnp.moveaxis(cache[:, :, 0::2], 2, 0)
                 v_pages = jnp.moveaxis(cache[:, :, 1::2], 2, 0)
                 runs["jax paged_attention (GPU, decode)"] = (
                     jax.jit(functools.partial(jax_paged_decode, sm_scale=sm)),
-                    (q, k_pages, v_pages, pi, kvl))
-        for impl, (fn, fargs) in runs.items():
+                    (q, k_pages, v_pages, pi, kvl), nbytes)
+        for impl, (fn, fargs, fbytes) in runs.items():
             t = timeit(fn, *fargs, iters=20 if on_gpu else 3)
-            lines.append(f"| {name} | {impl} | {t * 1e3:.3f} | {nbytes / t / 1e9:.1f} | "
-                         f"{100 * nbytes / t / bw_peak:.0f}% | {flops / t / 1e12:.3f} | "
+            lines.append(f"| {name} | {impl} | {t * 1e3:.3f} | {fbytes / t / 1e9:.1f} | "
+                         f"{100 * fbytes / t / bw_peak:.0f}% | {flops / t / 1e12:.3f} | "
                          f"{100 * flops / t / flop_peak:.1f}% |")
             print(lines[-1], flush=True)
     text = "\n".join(lines)
