@@ -14,7 +14,6 @@ Query i of sequence s sits at position kv_lens[s] - q_len(s) + i and attends to 
 from __future__ import annotations
 
 import jax
-
 import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention import reference
