@@ -177,7 +177,8 @@ def main():
         args = make_batch(rng, q_lens=q_lens, kv_lens=kv_lens, **shape)
         q, cache, kvl, pi, cu, ns = args
         D, Hq, Hkv = shape["D"], shape["Hq"], shape["Hkv"]
-        nbytes, flops = work(q_lens, kv_lens, Hq, Hkv, D, jnp.dtype(shape["dtype"]).itemsize)
+        itemsize = jnp.dtype(shape["dtype"]).itemsize
+        nbytes, flops = work(q_lens, kv_lens, Hq, Hkv, D, itemsize)
         sm = D ** -0.5
         runs = {impl: (jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl,
                                                  sm_scale=sm)), args, nbytes)
@@ -185,7 +186,7 @@ def main():
         if not on_gpu and max(q_lens) <= 8:
             # Decodes and verifies over a bf16 cache (--kv-cache-dtype bfloat16): half the bytes.
             runs["cpu, bf16 cache"] = (runs["cpu"][0], (q, cache.astype(jnp.bfloat16), *args[2:]),
-                                       work(q_lens, kv_lens, Hq, Hkv, D, 4, kv_itemsize=2)[0])
+                                       work(q_lens, kv_lens, Hq, Hkv, D, itemsize, kv_itemsize=2)[0])
         if on_gpu:
             from pallas_kernels.ragged_paged_attention import gpu
             configs = [dict()]

@@ -30,6 +30,9 @@ import numpy as np
 from workload import pydoc_workload  # benchmarks/ is the script's directory
 
 SMOLLM2 = "smollm2-135m-instruct"
+# --compare choices that rerun jaxserve with one engine setting changed: (its flag, LLM kwargs).
+VARIANTS = {"int8": ("--quantization int8", dict(quantization="int8")),
+            "bf16-kv": ("--kv-cache-dtype bfloat16", dict(kv_cache_dtype="bfloat16"))}
 
 
 def run_jaxserve(work, args, **engine) -> dict:
@@ -152,7 +155,7 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--compare", choices=("hf", "int8", "bf16-kv"), default=None)
+    p.add_argument("--compare", choices=("hf", *VARIANTS), default=None)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--no-decode-step", dest="decode_step", action="store_false",
                    help="skip the 64-sequence decode step's fraction of the f32 matmul peak")
@@ -168,10 +171,8 @@ def main() -> None:
     results = {"jaxserve": run_jaxserve(work, args)}
     if args.compare == "hf":
         results["hf"] = run_hf(work, args)
-    if args.compare == "int8":
-        results["int8"] = run_jaxserve(work, args, quantization="int8")
-    if args.compare == "bf16-kv":
-        results["bf16-kv"] = run_jaxserve(work, args, kv_cache_dtype="bfloat16")
+    if args.compare in VARIANTS:
+        results[args.compare] = run_jaxserve(work, args, **VARIANTS[args.compare][1])
     print(f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens; "
           f"{platform.machine()} {platform.processor() or ''}".rstrip())
     for name, r in results.items():
@@ -187,12 +188,9 @@ def main() -> None:
     if "hf" in results:
         ratio = results["jaxserve"]["output_tok_s"] / results["hf"]["output_tok_s"]
         print(f"jaxserve / HF transformers (static batch {args.hf_batch_size}): {ratio:.2f}x")
-    if "int8" in results:
-        ratio = results["int8"]["output_tok_s"] / results["jaxserve"]["output_tok_s"]
-        print(f"jaxserve --quantization int8 / f32: {ratio:.2f}x")
-    if "bf16-kv" in results:
-        ratio = results["bf16-kv"]["output_tok_s"] / results["jaxserve"]["output_tok_s"]
-        print(f"jaxserve --kv-cache-dtype bfloat16 / f32: {ratio:.2f}x")
+    if args.compare in VARIANTS:
+        ratio = results[args.compare]["output_tok_s"] / results["jaxserve"]["output_tok_s"]
+        print(f"jaxserve {VARIANTS[args.compare][0]} / f32: {ratio:.2f}x")
     print(json.dumps(results))
 
 
