@@ -11,6 +11,7 @@ its longest request is done, as static batching does), and only the requested to
     python benchmarks/throughput.py --compare hf          # + HF transformers (pip install .[bench])
     python benchmarks/throughput.py --compare int8        # + jaxserve with --quantization int8
     python benchmarks/throughput.py --compare bf16-kv     # + jaxserve with --kv-cache-dtype bfloat16
+    python benchmarks/throughput.py --compare int8-bf16-kv  # + jaxserve with both
 
 After the workload (unless `--no-decode-step`) each jaxserve run also times the engine's
 64-sequence decode step (forward over 64 one-token queries at contexts of 46-286 tokens, LM
@@ -30,9 +31,11 @@ import numpy as np
 from workload import pydoc_workload  # benchmarks/ is the script's directory
 
 SMOLLM2 = "smollm2-135m-instruct"
-# --compare choices that rerun jaxserve with one engine setting changed: (its flag, LLM kwargs).
+# --compare choices that rerun jaxserve with engine settings changed: (their flags, LLM kwargs).
 VARIANTS = {"int8": ("--quantization int8", dict(quantization="int8")),
-            "bf16-kv": ("--kv-cache-dtype bfloat16", dict(kv_cache_dtype="bfloat16"))}
+            "bf16-kv": ("--kv-cache-dtype bfloat16", dict(kv_cache_dtype="bfloat16")),
+            "int8-bf16-kv": ("--quantization int8 --kv-cache-dtype bfloat16",
+                             dict(quantization="int8", kv_cache_dtype="bfloat16"))}
 
 
 def run_jaxserve(work, args, **engine) -> dict:
