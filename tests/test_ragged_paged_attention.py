@@ -319,6 +319,25 @@ def test_cpu_kernel_built_for_older_x86_matches_numpy(tmp_path, flags):
     assert list((tmp_path / "kernels").glob("cpu_decode-*.so")), "the kernel was not built"
 
 
+def test_kernel_cache_prunes_builds_unused_for_the_max_age(tmp_path):
+    day = 86400
+    libs = {name: tmp_path / f"cpu_decode-{name}.so" for name in ("used", "old", "recent")}
+    for lib in libs.values():
+        lib.write_bytes(b"")
+    other = tmp_path / "unrelated.so"
+    other.write_bytes(b"")
+    now = libs["used"].stat().st_mtime
+    for lib, age in ((libs["used"], 90 * day), (libs["old"], 31 * day), (libs["recent"], 29 * day),
+                     (other, 90 * day)):
+        os.utime(lib, (now - age, now - age))
+    removed = cpu.prune_kernels(tmp_path, libs["used"], 30 * day)
+    assert removed == [libs["old"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "cpu_decode-recent.so", "cpu_decode-used.so", "unrelated.so"]
+    # The library in use was marked used now, whatever its age before.
+    assert libs["used"].stat().st_mtime >= now
+
+
 # ---- Pallas kernels in interpret mode (slow on CPU: few, small examples) -------------------------
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])

@@ -13,7 +13,9 @@ query blocks suit them.
 The kernel is compiled on first use with the host's C++ compiler (`$CXX`, else g++), for this
 CPU (-march=native), into $JAXSERVE_CACHE/kernels (default ~/.cache/jaxserve/kernels) under a
 name keyed by the source, the compiler command and the CPU's flags, so a cache shared between
-hosts never hands one a binary built for another. Without a compiler, or if the build fails,
+hosts never hands one a binary built for another. Each load marks its library used (its mtime);
+libraries no process has loaded for KERNEL_MAX_AGE_DAYS are deleted then, so the builds of past
+versions do not pile up. Without a compiler, or if the build fails,
 `available()` is False and everything takes the reference's paths (logged once); so do bf16
 queries and shapes the kernel does not take (`supports`).
 
@@ -56,6 +58,9 @@ MAX_QUERIES_PER_KV_HEAD = 8
 # The most queries per sequence the kernel takes (cpu_decode.cc's kMaxQueries). The reference hands
 # it every sequence of up to SHORT_QUERY_TOKENS queries; `supports` keeps it off a longer bound.
 MAX_QUERIES_PER_SEQUENCE = 8
+# Builds no process has loaded for this long are deleted (see `prune_kernels`): each upgrade, and
+# each host sharing the cache, adds one; a live one is marked used every time it loads.
+KERNEL_MAX_AGE_DAYS = 30
 
 
 def _cpu_flags() -> str:
@@ -78,6 +83,27 @@ def _build(out: Path, command: list[str]) -> None:
         os.replace(part, out)
 
 
+def prune_kernels(kernels: Path, used: Path, max_age_s: float) -> list[Path]:
+    """Mark `used` as used now and delete the other kernel builds in `kernels` not used for
+    `max_age_s`; what was deleted. Best effort: a cache this process cannot write is left as it
+    is, and another process still holding a deleted library keeps its mapping."""
+    try:
+        os.utime(used)
+        cutoff = used.stat().st_mtime - max_age_s
+    except OSError as e:
+        log.debug("kernel cache %s not pruned: %s", kernels, e)
+        return []
+    removed = []
+    for lib in kernels.glob("cpu_decode-*.so"):
+        try:  # another process may be pruning the same cache
+            if lib != used and lib.stat().st_mtime < cutoff:
+                lib.unlink()
+                removed.append(lib)
+        except OSError:
+            pass
+    return removed
+
+
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """Build (once per source, compiler and CPU) and register the kernel; False if it cannot be
@@ -92,6 +118,8 @@ def available() -> bool:
     try:
         if not lib.exists():
             _build(lib, command)
+        # Marked used before it loads, so no other process's prune takes it in between.
+        prune_kernels(lib.parent, lib, KERNEL_MAX_AGE_DAYS * 86400)
         library = ctypes.cdll.LoadLibrary(str(lib))
     except (OSError, AttributeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or e
