@@ -19,6 +19,7 @@ from jax import lax
 
 from jaxserve.batch import next_power_of_two
 from jaxserve.sampling import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SAMPLING_EPS, SamplingRow
+from pallas_kernels import sampling as cpu_sampling
 
 # ---------------------------------------------------------------------------------------------
 # Host side: per-row metadata for one step (numpy only; the runner transfers it as one pytree).
@@ -149,7 +150,8 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, num_top_logprobs: int = 0
     its sampler.
 
     No sort: top-k and top-p thresholds are found by bisection over the logit values (a full sort
-    of a 49152-wide row costs ~10 ms on a CPU core), and both run only when some row asks for them.
+    of a 49152-wide row costs ~10 ms on a CPU core), and both run only when some row asks for them;
+    on XLA:CPU a kernel finds them instead (`_top_k_top_p`).
     The penalty path is compiled in only when md.history_token_ids is wider than 0.
     `all_greedy` (static; the caller checks md.temperature on the host) compiles the draw out.
     """
@@ -246,15 +248,25 @@ def _gather(logits: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 def _draw(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    scaled = logits / jnp.maximum(md.temperature, SAMPLING_EPS)[:, None]
-    scaled = lax.cond(jnp.any(md.top_k > 0), _top_k, lambda s, _: s, scaled, md.top_k)
-    scaled = lax.cond(jnp.any(md.top_p < 1), _top_p, lambda s, _: s, scaled, md.top_p)
+    scaled = _top_k_top_p(logits / jnp.maximum(md.temperature, SAMPLING_EPS)[:, None], md)
     top = jnp.max(scaled, axis=-1, keepdims=True)
     # min_p keeps p_i >= min_p * p_max, i.e. logit_i >= logit_max + log(min_p); log(0) = -inf.
     scaled = jnp.where(scaled >= top + jnp.log(md.min_p)[:, None], scaled, -jnp.inf)
     weights = jnp.exp(scaled - top)
     uniforms = jax.vmap(_row_uniforms)(md.seeds, md.steps)
     return _inverse_cdf(weights, uniforms)
+
+
+def _top_k_top_p(scaled: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """The scaled logits with what top-k, then top-p, drop set to -inf. On XLA:CPU, where the
+    CPU kernels' library builds, a kernel that buckets each row's values finds its thresholds
+    (pallas_kernels.sampling; exact); elsewhere bisection does (`_top_k`, `_top_p`), whose 32
+    passes over [rows, vocabulary] cost little on an accelerator's bandwidth."""
+    if jax.default_backend() == "cpu" and cpu_sampling.available():
+        t = cpu_sampling.thresholds(scaled, md.top_k, md.top_p)
+        return jnp.where(scaled >= t[:, None], scaled, -jnp.inf)
+    scaled = lax.cond(jnp.any(md.top_k > 0), _top_k, lambda s, _: s, scaled, md.top_k)
+    return lax.cond(jnp.any(md.top_p < 1), _top_p, lambda s, _: s, scaled, md.top_p)
 
 
 def _row_uniforms(seed: jax.Array, step: jax.Array) -> jax.Array:

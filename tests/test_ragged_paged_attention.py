@@ -280,7 +280,7 @@ def test_cpu_kernel_falls_back_to_the_reference_without_a_compiler(tmp_path, mon
     cpu.available.cache_clear()
     try:
         assert not cpu.available()
-        assert "CPU attention kernel unavailable" in caplog.text
+        assert "CPU kernels unavailable" in caplog.text
         args = make_case(np.random.default_rng(5), q_lens=[1, 1, 9], ctx_lens=[40, 3, 20],
                          page_size=16, Hq=4, Hkv=2, D=64, dtype="float32")
         check("cpu", args, dtype="float32")
@@ -316,26 +316,7 @@ def test_cpu_kernel_built_for_older_x86_matches_numpy(tmp_path, flags):
     run = subprocess.run([sys.executable, "-c", _OLDER_X86_SCRIPT], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert list((tmp_path / "kernels").glob("cpu_decode-*.so")), "the kernel was not built"
-
-
-def test_kernel_cache_prunes_builds_unused_for_the_max_age(tmp_path):
-    day = 86400
-    libs = {name: tmp_path / f"cpu_decode-{name}.so" for name in ("used", "old", "recent")}
-    for lib in libs.values():
-        lib.write_bytes(b"")
-    other = tmp_path / "unrelated.so"
-    other.write_bytes(b"")
-    now = libs["used"].stat().st_mtime
-    for lib, age in ((libs["used"], 90 * day), (libs["old"], 31 * day), (libs["recent"], 29 * day),
-                     (other, 90 * day)):
-        os.utime(lib, (now - age, now - age))
-    removed = cpu.prune_kernels(tmp_path, libs["used"], 30 * day)
-    assert removed == [libs["old"]]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "cpu_decode-recent.so", "cpu_decode-used.so", "unrelated.so"]
-    # The library in use was marked used now, whatever its age before.
-    assert libs["used"].stat().st_mtime >= now
+    assert list((tmp_path / "kernels").glob("cpu_kernels-*.so")), "the kernel was not built"
 
 
 # ---- Pallas kernels in interpret mode (slow on CPU: few, small examples) -------------------------

@@ -10,14 +10,10 @@ reference.SHORT_QUERY_TOKENS queries) go the same way, each query with its own c
 pages are read once for all their queries. Prefill chunks stay on the reference, whose batched
 query blocks suit them.
 
-The kernel is compiled on first use with the host's C++ compiler (`$CXX`, else g++), for this
-CPU (-march=native), into $JAXSERVE_CACHE/kernels (default ~/.cache/jaxserve/kernels) under a
-name keyed by the source, the compiler command and the CPU's flags, so a cache shared between
-hosts never hands one a binary built for another. Each load marks its library used (its mtime);
-libraries no process has loaded for KERNEL_MAX_AGE_DAYS are deleted then, so the builds of past
-versions do not pile up. Without a compiler, or if the build fails,
-`available()` is False and everything takes the reference's paths (logged once); so do bf16
-queries and shapes the kernel does not take (`supports`).
+The kernel is part of the CPU kernels' library (pallas_kernels/cpu_library.py: built on first
+use with the host's compiler, cached, registered). Without it (`available()` False), everything
+takes the reference's paths; so do bf16 queries and shapes the kernel does not take
+(`supports`).
 
 A bf16 cache (`kv_cache_dtype="bfloat16"`) is read as f32, as the reference reads it, at half the
 bytes. Its KV write and the prefill path's page gather go through the same library
@@ -28,29 +24,14 @@ cache: 2.6 s per step through XLA).
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import shlex
-import subprocess
-import tempfile
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.cpu_library import available
 from pallas_kernels.ragged_paged_attention import reference
 
-log = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).with_name("cpu_decode.cc")
-_TARGET = "jaxserve_paged_decode"
-# The library's handlers: target name -> symbol.
-_HANDLERS = {_TARGET: "JaxservePagedDecode", "jaxserve_write_kv": "JaxserveWriteKv",
-             "jaxserve_gather_pages": "JaxserveGatherPages"}
+_TARGET = "jaxserve_paged_decode"  # cpu_library.HANDLERS
 # What the kernel takes (cpu_decode.cc checks the same): beyond these the reference runs.
 HEAD_DIMS = (64, 128)
 MAX_PAGE_SIZE = 64
@@ -58,78 +39,6 @@ MAX_QUERIES_PER_KV_HEAD = 8
 # The most queries per sequence the kernel takes (cpu_decode.cc's kMaxQueries). The reference hands
 # it every sequence of up to SHORT_QUERY_TOKENS queries; `supports` keeps it off a longer bound.
 MAX_QUERIES_PER_SEQUENCE = 8
-# Builds no process has loaded for this long are deleted (see `prune_kernels`): each upgrade, and
-# each host sharing the cache, adds one; a live one is marked used every time it loads.
-KERNEL_MAX_AGE_DAYS = 30
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _build(out: Path, command: list[str]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside its final name and renamed: concurrent first uses never load a partial file.
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        part = Path(tmp) / out.name
-        subprocess.run([*command, "-o", str(part)], check=True, capture_output=True, text=True,
-                       timeout=300)
-        os.replace(part, out)
-
-
-def prune_kernels(kernels: Path, used: Path, max_age_s: float) -> list[Path]:
-    """Mark `used` as used now and delete the other kernel builds in `kernels` not used for
-    `max_age_s`; what was deleted. Best effort: a cache this process cannot write is left as it
-    is, and another process still holding a deleted library keeps its mapping."""
-    try:
-        os.utime(used)
-        cutoff = used.stat().st_mtime - max_age_s
-    except OSError as e:
-        log.debug("kernel cache %s not pruned: %s", kernels, e)
-        return []
-    removed = []
-    for lib in kernels.glob("cpu_decode-*.so"):
-        try:  # another process may be pruning the same cache
-            if lib != used and lib.stat().st_mtime < cutoff:
-                lib.unlink()
-                removed.append(lib)
-        except OSError:
-            pass
-    return removed
-
-
-@functools.lru_cache(maxsize=None)
-def available() -> bool:
-    """Build (once per source, compiler and CPU) and register the kernel; False if it cannot be
-    built here."""
-    cxx = shlex.split(os.environ.get("CXX", "g++"))
-    command = [*cxx, "-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
-               f"-I{jax.ffi.include_dir()}", str(_SOURCE)]
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *command, _cpu_flags()]).encode())
-    root = os.environ.get("JAXSERVE_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "jaxserve"
-    lib = base / "kernels" / f"cpu_decode-{key.hexdigest()[:16]}.so"
-    try:
-        if not lib.exists():
-            _build(lib, command)
-        # Marked used before it loads, so no other process's prune takes it in between.
-        prune_kernels(lib.parent, lib, KERNEL_MAX_AGE_DAYS * 86400)
-        library = ctypes.cdll.LoadLibrary(str(lib))
-    except (OSError, AttributeError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", None) or e
-        log.warning("CPU attention kernel unavailable, decodes and verifies use the pure-JAX "
-                    "reference: %s", str(detail).strip()[-2000:])
-        return False
-    for target, symbol in _HANDLERS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
-                                    platform="cpu")
-    return True
 
 
 def supports(q, kv_cache) -> bool:
@@ -158,7 +67,7 @@ def short_queries(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm
 def gather_pages(kv_cache, pages):
     """The cache's pages `pages` [...] widened to f32: [..., page_size, 2 * Hkv, D]; indices are
     clamped into the cache as XLA's gather clamps them. The reference's `gather_pages` hook."""
-    call = jax.ffi.ffi_call("jaxserve_gather_pages",
+    call = jax.ffi.ffi_call("jaxserve_gather_pages",  # cpu_library.HANDLERS
                             jax.ShapeDtypeStruct((*pages.shape, *kv_cache.shape[1:]), jnp.float32))
     return call(kv_cache, pages.astype(jnp.int32))
 

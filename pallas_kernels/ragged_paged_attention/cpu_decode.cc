@@ -1,5 +1,5 @@
 // Paged attention of decodes and short queries for XLA:CPU, an XLA FFI custom call (built and
-// registered by cpu.py).
+// registered by pallas_kernels/cpu_library.py, used by cpu.py).
 //
 // Sequences of 1 to kMaxQueries queries (a decode, or a decode and its speculative drafts)
 // against their pages of the cache, read in place: the pure-JAX reference gathers each block of
@@ -16,25 +16,26 @@
 // whole cache, twice per layer (64 decodes: 2.6 s per step instead of ~80 ms).
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#include "../cpu_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using jaxserve_cpu::ExpNonPositive;
 
 constexpr float kMasked = -1e30f;  // the reference's running-max start and masked score
 // The largest page and the most queries per KV head the kernel takes (cpu.py's `supports`
@@ -42,27 +43,6 @@ constexpr float kMasked = -1e30f;  // the reference's running-max start and mask
 constexpr int kMaxPage = 64;
 constexpr int kMaxGroup = 8;
 constexpr int kMaxQueries = 8;  // per sequence: a decode and up to 7 drafts
-
-// exp(x) for x <= 0 (scores minus their running max): 2^n * 2^f with a degree-6 polynomial for
-// 2^f, f in [-0.5, 0.5]; relative error ~1e-7, as XLA's own vectorised exp. Written so the
-// compiler vectorises loops over it (no libm call).
-inline float ExpNonPositive(float x) {
-  x = std::max(x, -87.0f);
-  float t = x * 1.44269504088896341f;  // log2(e)
-  float n = std::nearbyint(t);
-  float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // A bf16 cache element: the high half of an f32, widened exactly.
 struct Bf16 {
@@ -379,25 +359,6 @@ constexpr AttendTable kAttend[2][2] = {
     {MakeAttendTable<Bf16, 64>(std::make_integer_sequence<int, kMaxGroup>()),
      MakeAttendTable<Bf16, 128>(std::make_integer_sequence<int, kMaxGroup>())}};
 
-// Work items (sequence, KV head) of the included sequences, shared by the caller and the pool's
-// workers through an atomic cursor; the caller returns once every claimed item is done.
-struct Work {
-  Problem problem;
-  const std::array<AttendFn, 2>* attend;  // [Q > 1]
-  std::unique_ptr<int32_t[]> seqs;
-  int64_t num_items = 0;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void Run() {
-    for (int64_t i; (i = next.fetch_add(1)) < num_items;) {
-      const int64_t seq = seqs[i / problem.hkv];
-      const bool short_query = problem.cu_q_lens[seq + 1] - problem.cu_q_lens[seq] > 1;
-      (*attend)[short_query](problem, seq, i % problem.hkv);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv,
                        ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                        ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
@@ -425,32 +386,28 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
         std::to_string(kMaxQueries) + " queries per sequence");
   }
   std::memset(out->typed_data(), 0, sizeof(float) * T * Hq * D);
-  auto work = std::make_shared<Work>();
-  work->problem = Problem{q.typed_data(), kv.untyped_data(), kv_lens.typed_data(),
-                          page_indices.typed_data(), cu_q_lens.typed_data(), include.typed_data(),
-                          out->typed_data(), kd[0], kd[1], Hkv, pd[1], sm_scale, soft_cap,
-                          sliding_window};
-  work->attend = attend;
-  work->seqs.reset(new int32_t[S]);
+  const Problem problem{q.typed_data(), kv.untyped_data(), kv_lens.typed_data(),
+                        page_indices.typed_data(), cu_q_lens.typed_data(), include.typed_data(),
+                        out->typed_data(), kd[0], kd[1], Hkv, pd[1], sm_scale, soft_cap,
+                        sliding_window};
+  // Work items (sequence, KV head) of the included sequences.
+  std::vector<int32_t> seqs;
   const int32_t* cu = cu_q_lens.typed_data();
   const int32_t* lens = kv_lens.typed_data();
   const int64_t live = std::min<int64_t>(num_seqs.typed_data()[0], S);
-  int64_t n = 0;
   for (int64_t s = 0; s < live; ++s) {
     const int64_t nq = cu[s + 1] - cu[s];
-    if (work->problem.include[s] && nq >= 1 && nq <= max_queries && lens[s] > 0 &&
-        cu[s] >= 0 && cu[s + 1] <= T) {
-      work->seqs[n++] = static_cast<int32_t>(s);
+    if (problem.include[s] && nq >= 1 && nq <= max_queries && lens[s] > 0 && cu[s] >= 0 &&
+        cu[s + 1] <= T) {
+      seqs.push_back(static_cast<int32_t>(s));
     }
   }
   // Longest first, so the last items to finish are short ones.
-  std::sort(work->seqs.get(), work->seqs.get() + n,
-            [&](int32_t a, int32_t b) { return lens[a] > lens[b]; });
-  work->num_items = n * Hkv;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->num_items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->num_items) std::this_thread::yield();
+  std::sort(seqs.begin(), seqs.end(), [&](int32_t a, int32_t b) { return lens[a] > lens[b]; });
+  jaxserve_cpu::ParallelFor(pool, static_cast<int64_t>(seqs.size()) * Hkv, [&](int64_t i) {
+    const int64_t seq = seqs[i / Hkv];
+    (*attend)[cu[seq + 1] - cu[seq] > 1](problem, seq, i % Hkv);
+  });
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,96 @@
+"""The CPU kernels' library (pallas_kernels/cpu_library.py): its cache, and the sampler's top-k /
+top-p thresholds (pallas_kernels/sampling) against a float64 reference and the pure-JAX path.
+The attention kernel's tests are in test_ragged_paged_attention.py."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax import lax
+
+from pallas_kernels import cpu_library
+from pallas_kernels import sampling as cpu_sampling
+from jaxserve import sampler
+
+needs_library = pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_library.available(),
+                                   reason="the CPU kernels' library")
+
+
+def test_kernel_cache_prunes_builds_unused_for_the_max_age(tmp_path):
+    day = 86400
+    names = ("cpu_kernels-used", "cpu_kernels-old", "cpu_kernels-recent", "cpu_decode-old")
+    libs = {name: tmp_path / f"{name}.so" for name in names}
+    for lib in libs.values():
+        lib.write_bytes(b"")
+    other = tmp_path / "unrelated.so"
+    other.write_bytes(b"")
+    now = libs["cpu_kernels-used"].stat().st_mtime
+    ages = {"cpu_kernels-used": 90, "cpu_kernels-old": 31, "cpu_kernels-recent": 29,
+            "cpu_decode-old": 31}  # the last: a build under the library's former name
+    for name, age in ages.items():
+        os.utime(libs[name], (now - age * day, now - age * day))
+    os.utime(other, (now - 90 * day, now - 90 * day))
+    removed = cpu_library.prune_kernels(tmp_path, libs["cpu_kernels-used"], 30 * day)
+    assert sorted(removed) == sorted([libs["cpu_kernels-old"], libs["cpu_decode-old"]])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "cpu_kernels-recent.so", "cpu_kernels-used.so", "unrelated.so"]
+    # The library in use was marked used now, whatever its age before.
+    assert libs["cpu_kernels-used"].stat().st_mtime >= now
+
+
+def _reference_keep(x, top_k, top_p):
+    """What top-k then top-p keep of each row, in float64: sort, count, accumulate."""
+    keep = np.zeros(x.shape, bool)
+    for r, row in enumerate(x.astype(np.float64)):
+        values = np.sort(row[np.isfinite(row)])[::-1]
+        t = -np.inf
+        if 0 < top_k[r] < len(values):
+            t = values[top_k[r] - 1]
+        kept = values[values >= t]
+        if top_p[r] < 1 and len(kept):
+            mass = np.cumsum(np.exp(kept - kept[0]))
+            t = max(t, kept[min(np.searchsorted(mass, top_p[r] * mass[-1]), len(kept) - 1)])
+        keep[r] = row >= t
+    return keep
+
+
+def _case(rng, S, V, scale, decimals):
+    x = (rng.standard_normal((S, V)) * scale).round(decimals).astype(np.float32)  # ties
+    x[rng.random(x.shape) < 0.05] = -np.inf  # blocked tokens
+    x[0] = -np.inf  # a row with nothing finite
+    x[1, :] = 1.5  # one with every value tied
+    top_k = rng.choice([0, 1, 2, 5, 40, V - 1, V, 10 * V], S).astype(np.int32)
+    top_p = rng.choice([1.0, 0.01, 0.5, 0.9, 0.95, 0.999], S).astype(np.float32)
+    return x, top_k, top_p
+
+
+@needs_library
+@pytest.mark.parametrize("V,scale,decimals", [(7, 1.0, 1), (300, 5.0, 0), (1000, 3.0, 6),
+                                              (49152, 3.0, 6), (49152, 0.3, 2)])
+def test_sampling_thresholds_keep_what_a_float64_reference_keeps(V, scale, decimals):
+    rng = np.random.default_rng(V + decimals)
+    x, top_k, top_p = _case(rng, 24, V, scale, decimals)
+    t = np.asarray(jax.jit(cpu_sampling.thresholds)(x, top_k, top_p))
+    np.testing.assert_array_equal(x >= t[:, None], _reference_keep(x, top_k, top_p))
+    off = (top_k <= 0) & (top_p >= 1)
+    assert np.isneginf(t[off]).all()
+
+
+@needs_library
+def test_sampling_thresholds_agree_with_the_pure_jax_bisection():
+    # Values far apart, so the bisection's f32 sums cannot move a boundary.
+    rng = np.random.default_rng(3)
+    x = rng.permutation(np.linspace(-8.0, 8.0, 3000)).astype(np.float32)[None].repeat(16, 0)
+    top_k = rng.choice([0, 3, 50, 2000], 16).astype(np.int32)
+    top_p = rng.choice([1.0, 0.3, 0.9, 0.99], 16).astype(np.float32)
+
+    def bisection(s, k, p):
+        s = lax.cond(jax.numpy.any(k > 0), sampler._top_k, lambda s, _: s, s, k)
+        return lax.cond(jax.numpy.any(p < 1), sampler._top_p, lambda s, _: s, s, p)
+
+    kept_jax = np.isfinite(np.asarray(jax.jit(bisection)(x, top_k, top_p)))
+    t = np.asarray(jax.jit(cpu_sampling.thresholds)(x, top_k, top_p))
+    np.testing.assert_array_equal(x >= t[:, None], kept_jax)
