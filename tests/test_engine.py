@@ -323,10 +323,10 @@ def test_bf16_kv_cache_through_the_cpu_kernel_library(tmp_path, smollm2_tokenize
 
     assert cpu.available()
     with_library, program = run()
-    assert all(target in program for target in cpu._HANDLERS)
+    assert all(target in program for target in cpu.TARGETS)
     monkeypatch.setattr(cpu, "available", lambda: False)
     without, program = run()
-    assert not any(target in program for target in cpu._HANDLERS)
+    assert not any(target in program for target in cpu.TARGETS)
     assert without == with_library
     jax.clear_caches()
 

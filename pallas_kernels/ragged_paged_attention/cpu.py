@@ -31,7 +31,9 @@ import numpy as np
 from pallas_kernels.cpu_library import available
 from pallas_kernels.ragged_paged_attention import reference
 
-_TARGET = "jaxserve_paged_decode"  # cpu_library.HANDLERS
+# This path's targets in the library (cpu_library.HANDLERS): the decode, the KV write, the gather.
+_TARGET, _WRITE_KV, _GATHER_PAGES = TARGETS = (
+    "jaxserve_paged_decode", "jaxserve_write_kv", "jaxserve_gather_pages")
 # What the kernel takes (cpu_decode.cc checks the same): beyond these the reference runs.
 HEAD_DIMS = (64, 128)
 MAX_PAGE_SIZE = 64
@@ -67,8 +69,8 @@ def short_queries(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm
 def gather_pages(kv_cache, pages):
     """The cache's pages `pages` [...] widened to f32: [..., page_size, 2 * Hkv, D]; indices are
     clamped into the cache as XLA's gather clamps them. The reference's `gather_pages` hook."""
-    call = jax.ffi.ffi_call("jaxserve_gather_pages",  # cpu_library.HANDLERS
-                            jax.ShapeDtypeStruct((*pages.shape, *kv_cache.shape[1:]), jnp.float32))
+    shape = (*pages.shape, *kv_cache.shape[1:])
+    call = jax.ffi.ffi_call(_GATHER_PAGES, jax.ShapeDtypeStruct(shape, jnp.float32))
     return call(kv_cache, pages.astype(jnp.int32))
 
 
@@ -76,7 +78,7 @@ def write_kv(kv_cache, k, v, slot_mapping):
     """reference.write_kv in place through the library (the output aliases the cache); for an
     f32 or bf16 cache, where `available()`."""
     rows = reference.kv_rows(kv_cache, k, v, slot_mapping).astype(jnp.float32)
-    call = jax.ffi.ffi_call("jaxserve_write_kv",
+    call = jax.ffi.ffi_call(_WRITE_KV,
                             jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
                             input_output_aliases={0: 0})
     return call(kv_cache, rows, slot_mapping.astype(jnp.int32))
