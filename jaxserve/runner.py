@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import host_malloc, sampler
+from jaxserve import sampler
 from jaxserve.batch import BatchPlan, StepShapes, pages_for
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.errors import ConfigError
@@ -144,9 +144,6 @@ class ModelRunner:
         num_speculative_tokens: the drafts one decode may verify (sizes the logits rows)."""
         from jaxserve import sharding
 
-        device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-        if device.platform == "cpu":
-            host_malloc.keep_freed_memory()  # the step's temporaries come from host malloc
         self.config = config
         self.params = params
         self.cache_config = cache_config
