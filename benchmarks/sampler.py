@@ -1,10 +1,9 @@
 """The sampler on the CPU: one call of the compiled sampler over real SmolLM2 logits (the
-throughput workload's prompts, 64 rows), per sampling setting; the CPU kernels' top-k/top-p
-thresholds against the pure-JAX bisection in the same process, and, in a child process run the
-same way, glibc's malloc defaults against the engine's settings (jaxserve/host_malloc.py).
+throughput workload's prompts, 64 rows), per sampling setting, with the CPU kernels' top-k/top-p
+thresholds (pallas_kernels/sampling) against the pure-JAX bisection, in the same process.
 
     python benchmarks/sampler.py
-    python benchmarks/sampler.py --rows 16 --no-malloc-baseline
+    python benchmarks/sampler.py --rows 16
 """
 
 from __future__ import annotations
@@ -12,9 +11,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
-import subprocess
-import sys
 import time
 
 import provenance  # benchmarks/ is the script's directory
@@ -31,6 +27,7 @@ def real_logits(model: str, rows: int):
     """[rows, vocab] f32 logits of real sampling rows: those the model gives the workload's
     prompts over their first two output tokens, through an engine built as the throughput
     benchmark builds it."""
+    import jax
     import numpy as np
 
     from jaxserve import LLM, SamplingParams
@@ -51,11 +48,12 @@ def real_logits(model: str, rows: int):
     runner.sample = keep
     llm.generate([{"prompt_token_ids": p} for p, _ in work],
                  SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    return llm, np.concatenate(seen)[:rows]
+    return llm, jax.device_put(np.concatenate(seen)[:rows])  # on the device, as the engine's
 
 
-def time_sampler(llm, logits, params: dict, *, kernel: bool, repeats: int) -> float:
-    """Best of `repeats` calls (tokens back on the host) of the sampler over `logits`, ms."""
+def sampler_call(llm, logits, params: dict, *, kernel: bool):
+    """A no-argument call of the sampler over `logits`, every row with these SamplingParams
+    (seeded per row), traced on the kernel's path or the bisection's; tokens back on the host."""
     import jax
 
     from jaxserve import sampler
@@ -63,8 +61,8 @@ def time_sampler(llm, logits, params: dict, *, kernel: bool, repeats: int) -> fl
 
     rows = [SamplingRow(SamplingParams(**params, seed=i, max_tokens=None), i, [1], [])
             for i in range(logits.shape[0])]
-    md = sampler.make_sampling_metadata(rows, logits.shape[0],
-                                        eos_token_ids=llm.engine.runner.eos_token_ids)
+    md = jax.device_put(sampler.make_sampling_metadata(
+        rows, logits.shape[0], eos_token_ids=llm.engine.runner.eos_token_ids))
     sample = jax.jit(functools.partial(sampler.sample, all_greedy=params["temperature"] == 0))
     available = sampler.cpu_sampling.available
     if not kernel:  # traced now, on the bisection path
@@ -73,22 +71,18 @@ def time_sampler(llm, logits, params: dict, *, kernel: bool, repeats: int) -> fl
         jax.device_get(tuple(sample(logits, md)))
     finally:
         sampler.cpu_sampling.available = available
-    best = float("inf")
+    return lambda: jax.device_get(tuple(sample(logits, md)))
+
+
+def best_ms(calls: dict, repeats: int) -> dict:
+    """Each call's best time in ms over `repeats` rounds, the calls alternated within a round."""
+    best = dict.fromkeys(calls, float("inf"))
     for _ in range(repeats):
-        start = time.perf_counter()
-        jax.device_get(tuple(sample(logits, md)))
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
-def measure(args) -> dict:
-    if args.malloc_defaults:
-        from jaxserve import host_malloc
-        host_malloc.keep_freed_memory = lambda: False  # before the engine sets them
-    llm, logits = real_logits(args.model, args.rows)
-    return {name: {path: time_sampler(llm, logits, params, kernel=path == "kernel",
-                                      repeats=args.repeats) for path in ("kernel", "bisection")}
-            for name, params in SETTINGS.items()}
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    return best
 
 
 def main() -> None:
@@ -96,40 +90,20 @@ def main() -> None:
     p.add_argument("--model", default=SMOLLM2)
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--no-malloc-baseline", dest="malloc_baseline", action="store_false",
-                   help="skip the child process with glibc's malloc defaults")
-    p.add_argument("--malloc-defaults", action="store_true",
-                   help="keep glibc's malloc defaults (what the child runs)")
-    p.add_argument("--json", action="store_true", help="print the timings as JSON only")
     args = p.parse_args()
 
-    times = measure(args)
-    if args.json:
-        print(json.dumps(times))
-        return
-    defaults = None
-    if args.malloc_baseline:
-        child = subprocess.run([sys.executable, __file__, "--model", args.model, "--rows",
-                                str(args.rows), "--repeats", str(args.repeats),
-                                "--malloc-defaults", "--json"],
-                               capture_output=True, text=True, check=True)
-        defaults = json.loads(child.stdout.strip().splitlines()[-1])
+    llm, logits = real_logits(args.model, args.rows)
     print(f"commit {provenance.commit()}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {provenance.cpu()}")
     print(f"sampler over {args.rows} rows of {args.model} logits, ms per call (best of "
-          f"{args.repeats})")
-    header = "| setting | kernel | bisection | kernel / bisection |"
-    if defaults:
-        header += " kernel, glibc malloc defaults | engine settings / defaults |"
-    print(header)
-    print("|---" * (header.count("|") - 1) + "|")
-    for name, t in times.items():
-        row = f"| {name} | {t['kernel']:.2f} | {t['bisection']:.2f} | " \
-              f"{t['kernel'] / t['bisection']:.2f}x |"
-        if defaults:
-            d = defaults[name]["kernel"]
-            row += f" {d:.2f} | {t['kernel'] / d:.2f}x |"
-        print(row)
+          f"{args.repeats}, the two paths alternated)")
+    print("| setting | kernel | bisection | kernel / bisection |")
+    print("|---|---|---|---|")
+    for name, params in SETTINGS.items():
+        t = best_ms({path: sampler_call(llm, logits, params, kernel=path == "kernel")
+                     for path in ("kernel", "bisection")}, args.repeats)
+        print(f"| {name} | {t['kernel']:.2f} | {t['bisection']:.2f} | "
+              f"{t['kernel'] / t['bisection']:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
