@@ -57,8 +57,10 @@ def _reference_keep(x, top_k, top_p):
     return keep
 
 
-def _case(rng, S, V, scale, decimals):
+def _case(rng, S, V, scale, decimals, low_outlier):
     x = (rng.standard_normal((S, V)) * scale).round(decimals).astype(np.float32)  # ties
+    if low_outlier:  # a wide range: the kernel's buckets then hold many distinct values each
+        x[:, -1] = -1000.0
     x[rng.random(x.shape) < 0.05] = -np.inf  # blocked tokens
     x[0] = -np.inf  # a row with nothing finite
     x[1, :] = 1.5  # one with every value tied
@@ -68,11 +70,12 @@ def _case(rng, S, V, scale, decimals):
 
 
 @needs_library
-@pytest.mark.parametrize("V,scale,decimals", [(7, 1.0, 1), (300, 5.0, 0), (1000, 3.0, 6),
-                                              (49152, 3.0, 6), (49152, 0.3, 2)])
-def test_sampling_thresholds_keep_what_a_float64_reference_keeps(V, scale, decimals):
+@pytest.mark.parametrize("V,scale,decimals,low_outlier", [
+    (7, 1.0, 1, False), (300, 5.0, 0, False), (1000, 3.0, 6, False), (49152, 3.0, 6, False),
+    (49152, 0.3, 2, False), (49152, 1.0, 6, True)])
+def test_sampling_thresholds_keep_what_a_float64_reference_keeps(V, scale, decimals, low_outlier):
     rng = np.random.default_rng(V + decimals)
-    x, top_k, top_p = _case(rng, 24, V, scale, decimals)
+    x, top_k, top_p = _case(rng, 24, V, scale, decimals, low_outlier)
     t = np.asarray(jax.jit(cpu_sampling.thresholds)(x, top_k, top_p))
     np.testing.assert_array_equal(x >= t[:, None], _reference_keep(x, top_k, top_p))
     off = (top_k <= 0) & (top_p >= 1)
