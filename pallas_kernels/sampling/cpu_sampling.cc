@@ -99,7 +99,7 @@ float RowThreshold(const float* row, int64_t size, int32_t top_k, float top_p,
   if (n == 0) return kNegInf;
   float threshold = kNegInf;
   if (use_k && top_k < n) {
-    threshold = low = KthLargest(vals.data(), n, top_k, top, low, w);
+    threshold = KthLargest(vals.data(), n, top_k, top, low, w);
     n = std::remove_if(vals.begin(), vals.begin() + n, [&](float v) { return v < threshold; }) -
         vals.begin();
   }
