@@ -5,11 +5,11 @@ The attention kernel's tests are in test_ragged_paged_attention.py."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import jax
 import numpy as np
 import pytest
-from jax import lax
 
 from pallas_kernels import cpu_library
 from pallas_kernels import sampling as cpu_sampling
@@ -83,17 +83,17 @@ def test_sampling_thresholds_keep_what_a_float64_reference_keeps(V, scale, decim
 
 
 @needs_library
-def test_sampling_thresholds_agree_with_the_pure_jax_bisection():
-    # Values far apart, so the bisection's f32 sums cannot move a boundary.
+def test_sampling_thresholds_agree_with_the_pure_jax_bisection(monkeypatch):
+    # Values far apart, so the bisection's f32 sums cannot move a boundary. The sampler's own
+    # filter, on each of its two paths.
     rng = np.random.default_rng(3)
     x = rng.permutation(np.linspace(-8.0, 8.0, 3000)).astype(np.float32)[None].repeat(16, 0)
-    top_k = rng.choice([0, 3, 50, 2000], 16).astype(np.int32)
-    top_p = rng.choice([1.0, 0.3, 0.9, 0.99], 16).astype(np.float32)
-
-    def bisection(s, k, p):
-        s = lax.cond(jax.numpy.any(k > 0), sampler._top_k, lambda s, _: s, s, k)
-        return lax.cond(jax.numpy.any(p < 1), sampler._top_p, lambda s, _: s, s, p)
-
-    kept_jax = np.isfinite(np.asarray(jax.jit(bisection)(x, top_k, top_p)))
-    t = np.asarray(jax.jit(cpu_sampling.thresholds)(x, top_k, top_p))
-    np.testing.assert_array_equal(x >= t[:, None], kept_jax)
+    md = SimpleNamespace(top_k=rng.choice([0, 3, 50, 2000], 16).astype(np.int32),
+                         top_p=rng.choice([1.0, 0.3, 0.9, 0.99], 16).astype(np.float32))
+    kept = {}
+    for path in ("kernel", "bisection"):
+        if path == "bisection":
+            monkeypatch.setattr(cpu_sampling, "available", lambda: False)
+        kept[path] = np.isfinite(np.asarray(sampler._top_k_top_p(jax.numpy.asarray(x), md)))
+    np.testing.assert_array_equal(kept["kernel"], kept["bisection"])
+    assert 0 < kept["kernel"].sum() < x.size  # some rows filtered
