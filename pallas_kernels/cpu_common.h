@@ -1,5 +1,6 @@
-// What the CPU kernels (ragged_paged_attention/cpu_decode.cc, sampling/cpu_sampling.cc) share:
-// a vectorisable exp and a loop over work items on XLA's intra-op thread pool.
+// What the CPU kernels (ragged_paged_attention/cpu_decode.cc, sampling/cpu_sampling.cc,
+// matmul/cpu_matmul.cc) share: a vectorisable exp and a loop over work items on XLA's intra-op
+// thread pool.
 #ifndef JAXSERVE_PALLAS_KERNELS_CPU_COMMON_H_
 #define JAXSERVE_PALLAS_KERNELS_CPU_COMMON_H_
 

@@ -1,6 +1,7 @@
 """The CPU kernels' library: every C++ XLA FFI kernel of the CPU path (the attention's
-ragged_paged_attention/cpu_decode.cc, the sampler's sampling/cpu_sampling.cc, and what they share
-in cpu_common.h) built into one shared library and registered with XLA.
+ragged_paged_attention/cpu_decode.cc, the sampler's sampling/cpu_sampling.cc, the layers'
+matmul/cpu_matmul.cc, and what they share in cpu_common.h) built into one shared library and
+registered with XLA.
 
 It is compiled on first use with the host's C++ compiler (`$CXX`, else g++), for this CPU
 (-march=native), into $JAXSERVE_CACHE/kernels (default ~/.cache/jaxserve/kernels) under a name
@@ -29,12 +30,13 @@ log = logging.getLogger(__name__)
 
 _ROOT = Path(__file__).parent
 SOURCES = (_ROOT / "ragged_paged_attention" / "cpu_decode.cc",
-           _ROOT / "sampling" / "cpu_sampling.cc")
+           _ROOT / "sampling" / "cpu_sampling.cc", _ROOT / "matmul" / "cpu_matmul.cc")
 _HEADERS = (_ROOT / "cpu_common.h",)
 # The library's handlers: target name -> symbol.
 HANDLERS = {"jaxserve_paged_decode": "JaxservePagedDecode", "jaxserve_write_kv": "JaxserveWriteKv",
             "jaxserve_gather_pages": "JaxserveGatherPages",
-            "jaxserve_sampling_thresholds": "JaxserveSamplingThresholds"}
+            "jaxserve_sampling_thresholds": "JaxserveSamplingThresholds",
+            "jaxserve_stacked_matmul": "JaxserveStackedMatmul"}
 # Builds no process has loaded for this long are deleted (see `prune_kernels`): each upgrade, and
 # each host sharing the cache, adds one; a live one is marked used every time it loads.
 KERNEL_MAX_AGE_DAYS = 30
@@ -102,7 +104,8 @@ def available() -> bool:
     except (OSError, AttributeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or e
         log.warning("CPU kernels unavailable: decodes and verifies use the pure-JAX attention "
-                    "reference, and the sampler its pure-JAX top-k/top-p: %s",
+                    "reference, the sampler its pure-JAX top-k/top-p, and the layers XLA's "
+                    "dots on sliced weights: %s",
                     str(detail).strip()[-2000:])
         return False
     for target, symbol in HANDLERS.items():

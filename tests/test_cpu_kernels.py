@@ -1,6 +1,8 @@
-"""The CPU kernels' library (pallas_kernels/cpu_library.py): its cache, and the sampler's top-k /
-top-p thresholds (pallas_kernels/sampling) against a float64 reference and the pure-JAX path.
-The attention kernel's tests are in test_ragged_paged_attention.py."""
+"""The CPU kernels' library (pallas_kernels/cpu_library.py): its cache, the sampler's top-k /
+top-p thresholds (pallas_kernels/sampling) against a float64 reference and the pure-JAX path, and
+the stacked-weights matmul (pallas_kernels/matmul) against a float64 reference. The attention
+kernel's tests are in test_ragged_paged_attention.py; the model through the matmul kernel in
+test_llama.py."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import cpu_library
+from pallas_kernels import matmul as cpu_matmul
 from pallas_kernels import sampling as cpu_sampling
 from jaxserve import sampler
 
@@ -97,3 +100,22 @@ def test_sampling_thresholds_agree_with_the_pure_jax_bisection(monkeypatch):
         kept[path] = np.isfinite(np.asarray(sampler._top_k_top_p(jax.numpy.asarray(x), md)))
     np.testing.assert_array_equal(kept["kernel"], kept["bisection"])
     assert 0 < kept["kernel"].sum() < x.size  # some rows filtered
+
+
+@needs_library
+@pytest.mark.parametrize("T,K,N", [
+    (1, 16, 16),  # one row, one vector
+    (9, 300, 80),  # a full row tile and a tail of one; two contraction blocks; panels 48 + 32
+    (64, 600, 576),  # three contraction blocks, 12 panels over the threads
+    (67, 1536, 192),  # a row tail of 3; the MLP's down projection depth
+])
+def test_stacked_matmul_matches_a_float64_reference(T, K, N):
+    rng = np.random.default_rng(T + K + N)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    w = rng.standard_normal((3, K, N)).astype(np.float32)
+    run = jax.jit(cpu_matmul.stacked_matmul)
+    for layer in range(3):
+        want = x.astype(np.float64) @ w[layer].astype(np.float64)
+        got = np.asarray(run(x, w, np.int32(layer)))
+        # f32 sums over K: ~1e-7 relative per term, far below a wrong row, column or layer.
+        np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(K), rtol=0)

@@ -108,8 +108,16 @@ def _three_sequences(config, seed=0):
     {"sliding_window": 3, "num_kv_heads": 4},  # Mistral-style window, MHA
     {"rope_scaling": RopeScaling(factor=8.0, original_max_position_embeddings=16)},  # Llama 3
 ])
-def test_ragged_paged_forward_matches_dense(changes):
+@pytest.mark.parametrize("weights", ["in_place", "sliced"])
+def test_ragged_paged_forward_matches_dense(changes, weights, monkeypatch):
     config = tiny_config(**changes)
+    # The step's projections read the stacked weights in place through the CPU kernel where it is
+    # built (16 tokens: within its rows), else each layer's slice through XLA's dots.
+    if weights == "sliced":
+        monkeypatch.setattr(llama, "_projections_in_place", lambda *args: False)
+    elif not llama._projections_in_place(config, None, 16):
+        pytest.skip("the CPU matmul kernel is not built here")
+    jax.clear_caches()  # _step's trace depends on the choice
     params = llama.init_params(config, jax.random.key(1))
     seqs, tables = _three_sequences(config)
     # (sequence, start, end) per chunk. Step 1: prefill seq 0 and seq 1's first chunk; step 2: a

@@ -22,6 +22,9 @@ Layout choices:
   carry (updated in place when the caller donates it). Layer l's page p is row l * num_pages + p, so
   the model offsets the batch's page indices and slots per layer and the attention kernel sees a
   plain paged cache.
+- On the CPU, steps of pallas_kernels.matmul's MIN_ROWS to MAX_ROWS tokens keep the seven
+  projection weights out of the scan: the kernel reads layer `layer` of each stack in place, where
+  the scan would copy each layer's slice out first (see `_projections_in_place`).
 - RoPE uses the HF "rotate half" convention; the GGUF loader undoes llama.cpp's interleaved layout.
 """
 
@@ -37,6 +40,7 @@ import numpy as np
 
 from jaxserve.batch import BatchPlan
 from jaxserve.config import INT8_GROUP, ModelConfig
+from pallas_kernels import matmul as cpu_matmul
 from pallas_kernels import ragged_paged_attention as rpa
 
 
@@ -82,6 +86,31 @@ def _weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[st
                  jnp.float32, nn.initializers.constant(-1.0))
     w = codes.reshape(groups, INT8_GROUP, *out_shape).astype(jnp.float32)
     return (w * scale[:, None] + low[:, None]).reshape(shape).astype(dt)
+
+
+def _projections_in_place(config: ModelConfig, mesh: jax.sharding.Mesh | None,
+                          num_tokens: int) -> bool:
+    """Whether a step of `num_tokens` reads the projection weights in place from the layers'
+    stack through the CPU kernel (pallas_kernels/matmul) instead of a slice per layer."""
+    c = config
+    if (mesh is not None or c.quantization is not None or jax.default_backend() != "cpu"
+            or not cpu_matmul.available()):
+        return False
+    H, I, q, kv = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, \
+        c.num_kv_heads * c.head_dim
+    return cpu_matmul.supports(num_tokens, [(H, q), (H, kv), (q, H), (H, I), (I, H)], c.dtype)
+
+
+def _project(x: jax.Array, w: jax.Array, num_contract: int, layer: jax.Array, in_place: bool,
+             precision: jax.lax.Precision) -> jax.Array:
+    """x [T, *K] @ w [*K, *N] -> [T, *N] (K: w's first num_contract axes). `in_place`: w is the
+    stack of all layers' weights [L, *K, *N] and `layer` picks one, read where it lies."""
+    if not in_place:
+        return jnp.tensordot(x, w, num_contract, precision=precision)
+    k_shape, n_shape = w.shape[1:1 + num_contract], w.shape[1 + num_contract:]
+    out = cpu_matmul.stacked_matmul(x.reshape(x.shape[0], math.prod(k_shape)),
+                                    w.reshape(w.shape[0], math.prod(k_shape), -1), layer)
+    return out.reshape(x.shape[0], *n_shape)
 
 
 def _precision(config: ModelConfig) -> jax.lax.Precision:
@@ -162,24 +191,32 @@ class DecoderLayer(nn.Module):
     mesh: jax.sharding.Mesh | None = None  # tensor parallel: attention runs per device
 
     @nn.compact
-    def __call__(self, carry, layer: jax.Array, batch: BatchPlan):
+    def __call__(self, carry, layer: jax.Array, batch: BatchPlan,
+                 stacked_projections: dict | None = None):
+        """`stacked_projections`: the seven projection weights of all layers ([L, ...] each, not
+        in this layer's params), read in place by the CPU kernel (`_projections_in_place`)."""
         x, kv_cache = carry
         c = self.config
         dt = jnp.dtype(c.dtype)
         H, Hq, Hkv, D, I = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
         ones = nn.initializers.ones
-        einsum = functools.partial(jnp.einsum, precision=_precision(c))
+
+        def weight(name, shape, axes, fan_in):
+            if stacked_projections is not None:
+                return stacked_projections[name]
+            return _weight(self, name, shape, axes, _fan_in_normal(fan_in))
+
+        def project(x, w, name):
+            return _project(x, w, PROJECTIONS[name], layer, stacked_projections is not None,
+                            _precision(c))
 
         h = rms_norm(x, _param(self, "input_norm", (H,), ("embed",), dt, ones), c.rms_norm_eps)
-        wq = _weight(self, "q_proj", (H, Hq, D), ("embed", "heads", "head_dim"),
-                     _fan_in_normal(H))
-        wk = _weight(self, "k_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"),
-                     _fan_in_normal(H))
-        wv = _weight(self, "v_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"),
-                     _fan_in_normal(H))
-        q = einsum("th,hnd->tnd", h, wq)
-        k = einsum("th,hnd->tnd", h, wk)
-        v = einsum("th,hnd->tnd", h, wv)
+        wq = weight("q_proj", (H, Hq, D), ("embed", "heads", "head_dim"), H)
+        wk = weight("k_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"), H)
+        wv = weight("v_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"), H)
+        q = project(h, wq, "q_proj")
+        k = project(h, wk, "k_proj")
+        v = project(h, wv, "v_proj")
         if c.attention_bias:
             # Random biases larger than typical so a test of a tiny model notices a dropped bias.
             bias_init = nn.initializers.normal(stddev=0.1)
@@ -196,17 +233,16 @@ class DecoderLayer(nn.Module):
             attn = q
         else:
             attn, kv_cache = paged_attention(c, self.mesh, q, k, v, kv_cache, batch, layer)
-        wo = _weight(self, "o_proj", (Hq, D, H), ("heads", "head_dim", "embed"),
-                     _fan_in_normal(Hq * D))
-        x = x + einsum("tnd,ndh->th", attn.astype(dt), wo)
+        wo = weight("o_proj", (Hq, D, H), ("heads", "head_dim", "embed"), Hq * D)
+        x = x + project(attn.astype(dt), wo, "o_proj")
 
         h = rms_norm(x, _param(self, "post_attention_norm", (H,), ("embed",), dt, ones),
                      c.rms_norm_eps)
-        w_gate = _weight(self, "gate_proj", (H, I), ("embed", "mlp"), _fan_in_normal(H))
-        w_up = _weight(self, "up_proj", (H, I), ("embed", "mlp"), _fan_in_normal(H))
-        w_down = _weight(self, "down_proj", (I, H), ("mlp", "embed"), _fan_in_normal(I))
-        mlp = nn.silu(einsum("th,hi->ti", h, w_gate)) * einsum("th,hi->ti", h, w_up)
-        x = x + einsum("ti,ih->th", mlp, w_down)
+        w_gate = weight("gate_proj", (H, I), ("embed", "mlp"), H)
+        w_up = weight("up_proj", (H, I), ("embed", "mlp"), H)
+        w_down = weight("down_proj", (I, H), ("mlp", "embed"), I)
+        mlp = nn.silu(project(h, w_gate, "gate_proj")) * project(h, w_up, "up_proj")
+        x = x + project(mlp, w_down, "down_proj")
         return (x, kv_cache), None
 
 
@@ -271,14 +307,18 @@ def forward(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: Batch
     """Run all layers over the batch's flat tokens: (final-normed hidden [T, H], kv_cache).
     With `mesh` (params and cache sharded by jaxserve.sharding), attention runs per device."""
     layer = DecoderLayer(config, mesh)
+    layers, stacked = params["layers"], None
+    if _projections_in_place(config, mesh, batch.token_ids.shape[0]):
+        stacked = {name: layers[name] for name in PROJECTIONS}
+        layers = {name: p for name, p in layers.items() if name not in PROJECTIONS}
 
     def body(carry, xs):
         layer_params, layer_id = xs
-        return layer.apply({"params": layer_params}, carry, layer_id, batch)
+        return layer.apply({"params": layer_params}, carry, layer_id, batch, stacked)
 
     x = jnp.take(params["embed_tokens"], batch.token_ids, axis=0)
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (params["layers"], layer_ids))
+    (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layers, layer_ids))
     return rms_norm(x, params["norm"], config.rms_norm_eps), kv_cache
 
 
