@@ -8,7 +8,7 @@
 // ~15 ms of a ~83 ms 64-sequence step on a 2-core host) and then runs the dots on the copy; dots
 // reading the weights from memory themselves run slower still. Here the weights stream from
 // memory while the cores compute: each thread owns a contiguous run of column panels, and while
-// it computes one block of a panel it prefetches the next block's rows.
+// it computes one block of a panel it prefetches the block it computes next.
 //
 // Arithmetic: f32 FMAs in order within each block of kDepth contraction rows, the blocks' sums
 // then added in order (a plain running sum over K = 1536 loses ~3x the precision).
@@ -39,7 +39,7 @@ constexpr int64_t kPanel = kVecs * kLanes;  // columns per panel
 constexpr int64_t kDepth = 256;
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
-// Rows of weights to prefetch while a block computes: the next block of the thread's panels.
+// Rows of weights to prefetch while a block computes: the thread's next block.
 struct Prefetch {
   const float* w = nullptr;  // its first row, or null for none
   int64_t rows = 0, vecs = 0;
@@ -93,25 +93,27 @@ struct Tiles {
 static_assert(kVecs == 3, "Tiles fills one row of tiles per vector count");
 constexpr Tiles kTiles;
 
-// Panels [p0, p1) of out[T, N] = x[T, K] @ w[K, N].
+// Panels [p0, p1) of out[T, N] = x[T, K] @ w[K, N], a block of kDepth contraction rows at a
+// time across all of them: the rows of w are then read along their run of columns, which streams
+// from memory faster than one panel down all of K (8-16 rows: 19% less time standalone, 5-6%
+// less for the engine's whole 8- and 16-sequence steps).
 void Panels(const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out,
             int64_t p0, int64_t p1) {
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t n = p * kPanel;
-    const int64_t vecs = std::min<int64_t>(kVecs, (N - n) / kLanes);
-    for (int64_t k = 0; k < K; k += kDepth) {
-      const int64_t depth = std::min(kDepth, K - k);
-      Prefetch next;  // this panel's next block, else the next panel's first
-      if (k + kDepth < K) {
-        next = {w + (k + kDepth) * N + n, std::min(kDepth, K - k - kDepth), vecs};
-      } else if (p + 1 < p1) {
-        next = {w + n + kPanel, std::min(kDepth, K),
-                std::min<int64_t>(kVecs, (N - n - kPanel) / kLanes)};
+  auto vecs = [N](int64_t p) { return std::min<int64_t>(kVecs, (N - p * kPanel) / kLanes); };
+  for (int64_t k = 0; k < K; k += kDepth) {
+    const int64_t depth = std::min(kDepth, K - k);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = p * kPanel;
+      Prefetch next;  // the next panel's block, else the first panel's next block
+      if (p + 1 < p1) {
+        next = {w + k * N + n + kPanel, depth, vecs(p + 1)};
+      } else if (k + kDepth < K) {
+        next = {w + (k + kDepth) * N + p0 * kPanel, std::min(kDepth, K - k - kDepth), vecs(p0)};
       }
       for (int64_t m = 0; m < T; m += kRows) {
         const int64_t rows = std::min<int64_t>(kRows, T - m);
-        kTiles.fn[vecs][rows](x + m * K + k, K, w + k * N + n, N, out + m * N + n, N, depth,
-                              k > 0, m == 0 ? next : Prefetch{});
+        kTiles.fn[vecs(p)][rows](x + m * K + k, K, w + k * N + n, N, out + m * N + n, N, depth,
+                                 k > 0, m == 0 ? next : Prefetch{});
       }
     }
   }
