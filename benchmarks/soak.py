@@ -90,6 +90,17 @@ def hostile_body(kind: str, model: str, rng: random.Random, max_body_bytes: int)
     return json.dumps(bodies[kind]()).encode()
 
 
+def _error_event(raw: bytes) -> str | None:
+    """A stream's first error event (a `data:` payload with a top-level "error"), else None. The
+    event, not the bytes: a token "error" streams as `"content":"error"`."""
+    for line in raw.splitlines():
+        if line.startswith(b"data: {"):
+            payload = json.loads(line.removeprefix(b"data: "))
+            if "error" in payload:
+                return json.dumps(payload)[:300]
+    return None
+
+
 def _classify(status: int) -> str:
     return ("answer" if 200 <= status < 300 else "4xx" if 400 <= status < 500
             else "5xx" if status >= 500 else "other")
@@ -107,8 +118,9 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, kind: str, s
                 if resp.status == 200 and kind == "stream" and not raw.rstrip().endswith(
                         b"data: [DONE]"):
                     return Outcome(kind, "other", resp.status, "stream without [DONE]")
-                if resp.status == 200 and b'"error"' in raw and kind == "stream":
-                    return Outcome(kind, "5xx", resp.status, "error event in the stream")
+                error = _error_event(raw) if resp.status == 200 and kind == "stream" else None
+                if error is not None:
+                    return Outcome(kind, "5xx", resp.status, f"error event in the stream: {error}")
                 return Outcome(kind, _classify(resp.status), resp.status, raw[:200].decode())
         if kind == "stream_cut":
             body = {"model": model, "prompt": _text(rng, 12), "max_tokens": long,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import importlib
 import json
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve.server.process import ServerProcess
+from jaxserve.server.sse import sse
 from tests.serve_wedgeable import WEDGE_SEED
 from tests.test_cli import ROOT, tiny_gguf
 from tests.test_server import http_get, http_post, wait_for
@@ -49,6 +51,20 @@ def server(tmp_path_factory, smollm2_tokenizer_fields):
             yield srv
         finally:
             srv.kill()
+
+
+def test_the_soak_tells_an_error_event_from_a_token_that_reads_error(monkeypatch):
+    # A random model may stream the token "error", `"content":"error"` in the bytes (the likely
+    # cause of a CI failure whose server logged no traceback): only a payload with a top-level
+    # "error" is an error event.
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    soak = importlib.import_module("soak")
+    chunk = {"choices": [{"index": 0, "delta": {"content": "error"}, "finish_reason": None}]}
+    stream = b"".join(sse(p) for p in (chunk, "[DONE]"))
+    assert soak._error_event(stream) is None
+    error = {"error": {"message": "boom", "type": "server_error", "code": None}}
+    stream = b"".join(sse(p) for p in (chunk, error, "[DONE]"))
+    assert json.loads(soak._error_event(stream)) == error
 
 
 def test_a_short_soak_ends_every_request_once_and_leaves_the_server_idle(server):
