@@ -1,12 +1,16 @@
 """The CPU kernels' library (pallas_kernels/cpu_library.py): its cache, the sampler's top-k /
 top-p thresholds (pallas_kernels/sampling) against a float64 reference and the pure-JAX path, and
-the stacked-weights matmul (pallas_kernels/matmul) against a float64 reference. The attention
-kernel's tests are in test_ragged_paged_attention.py; the model through the matmul kernel in
-test_llama.py."""
+the stacked-weights matmul (pallas_kernels/matmul) against a float64 reference, and the library
+built for older x86 ISAs. The attention kernel's tests are in test_ragged_paged_attention.py; the
+model through the matmul kernel in test_llama.py."""
 
 from __future__ import annotations
 
 import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -18,6 +22,7 @@ from pallas_kernels import matmul as cpu_matmul
 from pallas_kernels import sampling as cpu_sampling
 from jaxserve import sampler
 
+ROOT = Path(__file__).resolve().parents[1]
 needs_library = pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_library.available(),
                                    reason="the CPU kernels' library")
 
@@ -102,14 +107,22 @@ def test_sampling_thresholds_agree_with_the_pure_jax_bisection(monkeypatch):
     assert 0 < kept["kernel"].sum() < x.size  # some rows filtered
 
 
-@needs_library
-@pytest.mark.parametrize("T,K,N", [
+# (T, K, N). Tiles of rows x columns: AVX-512 8 x 48, AVX2 6 x 16, generic 4 x 8.
+MATMUL_CASES = [
     (1, 16, 16),  # one row, one vector
-    (9, 300, 80),  # a full row tile and a tail of one; two contraction blocks; panels 48 + 32
-    (64, 600, 576),  # three contraction blocks, 12 panels over the threads
-    (67, 1536, 192),  # a row tail of 3; the MLP's down projection depth
-])
+    (9, 300, 80),  # a full row tile and a tail; two contraction blocks; AVX-512 panels 48 + 32
+    (64, 600, 576),  # three contraction blocks, many panels over the threads
+    (67, 1536, 192),  # a row tail (3 on AVX-512, 1 on AVX2); the MLP's down projection depth
+]
+
+
+@needs_library
+@pytest.mark.parametrize("T,K,N", MATMUL_CASES)
 def test_stacked_matmul_matches_a_float64_reference(T, K, N):
+    check_stacked_matmul(T, K, N)
+
+
+def check_stacked_matmul(T: int, K: int, N: int) -> None:
     rng = np.random.default_rng(T + K + N)
     x = rng.standard_normal((T, K)).astype(np.float32)
     w = rng.standard_normal((3, K, N)).astype(np.float32)
@@ -119,3 +132,38 @@ def test_stacked_matmul_matches_a_float64_reference(T, K, N):
         got = np.asarray(run(x, w, np.int32(layer)))
         # f32 sums over K: ~1e-7 relative per term, far below a wrong row, column or layer.
         np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(K), rtol=0)
+
+
+# The library has a variant per x86 ISA (the attention's scores, cpu_decode.cc's Vec; the matmul's
+# tiles): AVX-512, AVX2, and the compiler's generic vectors. The suite's own build takes the
+# host's; these build the others (in a subprocess, with its own kernel cache, so this process
+# keeps its registered library) and check the attention and the matmul through them.
+_OLDER_X86_SCRIPT = """
+import numpy as np
+from pallas_kernels.ragged_paged_attention import cpu
+from tests.test_cpu_kernels import MATMUL_CASES, check_stacked_matmul
+from tests.test_ragged_paged_attention import check, make_case
+assert cpu.available()
+rng = np.random.default_rng(0)
+for D, (hq, hkv) in ((64, (9, 3)), (128, (8, 1))):
+    for cache_dtype in ("float32", "bfloat16"):
+        for page_size in (2, 16):
+            args = make_case(rng, q_lens=[1, 5, 1, 8, 3], ctx_lens=[40, 70, 0, 130, 20],
+                             page_size=page_size, Hq=hq, Hkv=hkv, D=D, dtype="float32",
+                             cache_dtype=cache_dtype)
+            check("cpu", args, dtype="float32")
+            check("cpu", args, dtype="float32", sliding_window=7, soft_cap=5.0)
+for case in MATMUL_CASES:
+    check_stacked_matmul(*case)
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISA flags")
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avx2"])
+def test_cpu_kernels_built_for_older_x86_match_their_references(tmp_path, flags):
+    env = {**os.environ, "CXX": f"{os.environ.get('CXX', 'g++')} {flags}",
+           "JAXSERVE_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", _OLDER_X86_SCRIPT], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert list((tmp_path / "kernels").glob("cpu_kernels-*.so")), "the kernel was not built"
