@@ -25,14 +25,14 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 fetch-models: $(VENV)/.installed
-	$(PY) -m jaxserve.cli fetch $(MODEL)
-	$(PY) -m jaxserve.cli fetch $(EMBED_MODEL)
+	$(PY) -m jaxserve fetch $(MODEL)
+	$(PY) -m jaxserve fetch $(EMBED_MODEL)
 
 serve: fetch-models
 	@echo "When 'jaxserve: serving ... at http://$(HOST):$(PORT)/v1' shows, try:"
 	@echo "  curl http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
 	@echo "    -d '{\"model\": \"$(MODEL)\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'"
-	$(PY) -m jaxserve.cli serve --model $(MODEL) --host $(HOST) --port $(PORT)
+	$(PY) -m jaxserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 test: install-dev fetch-models
 	$(PY) -m pytest $(PYTEST_ARGS)

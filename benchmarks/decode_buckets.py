@@ -46,7 +46,7 @@ def step_ms(runner, plan, rows) -> float:
 
 
 def step_table(runner, repeats: int) -> list[dict]:
-    from jaxserve.sampling import SamplingParams, SamplingRow
+    from jaxserve.core.sampling_params import SamplingParams, SamplingRow
 
     kinds = {"greedy": SamplingParams(temperature=0, max_tokens=None),
              "sampled": SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=None)}
@@ -94,8 +94,8 @@ def tiny_runner():
     import jax
 
     from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
-    from jaxserve.models import llama
-    from jaxserve.runner import ModelRunner
+    from jaxserve.executor.models import llama
+    from jaxserve.executor.runner import ModelRunner
 
     config = ModelConfig(name="tiny", vocab_size=49152, hidden_size=32, intermediate_size=64,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,

@@ -128,7 +128,7 @@ def main() -> int:
                 "or pass --guidellm PATH")
 
     from jaxserve.model_registry import resolve
-    from jaxserve.server.process import ServerProcess
+    from jaxserve.entrypoints.process import ServerProcess
     from jaxserve.tokenizer import load_tokenizer
 
     commit = provenance.commit()  # before anything runs: the tree may change while it does

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels import ragged_paged_attention as rpa  # noqa: E402
+from jaxserve.kernels import ragged_paged_attention as rpa  # noqa: E402
 
 
 def timeit(fn, *args, iters=20, repeats=3):
@@ -188,7 +188,7 @@ def main():
             runs["cpu, bf16 cache"] = (runs["cpu"][0], (q, cache.astype(jnp.bfloat16), *args[2:]),
                                        work(q_lens, kv_lens, Hq, Hkv, D, itemsize, kv_itemsize=2)[0])
         if on_gpu:
-            from pallas_kernels.ragged_paged_attention import gpu
+            from jaxserve.kernels.attention import gpu
             configs = [dict()]
             if a.sweep and set(q_lens) == {1}:
                 configs += [dict(tile_rows=t, num_splits=n, kv_block_tokens=k, num_stages=st)

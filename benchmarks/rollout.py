@@ -33,7 +33,7 @@ from jaxserve.errors import RequestFailed  # noqa: E402
 from jaxserve.fleet.fleet import Fleet  # noqa: E402
 from jaxserve.fleet.loader import EngineLoader  # noqa: E402
 from jaxserve.config import ServerConfig  # noqa: E402
-from jaxserve.server.http import attach_engine, build_app, start_server  # noqa: E402
+from jaxserve.entrypoints.http.app import attach_engine, build_app, start_server  # noqa: E402
 
 SMOLLM2 = "smollm2-135m-instruct"
 ENGINE = "max_model_len = 256\nmax_num_seqs = 8\nmax_num_batched_tokens = 64\nnum_pages = 128\n"

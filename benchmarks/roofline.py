@@ -50,7 +50,7 @@ def load(name: str, dtype: str):
 
         return load_model(resolve(SMOLLM2), dtype=dtype)
     if name == "llama-1b":
-        from jaxserve.models.llama import init_params
+        from jaxserve.executor.models.llama import init_params
 
         config = ModelConfig(**LLAMA_1B, dtype=dtype)
         return config, init_params(config, jax.random.key(0))
@@ -59,7 +59,7 @@ def load(name: str, dtype: str):
 
 def make_runner(config, params, args, num_seqs: int, max_tokens: int):
     from jaxserve.config import CacheConfig, SchedulerConfig
-    from jaxserve.runner import ModelRunner
+    from jaxserve.executor.runner import ModelRunner
 
     page = 16
     max_len = max(args.context + 1, args.prefill_tokens)

@@ -1,6 +1,6 @@
 """The sampler on the CPU: one call of the compiled sampler over real SmolLM2 logits (the
 throughput workload's prompts, 64 rows), per sampling setting, with the CPU kernels' top-k/top-p
-thresholds (pallas_kernels/sampling) against the pure-JAX bisection, in the same process.
+thresholds (jaxserve.kernels/sampling) against the pure-JAX bisection, in the same process.
 
     python benchmarks/sampler.py
     python benchmarks/sampler.py --rows 16
@@ -56,8 +56,8 @@ def sampler_call(llm, logits, params: dict, *, kernel: bool):
     (seeded per row), traced on the kernel's path or the bisection's; tokens back on the host."""
     import jax
 
-    from jaxserve import sampler
-    from jaxserve.sampling import SamplingParams, SamplingRow
+    from jaxserve.executor import sampler
+    from jaxserve.core.sampling_params import SamplingParams, SamplingRow
 
     rows = [SamplingRow(SamplingParams(**params, seed=i, max_tokens=None), i, [1], [])
             for i in range(logits.shape[0])]

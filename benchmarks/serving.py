@@ -229,7 +229,7 @@ def serve_and_load(args, work, extra_flags: list[str]) -> dict:
     server = None
     url = args.base_url
     if url is None:
-        from jaxserve.server.process import ServerProcess
+        from jaxserve.entrypoints.process import ServerProcess
 
         log = tempfile.NamedTemporaryFile("w", prefix="jaxserve-serve-", suffix=".log",
                                           delete=False)

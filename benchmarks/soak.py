@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     commit = provenance.commit()
     server, url, log_path = None, args.base_url, args.server_log
     if url is None:
-        from jaxserve.server.process import ServerProcess
+        from jaxserve.entrypoints.process import ServerProcess
 
         log = tempfile.NamedTemporaryFile("w", prefix="jaxserve-soak-", suffix=".log",
                                           delete=False)

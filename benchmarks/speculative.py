@@ -104,7 +104,7 @@ def main() -> int:
     commit = provenance.commit()  # before anything runs: the tree may change while it does
 
     from jaxserve import LLM
-    from jaxserve.compile_cache import default_compile_cache_dir, enable_compile_cache
+    from jaxserve.executor.compile_cache import default_compile_cache_dir, enable_compile_cache
 
     enable_compile_cache(default_compile_cache_dir())
     llm = LLM(args.model, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024,

@@ -28,7 +28,7 @@ def serve_once(model: str, cache_dir: Path) -> dict:
     """Start, wait for the serving line, stop; the times it took."""
     started = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxserve.cli", "serve", "--model", model, "--port", "0",
+        [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--model", model, "--port", "0",
          "--no-rag", "--compile-cache-dir", str(cache_dir)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     ready = None

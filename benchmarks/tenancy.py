@@ -6,7 +6,7 @@ request ended exactly once and no KV page leaked.
 
     python benchmarks/tenancy.py [--model smollm2-135m-instruct] [--seconds 30] [--flood 3]
 
-The server is the real HTTP app (jaxserve.server.http) with a tenants file, in this process on its
+The server is the real HTTP app (jaxserve.entrypoints.http.app) with a tenants file, in this process on its
 own event loop and thread; the clients are aiohttp streams on another. Baseline and flood run in
 the same process, one after the other, on the same engine.
 """
@@ -47,10 +47,10 @@ class Server:
     """The app on its own loop thread, bound to 127.0.0.1 on a free port."""
 
     def __init__(self, model: str, tenants_file: Path, max_queued: int, engine_kwargs: dict):
-        from jaxserve.async_engine import AsyncEngine
+        from jaxserve.core.async_engine import AsyncEngine
         from jaxserve.config import ServerConfig
-        from jaxserve.engine import LLMEngine
-        from jaxserve.server.http import attach_engine, build_app, start_server
+        from jaxserve.core.engine import LLMEngine
+        from jaxserve.entrypoints.http.app import attach_engine, build_app, start_server
 
         self.llm = LLMEngine.from_model(model, strict_compile=True, progress=False,
                                         **engine_kwargs)

@@ -77,7 +77,7 @@ def decode_step_figure(runner, num_seqs: int, repeats: int = 5) -> dict:
 def greedy_step_seconds(runner, plan, num_rows: int, repeats: int) -> float:
     """Best of `repeats` synchronous engine steps over `plan` (forward, greedy sampler on its
     first `num_rows` logits rows, tokens back on the host), after one warm-up step."""
-    from jaxserve.sampling import SamplingParams, SamplingRow
+    from jaxserve.core.sampling_params import SamplingParams, SamplingRow
 
     rows = [SamplingRow(SamplingParams(temperature=0, max_tokens=None), 0, [1], [])] * num_rows
     runner.sample(runner.forward(plan), rows)
@@ -102,7 +102,7 @@ def step_flops(c, num_tokens: int, num_logits_rows: int, attended_pairs: int) ->
 def step_plan(shapes, token_lists, start_positions, num_tokens: int | None = None):
     """One step's plan: each sequence's tokens appended at its start position, in pages of its
     own (page 0 is the null page), padded to `num_tokens` (default: the tokens' bucket)."""
-    from jaxserve.batch import SeqChunk, make_plan, pages_for
+    from jaxserve.executor.batch_plan import SeqChunk, make_plan, pages_for
 
     chunks, next_page = [], 1
     for tokens, start in zip(token_lists, start_positions):

@@ -8,11 +8,11 @@ __all__ = ["LLM", "SamplingParams"]
 def __getattr__(name):
     # Lazy, so `import jaxserve` (the CLI, the scheduler tests) does not pay for JAX.
     if name == "LLM":
-        from jaxserve.llm import LLM
+        from jaxserve.entrypoints.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from jaxserve.sampling import SamplingParams
+        from jaxserve.core.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

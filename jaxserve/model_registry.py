@@ -53,7 +53,7 @@ class RegistryEntry:
     engine_defaults: dict
     # Files unpacked beside `file` (e.g. an encoder's config.json and tokenizer.json).
     extra_files: tuple[str, ...] = ()
-    pricing: dict = field(default_factory=dict)  # [pricing], read by jaxserve.pricing
+    pricing: dict = field(default_factory=dict)  # [pricing], read by jaxserve.gateway.pricing
     config_path: Path | None = None  # the TOML file it came from
 
     @property

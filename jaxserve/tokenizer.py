@@ -19,8 +19,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as Backend
 
 from jaxserve.errors import InvalidRequest, ModelNotFound, NoChatTemplate, TokenizerError
-from jaxserve.tools.functions import FunctionTool
-from jaxserve.tools.prompt import chat_messages, template_uses_tools
+from jaxserve.tool_calling.functions import FunctionTool
+from jaxserve.tool_calling.prompt import chat_messages, template_uses_tools
 
 # ---------------------------------------------------------------- GGUF pre-tokenizers
 
@@ -364,7 +364,7 @@ class Tokenizer:
         """Render `messages` with the model's template; with `tokenize`, the ids (the template
         writes its own special tokens, so none are added). Tools, assistant tool calls and tool
         results go to the template when it handles them, else through the built-in fallback
-        (`jaxserve.tools.prompt`)."""
+        (`jaxserve.tool_calling.prompt`)."""
         template = self._template
         native = self.template_uses_tools
         messages = chat_messages(messages, tools, native=native)

@@ -7,7 +7,7 @@ import functools
 
 import jax
 
-from jaxserve.models.bert import BertConfig, init_params
+from jaxserve.executor.models.bert import BertConfig, init_params
 from jaxserve.rag.config import EmbedderConfig
 from jaxserve.rag.embedder import Embedder
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import sys
 import threading
 
-from jaxserve import cli
-from jaxserve.engine import LLMEngine
+from jaxserve.entrypoints import cli
+from jaxserve.core.engine import LLMEngine
 
 WEDGE_SEED = 4242
 _step = LLMEngine.step

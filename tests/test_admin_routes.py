@@ -17,9 +17,9 @@ from jaxserve.config import ServerConfig
 from jaxserve.fleet.fleet import Fleet
 from jaxserve.fleet.loader import EngineLoader
 from jaxserve.fleet.manifest import FileHashCache
-from jaxserve.sampling import SamplingParams
-from jaxserve.server.admin_routes import add_admin_routes
-from jaxserve.server.http import build_app
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.entrypoints.http.admin_routes import add_admin_routes
+from jaxserve.entrypoints.http.app import build_app
 from tests.test_manifest import small_vocab_gguf
 
 KEY = "s3cret-admin-key"

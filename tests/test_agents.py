@@ -18,7 +18,7 @@ import openai
 import pydantic
 import pytest
 
-from jaxserve.server.logprobs import MIN_LOGPROB
+from jaxserve.entrypoints.serving.logprobs import MIN_LOGPROB
 # test_server's module fixtures: a server on SmolLM2 (strict compile; no compile while serving
 # and no leaked page at teardown), built afresh for this module.
 from tests.test_server import SMOLLM2, client, engine, http_post, server  # noqa: F401

@@ -13,11 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.engine import EngineStats, PreparedRequest
+from jaxserve.core.async_engine import AsyncEngine
+from jaxserve.core.engine import EngineStats, PreparedRequest
 from jaxserve.errors import EngineOverloaded
-from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling import SamplingParams
+from jaxserve.core.outputs import CompletionOutput, RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
 
 
 class ScriptedEngine:
@@ -109,7 +109,7 @@ def test_a_burst_is_admitted_a_bounded_slice_per_step():
 
 
 def test_a_step_that_never_returns_is_a_stall_with_the_engine_stack(caplog):
-    caplog.set_level(logging.INFO, logger="jaxserve.async_engine")
+    caplog.set_level(logging.INFO, logger="jaxserve.core.async_engine")
     scripted = ScriptedEngine()
     engine = AsyncEngine(scripted, stall_timeout=0.3)
     try:

@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve.audit import (AuditBacklogFull, AuditError, AuditLog, AuditLogConfig, AuditRecord,
                             prune, verify)
-from jaxserve.cli import main
+from jaxserve.entrypoints.cli import main
 from jaxserve.safety import Intervention
 
 SMALL = 4096  # bytes per file: a few records each, so tests rotate

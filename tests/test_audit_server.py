@@ -22,9 +22,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.batch_infer import answer_items, batch_gateway, read_input
-from jaxserve.engine import LLMEngine
+from jaxserve.core.async_engine import AsyncEngine
+from jaxserve.entrypoints.batch import answer_items, batch_gateway, read_input
+from jaxserve.core.engine import LLMEngine
 from jaxserve.fleet.deployment import VersionSpec
 from jaxserve.fleet.fleet import Fleet
 from jaxserve.fleet.routing import Route
@@ -34,10 +34,10 @@ from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.rag.config import EMBEDDING_MODEL, ChunkerConfig, EmbedderConfig, RagConfig
 from jaxserve.rag.service import RagService
-from jaxserve.sampling import SamplingParams
-from jaxserve.server.grpc import start_grpc_server
-from jaxserve.server.app_state import STATE_KEY
-from jaxserve.server.http import attach_engine, close_app, serving_of
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.entrypoints.grpc import start_grpc_server
+from jaxserve.entrypoints.http.app_state import STATE_KEY
+from jaxserve.entrypoints.http.app import attach_engine, close_app, serving_of
 from tests.rag_helpers import tiny_embedder
 from tests.test_cli import tiny_gguf
 from tests.test_engine import assert_no_leaks
@@ -381,7 +381,7 @@ def test_an_idempotent_replay_records_the_version_that_answered(server):
 
 def test_audit_log_of_the_run_verifies(server, capsys):
     """Last: the earlier tests' requests are the run."""
-    from jaxserve.cli import main
+    from jaxserve.entrypoints.cli import main
 
     count = len(all_records(server))
     close_app(server.app)  # flush, as a shutdown does

@@ -1,11 +1,11 @@
-"""The step shapes derived from the configs (jaxserve.batch.StepShapes): token buckets from
+"""The step shapes derived from the configs (jaxserve.executor.batch_plan.StepShapes): token buckets from
 min_token_bucket, the sequence and logits rows of each, and the room speculation may fill."""
 
 from __future__ import annotations
 
 import pytest
 
-from jaxserve.batch import StepShapes, token_buckets
+from jaxserve.executor.batch_plan import StepShapes, token_buckets
 from jaxserve.config import SchedulerConfig
 from jaxserve.errors import ConfigError
 

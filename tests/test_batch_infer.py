@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.batch_infer import (DuplicateCustomIds, ResultWriter, answered_keys, parse_line,
+from jaxserve.core.async_engine import AsyncEngine
+from jaxserve.entrypoints.batch import (DuplicateCustomIds, ResultWriter, answered_keys, parse_line,
                                   read_input, result_line, run_batch_on)
-from jaxserve.engine import LLMEngine
+from jaxserve.core.engine import LLMEngine
 from jaxserve.errors import error_reply
-from jaxserve.sampling import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 from tests.test_cli import ROOT, run_cli, tiny_gguf
 from tests.test_engine import assert_no_leaks
 from tests.test_grpc import engine_output, wait_idle
@@ -297,7 +297,7 @@ def test_batch_cli_ctrl_c_resume_golden_and_tools_script(smollm2_path, smollm2_g
     args = ["--model", SMOLLM2, "--input", str(inp), "--output", str(out), "--max-model-len",
             "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--num-pages", "64",
             "--min-token-bucket", "16"]
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "batch", *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.entrypoints.cli", "batch", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _read_lines_until(out, 1, proc, deadline_s=300)
@@ -345,7 +345,7 @@ def test_batch_cli_ctrl_c_resume_golden_and_tools_script(smollm2_path, smollm2_g
 
 def test_batch_deployment_answers_each_line_on_the_version_its_model_selects(
         tmp_path, smollm2_tokenizer_fields, capsys):
-    from jaxserve.cli import main
+    from jaxserve.entrypoints.cli import main
 
     gguf = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields,
                      max_position_embeddings=256)

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve import cache as cache_mod
-from jaxserve.batch import NULL_PAGE
-from jaxserve.cache import KVCacheManager
+from jaxserve.core import cache as cache_mod
+from jaxserve.executor.batch_plan import NULL_PAGE
+from jaxserve.core.cache import KVCacheManager
 from jaxserve.errors import ConfigError
-from jaxserve.request import Request
+from jaxserve.core.request import Request
 
 
 def _computed(kv: KVCacheManager, req: Request, n: int) -> None:

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve import cli
+from jaxserve.entrypoints import cli
 from jaxserve.weights import load_model
 from jaxserve.model_registry import ModelSpec
 from tests.test_weights import assert_same_tree, random_params, tiny, write_gguf
@@ -22,7 +22,7 @@ SMOLLM2 = "smollm2-135m-instruct"
 
 
 def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxserve.cli", *args], cwd=ROOT, env=dict(os.environ),
+    return subprocess.run([sys.executable, "-m", "jaxserve.entrypoints.cli", *args], cwd=ROOT, env=dict(os.environ),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,6 +1,6 @@
-"""The CPU kernels' library (pallas_kernels/cpu_library.py): its cache, the sampler's top-k /
-top-p thresholds (pallas_kernels/sampling) against a float64 reference and the pure-JAX path, and
-the stacked-weights matmul (pallas_kernels/matmul) against a float64 reference, and the library
+"""The CPU kernels' library (jaxserve.kernels/cpu_library.py): its cache, the sampler's top-k /
+top-p thresholds (jaxserve.kernels/sampling) against a float64 reference and the pure-JAX path, and
+the stacked-weights matmul (jaxserve.kernels/matmul) against a float64 reference, and the library
 built for older x86 ISAs. The attention kernel's tests are in test_ragged_paged_attention.py; the
 model through the matmul kernel in test_llama.py."""
 
@@ -17,10 +17,10 @@ import jax
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_library
-from pallas_kernels import matmul as cpu_matmul
-from pallas_kernels import sampling as cpu_sampling
-from jaxserve import sampler
+from jaxserve.kernels.cpu import library as cpu_library
+from jaxserve.kernels import matmul as cpu_matmul
+from jaxserve.kernels import sampling as cpu_sampling
+from jaxserve.executor import sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_library = pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_library.available(),
@@ -140,7 +140,7 @@ def check_stacked_matmul(T: int, K: int, N: int) -> None:
 # keeps its registered library) and check the attention and the matmul through them.
 _OLDER_X86_SCRIPT = """
 import numpy as np
-from pallas_kernels.ragged_paged_attention import cpu
+from jaxserve.kernels.attention import cpu
 from tests.test_cpu_kernels import MATMUL_CASES, check_stacked_matmul
 from tests.test_ragged_paged_attention import check, make_case
 assert cpu.available()

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jaxserve.cli import build_parser
+from jaxserve.entrypoints.cli import build_parser
 from jaxserve.config import ServerConfig
-from jaxserve.engine_args import distributed_config
-from jaxserve.server.http import build_app
+from jaxserve.entrypoints.engine_flags import distributed_config
+from jaxserve.entrypoints.http.app import build_app
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 MANIFESTS = sorted(DEPLOY.rglob("*.yaml"))

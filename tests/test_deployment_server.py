@@ -30,10 +30,10 @@ from jaxserve.fleet.manifest import FileHashCache
 from jaxserve.fleet.routing import Route, choose, sticky_unit
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
-from jaxserve.server.admin_routes import add_admin_routes
-from jaxserve.server.grpc import start_grpc_server
-from jaxserve.server.http import attach_engine, serving_of
-from jaxserve.server.shadow import token_agreement
+from jaxserve.entrypoints.http.admin_routes import add_admin_routes
+from jaxserve.entrypoints.grpc import start_grpc_server
+from jaxserve.entrypoints.http.app import attach_engine, serving_of
+from jaxserve.entrypoints.serving.shadow import token_agreement
 from tests.test_cli import ROOT
 from tests.test_engine import assert_no_leaks
 from tests.test_server import ServerThread, _request, parse_sse, wait_for
@@ -92,7 +92,7 @@ def test_a_malformed_deployment_file_is_one_error_naming_the_field(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text(DEPLOYMENT.replace('sticky = "user"', 'sticky = "cookie"'))
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxserve.cli", "serve", "--deployment", str(bad), "--port", "0",
+        [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--deployment", str(bad), "--port", "0",
          "--no-rag"], cwd=ROOT, env=dict(os.environ), capture_output=True, text=True,
         timeout=300)
     assert proc.returncode == 1
@@ -100,7 +100,7 @@ def test_a_malformed_deployment_file_is_one_error_naming_the_field(tmp_path):
     assert len(errors) == 1 and "route.smollm2.sticky" in errors[0] and str(bad) in errors[0], \
         proc.stderr[-2000:]
     both = subprocess.run(
-        [sys.executable, "-m", "jaxserve.cli", "serve", "--deployment", str(bad), "--model",
+        [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--deployment", str(bad), "--model",
          SMOLLM2, "--port", "0", "--no-rag"], cwd=ROOT, env=dict(os.environ),
         capture_output=True, text=True, timeout=300)
     assert both.returncode == 1 and "either --model" in both.stderr
@@ -319,10 +319,10 @@ def test_structured_output_and_forced_tool_call_requests_are_shadowed(
     """A constrained request is copied like any other: the shadow version's engine compiles
     the constraint for its own tokenizer and its greedy answer is compared with the primary's
     (a tiny model; two versions over one engine)."""
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.engine import LLMEngine
+    from jaxserve.core.async_engine import AsyncEngine
+    from jaxserve.core.engine import LLMEngine
     from jaxserve.fleet.deployment import VersionSpec
-    from jaxserve.server.openai_serving import OpenAIServing
+    from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
     from tests.test_cli import tiny_gguf
 
     path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields,

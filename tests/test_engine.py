@@ -11,11 +11,11 @@ import jax
 import pytest
 from jax import monitoring
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.engine import LLMEngine
+from jaxserve.core.async_engine import AsyncEngine
+from jaxserve.core.engine import LLMEngine
 from jaxserve.errors import ContextLengthExceeded, InvalidRequest
-from jaxserve.llm import LLM
-from jaxserve.sampling import SamplingParams
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.core.sampling_params import SamplingParams
 from tests.test_cli import tiny_gguf
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -300,9 +300,9 @@ def test_bf16_kv_cache_through_the_cpu_kernel_library(tmp_path, smollm2_tokenize
     # through cpu_decode.cc (XLA:CPU widens the whole cache to f32 around a bf16 scatter or
     # gather); head_dim 64, a shape the attention kernel takes. Chunked prefills beside decodes;
     # the tokens are those of the pure-XLA path.
-    from jaxserve.cli import build_parser
-    from jaxserve.engine_args import engine_args
-    from pallas_kernels.ragged_paged_attention import cpu
+    from jaxserve.entrypoints.cli import build_parser
+    from jaxserve.entrypoints.engine_flags import engine_args
+    from jaxserve.kernels.attention import cpu
 
     path = tiny_gguf(tmp_path / "tiny64.gguf", smollm2_tokenizer_fields, hidden_size=128,
                      num_heads=2, num_kv_heads=1, head_dim=64)
@@ -438,7 +438,7 @@ def test_deadlines_queue_timeouts_and_shedding_end_whole_requests(tiny_path):
     frees the pages; through AsyncEngine each is a typed error, and a full queue sheds a
     less important never-started request instead of refusing a more important one."""
     from jaxserve.errors import DeadlineExceeded, EngineOverloaded, QueueTimeout
-    from jaxserve.request import QoS, ServiceClass
+    from jaxserve.core.request import QoS, ServiceClass
 
     engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=2,
                                   max_num_batched_tokens=32, max_model_len=128,

@@ -7,8 +7,8 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.fair_queue import FairQueue
-from jaxserve.request import Request, RequestStatus, ServiceClass
+from jaxserve.core.fair_queue import FairQueue
+from jaxserve.core.request import Request, RequestStatus, ServiceClass
 
 _ids = itertools.count()
 

@@ -22,7 +22,7 @@ from jaxserve.fleet.manifest import Manifest
 from jaxserve.fleet.memory import MemoryPlan
 from jaxserve.fleet.routing import Route, choose, sticky_unit
 from jaxserve.fleet.versions import VersionState
-from jaxserve.pricing import Pricing
+from jaxserve.gateway.pricing import Pricing
 
 ISSUE_EXAMPLE = """
 [version.smol-v1]

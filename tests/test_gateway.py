@@ -17,7 +17,7 @@ from jaxserve.gateway.idempotency import IdempotencyStore, StoredResponse, finge
 from jaxserve.gateway.keys import key_id
 from jaxserve.gateway.limits import TokenBucket, format_duration, retry_after_header
 from jaxserve.gateway.usage import parse_pricing, pricing_for, with_cost
-from jaxserve.request import ServiceClass
+from jaxserve.core.request import ServiceClass
 
 ACME_KEY = "sk-acme-1"
 GLOBEX_KEY = "sk-globex-secret"

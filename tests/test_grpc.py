@@ -1,5 +1,5 @@
 """The gRPC front end (jaxserve.v1) end to end: a real grpc.aio server on a free localhost port over
-the real engine, called through jaxserve.client (asyncio and blocking). Streamed deltas joining to
+the real engine, called through jaxserve.entrypoints.client (asyncio and blocking). Streamed deltas joining to
 the engine's own output, token-id prompts, sampling fields and seeds, every error's status code,
 deadline expiry and client cancellation aborting the engine request (pages back in the pool),
 ListModels, health, reflection as a generic tool uses it, golden greedy output and 16 concurrent
@@ -26,12 +26,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase)
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.client import AsyncClient, Client
-from jaxserve.engine import LLMEngine
+from jaxserve.core.async_engine import AsyncEngine
+from jaxserve.entrypoints.client import AsyncClient, Client
+from jaxserve.core.engine import LLMEngine
 from jaxserve.protos import generation_pb2 as pb
-from jaxserve.sampling import SamplingParams
-from jaxserve.server.grpc import SERVICE_NAME, completion_body, start_grpc_server
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.entrypoints.grpc import SERVICE_NAME, completion_body, start_grpc_server
 from tests.test_cli import ROOT, tiny_gguf
 from tests.test_engine import assert_no_leaks
 
@@ -364,7 +364,7 @@ def test_serve_grpc_port_shares_the_engine_with_http(tiny, tiny_path, tmp_path):
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in serve_args.items()]
     stderr = (tmp_path / "stderr.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(tiny_path),
+        [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--model", str(tiny_path),
          "--served-model-name", TINY, "--port", "0", "--grpc-port", "0", "--no-rag", *flags],
         cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
@@ -467,8 +467,8 @@ def test_typed_errors_map_to_grpc_and_http_statuses():
     a dead engine UNAVAILABLE / 503, a bad request INVALID_ARGUMENT / 400, ..."""
     from jaxserve.errors import (DeadlineExceeded, EngineDead, EngineOverloaded, InvalidRequest,
                                  ModelNotFound, QueueTimeout, RequestFailed, Unauthenticated)
-    from jaxserve.server.grpc import status_for
-    from jaxserve.server.front_door import logged_error_reply
+    from jaxserve.entrypoints.grpc import status_for
+    from jaxserve.entrypoints.http.front_door import logged_error_reply
 
     cases = [(EngineOverloaded("queue full"), grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
              (EngineDead("gone"), grpc.StatusCode.UNAVAILABLE, 503),

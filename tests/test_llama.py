@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.batch import SeqChunk, make_plan
+from jaxserve.executor.batch_plan import SeqChunk, make_plan
 from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.models import llama
+from jaxserve.executor.models import llama
 
 PAGE_SIZE = 4
 NUM_PAGES = 24

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve import cli
+from jaxserve.entrypoints import cli
 from jaxserve.fleet import manifest as manifest_mod
 from jaxserve.fleet.deployment import VersionSpec
 from jaxserve.fleet.manifest import FileHashCache, manifest_of
-from jaxserve.pricing import Pricing
+from jaxserve.gateway.pricing import Pricing
 from tests.test_weights import random_params, tiny, write_gguf
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

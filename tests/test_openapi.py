@@ -15,12 +15,12 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, negativ
                                                response_schema_conformance,
                                                status_code_conformance)
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.core.async_engine import AsyncEngine
 from jaxserve.config import RequestLimits
-from jaxserve.engine import LLMEngine
+from jaxserve.core.engine import LLMEngine
 from jaxserve.rag.config import EMBEDDING_MODEL, ChunkerConfig, EmbedderConfig, RagConfig
 from jaxserve.rag.service import RagService
-from jaxserve.server.openapi import ROUTES_KEY
+from jaxserve.entrypoints.http.openapi import ROUTES_KEY
 from tests.rag_helpers import tiny_embedder
 from tests.test_cli import tiny_gguf
 from tests.test_engine import assert_no_leaks

@@ -20,19 +20,20 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from jaxserve import multihost, sharding
-from jaxserve.batch import SeqChunk, make_plan
-from jaxserve.cache import KVCacheManager
+from jaxserve.executor import multihost
+from jaxserve.executor import sharding
+from jaxserve.executor.batch_plan import SeqChunk, make_plan
+from jaxserve.core.cache import KVCacheManager
 from jaxserve.config import DistributedConfig, ModelConfig, ParallelConfig
-from jaxserve.engine import EngineStats
+from jaxserve.core.engine import EngineStats
 from jaxserve.errors import ConfigError, EngineOverloaded
-from jaxserve.replica_routing import pick_replica
-from jaxserve.replicas import ReplicaSet
-from jaxserve.request import Request
-from jaxserve.runner import SampleInputs
-from jaxserve.sampler import SamplingRow, make_sampling_metadata
-from jaxserve.sampling import SamplingParams
-from jaxserve.server.process import ServerProcess
+from jaxserve.core.replica_routing import pick_replica
+from jaxserve.core.replicas import ReplicaSet
+from jaxserve.core.request import Request
+from jaxserve.executor.runner import SampleInputs
+from jaxserve.executor.sampler import SamplingRow, make_sampling_metadata
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.entrypoints.process import ServerProcess
 from tests.test_cli import ROOT, assert_one_line_error, run_cli, tiny_gguf
 from tests.test_server import http_get, http_post, wait_for
 
@@ -209,7 +210,7 @@ def test_cli_refuses_more_devices_than_there_are(tmp_path, smollm2_tokenizer_fie
     (tmp_path / "cache" / "models" / "tiny-tp").mkdir(parents=True)
     path.rename(tmp_path / "cache" / "models" / "tiny-tp" / "tiny.gguf")
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxserve.cli", "generate", "--model", "tiny-tp",
+        [sys.executable, "-m", "jaxserve.entrypoints.cli", "generate", "--model", "tiny-tp",
          "--prompt-token-ids", "1,2,3"], cwd=ROOT, capture_output=True, text=True, timeout=600,
         env=dict(os.environ, JAXSERVE_CONFIGS=str(tmp_path / "configs"),
                  JAXSERVE_CACHE=str(tmp_path / "cache")))
@@ -343,7 +344,7 @@ class Group:
         group = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
         self.follower_log = (log_dir / "follower.log").open("w")
         self.follower = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.cli", "serve", "--model", model, *flags, *group,
+            [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--model", model, *flags, *group,
              "--process-id", "1"], cwd=ROOT, env=devices_env(2), stdout=self.follower_log,
             stderr=subprocess.STDOUT)
         self.leader_log = (log_dir / "leader.log").open("w")

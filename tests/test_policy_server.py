@@ -16,13 +16,13 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.batch_infer import answer_items, batch_gateway, read_input
-from jaxserve.engine import LLMEngine
+from jaxserve.core.async_engine import AsyncEngine
+from jaxserve.entrypoints.batch import answer_items, batch_gateway, read_input
+from jaxserve.core.engine import LLMEngine
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
-from jaxserve.server.grpc import start_grpc_server
-from jaxserve.server.http import attach_engine, close_app, serving_of
+from jaxserve.entrypoints.grpc import start_grpc_server
+from jaxserve.entrypoints.http.app import attach_engine, close_app, serving_of
 from tests.test_engine import assert_no_leaks
 from tests.test_server import ServerThread, _request, access_records, parse_sse, wait_for
 
@@ -204,7 +204,7 @@ def test_grpc_invalid_argument_and_content_filter(server, smollm2_golden):
 @pytest.mark.slow
 def test_audit_log_of_the_mixed_run_verifies(server, capsys):
     """Last: the earlier tests' requests are the mixed run (blocked, filtered, redacted, batch)."""
-    from jaxserve.cli import main
+    from jaxserve.entrypoints.cli import main
 
     close_app(server.app)  # flush, as a shutdown does
     assert main(["audit", "verify", str(server.dir / "audit")]) == 0

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from jaxserve.config import RequestLimits
 from jaxserve.errors import ConfigError, InvalidRequest, error_status
-from jaxserve.server.protocol import parse_chat_request, parse_completion_request
-from jaxserve.server.request_models import request_models
-from jaxserve.server.validation import load_json
+from jaxserve.entrypoints.serving.protocol import parse_chat_request, parse_completion_request
+from jaxserve.entrypoints.serving.request_models import request_models
+from jaxserve.entrypoints.serving.validation import load_json
 
 MSGS = [{"role": "user", "content": "Hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

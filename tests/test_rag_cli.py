@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jaxserve.cli import main
+from jaxserve.entrypoints.cli import main
 from jaxserve.rag.config import RagConfig
 from jaxserve.rag.service import RagService
 

@@ -19,9 +19,9 @@ from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.rag.config import ChunkerConfig, EmbedderConfig, RagConfig
 from jaxserve.rag.service import RagService
-from jaxserve.server.grpc import start_grpc_server
-from jaxserve.server.http import build_app, start_server
-from jaxserve.server.rag_routes import add_rag_routes
+from jaxserve.entrypoints.grpc import start_grpc_server
+from jaxserve.entrypoints.http.app import build_app, start_server
+from jaxserve.entrypoints.http.rag_routes import add_rag_routes
 from tests.rag_helpers import MINILM, tiny_embedder
 
 DOCS = [{"id": "fr", "text": "Paris is the capital of France.", "metadata": {"lang": "en"}},
@@ -42,8 +42,8 @@ def _serve(service, scenario, engine=None, model_name="some-llm", admin_key=None
     """Run `scenario(session, url)` against a started server, and always stop it. With an
     engine, generation is served too (chat completions with "rag" when there is a service);
     with `admin_key`, the admin API."""
-    from jaxserve.server.admin_routes import add_admin_routes
-    from jaxserve.server.http import attach_engine
+    from jaxserve.entrypoints.http.admin_routes import add_admin_routes
+    from jaxserve.entrypoints.http.app import attach_engine
 
     async def main():
         app = build_app(ServerConfig(port=0, **config), model_name)
@@ -317,8 +317,8 @@ def test_grpc_embed_without_an_encoder_is_unimplemented():
 def tiny_llm(tmp_path_factory, smollm2_tokenizer_fields):
     """A tiny random LLM with SmolLM2's tokenizer and chat template: the text is noise, the
     prompt (what retrieval put into it) and the citations are what these tests check."""
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.engine import LLMEngine
+    from jaxserve.core.async_engine import AsyncEngine
+    from jaxserve.core.engine import LLMEngine
     from tests.test_cli import tiny_gguf
 
     path = tiny_gguf(tmp_path_factory.mktemp("llm") / "tiny.gguf", smollm2_tokenizer_fields,

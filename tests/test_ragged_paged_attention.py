@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pallas_kernels import ragged_paged_attention as rpa
-from pallas_kernels.ragged_paged_attention import cpu
+from jaxserve.kernels import attention as rpa
+from jaxserve.kernels.attention import cpu
 
 TOL = {"float32": 2e-3, "bfloat16": 2e-2}
 
@@ -306,7 +306,7 @@ def test_pallas_interpret_mixed_batch_with_odd_group(impl):
 def test_gpu_kernel_kv_splits_merge_exactly(num_splits):
     # Splitting each item's KV range across programs (merged by log-sum-exp) must not change the
     # result, including splits that get no KV block (the 5-token sequence) and a sliding window.
-    from pallas_kernels.ragged_paged_attention import gpu
+    from jaxserve.kernels.attention import gpu
 
     rng = np.random.default_rng(4)
     args = make_case(rng, q_lens=[1, 9, 1], ctx_lens=[200, 60, 4], page_size=16, Hq=4, Hkv=2,

@@ -11,9 +11,9 @@ import pytest
 
 from jaxserve.errors import ConfigError, ContentPolicyViolation
 from jaxserve.gateway.tenants import Tenant
-from jaxserve.server.admission import CallContext
-from jaxserve.server.protocol import ParsedRequest
-from jaxserve.server.request_policy import RequestPolicy, route_of
+from jaxserve.entrypoints.serving.admission import CallContext
+from jaxserve.entrypoints.serving.protocol import ParsedRequest
+from jaxserve.entrypoints.serving.request_policy import RequestPolicy, route_of
 from jaxserve.safety import load_policy
 
 POLICY = """
@@ -136,10 +136,10 @@ def test_retrieved_chunks_pass_the_input_rules(policy):
 
 
 def test_flags_reach_the_configs_and_a_bad_policy_fails_at_start(tmp_path):
-    from jaxserve.cli import build_parser
+    from jaxserve.entrypoints.cli import build_parser
     from jaxserve.config import ServerConfig
-    from jaxserve.server.http import build_app, close_app
-    from jaxserve.server.launcher import server_config
+    from jaxserve.entrypoints.http.app import build_app, close_app
+    from jaxserve.entrypoints.launcher import server_config
 
     config = server_config(build_parser().parse_args(
         ["serve", "--model", "m", "--policy", "p.toml", "--audit-log", "audit"]))

@@ -9,11 +9,11 @@ import json
 import pytest
 
 from jaxserve.errors import InvalidRequest
-from jaxserve.server.request_models import request_models
-from jaxserve.server.responses_api import ResponseEvents, ResponseObject, chat_body, rename_param
-from jaxserve.server.tool_output import ToolCallOutput
-from jaxserve.server.validation import validate
-from jaxserve.tools.parsers import get_tool_parser
+from jaxserve.entrypoints.serving.request_models import request_models
+from jaxserve.entrypoints.serving.responses import ResponseEvents, ResponseObject, chat_body, rename_param
+from jaxserve.entrypoints.serving.tool_output import ToolCallOutput
+from jaxserve.entrypoints.serving.validation import validate
+from jaxserve.tool_calling.parsers import get_tool_parser
 
 TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 
@@ -175,8 +175,8 @@ def test_without_a_parser_text_is_content():
 
 
 def test_tool_choice_decides_prompt_tools_constraint_and_special_tokens():
-    from jaxserve.server.openai_serving import OpenAIServing
-    from jaxserve.server.protocol import parse_chat_request
+    from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
+    from jaxserve.entrypoints.serving.protocol import parse_chat_request
 
     def prepared(parser, **fields):
         serving = OpenAIServing(None, "m", tool_call_parser=parser)  # _tools needs no engine

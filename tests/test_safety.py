@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
-from jaxserve.cli import main
+from jaxserve.entrypoints.cli import main
 from jaxserve.errors import ConfigError
 from jaxserve.safety import Classifier, Intervention, load_policy
 from jaxserve.safety.pii import DETECTORS, luhn_valid
-from jaxserve.server.metrics import PolicyMetrics
+from jaxserve.telemetry.metrics import PolicyMetrics
 
 
 def policy(tmp_path: Path, text: str):

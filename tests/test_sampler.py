@@ -1,4 +1,4 @@
-"""The on-device sampler (jaxserve.sampler), against numpy references."""
+"""The on-device sampler (jaxserve.executor.sampler), against numpy references."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampler import (_apply_penalties, _argmax, make_sampling_metadata, sample,
+from jaxserve.executor.sampler import (_apply_penalties, _argmax, make_sampling_metadata, sample,
                               top_logprobs_width)
-from jaxserve.sampling import MAX_LOGPROBS, SamplingParams, SamplingRow
+from jaxserve.core.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingRow
 
 EOS = (1,)
 sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs", "all_greedy"))

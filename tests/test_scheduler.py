@@ -18,11 +18,11 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.batch import next_power_of_two
+from jaxserve.executor.batch_plan import next_power_of_two
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import ConfigError, ContextLengthExceeded, InvalidRequest
-from jaxserve.request import Request, RequestStatus
-from jaxserve.scheduler import Scheduler
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler import Scheduler
 
 VOCAB = 50
 _WEIGHTS = np.array([pow(31, i, 1_000_003) for i in range(512)], np.int64)

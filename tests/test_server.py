@@ -20,13 +20,13 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.core.async_engine import AsyncEngine
 from jaxserve.config import ServerConfig
-from jaxserve.engine import LLMEngine
-from jaxserve.server.http import attach_engine, build_app, start_server
-from jaxserve.server.streams import with_keepalive
-from jaxserve.server.process import ServerProcess
-from jaxserve.server.rag_routes import add_rag_routes
+from jaxserve.core.engine import LLMEngine
+from jaxserve.entrypoints.http.app import attach_engine, build_app, start_server
+from jaxserve.entrypoints.serving.streams import with_keepalive
+from jaxserve.entrypoints.process import ServerProcess
+from jaxserve.entrypoints.http.rag_routes import add_rag_routes
 from tests.test_cli import ROOT, tiny_gguf
 from tests.test_engine import assert_no_leaks
 

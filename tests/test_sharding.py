@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxserve import sharding
-from jaxserve.batch import SeqChunk, make_plan
+from jaxserve.executor import sharding
+from jaxserve.executor.batch_plan import SeqChunk, make_plan
 from jaxserve.config import ModelConfig, ParallelConfig
 from jaxserve.errors import ConfigError
-from jaxserve.models import llama
+from jaxserve.executor.models import llama
 
 DEVICES = 8
 _CHILD = "JAXSERVE_SHARDING_CHILD"
@@ -150,7 +150,7 @@ def test_sharded_step_never_gathers_the_kv_cache(tp, kv_heads):
     import re
 
     from jaxserve.config import CacheConfig, SchedulerConfig
-    from jaxserve.runner import ModelRunner
+    from jaxserve.executor.runner import ModelRunner
 
     config = TINY.replace(num_kv_heads=kv_heads)
     mesh = sharding.replica_meshes(ParallelConfig(tensor_parallel_size=tp))[0]

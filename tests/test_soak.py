@@ -20,8 +20,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve.server.process import ServerProcess
-from jaxserve.server.sse import sse
+from jaxserve.entrypoints.process import ServerProcess
+from jaxserve.entrypoints.http.sse import sse
 from tests.serve_wedgeable import WEDGE_SEED
 from tests.test_cli import ROOT, tiny_gguf
 from tests.test_server import http_get, http_post, wait_for

@@ -13,9 +13,9 @@ import pytest
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.errors import ConfigError, InvalidRequest
-from jaxserve.llm import LLM
-from jaxserve.sampling import SamplingParams
-from jaxserve.speculative import NgramProposer, propose_ngram
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.speculation import NgramProposer, propose_ngram
 from jaxserve.structured import StructuredOutputsParams as SO
 from tests.test_cli import tiny_gguf
 from tests.test_engine import assert_golden, assert_no_leaks, count_compiles, golden_prompts
@@ -220,8 +220,8 @@ def test_http_num_speculative_tokens_opts_out_caps_and_is_bounded(tmp_path,
     """On a server with --speculative-ngram 3: num_speculative_tokens 0 gives the same greedy
     output with no drafts counted; above the server's K it is capped (same output); outside
     0..15 (or not an integer) it is a 400 naming the field."""
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.engine import LLMEngine
+    from jaxserve.core.async_engine import AsyncEngine
+    from jaxserve.core.engine import LLMEngine
     from tests.test_server import ServerThread, http_post, wait_idle
 
     path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields)

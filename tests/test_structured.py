@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxserve.errors import InvalidRequest
-from jaxserve.llm import LLM
-from jaxserve.sampler import apply_token_bitmask, bitmask_width
-from jaxserve.sampling import SamplingParams
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.executor.sampler import apply_token_bitmask, bitmask_width
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.structured import StructuredOutputsParams as SO
 from jaxserve.tokenizer import Tokenizer
 from tests.test_cli import tiny_gguf
@@ -301,7 +301,7 @@ def test_streaming_and_leaving_a_stream_early(tiny_llm):
     left early aborts its constrained request, and every page comes back."""
     import asyncio
 
-    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.core.async_engine import AsyncEngine
 
     async_engine = AsyncEngine(tiny_llm.engine)
     params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=SO(json=ORDER))
@@ -410,9 +410,9 @@ def test_smollm2_structured_outputs(smollm2_llm):
 def test_smollm2_forced_tool_calls_are_valid_calls(smollm2_llm):
     """tool_choice required / named on a 135M model through the Hermes fallback prompt: the
     output is a call the hermes parser reads, to an allowed function, with valid arguments."""
-    from jaxserve.tools.choice import forced_tool_call
-    from jaxserve.tools.functions import parse_tool_choice, parse_tools
-    from jaxserve.tools.parsers import get_tool_parser
+    from jaxserve.tool_calling.choice import forced_tool_call
+    from jaxserve.tool_calling.functions import parse_tool_choice, parse_tools
+    from jaxserve.tool_calling.parsers import get_tool_parser
 
     tools = parse_tools([
         {"type": "function", "function": {

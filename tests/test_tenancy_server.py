@@ -17,17 +17,17 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.batch_infer import answer_items, batch_gateway, read_input
-from jaxserve.engine import LLMEngine
+from jaxserve.core.async_engine import AsyncEngine
+from jaxserve.entrypoints.batch import answer_items, batch_gateway, read_input
+from jaxserve.core.engine import LLMEngine
 from jaxserve.errors import ConfigError
-from jaxserve.pricing import Pricing
+from jaxserve.gateway.pricing import Pricing
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.rag.config import EMBEDDING_MODEL, ChunkerConfig, EmbedderConfig, RagConfig
 from jaxserve.rag.service import RagService
-from jaxserve.server.grpc import start_grpc_server
-from jaxserve.server.http import attach_engine, serving_of
+from jaxserve.entrypoints.grpc import start_grpc_server
+from jaxserve.entrypoints.http.app import attach_engine, serving_of
 from tests.rag_helpers import tiny_embedder
 from tests.test_engine import assert_no_leaks
 from tests.test_server import (Reply, ServerThread, _request, access_records, parse_sse,
@@ -438,10 +438,10 @@ def test_batch_runner_as_a_tenant(server, tmp_path):
 
 
 def test_flags_reach_the_server_config_and_a_bad_file_fails_at_start(tmp_path):
-    from jaxserve.cli import build_parser, main
+    from jaxserve.entrypoints.cli import build_parser, main
     from jaxserve.config import ServerConfig
-    from jaxserve.server.http import build_app
-    from jaxserve.server.launcher import server_config
+    from jaxserve.entrypoints.http.app import build_app
+    from jaxserve.entrypoints.launcher import server_config
 
     args = build_parser().parse_args(["serve", "--model", SMOLLM2, "--tenants", "t.toml",
                                       "--idempotency-ttl", "60"])

@@ -1,7 +1,7 @@
 """TLS on both front ends: a CA and a server certificate made here with `cryptography`,
 `jaxserve serve --ssl-certfile --ssl-keyfile --grpc-port` as a subprocess on a tiny model, the
 official `openai` client given the CA (and refused without it), and a gRPC round trip with
-jaxserve.client over TLS. Plus the flag checks that fail at start."""
+jaxserve.entrypoints.client over TLS. Plus the flag checks that fail at start."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve.client import Client
+from jaxserve.entrypoints.client import Client
 from jaxserve.errors import ConfigError
-from jaxserve.server.process import ServerProcess
-from jaxserve.server.tls import TlsConfig
+from jaxserve.entrypoints.process import ServerProcess
+from jaxserve.entrypoints.tls import TlsConfig
 from tests.test_cli import ROOT, tiny_gguf
 
 TINY = "tiny"

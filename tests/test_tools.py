@@ -10,9 +10,9 @@ import pytest
 from jaxserve.errors import ConfigError, InvalidRequest, TokenizerError
 from jaxserve.structured.grammar import GrammarViolation
 from jaxserve.tokenizer import Tokenizer, read_chat_template
-from jaxserve.tools.choice import forced_tool_call
-from jaxserve.tools.functions import parse_tool_choice, parse_tools
-from jaxserve.tools.parsers import TOOL_PARSERS, get_tool_parser
+from jaxserve.tool_calling.choice import forced_tool_call
+from jaxserve.tool_calling.functions import parse_tool_choice, parse_tools
+from jaxserve.tool_calling.parsers import TOOL_PARSERS, get_tool_parser
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.errors import JaxServeError, WeightsError
 from jaxserve.model_registry import ModelSpec
-from jaxserve.models import llama
+from jaxserve.executor.models import llama
 from jaxserve.weights import load_model
 from jaxserve.weights.checkpoint import load_checkpoint, save_checkpoint
 from jaxserve.weights.gguf import load_gguf
@@ -288,7 +288,7 @@ def test_load_model_every_format_gives_the_same_tree(tmp_path):
 
 def test_load_model_int8_quantization_and_where_it_is_refused(tmp_path):
     from jaxserve.errors import ConfigError
-    from jaxserve.parallel import build_engines
+    from jaxserve.executor.parallel import build_engines
 
     config = tiny(intermediate_size=64)
     gg = write_gguf(tmp_path / "m.gguf", config, random_params(config))

@@ -7,7 +7,7 @@ those who run the scripts in tools/ directly.
 
 import sys
 
-from jaxserve.cli import main
+from jaxserve.entrypoints.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["batch", *sys.argv[1:]]))

@@ -7,7 +7,7 @@
 import argparse
 import sys
 
-from jaxserve.client import Client
+from jaxserve.entrypoints.client import Client
 
 
 def main() -> int:

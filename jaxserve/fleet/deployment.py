@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxserve.engine_args import DTYPES, ENGINE_FLAG_TYPES
+from jaxserve.entrypoints.engine_flags import DTYPES, ENGINE_FLAG_TYPES
 from jaxserve.errors import ConfigError, InvalidRequest
 from jaxserve.fleet.routing import STICKY_MODES, CanaryGate, Route
-from jaxserve.pricing import Pricing, parse_pricing
+from jaxserve.gateway.pricing import Pricing, parse_pricing
 
 # Names travel in URLs (/admin/v1/versions/{name}) and as the OpenAI `model` field.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")

@@ -14,7 +14,7 @@ from typing import Any
 from jaxserve.fleet.deployment import VersionSpec
 from jaxserve.fleet.manifest import FileHashCache, Manifest, build_manifest, resolve_version
 from jaxserve.fleet.memory import MemoryPlan, plan_memory
-from jaxserve.pricing import Pricing
+from jaxserve.gateway.pricing import Pricing
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class EngineLoader:
     def free_bytes(self) -> int:
         import jax
 
-        from jaxserve.runner import free_memory_bytes
+        from jaxserve.executor.runner import free_memory_bytes
 
         return free_memory_bytes(jax.devices()[0])
 
@@ -56,8 +56,8 @@ class EngineLoader:
                         resolved)
 
     def load(self, spec: VersionSpec, prepared: Prepared) -> Loaded:
-        from jaxserve.async_engine import AsyncEngine
-        from jaxserve.engine import LLMEngine
+        from jaxserve.core.async_engine import AsyncEngine
+        from jaxserve.core.engine import LLMEngine
 
         engine = LLMEngine.from_model(
             spec.model, dtype=spec.dtype, strict_compile=self.strict_compile,

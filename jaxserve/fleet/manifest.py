@@ -26,7 +26,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError, InvalidRequest
 from jaxserve.fleet.deployment import VersionSpec
 from jaxserve.model_registry import ModelSpec, cache_dir, resolve, sha256_of
-from jaxserve.pricing import Pricing, pricing_for
+from jaxserve.gateway.pricing import Pricing, pricing_for
 
 _TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
@@ -88,8 +88,8 @@ class ResolvedVersion:
 def resolve_version(spec: VersionSpec) -> ResolvedVersion:
     """Find the model and check every setting against it (ModelNotFound, or InvalidRequest naming
     the field), reading only metadata."""
-    from jaxserve.engine import make_engine_config
-    from jaxserve.sampling import SamplingParams
+    from jaxserve.core.engine import make_engine_config
+    from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.weights import read_config
 
     model = resolve(spec.model)

@@ -30,7 +30,7 @@ class MemoryPlan:
 
 
 def plan_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
-    from jaxserve.runner import kv_page_bytes, num_pages_for
+    from jaxserve.executor.runner import kv_page_bytes, num_pages_for
     from jaxserve.weights import param_bytes
 
     num_pages = num_pages_for(config.model, config.cache, config.scheduler,

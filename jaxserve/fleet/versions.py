@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from jaxserve.fleet.deployment import VersionSpec
-from jaxserve.pricing import Pricing
+from jaxserve.gateway.pricing import Pricing
 
 if TYPE_CHECKING:
     from jaxserve.fleet.fleet import Fleet

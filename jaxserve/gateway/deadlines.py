@@ -10,7 +10,7 @@ import math
 
 from jaxserve.errors import InvalidRequest
 from jaxserve.gateway.tenants import Tenant
-from jaxserve.request import QoS
+from jaxserve.core.request import QoS
 
 HEADER = "X-Request-Timeout"
 

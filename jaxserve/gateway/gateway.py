@@ -10,7 +10,7 @@ from jaxserve.gateway.deadlines import request_qos
 from jaxserve.gateway.keys import Principal, authenticate
 from jaxserve.gateway.limits import Lease, TenantLimiter
 from jaxserve.gateway.tenants import Tenants, open_tenants
-from jaxserve.request import QoS
+from jaxserve.core.request import QoS
 
 
 @dataclass

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from jaxserve.errors import ConfigError, InvalidRequest, ModelNotFound
-from jaxserve.request import ServiceClass
+from jaxserve.core.request import ServiceClass
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # also a metrics label value
 _HEX_DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")

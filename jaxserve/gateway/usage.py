@@ -1,9 +1,9 @@
 """Usage and cost: the `cost` (USD) a response's usage object carries when the model has prices
-(`jaxserve.pricing`: the model config's [pricing] table)."""
+(`jaxserve.gateway.pricing`: the model config's [pricing] table)."""
 
 from __future__ import annotations
 
-from jaxserve.pricing import Pricing, parse_pricing, pricing_for  # noqa: F401 - the gateway's API
+from jaxserve.gateway.pricing import Pricing, parse_pricing, pricing_for  # noqa: F401 - the gateway's API
 
 
 def with_cost(usage: dict, pricing: Pricing | None) -> dict:

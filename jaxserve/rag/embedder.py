@@ -15,7 +15,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from jaxserve.errors import InvalidRequest, ModelNotFound
-from jaxserve.models import bert
+from jaxserve.executor.models import bert
 from jaxserve.rag.config import EmbedderConfig
 
 

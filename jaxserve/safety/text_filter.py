@@ -10,7 +10,7 @@ when the tokens that spell it arrive one by one; what is held is just the tail t
 be one, never more than `max_holdback` characters. The cost per update is a scan of the held tail
 plus the new text, per rule.
 
-The engine does the same for stop strings (jaxserve/engine.py holds back len(stop) - 1
+The engine does the same for stop strings (jaxserve/core/engine.py holds back len(stop) - 1
 characters); this filter sits after it, on the text the engine shows.
 """
 

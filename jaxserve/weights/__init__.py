@@ -1,4 +1,4 @@
-"""Weight loading: every source format yields the same parameter tree (see jaxserve.models.llama)."""
+"""Weight loading: every source format yields the same parameter tree (see jaxserve.executor.models.llama)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def param_bytes(config: ModelConfig) -> int:
     """Device bytes of the parameters (before any sharding)."""
     import numpy as np
 
-    from jaxserve.models import llama
+    from jaxserve.executor.models import llama
 
     return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
                for s in jax.tree.leaves(llama.param_shapes(config)))
@@ -59,9 +59,9 @@ def param_bytes(config: ModelConfig) -> int:
 def load_model(spec: ModelSpec, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None,
                quantization: str | None = None) -> tuple[ModelConfig, dict]:
     """(config, params on device). dtype None keeps the source's (f32 for GGUF / HF, as saved for
-    orbax); with a mesh, params are sharded for tensor parallelism (jaxserve.sharding).
+    orbax); with a mesh, params are sharded for tensor parallelism (jaxserve.executor.sharding).
     quantization "int8": the layers' projections stored as int8 groups (weights.quantize)."""
-    from jaxserve import sharding
+    from jaxserve.executor import sharding
 
     if quantization is not None and spec.format == "orbax":
         raise ConfigError(f"quantization {quantization!r} needs a GGUF or HF source, not an orbax "
@@ -89,7 +89,7 @@ def load_model_replicas(spec: ModelSpec, dtype: str | None, meshes: list[jax.sha
                         quantization: str | None = None) -> tuple[ModelConfig, list[dict]]:
     """The weights read once and placed on each mesh (one per data-parallel replica): the first
     from the source, the others copied device to device from it."""
-    from jaxserve import sharding
+    from jaxserve.executor import sharding
 
     config, first = load_model(spec, dtype, meshes[0], quantization)
     return config, [first] + [jax.device_put(first, sharding.param_shardings(config, mesh))

@@ -1,4 +1,4 @@
-"""HF BERT directories (config.json + model.safetensors) -> the tree of jaxserve.models.bert."""
+"""HF BERT directories (config.json + model.safetensors) -> the tree of jaxserve.executor.models.bert."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from jaxserve.errors import ConfigError, WeightsError
-from jaxserve.models.bert import BertConfig
+from jaxserve.executor.models.bert import BertConfig
 
 # Our name -> the HF module under encoder.layer.{i}.
 _DENSE = {"query": "attention.self.query", "key": "attention.self.key",

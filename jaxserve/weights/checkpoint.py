@@ -58,7 +58,7 @@ def load_checkpoint(path: Path, dtype: str | None = None,
     jax.sharding.Sharding like the params; None: the default device)."""
     import orbax.checkpoint as ocp
 
-    from jaxserve.models import llama
+    from jaxserve.executor.models import llama
 
     path = Path(path).resolve()
     config = config_from_dict(read_meta(path)["config"])

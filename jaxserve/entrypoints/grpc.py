@@ -1,0 +1,232 @@
+"""gRPC front end (package jaxserve.v1): streaming Generate, Embed, ListModels, health, reflection.
+
+Requests are translated into an OpenAI completion body and validated and admitted by the same
+OpenAIServing layer as HTTP, so both front ends accept and reject exactly the same things. The
+caller's key is the metadata `authorization` ("Bearer KEY"); the call's deadline is the request's;
+a refusal that may pass later carries `retry-after` (seconds) in its trailing metadata."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxserve.config import RequestLimits
+from jaxserve.errors import InvalidRequest, JaxServeError, error_status, retry_after
+from jaxserve.gateway.limits import retry_after_header
+from jaxserve.protos import generation_pb2 as pb
+from jaxserve.protos import generation_pb2_grpc as pb_grpc
+from jaxserve.entrypoints.serving.admission import CallContext
+from jaxserve.entrypoints.serving.calls import end_call
+from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
+
+if TYPE_CHECKING:  # the RAG stack (FAISS, bm25s) loads only when a service is passed in
+    from jaxserve.rag.service import RagService
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+# Proto3 `optional` scalars that map one-to-one onto OpenAI completion fields.
+_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+                    "num_speculative_tokens")
+
+
+def completion_body(request: pb.GenerateRequest) -> dict:
+    """The OpenAI completion body equivalent to a GenerateRequest (raises InvalidRequest)."""
+    if request.prompt and request.prompt_token_ids:
+        raise InvalidRequest("set exactly one of 'prompt' and 'prompt_token_ids', not both",
+                             param="prompt")
+    if not request.prompt and not request.prompt_token_ids:
+        raise InvalidRequest("one of 'prompt' and 'prompt_token_ids' is required", param="prompt")
+    body = {"model": request.model,
+            "prompt": request.prompt or list(request.prompt_token_ids)}
+    for name in _OPTIONAL_FIELDS:
+        if request.HasField(name):
+            value = getattr(request, name)
+            # float32 on the wire: round so 0.9 arrives as 0.9, not 0.8999999761581421.
+            body[name] = round(value, 6) if isinstance(value, float) else value
+    if request.stop:
+        body["stop"] = list(request.stop)
+    if request.HasField("structured_outputs"):
+        so = request.structured_outputs
+        body["structured_outputs"] = {name: getattr(so, name) for name in
+                                      ("json", "regex", "grammar", "json_object")
+                                      if so.HasField(name)}
+        if so.choice:
+            body["structured_outputs"]["choice"] = list(so.choice)
+    return body
+
+
+def status_for(error: Exception) -> grpc.StatusCode:
+    """The gRPC status of an error, from the one table in jaxserve.errors."""
+    return grpc.StatusCode[error_status(error).grpc]
+
+
+async def abort_with(context, error: Exception):
+    """End the call with the error's status (the table's), and `retry-after` (whole seconds) in
+    the trailing metadata when the same call may pass later (429 / 503 alike)."""
+    wait = retry_after(error)
+    trailing = (("retry-after", retry_after_header(wait)),) if wait is not None else ()
+    await context.abort(status_for(error), str(error), trailing_metadata=trailing)
+
+
+def _authorization(context) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value
+    return None
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    """Generate goes through the same OpenAIServing as HTTP (`serving`: share the HTTP app's,
+    so both front ends have one gateway, one set of metrics and one access log)."""
+
+    def __init__(self, serving: OpenAIServing, rag: RagService | None = None):
+        self.serving = serving
+        self.rag = rag
+
+    def _principal(self, context):
+        return self.serving.gateway.authenticate(_authorization(context))
+
+    def _end(self, ctx: CallContext, context, error: BaseException | None, **kwargs) -> None:
+        """A call no Generation ends: counted and audited as HTTP's (calls.end_call)."""
+        end_call(self.serving.metrics, self.serving.policy, ctx, error,
+                 authorization=_authorization(context), **kwargs)
+
+    async def Generate(self, request, context):
+        ctx = CallContext(None, transport="grpc", client=context.peer())
+        try:
+            principal = self._principal(context)
+            await context.send_initial_metadata(
+                tuple(self.serving.gateway.headers(principal).items()))
+            # The call's own deadline is the request's (capped by the tenant's timeout).
+            ctx = dataclasses.replace(ctx, principal=principal,
+                                      timeout_s=context.time_remaining())
+            body = completion_body(request)
+        except JaxServeError as e:  # before the serving layer, which audits what it refuses
+            self._end(ctx, context, e)
+            await abort_with(context, e)
+        try:
+            gen = await self.serving.prepare_async("completion", body, ctx)
+        except JaxServeError as e:
+            self._end(ctx, context, e, audit=False)
+            await abort_with(context, e)
+        # Cancellation (the client left, or its deadline passed) ends the block too: the
+        # request's pages are freed now rather than when it would have finished.
+        async with gen.running():
+            try:
+                async for _, text, ids, _, finish in gen.deltas():
+                    delta = pb.GenerateResponse(
+                        text=text, token_ids=ids, model=gen.version.name,
+                        system_fingerprint=gen.version.fingerprint or "")
+                    if finish is not None:
+                        delta.finish_reason = finish
+                        delta.usage.prompt_tokens = gen.prompt_tokens
+                        delta.usage.completion_tokens = sum(gen.completion_tokens.values())
+                    yield delta
+            except JaxServeError as e:  # a deadline, a shed, an engine failure mid-stream
+                gen.error = e
+                await abort_with(context, e)
+
+    async def Embed(self, request, context):
+        if self.rag is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "this server was started without an embedding model")
+        ctx = CallContext(None, transport="grpc", client=context.peer(), route="grpc:Embed")
+        error, num_tokens = None, 0
+        try:
+            ctx = dataclasses.replace(ctx, principal=self._principal(context))
+            if self.serving.policy is not None:  # a call whose record the log cannot take
+                self.serving.policy.check_accepting()
+            # Under the tenant's limits as HTTP's /v1/embeddings (Gateway.admit_call).
+            lease = self.serving.gateway.admit_call(ctx.principal, tokens=True, holds_slot=True)
+            try:
+                self.rag.check_model(request.model)
+                if not request.input:
+                    raise InvalidRequest("'input' must hold at least one string",
+                                         param="input")
+                # The encoder blocks: run it off the event loop, as the HTTP routes do.
+                vectors, num_tokens = await asyncio.get_running_loop().run_in_executor(
+                    None, self.rag.embed, list(request.input))
+                lease.settle(num_tokens)
+            finally:
+                lease.settle(0)  # does nothing once settled with the tokens read
+        except BaseException as e:  # JaxServeError, or the client left (cancelled)
+            error = e
+        finally:
+            self._end(ctx, context, error, prompt_tokens=num_tokens)
+        if error is not None:
+            if not isinstance(error, JaxServeError):
+                raise error
+            await abort_with(context, error)
+        return pb.EmbedResponse(embeddings=[pb.Embedding(values=v.tolist()) for v in vectors])
+
+    async def ListModels(self, request, context):
+        ctx = CallContext(None, transport="grpc", client=context.peer())
+        try:
+            ctx = dataclasses.replace(ctx, principal=self._principal(context))
+        except JaxServeError as e:
+            self._end(ctx, context, e, audit=False)
+            await abort_with(context, e)
+        # Counted, not audited: as HTTP's /v1/models, which clients poll as a health check.
+        self._end(ctx, context, None, audit=False)
+        routes, versions = self.serving.fleet.models()
+        models = [pb.Model(id=name) for name in routes] + [
+            pb.Model(id=v.name, max_model_len=v.engine.max_model_len,
+                     system_fingerprint=v.fingerprint or "") for v in versions]
+        return pb.ListModelsResponse(models=[m for m in models
+                                             if ctx.principal.tenant.may_use(m.id)])
+
+
+class EngineHealthServicer(health.aio.HealthServicer):
+    """gRPC health that turns NOT_SERVING once every version's engine loop has died (a probe
+    restarts the process) or while they are stalled (Fleet.health, as HTTP's /ready), whatever
+    status was set while it ran."""
+
+    def __init__(self, fleet):
+        super().__init__()
+        self._fleet = fleet
+
+    async def Check(self, request, context):
+        response = await super().Check(request, context)
+        if self._fleet.health() != "ready":
+            return health_pb2.HealthCheckResponse(
+                status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return response
+
+
+async def start_grpc_server(engine, host: str, port: int, model_name: str,
+                            health_servicer: health.aio.HealthServicer | None = None,
+                            rag: RagService | None = None,
+                            max_queued_requests: int | None = None,
+                            credentials: grpc.ServerCredentials | None = None,
+                            limits: RequestLimits = RequestLimits(),
+                            serving: OpenAIServing | None = None):
+    """Start serving on host:port (0 picks a free port); returns (server, bound_port). `serving`:
+    the HTTP app's (http.serving_of), so both front ends share tenants, limits, metrics and the
+    access log; without it, an open one of its own with `max_queued_requests` and `limits`. With
+    `rag`, Embed answers with its encoder (else UNIMPLEMENTED); with `credentials`, over TLS.
+
+    Health reports SERVING for the service and for "" once this returns, so call it after
+    the engine has warmed up."""
+    server = grpc.aio.server()
+    if serving is None:
+        serving = OpenAIServing(engine, model_name, max_queued_requests=max_queued_requests,
+                                limits=limits)
+    service = GenerationService(serving, rag)
+    pb_grpc.add_GenerationServicer_to_server(service, server)
+    health_servicer = health_servicer or EngineHealthServicer(serving.fleet)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    address = f"{host}:{port}"
+    bound_port = (server.add_secure_port(address, credentials) if credentials is not None
+                  else server.add_insecure_port(address))
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound_port

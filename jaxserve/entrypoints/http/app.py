@@ -1,0 +1,206 @@
+"""The aiohttp OpenAI-compatible server: its route table (the generation routes:
+entrypoints/http/openai_routes.py; models, tokenize/detokenize, health/ready, Prometheus metrics, and
+GET /openapi.json describing them all), the app built around the front door
+(entrypoints/http/front_door.py), and starting, attaching the engine to, and stopping it.
+"""
+
+from __future__ import annotations
+
+import ssl
+
+from aiohttp import web
+
+from jaxserve.config import ServerConfig
+from jaxserve.errors import InvalidRequest
+from jaxserve.gateway.pricing import Pricing
+from jaxserve.entrypoints.serving import protocol
+from jaxserve.entrypoints.serving import response_models as out
+from jaxserve.entrypoints.http.app_state import STATE_KEY, AppState
+from jaxserve.entrypoints.http.front_door import MIDDLEWARES, caller, ratelimit_headers, tenant_limited
+from jaxserve.entrypoints.http.openai_routes import chat_completions, completions, responses
+from jaxserve.entrypoints.http.json_body import LIMITS_KEY, parse_body
+from jaxserve.telemetry.metrics import CONTENT_TYPE
+from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
+from jaxserve.entrypoints.http.openapi import ROUTES_KEY, Route, add_routes, openapi_document
+from jaxserve.entrypoints.serving.request_models import DetokenizeRequest, request_models
+
+
+async def models_route(request: web.Request) -> web.Response:
+    """The routes (what most clients send as "model") and every ready version (addressable by
+    name too); a version says its `system_fingerprint`, a route its versions and weights."""
+    state: AppState = request.app[STATE_KEY]
+    serving = state.require_serving()
+    tenant, created = caller(request).tenant, protocol.now()
+    routes, versions = serving.fleet.models()
+    data = []
+    for name in routes:
+        route = serving.fleet.route(name)
+        if route is not None:
+            data.append({"id": name, "object": "model", "created": created,
+                         "owned_by": "jaxserve", "route": {"weights": dict(route.weights),
+                                                           "sticky": route.sticky}})
+    for v in versions:
+        data.append({"id": v.name, "object": "model", "created": created, "owned_by": "jaxserve",
+                     "max_model_len": v.engine.max_model_len,
+                     "system_fingerprint": v.fingerprint})
+    # A model the tenant may not use does not exist for it.
+    return web.json_response({"object": "list",
+                              "data": [m for m in data if tenant.may_use(m["id"])]})
+
+
+def _engine_for(request: web.Request, serving: OpenAIServing, model: str | None):
+    """The engine whose tokenizer a tokenize / detokenize request means."""
+    if model is None:
+        if serving.engine is None:
+            raise InvalidRequest("'model' is required: this server serves several models",
+                                 param="model")
+        return serving.engine
+    caller(request).tenant.check_model(model)
+    return serving.engine_for(model)
+
+
+@tenant_limited(holds_slot=False)  # answered on the event loop at once: no slot, no tokens
+async def tokenize(request: web.Request) -> web.Response:
+    state: AppState = request.app[STATE_KEY]
+    serving = state.require_serving()
+    body = await parse_body(request, request_models(state.config.limits).tokenize)
+    engine = _engine_for(request, serving, body.model)
+    tok = engine.tokenizer
+    if body.prompt is not None:
+        add_special = body.add_special_tokens is not False
+        ids = tok.encode(body.prompt, add_special_tokens=add_special)
+    elif body.messages is not None:
+        ids = tok.apply_chat_template(protocol.flatten_messages(body.messages),
+                                      add_generation_prompt=True)
+    else:
+        raise InvalidRequest("give 'prompt' (a string) or 'messages' (a list)", param="prompt")
+    return web.json_response({"tokens": list(ids), "count": len(ids),
+                              "max_model_len": engine.max_model_len})
+
+
+@tenant_limited(holds_slot=False)
+async def detokenize(request: web.Request) -> web.Response:
+    serving = request.app[STATE_KEY].require_serving()
+    body = await parse_body(request, DetokenizeRequest)
+    tok = _engine_for(request, serving, body.model).tokenizer
+    serving.check_token_ids(tok, body.tokens, "tokens")
+    return web.json_response({"prompt": tok.decode(body.tokens, skip_special_tokens=False)})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    state: AppState = request.app[STATE_KEY]
+    if state.shutting_down:
+        return web.json_response({"status": "shutting down"}, status=503)
+    if state.serving is None:
+        return web.json_response({"status": "warming up"}, status=503)
+    health = state.serving.fleet.health()
+    return web.json_response({"status": health}, status=200 if health == "ready" else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: AppState = request.app[STATE_KEY]
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    state: AppState = request.app[STATE_KEY]
+    if state.openapi is None:
+        state.openapi = openapi_document(request.app[ROUTES_KEY], "jaxserve", _version())
+    return web.json_response(state.openapi)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jaxserve")
+    except PackageNotFoundError:
+        return "0"
+
+
+def _routes(config: ServerConfig) -> list[Route]:
+    models = request_models(config.limits)
+    gen = (400, 401, 404, 409, 422, 429, 500, 503, 504)
+    return [
+        Route("POST", "/v1/chat/completions", chat_completions, "Chat completion (OpenAI)",
+              models.chat, out.ChatCompletion, chunk=out.ChatCompletionChunk, errors=gen,
+              tags=("openai",)),
+        Route("POST", "/v1/completions", completions, "Text completion (OpenAI)",
+              models.completion, out.Completion, chunk=out.CompletionChunk, errors=gen,
+              tags=("openai",)),
+        Route("POST", "/v1/responses", responses, "Response (OpenAI Responses API; nothing "
+              "stored)", models.responses, out.Response, chunk=out.ResponseEvent, errors=gen,
+              tags=("openai",)),
+        Route("GET", "/v1/models", models_route, "The served model", ok=out.ModelList,
+              errors=(401, 503), tags=("openai",)),
+        Route("POST", "/tokenize", tokenize, "Prompt or chat messages -> token ids",
+              models.tokenize, out.Tokens, errors=(400, 401, 404, 429, 503), tags=("tokens",)),
+        Route("POST", "/detokenize", detokenize, "Token ids -> text", DetokenizeRequest,
+              out.Detokenized, errors=(400, 401, 404, 429, 503), tags=("tokens",)),
+        Route("GET", "/health", health, "Alive (200 from the start, while warming up too)",
+              ok=out.Status, tags=("operations",)),
+        Route("GET", "/ready", ready, "Ready to generate: 200, else 503 with the reason",
+              ok=out.Status, errors=(503,), tags=("operations",)),
+        Route("GET", "/metrics", metrics, "Prometheus metrics", ok="text/plain",
+              tags=("operations",)),
+        Route("GET", "/openapi.json", openapi, "This description (OpenAPI 3.1)",
+              tags=("operations",)),
+    ]
+
+
+def build_app(config: ServerConfig, model_name: str) -> web.Application:
+    app = web.Application(middlewares=MIDDLEWARES,
+                          client_max_size=config.limits.max_body_bytes)
+    app[STATE_KEY] = AppState(config, model_name)
+    app.on_response_prepare.append(ratelimit_headers)
+    app[LIMITS_KEY] = config.limits
+    add_routes(app, _routes(config))
+    return app
+
+
+def attach_engine(app: web.Application, engine, rag=None,
+                  pricing: Pricing | None = None, fleet=None) -> None:
+    """Start serving generations on `engine` (warmed up): /ready turns 200. With `rag` (a
+    RagService), chat completions accept "rag"; with `pricing`, usage carries "cost". With
+    `fleet` (a jaxserve.fleet.Fleet, serve --deployment), requests are served by its versions
+    and `engine` is None."""
+    app[STATE_KEY].attach(engine, rag, pricing, fleet)
+
+
+def serving_of(app: web.Application) -> OpenAIServing:
+    """The app's OpenAIServing (once attached), for the gRPC front end to share: one gateway
+    (tenants, limits), one set of metrics, one access log."""
+    return app[STATE_KEY].require_serving()
+
+
+def begin_shutdown(app: web.Application) -> None:
+    """/ready answers 503 from now on, so balancers stop sending while requests drain."""
+    app[STATE_KEY].shutting_down = True
+
+
+def close_app(app: web.Application) -> None:
+    """After the last request: flush the audit log, stop the policy's classifiers."""
+    policy = app[STATE_KEY].policy
+    if policy is not None:
+        policy.close()
+
+
+async def start_server(app: web.Application, host: str, port: int,
+                       ssl_context: ssl.SSLContext | None = None,
+                       shutdown_timeout: float = 60.0) -> tuple[web.AppRunner, int]:
+    """Start listening (HTTPS with `ssl_context`); returns the runner (for cleanup) and the bound
+    port (port 0 picks one). `runner.cleanup()` lets in-flight requests run up to
+    `shutdown_timeout`, then cancels them."""
+    # handler_cancellation: a client that disconnects cancels its handler, whose finally aborts
+    # the engine request.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - aiohttp exposes no accessor
+    return runner, bound

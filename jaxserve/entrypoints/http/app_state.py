@@ -1,0 +1,61 @@
+"""The HTTP app's state: its configuration, the gateway (tenants, limits), the idempotency store,
+the metrics, the request policy (filters, audit log), and the serving layer once the engine is
+warm. Read at build time, so a bad tenants or policy file fails the start."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from jaxserve.config import ServerConfig
+from jaxserve.errors import EngineOverloaded
+from jaxserve.gateway import Gateway, load_tenants
+from jaxserve.gateway.idempotency import IdempotencyStore
+from jaxserve.gateway.pricing import Pricing
+from jaxserve.telemetry.metrics import PolicyMetrics, ServerMetrics
+from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
+from jaxserve.entrypoints.serving.request_policy import RequestPolicy
+
+
+class AppState:
+    """The app's state. The engine arrives after warmup: until then /health answers and /ready
+    and the generation endpoints say the server is warming up."""
+
+    def __init__(self, config: ServerConfig, model_name: str):
+        self.config = config
+        self.model_name = model_name
+        # Read at build time: a bad tenants file is one error at start, naming file and field.
+        self.gateway = Gateway(load_tenants(config.tenants_file) if config.tenants_file
+                               else None)
+        self.idempotency = IdempotencyStore(config.idempotency_ttl_s)
+        self.serving: OpenAIServing | None = None
+        self.metrics = ServerMetrics(self._stats, self._counters)
+        # Read at build time too: a bad policy file or audit directory fails the start.
+        self.policy = RequestPolicy.open(config.policy_file, config.audit_log_dir,
+                                         PolicyMetrics(self.metrics.registry),
+                                         self.gateway.tenants.tenants.values())
+        self.shutting_down = False  # set on SIGTERM: not ready while in-flight requests drain
+        self.openapi: dict | None = None  # built on first request, once every route is added
+
+    def _stats(self) -> dict:
+        if self.serving is None:  # warming up: no engine numbers yet
+            return {}
+        return {name: engine.replica_stats()
+                for name, engine in self.serving.fleet.engines().items()}
+
+    def _counters(self) -> dict:
+        return {} if self.serving is None else self.serving.fleet.counters()
+
+    def attach(self, engine, rag=None, pricing: Pricing | None = None, fleet=None) -> None:
+        self.serving = OpenAIServing(engine, self.model_name, self.metrics,
+                                     self.config.log_prompts, rag,
+                                     self.config.max_queued_requests, self.config.limits,
+                                     self.config.tool_call_parser, self.gateway, pricing, fleet,
+                                     self.policy)
+
+    def require_serving(self) -> OpenAIServing:
+        if self.serving is None:
+            raise EngineOverloaded("the server is warming up; retry when GET /ready answers 200")
+        return self.serving
+
+
+STATE_KEY = web.AppKey("state", AppState)

@@ -1,0 +1,183 @@
+"""The HTTP front door, in front of every handler: who calls (the tenant's key: 401), the
+router's own refusals (404, 405) and every typed error as OpenAI's error body (the one table in
+jaxserve.errors, with Retry-After and Allow), each keyed request counted per tenant by outcome
+and, where it is the front door's, audited; OpenAI's x-ratelimit-* on every response to a known
+tenant; and the tenant's limits on the routes beside generation (`tenant_limited`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+
+from aiohttp import web
+
+from jaxserve.errors import (JaxServeError, MethodNotAllowed, NotFound, error_reply, error_status,
+                             retry_after)
+from jaxserve.gateway import Principal, deadlines
+from jaxserve.gateway.limits import Lease, retry_after_header
+from jaxserve.entrypoints.serving.admission import CallContext
+from jaxserve.entrypoints.http.app_state import STATE_KEY, AppState
+from jaxserve.entrypoints.serving.calls import end_call
+
+log = logging.getLogger("jaxserve.server")
+
+# Routes anyone may call (probes, scrapes, the API description); the admin API has its own key.
+_OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
+_PRINCIPAL = web.RequestKey("principal", Principal)  # who calls (set by _front_door)
+_COUNTED = web.RequestKey("counted", bool)  # the request's end is counted (by its Generation)
+# Every keyed request gets one audit record (with --audit-log): from the call into
+# OpenAIServing on, a generation's is the serving layer's, every other the front door's. Not
+# /v1/models: clients poll it as a health check (it is not rate-limited either), and it reads
+# nothing of a tenant's. A request the router refuses (no such path, or not with this method)
+# is recorded for a known tenant only, so keyless scanners cannot grow the log.
+_UNAUDITED_PATHS = frozenset({"/v1/models"})
+_MAX_AUDITED_PATH = 256  # a path is the caller's text: bounded in its record
+_AUDITED = web.RequestKey("audited", bool)
+_USED_TOKENS = web.RequestKey("used_tokens", int)  # an encoder call's tokens (its usage)
+
+
+def caller(request: web.Request) -> Principal:
+    """Who sent a request on a keyed route (set by the front door before any handler runs)."""
+    return request[_PRINCIPAL]
+
+
+_LEASE = web.RequestKey("lease", Lease)  # a limited call's hold on its tenant's limits
+
+
+def tenant_limited(*, tokens: bool = False, holds_slot: bool = True):
+    """A keyed route's handler under its tenant's limits, as generations are
+    (`Gateway.admit_call`): a 429 with Retry-After before its body is read. `holds_slot`: work
+    in an executor, one of max_concurrent_requests while it runs; `tokens`: it runs the encoder,
+    whose tokens `charge_tokens` takes once they are known."""
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def limited(request: web.Request) -> web.StreamResponse:
+            state: AppState = request.app[STATE_KEY]
+            if state.policy is not None:  # a call whose record the log cannot take: 503
+                state.policy.check_accepting()
+            lease = state.gateway.admit_call(caller(request), tokens=tokens,
+                                             holds_slot=holds_slot)
+            request[_LEASE] = lease
+            try:
+                return await handler(request)
+            finally:
+                lease.settle(0)  # does nothing once charge_tokens settled it
+        return limited
+    return wrap
+
+
+def charge_tokens(request: web.Request, used_tokens: int) -> None:
+    """A `tenant_limited(tokens=True)` call read `used_tokens` (its usage): settle with them
+    (its audit record's `prompt_tokens`)."""
+    request[_LEASE].settle(used_tokens)
+    request[_USED_TOKENS] = used_tokens
+
+
+def logged_error_reply(exc: Exception) -> tuple[int, dict]:
+    """Status and OpenAI error body of an exception (the table is jaxserve.errors'); a 500 is
+    logged with its traceback."""
+    if error_status(exc).http == 500:
+        log.exception("request failed", exc_info=exc)
+    return error_reply(exc)
+
+
+def _map_error(exc: Exception) -> web.Response:
+    status, body = logged_error_reply(exc)
+    wait = retry_after(exc)
+    headers = {"Retry-After": retry_after_header(wait)} if wait is not None else {}
+    if isinstance(exc, MethodNotAllowed):  # RFC 9110: a 405 says what the path allows
+        headers["Allow"] = ",".join(exc.allowed)
+    return web.json_response(body, status=status, headers=headers)
+
+
+@web.middleware
+async def _errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except JaxServeError as exc:
+        return _map_error(exc)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one failing request must not take the server down
+        return _map_error(exc)
+
+
+@web.middleware
+async def _unrouted(request: web.Request, handler):
+    """The router's own refusals (no such path: 404; a path without this method: 405) as typed
+    errors, so they are answered, counted and audited as every other error (OpenAI's words)."""
+    refusal = request.match_info.http_exception
+    if isinstance(refusal, web.HTTPMethodNotAllowed):
+        raise MethodNotAllowed(f"Method not allowed ({request.method} {request.path}); allowed: "
+                               f"{', '.join(sorted(refusal.allowed_methods))}",
+                               tuple(sorted(refusal.allowed_methods)))
+    if refusal is not None:
+        raise NotFound(f"Invalid URL ({request.method} {request.path})")
+    return await handler(request)
+
+
+@web.middleware
+async def _front_door(request: web.Request, handler):
+    """Every route but the open ones needs the caller's key (401 `invalid_api_key`); each such
+    request is counted per tenant by outcome and audited (`calls.end_call`), unless its
+    Generation counts it or the serving layer audits it. The open routes and the admin API
+    (its own key) are neither: a 404 or 405 there is nobody's."""
+    if request.path in _OPEN_PATHS or request.path.startswith("/admin/"):
+        return await handler(request)
+    state: AppState = request.app[STATE_KEY]
+    ctx = CallContext(None, client=request.remote, route=request.path[:_MAX_AUDITED_PATH])
+    try:
+        principal = state.gateway.authenticate(request.headers.get("Authorization"))
+        request[_PRINCIPAL] = principal
+        ctx = dataclasses.replace(ctx, principal=principal)
+        resp = await handler(request)
+    except web.HTTPException:
+        raise
+    except BaseException as exc:
+        _end(request, state, ctx, exc)
+        raise
+    _end(request, state, ctx, None, resp.status)
+    return resp
+
+
+def _end(request: web.Request, state: AppState, ctx: CallContext, error: BaseException | None,
+         status_code: int = 200) -> None:
+    routed = request.match_info.http_exception is None
+    end_call(state.metrics, state.policy, ctx, error, count=not request.get(_COUNTED),
+             audit=(not request.get(_AUDITED) and request.path not in _UNAUDITED_PATHS
+                    and (routed or ctx.principal is not None)),
+             authorization=request.headers.get("Authorization"),
+             prompt_tokens=request.get(_USED_TOKENS, 0), status_code=status_code)
+
+
+async def ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """OpenAI's x-ratelimit-* on every response to a known tenant, streams and errors too."""
+    principal = request.get(_PRINCIPAL)
+    if principal is not None:
+        response.headers.update(request.app[STATE_KEY].gateway.headers(principal))
+
+
+def call_context(request: web.Request) -> CallContext:
+    """Who calls and the deadline asked (X-Request-Timeout), read once from the headers."""
+    return CallContext(request[_PRINCIPAL],
+                       deadlines.parse_timeout(request.headers.get(deadlines.HEADER)),
+                       client=request.remote, route=request.path)
+
+
+def hand_audit_to_serving(request: web.Request) -> None:
+    """From here on the serving layer writes the request's one audit record (or its replay's)."""
+    request[_AUDITED] = True
+
+
+def hand_count_to_generation(request: web.Request) -> None:
+    """The request's end is counted by its Generation (`running()`), not here."""
+    request[_COUNTED] = True
+
+
+# Outermost first: errors become replies around everything, the key is checked before the
+# router's refusal is raised (so a caller without a key learns nothing about the paths).
+MIDDLEWARES = (_errors_middleware, _front_door, _unrouted)

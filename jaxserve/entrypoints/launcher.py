@@ -1,0 +1,329 @@
+"""`jaxserve serve`: HTTP (and optionally gRPC) servers over a fleet of model versions: with
+--model, one engine (an AsyncEngine, or a ReplicaSet of data-parallel replicas, jaxserve.executor.parallel)
+as a fleet of one version; with --deployment, every version and route of the file
+(jaxserve.fleet). --admin-key adds the admin API (jaxserve.entrypoints.http.admin_routes).
+
+The HTTP server listens first, so /health answers and /ready says "warming up" while weights load
+and every program compiles; then the engine attaches and /ready turns 200, and stdout says how long
+that took (weights, compilation, total). The bound URL is printed on stdout (port 0 picks a free
+one).
+
+SIGINT/SIGTERM end the process within a bounded time: /ready turns 503 and the listeners close,
+in-flight requests get --shutdown-timeout to finish and are then cancelled (which aborts their
+engine requests), then the engine thread stops. If it does not (a step that never returns), its
+stack is logged and the process exits with status 1 instead of hanging; a deadline timer, and a
+second signal, end it in any case. A signal during warmup exits at once.
+
+Multi-host (jax.distributed): process 0 runs all of the above with a leader engine; every other
+process only follows its steps (jaxserve.executor.multihost) and exits when the leader stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from jaxserve.config import RequestLimits, ServerConfig
+from jaxserve.errors import ConfigError, ModelNotFound
+from jaxserve.tool_calling.parsers import TOOL_PARSERS
+
+log = logging.getLogger("jaxserve.server")
+_DEFAULTS = ServerConfig()
+_ENGINE_STOP_S = 5.0  # for the engine thread to leave its loop once the drain is over
+_DEADLINE_MARGIN_S = 15.0  # beyond drain + engine stop, before the process is ended regardless
+_LIMIT_HELP = {
+    "max_n": "largest `n` (and `best_of`) a request may ask",
+    "max_prompts": "most prompts in one completions request",
+    "max_stop": "most stop strings in one request",
+    "max_stop_length": "longest stop string, in characters",
+    "max_logprobs": "largest `top_logprobs` (chat) / `logprobs` (completions), at most 20",
+    "max_messages": "most messages in one chat request",
+    "max_body_bytes": "largest request body, in bytes",
+    "max_json_depth": "deepest nesting of arrays and objects in a request body",
+}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from jaxserve.entrypoints.engine_flags import add_deployment_arguments, add_distributed_arguments
+
+    add_deployment_arguments(parser)
+    parser.add_argument("--admin-key", default=None, metavar="KEY",
+                        help="enable the admin API under /admin/v1 (load and unload versions, "
+                             "change and roll back routes), for 'Authorization: Bearer KEY' only "
+                             "(default: no admin API)")
+    add_distributed_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    parser.add_argument("--grpc-port", type=int, default=None,
+                        help="also serve gRPC (jaxserve.v1) on this port (0: any free port)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name clients send as 'model' (default: --model)")
+    parser.add_argument("--keepalive-seconds", type=float, default=5.0,
+                        help="SSE comment sent when a stream is idle this long")
+    parser.add_argument("--log-prompts", action="store_true")
+    parser.add_argument("--max-queued-requests", type=int, default=None,
+                        help="refuse new requests (HTTP 503, gRPC RESOURCE_EXHAUSTED) while this "
+                             "many never-started sequences wait for a slot (default: no limit)")
+    parser.add_argument("--engine-stall-timeout", type=float,
+                        default=_DEFAULTS.engine_stall_timeout,
+                        help="/ready and gRPC health turn not-ready, and the engine thread's "
+                             "stack is logged, once no step has completed this many seconds "
+                             "while work is pending (default: %(default)s)")
+    parser.add_argument("--shutdown-timeout", type=float, default=_DEFAULTS.shutdown_timeout,
+                        help="on SIGTERM, in-flight requests get this many seconds to finish "
+                             "before they are aborted (default: %(default)s)")
+    parser.add_argument("--tool-call-parser", default=_DEFAULTS.tool_call_parser,
+                        choices=sorted(TOOL_PARSERS),
+                        help="how a chat's output is read for tool calls: the model family's "
+                             "format (default: %(default)s, the built-in tool prompt's)")
+    limits = parser.add_argument_group("request limits (a request past one is a 400 naming the "
+                                       "field)")
+    for f in dataclasses.fields(RequestLimits):
+        limits.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default,
+                            help=f"{_LIMIT_HELP[f.name]} (default: %(default)s)")
+    parser.add_argument("--tenants", type=Path, default=None, metavar="FILE",
+                        help="tenants, API keys, limits and classes (TOML; README 'Tenants'); "
+                             "every route but /health, /ready, /metrics and /openapi.json then "
+                             "needs 'Authorization: Bearer KEY' (default: one open tenant)")
+    parser.add_argument("--idempotency-ttl", type=float, default=_DEFAULTS.idempotency_ttl_s,
+                        metavar="SECONDS",
+                        help="how long the response to an Idempotency-Key is kept for a retry "
+                             "to replay (default: %(default)s, 24 h)")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="retrieval collections live here (default: the jaxserve cache's rag/)")
+    parser.add_argument("--no-rag", action="store_true",
+                        help="serve generation only: no embeddings, collections or chat 'rag'")
+    add_policy_arguments(parser)
+    parser.add_argument("--ssl-certfile", type=Path, default=None,
+                        help="serve HTTPS and gRPC over TLS with this PEM certificate (chain)")
+    parser.add_argument("--ssl-keyfile", type=Path, default=None,
+                        help="the PEM private key of --ssl-certfile")
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    """--policy and --audit-log (serve and batch alike)."""
+    parser.add_argument("--policy", type=Path, default=None, metavar="FILE",
+                        help="content policy packs (TOML; README 'Content policy'): a tenant uses "
+                             "its `policy` pack, others the pack `default` (default: none)")
+    parser.add_argument("--audit-log", type=Path, default=None, metavar="DIR",
+                        help="write one hash-chained JSON line per request to DIR (README 'Audit "
+                             "log'; check it with `jaxserve audit verify DIR`)")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    limits = RequestLimits(**{f.name: getattr(args, f.name)
+                              for f in dataclasses.fields(RequestLimits)})
+    return ServerConfig(host=args.host, port=args.port, grpc_port=args.grpc_port,
+                        served_model_name=args.served_model_name,
+                        keepalive_seconds=args.keepalive_seconds, log_prompts=args.log_prompts,
+                        max_queued_requests=args.max_queued_requests, limits=limits,
+                        engine_stall_timeout=args.engine_stall_timeout,
+                        shutdown_timeout=args.shutdown_timeout,
+                        tool_call_parser=args.tool_call_parser,
+                        tenants_file=str(args.tenants) if args.tenants else None,
+                        idempotency_ttl_s=args.idempotency_ttl,
+                        policy_file=str(args.policy) if args.policy else None,
+                        audit_log_dir=str(args.audit_log) if args.audit_log else None)
+
+
+def _exit_now(code: int) -> None:
+    """End the process at once, whatever its threads are doing (they may never return)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _overdue() -> None:
+    log.error("shutdown did not finish in time; every thread's stack follows, then exit 1")
+    faulthandler.dump_traceback(all_threads=True)
+    _exit_now(1)
+
+
+async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
+    """group_leader: this is process 0 of a multi-host group (jax.distributed initialised)."""
+    from jaxserve.entrypoints.engine_flags import engine_args, one_version_fleet, start_fleet
+    from jaxserve.fleet.loader import EngineLoader
+    from jaxserve.entrypoints.grpc import start_grpc_server
+    from jaxserve.entrypoints.http.app import attach_engine, build_app, serving_of, start_server
+    from jaxserve.entrypoints.http.admin_routes import add_admin_routes, set_admin_fleet
+    from jaxserve.entrypoints.tls import TlsConfig
+
+    started = time.perf_counter()
+    config = server_config(args)
+    model_name = config.served_model_name or args.model or str(args.deployment)
+    tls = TlsConfig.from_args(args.ssl_certfile, args.ssl_keyfile)
+    scheme = "https" if tls else "http"
+    app = build_app(config, model_name)
+    rag = None if args.no_rag else _rag_service(args.data_dir)
+    if rag is not None:
+        # Imported here: BM25, FAISS and the chunker take ~0.9 s to import, and --no-rag needs none.
+        from jaxserve.entrypoints.http.rag_routes import add_rag_routes
+
+        add_rag_routes(app, rag)
+    if args.admin_key is not None:  # routes before the server starts; the fleet once loaded
+        add_admin_routes(app, None, args.admin_key)
+    runner, port = await start_server(app, config.host, config.port,
+                                      tls.ssl_context() if tls else None, config.shutdown_timeout)
+    print(f"jaxserve: warming up {model_name}; health at {scheme}://{config.host}:{port}/health",
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second signal: no more waiting
+            _overdue()
+        stop.set()
+        deadline = threading.Timer(
+            config.shutdown_timeout + _ENGINE_STOP_S + _DEADLINE_MARGIN_S, _overdue)
+        deadline.daemon = True  # a shutdown that finishes in time does not wait for it
+        deadline.start()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    if args.deployment is not None:
+        load = loop.run_in_executor(None, lambda: start_fleet(
+            args.deployment, stall_timeout=args.engine_stall_timeout))
+    else:
+        load = loop.run_in_executor(None, lambda: _start_engine(
+            args, engine_args(args), group_leader, config.engine_stall_timeout))
+    stopped = asyncio.ensure_future(stop.wait())
+    engine = grpc_server = leader = fleet = None
+    try:
+        await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not load.done():  # the warmup thread cannot be interrupted; nothing was served yet
+            log.info("stopped while warming up")
+            await runner.cleanup()
+            _exit_now(0)
+        if args.deployment is not None:
+            fleet = load.result()
+            load_s, compile_s = _fleet_times(fleet)
+        else:
+            engine, leader = load.result()
+            # Replicas load and compile together: the first one's times are the set's.
+            llm_engine = getattr(engine, "replicas", [engine])[0].engine
+            load_s, compile_s = llm_engine.load_seconds, llm_engine.compile_seconds
+            # With --admin-key, versions can be loaded beside it.
+            loader = (EngineLoader(stall_timeout=args.engine_stall_timeout)
+                      if args.admin_key is not None else None)
+            fleet = await loop.run_in_executor(None, one_version_fleet, args, model_name,
+                                               engine, loader)
+        if rag is not None:
+            await loop.run_in_executor(None, _warm_rag, rag)
+        attach_engine(app, engine, rag, fleet=fleet)
+        if args.admin_key is not None:
+            set_admin_fleet(app, fleet)
+        print(f"jaxserve: ready in {time.perf_counter() - started:.1f} s (load "
+              f"{load_s:.1f} s, compile {compile_s:.1f} s)", flush=True)
+        if config.grpc_port is not None:
+            grpc_server, grpc_port = await start_grpc_server(
+                engine, config.host, config.grpc_port, model_name, rag=rag,
+                credentials=tls.grpc_credentials() if tls else None, serving=serving_of(app))
+            print(f"jaxserve: gRPC on {config.host}:{grpc_port}", flush=True)
+        print(f"jaxserve: serving {model_name} at {scheme}://{config.host}:{port}/v1", flush=True)
+        await stopped
+    finally:
+        wedged = await _shutdown(app, runner, grpc_server, engine, config.shutdown_timeout)
+        if args.deployment is not None and fleet is not None:
+            await loop.run_in_executor(None, fleet.shutdown)
+        if leader is not None:
+            leader.close()
+        if rag is not None:
+            rag.close()
+    if wedged:
+        _exit_now(1)
+    return 0
+
+
+async def _shutdown(app, runner, grpc_server, engine, timeout: float) -> bool:
+    """Drain, abort, stop the engine; True if its thread would not stop (it is wedged)."""
+    from jaxserve.entrypoints.http.app import begin_shutdown, close_app
+
+    begin_shutdown(app)
+    # Both front ends at once: listeners close, requests get `timeout`, then are cancelled and
+    # their `finally` blocks abort the engine requests.
+    drains = [runner.cleanup()] + ([grpc_server.stop(grace=timeout)] if grpc_server else [])
+    try:
+        await asyncio.wait_for(asyncio.gather(*drains), timeout + _ENGINE_STOP_S)
+    except asyncio.TimeoutError:
+        log.warning("requests were still open after the %.0f s drain", timeout)
+    close_app(app)  # after the drain: every request's audit record is queued, now written
+    if engine is None or engine.shutdown(_ENGINE_STOP_S):
+        return False
+    log.error("the engine thread did not stop (a step that never returns); its stack:\n%s",
+              engine.engine_thread_stack())
+    return True
+
+
+def _start_engine(args: argparse.Namespace, engine_kwargs: dict, group_leader: bool,
+                  stall_timeout: float | None):
+    """(the engine to serve, the multi-host Leader or None)."""
+    from jaxserve.executor.parallel import start_engine
+
+    if not group_leader:
+        return start_engine(args.model, dtype=args.dtype, stall_timeout=stall_timeout,
+                            **engine_kwargs), None
+    from jaxserve.executor import multihost
+
+    leader = multihost.Leader()
+    engine = start_engine(args.model, dtype=args.dtype, stall_timeout=stall_timeout,
+                          agree_num_pages=leader.agree_num_pages, publish=leader.publish,
+                          **multihost.group_engine_args(engine_kwargs))
+    leader.watch(engine.fail)
+    return engine, leader
+
+
+def _fleet_times(fleet) -> tuple[float, float]:
+    """(load, compile) seconds over a deployment's versions, loaded one after the other."""
+    versions = [v for v in fleet.versions_info() if v["load_seconds"] is not None]
+    return (sum(v["load_seconds"] for v in versions),
+            sum(v["compile_seconds"] for v in versions))
+
+
+def _rag_service(data_dir: Path | None):
+    from jaxserve.rag.config import RagConfig, default_data_dir
+    from jaxserve.rag.service import RagService
+
+    return RagService(RagConfig(data_dir or default_data_dir()))
+
+
+def _warm_rag(rag) -> None:
+    try:
+        rag.warmup()
+    except ModelNotFound as e:
+        raise ModelNotFound(f"{e} (or start with --no-rag to serve generation only)") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxserve.entrypoints.engine_flags import check_model_or_deployment, distributed_config, engine_args
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_model_or_deployment(args)
+    dist = distributed_config(args)
+    if args.deployment is not None:
+        if dist is not None:
+            raise ConfigError("--deployment serves on one host; multi-host needs --model")
+        return asyncio.run(serve(args))
+    if dist is None:
+        return asyncio.run(serve(args))
+    import jax
+
+    from jaxserve.executor import multihost
+
+    multihost.initialize(dist)
+    if jax.process_index() != 0:
+        return multihost.run_follower(args.model, dtype=args.dtype, engine_args=engine_args(args))
+    try:
+        return asyncio.run(serve(args, group_leader=jax.process_count() > 1))
+    finally:
+        jax.distributed.shutdown()

@@ -1,0 +1,63 @@
+"""The one admission path every transport's requests take, after the body is parsed and tokenized
+once (openai_serving): the engine's checks of each prompt (`prepare`: empty, vocabulary, context),
+the tenant's limits (gateway: 429), the engine's queue (503, or a less important request shed in
+its place), then the QoS (class, share, deadlines) stamped on each prepared request.
+
+`CallContext` is what a transport reads from its own framing once and hands over with the body:
+who calls (HTTP `Authorization`, gRPC metadata `authorization`, the batch runner's --tenant), the
+deadline asked (X-Request-Timeout, the gRPC call's deadline) and when the call arrived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from jaxserve.gateway import Admission, Gateway, Principal
+from jaxserve.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class CallContext:
+    # None only for a call refused before its key was accepted (a 401): what its audit record
+    # is written from.
+    principal: Principal | None
+    timeout_s: float | None = None  # None: only the tenant's request_timeout_s bounds it
+    arrival: float = field(default_factory=time.monotonic)
+    transport: str = "http"  # "http" | "grpc" | "batch", for the access log
+    client: str | None = None  # the caller's address, for the audit log
+    route: str | None = None  # the HTTP path it came by; None: derived from transport and kind
+
+
+def tenant_params(principal: Principal, params: SamplingParams,
+                  max_tokens_given: bool) -> SamplingParams:
+    """max_tokens under the tenant's max_tokens_cap: a larger one asked for is a 400; one left
+    to the server (filled from the context and the KV pool) is cut to the cap."""
+    cap = principal.tenant.max_tokens_cap
+    if max_tokens_given:
+        principal.tenant.max_tokens(params.max_tokens)
+    elif cap is not None and params.max_tokens > cap:
+        params = params.replace(max_tokens=cap)
+    return params
+
+
+def admit(engine, gateway: Gateway, ctx: CallContext, request_ids: Sequence[str],
+          prompt_ids: Sequence[list[int]], params: SamplingParams,
+          max_queued: int | None) -> tuple[Admission, list]:
+    """(the tenant's Admission, one PreparedRequest per prompt carrying its QoS). Raises, having
+    taken nothing from the tenant's limits, InvalidRequest / ContextLengthExceeded (400),
+    RateLimitExceeded (429) or EngineOverloaded (503). The caller settles the Admission on every
+    terminal path."""
+    prepared = [engine.prepare(rid, {"prompt_token_ids": ids}, params)
+                for rid, ids in zip(request_ids, prompt_ids)]
+    admission = gateway.admit(ctx.principal, [len(ids) for ids in prompt_ids],
+                              params.max_tokens, params.n, ctx.timeout_s, ctx.arrival)
+    try:
+        # Before a stream's headers go out, so a full queue is a 503, never an error in a 200.
+        engine.admit(len(prompt_ids) * params.n, max_queued, admission.qos.priority)
+    except BaseException:
+        admission.settle(0)
+        raise
+    return admission, [dataclasses.replace(p, qos=admission.qos) for p in prepared]

@@ -1,0 +1,343 @@
+"""`Generation`: one admitted API request, whatever its transport. It holds one engine request
+per prompt, each with n choices, turns the engine's cumulative outputs into per-choice deltas
+(through the tenant's output filter), and assembles them into OpenAI's chat or completion
+response, or its stream of chunks. Every transport answers it inside `running()`, so however it
+ends (done, client gone, deadline, error) its tenant's reservation settles, it is counted and
+logged once (access log, audit record), and its KV pages return at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from jaxserve.errors import outcome, version_fault
+from jaxserve.fleet.versions import Lease
+from jaxserve.gateway import Admission
+from jaxserve.gateway.usage import with_cost
+from jaxserve.entrypoints.serving import protocol
+from jaxserve.entrypoints.serving import shadow
+from jaxserve.entrypoints.serving.admission import CallContext
+from jaxserve.entrypoints.serving.logprobs import chat_logprobs, completion_logprobs
+from jaxserve.entrypoints.serving.streams import merge_streams, with_keepalive
+from jaxserve.entrypoints.serving.tool_output import ToolCallOutput
+
+if TYPE_CHECKING:
+    from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
+
+access_log = logging.getLogger("jaxserve.access")
+
+
+class Generation:
+    """One admitted API request: its prepared engine requests (QoS stamped), its hold on the
+    tenant's limits, and what was sent so far."""
+
+    def __init__(self, serving: "OpenAIServing", gen_id: str, parsed: protocol.ParsedRequest,
+                 prepared: list, admission: Admission, ctx: CallContext, lease: Lease,
+                 citations: list[dict] | None = None,
+                 tool_output: ToolCallOutput | None = None, screening=None):
+        self.serving = serving
+        self.lease = lease  # the version chosen for this request (and its shadow copies)
+        self.version = lease.version
+        self.engine = lease.version.engine
+        self.route = lease.route or ""  # "": the version was addressed by name
+        self.tool_output = tool_output or ToolCallOutput(None)
+        self.screening = screening  # request_policy.Screening, or None: no policy, no audit
+        self.citations = citations  # retrieval-augmented chat: what the prompt was given
+        self.parsed = parsed
+        self.chat = parsed.kind == "chat"
+        self.prepared = prepared
+        self.admission = admission
+        self.ctx = ctx
+        self.params = prepared[0].params
+        self.id = gen_id  # the engine request ids are "{id}-{prompt index}"
+        self.created = protocol.now()
+        self.n = self.params.n
+        self.num_choices = len(prepared) * self.n
+        self.want_logprobs = parsed.logprobs is not None
+        self.object = ("chat.completion" if self.chat else "text_completion")
+        self.sent_text: dict[int, int] = {}
+        self.sent_tokens: dict[int, int] = {}
+        self.finish_reasons: dict[int, str] = {}
+        self.completion_tokens: dict[int, int] = {}
+        self.arrival = ctx.arrival
+        self.first_token_at: float | None = None
+        self.last_token_at: dict[int, float] = {}  # per choice: ITL is within one sequence
+        self.engine_answered = False  # an output came back: the request left the queue
+        self.error: BaseException | None = None  # what ended it, when reported in-band
+        self._finished = False
+        # Shadow copies compare their tokens with these (kept only when there are copies).
+        self.token_ids: dict[int, list[int]] | None = {} if lease.shadows else None
+        self._primary_tokens: asyncio.Future | None = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        """The metrics' (model_name, route) of this request: its version and route."""
+        return self.version.name, self.route
+
+    @property
+    def prompt_ids(self) -> list[list[int]]:
+        return [p.prompt_token_ids for p in self.prepared]
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [p.request_id for p in self.prepared]
+
+    @property
+    def tenant(self) -> str:
+        return self.ctx.principal.tenant.name
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompt_ids)
+
+    def usage(self) -> dict:
+        """OpenAI's usage object, with "cost" (USD) when the model has prices."""
+        return with_cost(protocol.usage(self.prompt_tokens, sum(self.completion_tokens.values())),
+                         self.version.pricing)
+
+    def streams(self) -> AsyncIterator[tuple[int, Any]]:
+        return merge_streams([self._until_finished(i, self.engine.generate(prepared=p))
+                              for i, p in enumerate(self.prepared)])
+
+    async def _until_finished(self, index: int, stream: AsyncIterator) -> AsyncIterator:
+        """Prompt `index`'s engine stream, closed (so the engine request is aborted and its
+        pages freed) once every choice of it has ended here: the policy ends a choice before
+        the engine does. A choice it ends while its siblings go on (n > 1) has its engine
+        sequence ended alone, so its pages return at once too."""
+        stopped: set[int] = set()
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                yield out
+                if all(index * self.n + j in self.finish_reasons for j in range(self.n)):
+                    return
+                for comp in out.outputs:
+                    if comp.finish_reason is None and comp.index not in stopped \
+                            and index * self.n + comp.index in self.finish_reasons:
+                        stopped.add(comp.index)
+                        await self.engine.abort_sequence(self.request_ids[index], comp.index)
+
+    async def deltas(self) -> AsyncIterator[tuple[int, str, list[int], Any, str | None]]:
+        """(choice, new text, new token ids, new logprobs, finish_reason) as the engine produces
+        them, for transports that frame their own messages (gRPC)."""
+        async for item in self.streams():
+            for delta in self._deltas(*item):
+                yield delta
+
+    async def abort_unfinished(self) -> None:
+        for i, rid in enumerate(self.request_ids):
+            if any(i * self.n + j not in self.finish_reasons for j in range(self.n)):
+                await self.engine.abort(rid)
+
+    def _deltas(self, stream_index: int, out) -> list[tuple[int, str, list[int], Any, str | None]]:
+        """(choice, new text, new token ids, new logprobs, finish_reason) since the last call."""
+        result = []
+        now = time.monotonic()
+        self.engine_answered = True
+        metrics = self.serving.metrics
+        if out.finished and metrics is not None and out.metrics is not None \
+                and out.metrics.first_scheduled_time is not None:
+            metrics.queue.labels(*self.labels, self.tenant).observe(
+                out.metrics.first_scheduled_time - out.metrics.arrival_time)
+        for comp in out.outputs:
+            choice = stream_index * self.n + comp.index
+            if choice in self.finish_reasons:  # ended (by the engine or by the policy)
+                continue
+            t0, k0 = self.sent_text.get(choice, 0), self.sent_tokens.get(choice, 0)
+            text, ids = comp.text[t0:], list(comp.token_ids[k0:])
+            if ids and metrics is not None:
+                if self.first_token_at is None:
+                    metrics.ttft.labels(*self.labels, self.tenant).observe(
+                        now - self.arrival)
+                elif choice in self.last_token_at:
+                    # Tokens that arrive together (a delta of several) share the gap evenly.
+                    gap = (now - self.last_token_at[choice]) / len(ids)
+                    for _ in ids:
+                        metrics.itl.labels(*self.labels).observe(gap)
+            if ids and self.token_ids is not None:
+                self.token_ids.setdefault(choice, []).extend(ids)
+            if ids:
+                self.first_token_at = self.first_token_at or now
+                self.last_token_at[choice] = now
+            logprobs = comp.logprobs[k0:] if comp.logprobs is not None else None
+            self.sent_text[choice], self.sent_tokens[choice] = len(comp.text), len(comp.token_ids)
+            self.completion_tokens[choice] = len(comp.token_ids)
+            finish = None
+            if comp.finish_reason is not None:
+                finish = self.finish_reasons[choice] = comp.finish_reason
+            if self.screening is not None:
+                text, ids, logprobs, blocked = self.screening.output(
+                    choice, comp.text, text, ids, logprobs, comp.finish_reason is not None)
+                if blocked:  # OpenAI's value; _until_finished stops the engine request
+                    finish = self.finish_reasons[choice] = "content_filter"
+            if text or ids or finish:
+                result.append((choice, text, ids, logprobs, finish))
+        return result
+
+    def _echo_prefix(self, choice: int) -> str:
+        if not self.parsed.echo:
+            return ""
+        return self.tokenizer.decode(self.prompt_ids[choice // self.n])
+
+    async def response(self) -> dict:
+        """Run to completion and build the non-streaming response body."""
+        tok = self.tokenizer
+        texts = {i: "" for i in range(self.num_choices)}
+        ids = {i: [] for i in range(self.num_choices)}
+        lps = {i: [] for i in range(self.num_choices)}
+        async for s, out in self.streams():
+            for choice, text, new_ids, new_lps, _ in self._deltas(s, out):
+                texts[choice] += text
+                ids[choice] += new_ids
+                lps[choice] += list(new_lps or ())
+        choices = []
+        for i in range(self.num_choices):
+            if self.chat:
+                message, finish = self.tool_output.message(texts[i], self.finish_reasons.get(i))
+                choices.append({"index": i, "message": message,
+                                "logprobs": chat_logprobs(tok, ids[i], lps[i]) if self.want_logprobs
+                                else None,
+                                "finish_reason": finish})
+            else:
+                prefix = self._echo_prefix(i)
+                choices.append({"index": i, "text": prefix + texts[i],
+                                "logprobs": completion_logprobs(tok, ids[i], lps[i], len(prefix))
+                                if self.want_logprobs else None,
+                                "finish_reason": self.finish_reasons.get(i)})
+        body = {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.version.name, "system_fingerprint": self.version.fingerprint,
+                "choices": choices, "usage": self.usage()}
+        if self.citations is not None:
+            body["citations"] = self.citations
+        return body
+
+    def _chunk(self, choices: list, usage: dict | None = None) -> dict:
+        chunk = {"id": self.id,
+                 "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.version.name,
+                 "system_fingerprint": self.version.fingerprint, "choices": choices}
+        if self.parsed.include_usage:
+            # OpenAI: null on every chunk but the last; vLLM's continuous_usage_stats: so far.
+            chunk["usage"] = usage if usage or not self.parsed.continuous_usage else self.usage()
+        return chunk
+
+    async def chunks(self, keepalive_seconds: float) -> AsyncIterator[dict | None]:
+        """Streaming chunks in OpenAI's shape; None where a keep-alive should go out."""
+        tok = self.tokenizer
+        offsets: dict[int, int] = {}
+        if self.chat:  # OpenAI opens each choice with the assistant role
+            first = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}
+                                 for i in range(self.num_choices)])
+            if self.citations is not None:  # known before the first token: sent up front
+                first["citations"] = self.citations
+            yield first
+        elif self.parsed.echo:
+            for i in range(self.num_choices):
+                prefix = self._echo_prefix(i)
+                offsets[i] = len(prefix)
+                yield self._chunk([{"index": i, "text": prefix, "logprobs": None,
+                                    "finish_reason": None}])
+        async for item in with_keepalive(self.streams(), keepalive_seconds):
+            if item is None:
+                yield None
+                continue
+            for choice, text, ids, lps, finish in self._deltas(*item):
+                if self.chat:
+                    delta, finish = self.tool_output.delta(choice, text, finish)
+                    if not delta and finish is None and not self.want_logprobs:
+                        continue  # held back by the tool-call parser: nothing to say yet
+                    c = {"index": choice, "delta": delta,
+                         "logprobs": chat_logprobs(tok, ids, lps) if self.want_logprobs else None,
+                         "finish_reason": finish}
+                else:
+                    off = offsets.get(choice, 0)
+                    c = {"index": choice, "text": text,
+                         "logprobs": completion_logprobs(tok, ids, lps, off) if self.want_logprobs
+                         else None,
+                         "finish_reason": finish}
+                    offsets[choice] = off + len(text)
+                yield self._chunk([c])
+        if self.parsed.include_usage:
+            yield self._chunk([], self.usage())
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator["Generation"]:
+        """What every transport answers the request in: at its end, however it ends, `finish`
+        (with the exception that left the block, or `self.error` for one the transport reported
+        in-band, such as a stream's error event) and the engine aborts what is unfinished, so
+        its pages return at once."""
+        error = None
+        self._start_shadows()
+        try:
+            yield self
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            # Counted and logged first: a client that closes right after [DONE] cancels the
+            # handler here, and the await below would then raise before anything after it ran.
+            self.finish(self.error or error)
+            await asyncio.shield(self.abort_unfinished())
+
+    def _start_shadows(self) -> None:
+        if not self.lease.shadows:
+            return
+        self._primary_tokens = asyncio.get_running_loop().create_future()
+        for lease in self.lease.shadows:
+            shadow.start(lease, self.parsed, self.params, self.serving.prompt_ids,
+                         self._primary_tokens, self.serving.max_queued_requests, self.id)
+
+    def finish(self, error: BaseException | None) -> None:
+        """The request ended (error None: answered in full): settle the tenant's reservation with
+        the tokens used, count it per tenant, write its access-log line. Once; later calls do
+        nothing."""
+        if self._finished:
+            return
+        self._finished = True
+        end = time.monotonic()
+        completion = sum(self.completion_tokens.values())
+        self.admission.settle(self.prompt_tokens + completion)
+        status = outcome(error)
+        usage = self.usage()
+        metrics = self.serving.metrics
+        if metrics is not None:
+            metrics.e2e.labels(*self.labels).observe(end - self.arrival)
+            metrics.record_request(self.tenant, status, self.prompt_tokens, completion,
+                                   usage.get("cost", 0.0), *self.labels)
+        ttft = None if self.first_token_at is None else round(self.first_token_at - self.arrival, 4)
+        self.lease.finish(error=version_fault(error), ttft=ttft, prompt_tokens=self.prompt_tokens,
+                          completion_tokens=completion)
+        if self._primary_tokens is not None and not self._primary_tokens.done():
+            self._primary_tokens.set_result(
+                None if error is not None else
+                [self.token_ids.get(i * self.n, []) for i in range(len(self.prepared))])
+        record = {
+            "request_id": self.id, "model": self.version.name, "route": self.route,
+            "kind": self.parsed.kind,
+            "transport": self.ctx.transport, "tenant": self.tenant,
+            "key_id": self.ctx.principal.key_id, "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion, "ttft_s": ttft,
+            "total_s": round(end - self.arrival, 4),
+            "finish_reasons": sorted(set(self.finish_reasons.values())), "status": status}
+        if self.serving.log_prompts:  # off by default: prompts may hold what users keep private
+            record["prompt"] = (self.parsed.prompts if self.screening is None else
+                                [self.screening.redact_pii(t)
+                                 for t in self.screening.prompt_texts])
+        access_log.info(json.dumps(record))
+        if self.serving.policy is not None:
+            self.serving.policy.record(
+                request_id=self.id, kind=self.parsed.kind, ctx=self.ctx, error=error,
+                model=self.parsed.model, version=self.version.name,
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=completion, cost=usage.get("cost"),
+                finish_reasons=[self.finish_reasons.get(i, "") for i in range(self.num_choices)],
+                screening=self.screening)

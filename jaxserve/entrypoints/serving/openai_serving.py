@@ -1,0 +1,222 @@
+"""OpenAI chat/text completions over an AsyncEngine, with no transport: HTTP (entrypoints/http/app.py), gRPC
+and the offline batch runner all call this, so a response body is built in exactly one place.
+
+A request is parsed and tokenized once here and admitted on one path (admission.py); what it
+becomes is a `Generation` (generation.py): its engine requests, deltas, response or chunks,
+and its one end.
+
+A chat with tools gets them in its prompt and its output parsed into `tool_calls`
+(entrypoints/serving/tool_output.py); a forced tool_choice becomes a grammar constraint. Every request
+is prepared for the engine up front (its grammar compiled, a 400 before any stream starts), a
+constrained one in an executor so a slow compile never blocks the event loop.
+
+Every request's model version is chosen through the fleet (`fleet.select`: a route's weights,
+stickiness and shadow copies, or a version named directly); the version's engine, tokenizer,
+price and generation defaults serve it, its answers carry the version's name and
+`system_fingerprint`, and its end is recorded on the version's lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from jaxserve.config import RequestLimits
+from jaxserve.errors import ContextLengthExceeded, EngineDead, EngineOverloaded, InvalidRequest
+from jaxserve.fleet.fleet import Fleet
+from jaxserve.fleet.versions import Lease
+from jaxserve.gateway import Gateway
+from jaxserve.gateway.pricing import Pricing
+from jaxserve.entrypoints.serving import protocol
+from jaxserve.entrypoints.serving.admission import CallContext, admit, tenant_params
+from jaxserve.entrypoints.serving.generation import Generation
+from jaxserve.entrypoints.serving.generation_defaults import with_defaults
+from jaxserve.entrypoints.serving.tool_output import ToolCallOutput
+from jaxserve.tool_calling.choice import forced_tool_call
+from jaxserve.tool_calling.parsers import get_tool_parser
+
+
+class OpenAIServing:
+    """Parses and checks OpenAI generation requests once, chooses their version through the fleet
+    and admits them (admission.py) on its engine, for every transport.
+
+    `fleet`: the model versions and routes (serve --deployment). Without one, `engine` alone is
+    served as a fleet of one version named `model_name`, priced `pricing`."""
+
+    def __init__(self, engine, model_name: str, metrics=None, log_prompts: bool = False,
+                 rag=None, max_queued_requests: int | None = None,
+                 limits: RequestLimits = RequestLimits(), tool_call_parser: str = "hermes",
+                 gateway: Gateway | None = None, pricing: Pricing | None = None,
+                 fleet: Fleet | None = None, policy=None):
+        if fleet is None:
+            fleet = (Fleet.of_engine(model_name, engine, pricing=pricing) if engine is not None
+                     else Fleet.empty())
+        self.fleet = fleet
+        self.engine = engine  # the one engine of a --model server; None with a deployment
+        # ConfigError at start for an unknown name; "hermes" matches the built-in tool prompt.
+        self.tool_parser = get_tool_parser(tool_call_parser)
+        self.policy = policy  # a request_policy.RequestPolicy, or None: no policy, no audit
+        self.model_name = model_name
+        self.metrics = metrics
+        self.log_prompts = log_prompts
+        self.rag = rag  # a jaxserve.rag.service.RagService, or None: no retrieval
+        self.max_queued_requests = max_queued_requests  # None: no admission limit
+        self.limits = limits
+        self.gateway = gateway if gateway is not None else Gateway()
+
+    def open_context(self, transport: str) -> CallContext:
+        """The context of a caller with no credentials: the open server's `default` tenant."""
+        return CallContext(self.gateway.authenticate(None), transport=transport)
+
+    def engine_for(self, model: str):
+        """The engine a request naming `model` would run on (for tokenize / detokenize): raises
+        ModelNotFound for a name that is neither a route nor a ready version."""
+        with self.fleet.select(model) as lease:
+            return lease.version.engine
+
+    @staticmethod
+    def check_token_ids(tokenizer, ids: list[int], param: str) -> None:
+        vocab = tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                                 param=param)
+
+    async def prepare_async(self, kind: str, body: Any, ctx: CallContext) -> Generation:
+        """Everything that can fail before generation starts: a failure here is the client's
+        4xx (or 503 when the engine cannot take it), takes nothing from its tenant, and is
+        audited. The tenant's input rules run first (a classifier in its executor). A chat
+        with "rag" has its collection searched for the last user message (in an executor:
+        embedding and search block) and the results put into the prompt; the response then
+        carries "citations".
+
+        A request that fails here (or whose caller leaves meanwhile) gets its one audit
+        record here, naming the version chosen if it got that far; an admitted one gets it
+        from its Generation when it ends."""
+        parsed = lease = None
+        try:
+            parsed = self._parse(kind, body, ctx)
+            lease = self.fleet.select(parsed.model, user=parsed.user,
+                                      api_key=ctx.principal.key_id)
+            return await self._prepare(kind, body, parsed, ctx, lease)
+        except BaseException as e:
+            if lease is not None:
+                lease.__exit__(None, None, None)  # releases it and its shadow copies
+            if self.policy is not None:
+                self.policy.record(request_id=protocol.new_id("req"), kind=kind, ctx=ctx,
+                                   error=e, model=parsed.model if parsed is not None else None,
+                                   version=lease.version.name if lease is not None else None)
+            raise
+
+    async def _prepare(self, kind: str, body: Any, parsed: protocol.ParsedRequest,
+                       ctx: CallContext, lease: Lease) -> Generation:
+        defaults = lease.version.generation_defaults
+        if defaults:  # parsed again: the defaults go through the same checks as the body
+            parsed = self._parse_body(kind, with_defaults(body, kind, defaults))
+        screening = None
+        if self.policy is not None:
+            parsed, screening = await self.policy.screen(parsed, ctx.principal.tenant,
+                                                         lease.version.engine.tokenizer.decode)
+        citations = None
+        if parsed.rag is not None:
+            if self.rag is None:
+                raise InvalidRequest("this server has no retrieval ('rag'): it was started with "
+                                     "--no-rag", param="rag")
+            from jaxserve.rag.prompt import augment_chat, parse_rag_request
+
+            rag = parse_rag_request(parsed.rag, self.rag.config.search.max_top_k)
+            messages, citations = await asyncio.get_running_loop().run_in_executor(
+                None, augment_chat, self.rag, parsed.prompts[0], rag, ctx.principal.tenant.name,
+                screening.screen_chunks if screening is not None else None)
+            parsed = dataclasses.replace(parsed, prompts=[messages])
+        parsed, tool_output = self._tools(parsed)
+        if parsed.sampling_params.structured_outputs is not None:  # its grammar compiles
+            return await asyncio.get_running_loop().run_in_executor(
+                None, self._start, parsed, ctx, lease, citations, tool_output, screening)
+        return self._start(parsed, ctx, lease, citations, tool_output, screening)
+
+    def _parse_body(self, kind: str, body: Any) -> protocol.ParsedRequest:
+        parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
+        return parse(body, self.limits)
+
+    def _parse(self, kind: str, body: Any, ctx: CallContext) -> protocol.ParsedRequest:
+        parsed = self._parse_body(kind, body)
+        # The edge check, before the prompt is tokenized: a tenant out of requests costs little,
+        # and one that may not use the model learns nothing about what this server serves.
+        self.gateway.check(ctx.principal, parsed.model)
+        return parsed
+
+    def _start(self, parsed: protocol.ParsedRequest, ctx: CallContext, lease: Lease,
+               citations: list[dict] | None, tool_output: ToolCallOutput,
+               screening=None) -> Generation:
+        engine = lease.version.engine
+        prompt_ids = [self.prompt_ids(engine.tokenizer, parsed, p) for p in parsed.prompts]
+        params = self._fit_context(engine, parsed, prompt_ids)
+        if not engine.is_running:
+            raise EngineDead("the engine is not running; the server cannot generate")
+        if engine.is_stalled:  # a request now would only wait for nothing
+            raise EngineOverloaded("the engine has made no progress for a while (see GET "
+                                   "/ready); retry later")
+        # The whole request against the KV pool, before a stream's headers go out, so it is still
+        # a 400 and not an error inside a 200 stream.
+        params = engine.fit_kv_pool([len(p) for p in prompt_ids], params)
+        params = tenant_params(ctx.principal, params, parsed.max_tokens_given)
+        gen_id = protocol.new_id("chatcmpl" if parsed.kind == "chat" else "cmpl")
+        admission, prepared = admit(engine, self.gateway, ctx,
+                                    [f"{gen_id}-{i}" for i in range(len(prompt_ids))],
+                                    prompt_ids, params, self.max_queued_requests)
+        return Generation(self, gen_id, parsed, prepared, admission, ctx, lease, citations,
+                          tool_output, screening)
+
+    def _tools(self, parsed: protocol.ParsedRequest
+               ) -> tuple[protocol.ParsedRequest, ToolCallOutput]:
+        """tool_choice "none" (or no tools): the tools stay out of the prompt and the output is
+        content. "auto": the model may call, its text is parsed. "required" / named: a grammar
+        constraint makes it call (protocol refused it beside another constraint)."""
+        if parsed.tool_choice.mode == "none":
+            return dataclasses.replace(parsed, tools=()), ToolCallOutput(None)
+        changes = {}
+        forced = forced_tool_call(parsed.tools, parsed.tool_choice, self.tool_parser,
+                                  parallel_tool_calls=parsed.parallel_tool_calls)
+        if forced is not None:
+            changes["structured_outputs"] = forced
+        if self.tool_parser.needs_special_tokens:  # as vLLM's mistral parser does
+            changes["skip_special_tokens"] = False
+        if changes:
+            parsed = dataclasses.replace(
+                parsed, sampling_params=parsed.sampling_params.replace(**changes))
+        return parsed, ToolCallOutput(self.tool_parser)
+
+    @staticmethod
+    def prompt_ids(tokenizer, parsed: protocol.ParsedRequest, prompt) -> list[int]:
+        """Tokenized once, here, by the version's tokenizer; the engine's `prepare` checks the
+        ids (empty, vocabulary, context)."""
+        if parsed.kind == "chat":
+            return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                      tools=parsed.tools))
+        return list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+
+    @staticmethod
+    def _fit_context(engine, parsed: protocol.ParsedRequest, prompt_ids: list[list[int]]):
+        """OpenAI's rule: prompt + max_tokens within the context (the engine alone would cut the
+        completion at the context instead). A chat request without max_tokens keeps None: the
+        engine gives it the rest of the context, or what the KV pool can hold."""
+        max_len = engine.max_model_len
+        longest = max(len(p) for p in prompt_ids)
+        params = parsed.sampling_params
+        what = "messages" if parsed.kind == "chat" else "prompt"
+        if not parsed.max_tokens_given:
+            if longest >= max_len:
+                raise ContextLengthExceeded(
+                    f"This model's maximum context length is {max_len} tokens. However, your "
+                    f"{what} resulted in {longest} tokens.", param=what)
+            return params
+        if longest + params.max_tokens > max_len:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{longest + params.max_tokens} tokens ({longest} in the {what}, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the {what} "
+                "or completion.",
+                param="max_tokens")
+        return params

@@ -1,0 +1,491 @@
+"""Every API request body as a pydantic model: what the parser checks and what GET /openapi.json
+describes are the same definitions.
+
+Strict types (no "1" for 1, no 1.5 for an int) and unknown fields refused ("Unrecognized request
+argument supplied"). The request limits (RequestLimits) are part of the types, so the models of a
+server are built from its limits by `request_models(limits)`. What depends on more than the body
+(prompt + max_tokens against the context, token ids against the vocabulary, sampling ranges that
+SamplingParams owns) is checked after parsing.
+
+Known OpenAI fields we do not implement are typed to accept only their neutral value and marked
+`x-neutral` (the error then says "not supported"); a field implemented later replaces its neutral
+type here. Structured outputs and tools are typed here for their shape; what they mean (one
+constraint out of response_format / structured_outputs / guided_*, the tool names, the schemas
+the grammar library can enforce) is checked by `jaxserve.entrypoints.serving.structured_fields`,
+`jaxserve.tool_calling` and the engine's grammar compiler.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
+                      model_validator)
+
+from jaxserve.config import RequestLimits, SpeculativeConfig
+from jaxserve.errors import InvalidRequest
+from jaxserve.rag.config import SEARCH_MODES
+from jaxserve.tool_calling.functions import MAX_TOOLS
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
+MAX_RERANK_DOCUMENTS = 1000  # Cohere's recommended maximum per request
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def neutral(accepted: str) -> Any:
+    """A field accepted only at its neutral value (or absent / null)."""
+    return Field(None, description=f"Not supported: accepted only as {accepted}.",
+                 json_schema_extra={"x-neutral": accepted})
+
+
+def _integral(value: Any) -> Any:
+    # JSON has one number type, and JSON Schema's "integer" includes 2.0: so does the parser
+    # (a bool is never an integer; 1.5 stays an error).
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def int_in(ge: int | None = None, le: int | None = None) -> Any:
+    """An Int within bounds (the bounds go on the int itself, so the schema says minimum and
+    maximum)."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallFunction(Body):
+    name: NonEmptyStr
+    arguments: str = Field(description="The arguments object as JSON text.")
+
+
+class MessageToolCall(Body):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class ChatMessage(Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(
+        None, description="A string, or text parts joined in order; may be null only on an "
+                          "assistant message with `tool_calls`.")
+    tool_calls: list[MessageToolCall] | None = Field(
+        None, description="An assistant message's calls (earlier turns of an agent loop).")
+    tool_call_id: str | None = Field(None, description="A `tool` message: the call it answers.")
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise InvalidRequest("'tool_calls' is only allowed on assistant messages",
+                                 param="messages")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise InvalidRequest("a 'tool' message needs 'tool_call_id' (and only it may have "
+                                 "one)", param="messages")
+        if self.content is None and not self.tool_calls:
+            raise InvalidRequest("'content' is required (it may be null only on an assistant "
+                                 "message with 'tool_calls')", param="messages")
+        return self
+
+
+class StreamOptions(Body):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM's extension: with include_usage, usage on every chunk.")
+
+
+class RagOption(Body):
+    """jaxserve's retrieval-augmented chat: search `collection` for the last user message."""
+
+    collection: NonEmptyStr
+    top_k: Int | None = None
+    mode: Literal[SEARCH_MODES] | None = None
+    rerank: bool | None = None
+
+
+class ResponseFormatText(Body):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(Body):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema",
+                                           description="The JSON schema (absent: any object).")
+    strict: bool | None = Field(None, description="Always enforced, whatever its value.")
+
+
+class ResponseFormatJsonSchema(Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+def by_type(*models: type[Body]) -> Any:
+    """A union of models told apart by their `type` literal. The tags are the class names, not
+    the `type` values: an error's location holds the tag, and a value such as "json_schema" would
+    read as the field of that name."""
+    tags = {m.model_fields["type"].annotation.__args__[0]: m.__name__ for m in models}
+
+    def tag(value: Any) -> str | None:
+        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        return tags.get(kind) if isinstance(kind, str) else None
+
+    return Annotated[Union[tuple(Annotated[m, Tag(m.__name__)] for m in models)],
+                     Discriminator(tag, custom_error_type="invalid_type", custom_error_message=(
+                         f"'type' must be one of {', '.join(map(repr, tags))}"))]
+
+
+ResponseFormat = by_type(ResponseFormatText, ResponseFormatJsonObject, ResponseFormatJsonSchema)
+
+
+class StructuredOutputsField(Body):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json",
+                                               description="A JSON schema (object or its text).")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="Lark (llguidance's dialect) or GBNF.")
+    json_object: bool | None = None
+
+
+class FunctionDefinition(Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments "
+                                                                "object; enforced when the call "
+                                                                "is forced by tool_choice.")
+    strict: bool | None = None
+
+
+class ChatTool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class _Structured(Body):
+    """Structured outputs: vLLM's fields, on chat and completions."""
+
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = Field(None, description="Older vLLM name of "
+                                                                        "structured_outputs.json.")
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class _Unsupported(Body):
+    """Known OpenAI fields this server does not implement, at their neutral value only."""
+
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = neutral("{}")
+    functions: Annotated[list[Any], Field(max_length=0)] | None = neutral("[]")
+    function_call: Literal["none"] | None = neutral('"none"')
+    store: Literal[False] | None = neutral("false")
+    suffix: Literal[""] | None = neutral('""')
+    service_tier: None = neutral("null")
+    metadata: None = neutral("null")
+    modalities: None = neutral("null")
+    audio: None = neutral("null")
+    prediction: None = neutral("null")
+    reasoning_effort: None = neutral("null")
+    web_search_options: None = neutral("null")
+    user: str | None = Field(None, max_length=256, description=(
+        "An opaque end-user id; a route with sticky = \"user\" keeps one user on one version."))
+
+
+# ---- POST /v1/responses: the subset agents use (entrypoints/serving/responses.py) ------------------------
+
+
+class InputTextPart(Body):
+    type: Literal["input_text", "output_text"]
+    text: str
+    # What an earlier response's output_text carried, when a client replays it as input.
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class _Item(Body):
+    # What an earlier response's output item carried, when a client replays it as input.
+    id: str | None = None
+    status: str | None = None
+
+
+class InputMessage(_Item):
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputTextPart]
+
+
+class FunctionCallItem(_Item):
+    """An earlier call of the model, replayed."""
+
+    type: Literal["function_call"]
+    call_id: NonEmptyStr
+    name: NonEmptyStr
+    arguments: str
+
+
+class FunctionCallOutputItem(_Item):
+    """A tool's result: the answer to the call `call_id`."""
+
+    type: Literal["function_call_output"]
+    call_id: NonEmptyStr
+    output: str
+
+
+def _item_tag(value: Any) -> str | None:
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+    return {"message": "InputMessage", None: "InputMessage", "function_call": "FunctionCallItem",
+            "function_call_output": "FunctionCallOutputItem"}.get(kind)
+
+
+InputItem = Annotated[Union[Annotated[InputMessage, Tag("InputMessage")],
+                            Annotated[FunctionCallItem, Tag("FunctionCallItem")],
+                            Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")]],
+                      Discriminator(_item_tag, custom_error_type="invalid_type",
+                                    custom_error_message="an input item's 'type' must be "
+                                    "'message', 'function_call' or 'function_call_output'")]
+
+
+class ResponsesFunctionTool(Body):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedToolChoice(Body):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormatText(Body):
+    type: Literal["text"]
+
+
+class TextFormatJsonObject(Body):
+    type: Literal["json_object"]
+
+
+class TextFormatJsonSchema(Body):
+    type: Literal["json_schema"]
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(Body):
+    format: by_type(TextFormatText, TextFormatJsonObject, TextFormatJsonSchema) | None = None
+
+
+@dataclass(frozen=True)
+class RequestModels:
+    chat: type[Body]
+    completion: type[Body]
+    tokenize: type[Body]
+    responses: type[Body]
+
+
+@functools.cache
+def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
+    """The generation request models under `limits` (one set per limits value)."""
+    stop_str = Annotated[str, Field(min_length=1, max_length=limits.max_stop_length)]
+    top_n = int_in(0, limits.max_logprobs)
+    message_list = Annotated[list[ChatMessage],
+                             Field(min_length=1, max_length=limits.max_messages)]
+    few = Field(min_length=1, max_length=limits.max_prompts)
+
+    class _Generation(_Structured, _Unsupported):
+        model: NonEmptyStr
+        stream: bool | None = None
+        stream_options: StreamOptions | None = None
+        stop: stop_str | Annotated[list[stop_str], Field(max_length=limits.max_stop)] | None = None
+        max_tokens: Int | None = None
+        n: int_in(le=limits.max_n) | None = None
+        best_of: int_in(le=limits.max_n) | None = Field(
+            None, description="Only 1 or `n` (both mean: return every sequence).")
+        temperature: float | None = None
+        top_p: float | None = None
+        seed: Int | None = None
+        presence_penalty: float | None = None
+        frequency_penalty: float | None = None
+        # vLLM's extras
+        top_k: Int | None = None
+        min_p: float | None = None
+        repetition_penalty: float | None = None
+        ignore_eos: bool | None = None
+        min_tokens: Int | None = None
+        stop_token_ids: list[Int] | None = None
+        skip_special_tokens: bool | None = None
+        include_stop_str_in_output: bool | None = None
+        num_speculative_tokens: int_in(0, SpeculativeConfig.MAX_SPECULATIVE_TOKENS) | None = Field(
+            None, description="On a server with speculative decoding: at most this many draft "
+                              "tokens per step for this request (0 opts out; more than the "
+                              "server's K means K). Ignored without speculation.")
+
+        @model_validator(mode="after")
+        def _combinations(self):
+            if self.stream_options is not None and not self.stream:
+                raise InvalidRequest("'stream_options' is only allowed when 'stream' is true",
+                                     param="stream_options")
+            if self.best_of not in (None, 1, self.n or 1):
+                raise InvalidRequest("'best_of' is not supported by this server (only 1 or n "
+                                     "is accepted)", param="best_of")
+            return self
+
+    class ChatCompletionRequest(_Generation):
+        messages: message_list
+        max_completion_tokens: Int | None = Field(None, description="Wins over `max_tokens`.")
+        logprobs: bool | None = None
+        top_logprobs: top_n | None = None
+        rag: RagOption | None = None
+        response_format: ResponseFormat | None = None
+        tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+        tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+        parallel_tool_calls: bool | None = Field(
+            None, description="With tool_choice 'required': one or more calls (default true).")
+
+        @model_validator(mode="after")
+        def _top_logprobs(self):
+            if self.top_logprobs is not None and not self.logprobs:
+                raise InvalidRequest("'top_logprobs' requires 'logprobs': true",
+                                     param="top_logprobs")
+            return self
+
+    class CompletionRequest(_Generation):
+        prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], few]
+                 | Annotated[list[Int], Field(min_length=1)]
+                 | Annotated[list[Annotated[list[Int], Field(min_length=1)]], few]) = Field(
+            description="A string, a list of strings, a list of token ids, or a list of such "
+                        "lists (each prompt gets `n` choices).")
+        echo: bool | None = None
+        logprobs: top_n | None = None
+
+        @model_validator(mode="after")
+        def _echo(self):
+            if self.echo and self.logprobs is not None:
+                raise InvalidRequest("'echo' with 'logprobs' (prompt logprobs) is not supported",
+                                     param="echo")
+            return self
+
+    class TokenizeRequest(Body):
+        model: str | None = None
+        prompt: str | None = None
+        messages: message_list | None = None
+        add_special_tokens: bool | None = None
+
+    class ResponsesRequest(Body):
+        """Nothing is stored: `store` true and `previous_response_id` are refused."""
+
+        model: NonEmptyStr
+        input: NonEmptyStr | Annotated[list[InputItem], Field(min_length=1,
+                                                              max_length=limits.max_messages)]
+        instructions: str | None = Field(None, description="A system message put first.")
+        max_output_tokens: Int | None = None
+        temperature: float | None = None
+        top_p: float | None = None
+        tools: Annotated[list[ResponsesFunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+        tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
+        parallel_tool_calls: bool | None = None
+        text: TextOptions | None = None
+        stream: bool | None = None
+        store: bool | None = Field(None, description="Only false: nothing is stored.")
+        previous_response_id: None = Field(None, description="Not supported (nothing is "
+                                                             "stored).")
+        include: Annotated[list[str], Field(max_length=0)] | None = neutral("[]")
+        truncation: Literal["disabled"] | None = neutral('"disabled"')
+        reasoning: None = neutral("null")
+        metadata: None = neutral("null")
+        service_tier: None = neutral("null")
+        user: str | None = Field(None, description="An opaque end-user id; not used.")
+
+        @model_validator(mode="before")
+        @classmethod
+        def _storage(cls, body: Any) -> Any:
+            if isinstance(body, dict):
+                if body.get("store") is True:
+                    raise InvalidRequest("'store': true is not supported: this server stores no "
+                                         "responses (send store false or leave it out)",
+                                         param="store")
+                if body.get("previous_response_id") is not None:
+                    raise InvalidRequest("'previous_response_id' is not supported: this server "
+                                         "stores no responses (send the whole conversation as "
+                                         "'input')", param="previous_response_id")
+            return body
+
+    return RequestModels(ChatCompletionRequest, CompletionRequest, TokenizeRequest,
+                         ResponsesRequest)
+
+
+class DetokenizeRequest(Body):
+    model: str | None = None
+    tokens: list[Int]
+
+
+class EmbeddingRequest(Body):
+    model: str
+    input: str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Int | None = None
+    user: str | None = None
+
+
+class CreateCollectionRequest(Body):
+    name: str
+
+
+class DocumentIn(Body):
+    id: NonEmptyStr
+    text: str
+    metadata: dict[str, Any] | None = None
+
+
+class UpsertDocumentsRequest(Body):
+    documents: Annotated[list[DocumentIn], Field(min_length=1)]
+
+
+class SearchRequest(Body):
+    query: str
+    top_k: Int | None = None
+    mode: Literal[SEARCH_MODES] | None = None
+    rerank: bool | None = Field(None, description="Order the hits by the late-interaction "
+                                                  "reranker.")
+
+
+class RerankDocument(Body):
+    text: NonEmptyStr
+
+
+class RerankRequest(Body):
+    model: str | None = None
+    query: str
+    documents: Annotated[list[NonEmptyStr | RerankDocument],
+                         Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
+    top_n: Int | None = Field(None, description="How many of the best to return; 0 or absent: all.")
+    return_documents: bool | None = None
+    user: str | None = None

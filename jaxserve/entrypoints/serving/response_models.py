@@ -1,0 +1,360 @@
+"""The shapes of the API's JSON answers, for GET /openapi.json.
+
+The handlers build their bodies as plain dicts (a streamed chunk must not pay for a model); these
+models describe them, and the schemathesis test in the suite checks every answer of a real server
+against them, so a handler that drifts from its description fails there.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Reply(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "abort"] | None
+Fingerprint = Annotated[str | None, Field(description=(
+    "The answering model version's manifest id (null for a model served without one)"))]
+
+
+class Usage(Reply):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Citation(Reply):
+    document_id: str
+    chunk_id: str  # "<document id>#<chunk index>"
+    score: float
+
+
+class TopLogprob(Reply):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Reply):
+    content: list[TokenLogprob]
+
+
+class FunctionCall(Reply):
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+class ToolCall(Reply):
+    id: str  # "call_" + 24 hex digits
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessage(Reply):
+    role: Literal["assistant"]
+    content: str | None  # null when the whole answer is tool calls
+    tool_calls: list[ToolCall] | None = None
+
+
+class FunctionCallDelta(Reply):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Reply):
+    """A call's first delta has id, type and function.name; later ones argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
+class ChatChoice(Reply):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(Reply):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: Fingerprint = None
+    choices: list[ChatChoice]
+    usage: Usage
+    citations: list[Citation] | None = None
+
+
+class ChatDelta(Reply):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(Reply):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletionChunk(Reply):
+    """One `data:` event of a streamed chat completion. `usage` is present (null until the last,
+    choice-less chunk) when `stream_options.include_usage` is set; on every chunk (the counts so
+    far) with `continuous_usage_stats` too."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: Fingerprint = None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    citations: list[Citation] | None = None
+
+
+class CompletionLogprobs(Reply):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Reply):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+
+
+class Completion(Reply):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: Fingerprint = None
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(Reply):
+    """One `data:` event of a streamed completion (`usage` as in ChatCompletionChunk)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: Fingerprint = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class RouteCard(Reply):
+    weights: dict[str, float]
+    sticky: Literal["user", "api_key", "none"]
+
+
+class ModelCard(Reply):
+    """A model version (with its context length and manifest id) or a route (with its
+    versions' weights)."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None = None
+    system_fingerprint: str | None = None
+    route: RouteCard | None = None
+
+
+class ModelList(Reply):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Tokens(Reply):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class Detokenized(Reply):
+    prompt: str
+
+
+class Status(Reply):
+    """/health: "ok". /ready: "ready" (200), or "warming up", "engine stopped", "engine
+    stalled", "shutting down" (503)."""
+
+    status: str
+
+
+class ErrorDetail(Reply):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Reply):
+    error: ErrorDetail
+
+
+class Embedding(Reply):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(Reply):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embeddings(Reply):
+    object: Literal["list"]
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+
+
+class CollectionInfo(Reply):
+    name: str
+    documents: int
+    chunks: int
+    index: str
+
+
+class CollectionList(Reply):
+    object: Literal["list"]
+    data: list[CollectionInfo]
+
+
+class CollectionDeleted(Reply):
+    name: str
+    deleted: Literal[True]
+
+
+class DocumentsUpserted(Reply):
+    collection: str
+    documents: int
+    chunks: int
+
+
+class DocumentDeleted(Reply):
+    id: str
+    deleted: Literal[True]
+
+
+class SearchHit(Reply):
+    document_id: str
+    chunk_id: str  # "<document id>#<chunk index>"
+    text: str
+    score: float
+    metadata: dict[str, Any]
+    start: int
+    end: int
+
+
+class SearchResults(Reply):
+    results: list[SearchHit]
+
+
+class RerankedText(Reply):
+    text: str
+
+
+class RerankResult(Reply):
+    index: int
+    relevance_score: float
+    document: RerankedText | None = None  # left out with return_documents: false
+
+
+class RerankUsage(Reply):
+    total_tokens: int
+
+
+class Reranked(Reply):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
+# ---- POST /v1/responses (entrypoints/serving/responses.py) -----------------------------------------------
+
+
+class OutputText(Reply):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+
+
+class OutputMessage(Reply):
+    type: Literal["message"]
+    id: str  # "msg_..."
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(Reply):
+    type: Literal["function_call"]
+    id: str  # "fc_..."
+    call_id: str  # "call_...": what a function_call_output answers
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponseUsage(Reply):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens_details: dict[str, int]
+
+
+class Response(Reply):
+    id: str  # "resp_..."
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[OutputMessage | OutputFunctionCall]
+    usage: ResponseUsage | None
+    incomplete_details: dict[str, str] | None
+    error: None
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    tools: list[dict[str, Any]]
+    tool_choice: Any
+    parallel_tool_calls: bool
+    text: dict[str, Any]
+    store: Literal[False]
+    previous_response_id: None
+    metadata: dict[str, Any]
+
+
+class ResponseEvent(Reply):
+    """One event of a streamed response (the SSE `event:` line repeats `type`): response.created,
+    response.in_progress, response.output_item.added / .done, response.content_part.added / .done,
+    response.output_text.delta / .done, response.function_call_arguments.delta / .done,
+    response.completed or response.incomplete."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    sequence_number: int

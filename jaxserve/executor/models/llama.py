@@ -1,0 +1,331 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a ragged token batch.
+
+The model is a pure function of (params, kv_cache, batch): `forward` runs every layer over the flat
+tokens of one `BatchPlan` and returns the final-normed hidden states plus the updated KV cache;
+`compute_logits` runs the LM head on the few rows that sample. `config` is a static, hashable
+`ModelConfig`: callers jit with `functools.partial` or `static_argnums`.
+
+Layout choices:
+- One decoder block is a Flax linen module; the blocks' parameters are stacked on a leading axis
+  and run with `jax.lax.scan`, so compile time does not grow with depth. (Not `nn.scan`: it traces
+  the body once more to check broadcast invariants, which fails on Pallas GPU kernels with flax
+  0.12.10 / JAX 0.11.) The parameter tree is flat and named after the HF checkpoint it comes from:
+    embed_tokens [V, H], norm [H], lm_head [H, V] (only if untied),
+    layers/{input_norm, post_attention_norm} [L, H],
+    layers/{q,k,v}_proj [L, H, heads, D], layers/{q,k,v}_bias [L, heads, D] (Qwen2),
+    layers/o_proj [L, Hq, D, H], layers/{gate,up}_proj [L, H, I], layers/down_proj [L, I, H].
+  With config.quantization "int8" the seven projections are uint8 codes of those shapes plus
+  `{name}_scale` and `{name}_min` [L, K / 32, *out] (see `_weight`, jaxserve.weights.quantize).
+  Every parameter carries logical axis names (see `param_logical_axes`); `jaxserve.executor.sharding` maps
+  them to mesh axes.
+- All layers share one KV cache array [L * num_pages, page_size, 2 * Hkv, D] that rides in the scan
+  carry (updated in place when the caller donates it). Layer l's page p is row l * num_pages + p, so
+  the model offsets the batch's page indices and slots per layer and the attention kernel sees a
+  plain paged cache.
+- On the CPU, steps of jaxserve.kernels.matmul's MIN_ROWS to MAX_ROWS tokens keep the seven
+  projection weights out of the scan: the kernel reads layer `layer` of each stack in place, where
+  the scan would copy each layer's slice out first (see `_projections_in_place`).
+- RoPE uses the HF "rotate half" convention; the GGUF loader undoes llama.cpp's interleaved layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.executor.batch_plan import BatchPlan
+from jaxserve.config import INT8_GROUP, ModelConfig
+from jaxserve.kernels import matmul as cpu_matmul
+from jaxserve.kernels import attention as rpa
+
+
+def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
+           init) -> jax.Array:
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+def _fan_in_normal(fan_in: int):
+    # Unit-scale activations in random models, so tests of tiny models see real signal.
+    return nn.initializers.normal(stddev=fan_in ** -0.5)
+
+
+# The decoder layer's projection weights and how many of their leading axes contract (the rest
+# are output axes): what int8 storage quantizes, per group of contraction rows.
+PROJECTIONS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1,
+               "down_proj": 1}
+
+
+def _uniform_codes(key, shape, dtype):
+    return jax.random.randint(key, shape, 0, 256).astype(dtype)
+
+
+def _weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
+            init) -> jax.Array:
+    """A projection weight (its first PROJECTIONS[name] axes contract) in the model's dtype.
+    Quantized int8 (config.quantization): uint8 codes of the same shape, plus `{name}_scale` and
+    `{name}_min` [K / INT8_GROUP, *out] per group of INT8_GROUP rows of the flattened
+    contraction axes K; dequantized here, inside the step, so only the codes are read from
+    memory (XLA:CPU writes the dequantized layer to a buffer the dot reads: it fits in cache)."""
+    c = module.config
+    dt = jnp.dtype(c.dtype)
+    if c.quantization is None:
+        return _param(module, name, shape, axes, dt, init)
+    num_contract = PROJECTIONS[name]
+    out_shape, out_axes = shape[num_contract:], axes[num_contract:]
+    groups = math.prod(shape[:num_contract]) // INT8_GROUP
+    codes = _param(module, name, shape, axes, jnp.uint8, _uniform_codes)
+    # Random codes over [-1, 1): real weights come from jaxserve.weights.quantize.
+    scale = _param(module, f"{name}_scale", (groups, *out_shape), ("quant_groups", *out_axes),
+                   jnp.float32, nn.initializers.constant(2 / 256))
+    low = _param(module, f"{name}_min", (groups, *out_shape), ("quant_groups", *out_axes),
+                 jnp.float32, nn.initializers.constant(-1.0))
+    w = codes.reshape(groups, INT8_GROUP, *out_shape).astype(jnp.float32)
+    return (w * scale[:, None] + low[:, None]).reshape(shape).astype(dt)
+
+
+def _projections_in_place(config: ModelConfig, mesh: jax.sharding.Mesh | None,
+                          num_tokens: int) -> bool:
+    """Whether a step of `num_tokens` reads the projection weights in place from the layers'
+    stack through the CPU kernel (jaxserve.kernels/matmul) instead of a slice per layer."""
+    c = config
+    if (mesh is not None or c.quantization is not None or jax.default_backend() != "cpu"
+            or not cpu_matmul.available()):
+        return False
+    H, I, q, kv = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, \
+        c.num_kv_heads * c.head_dim
+    return cpu_matmul.supports(num_tokens, [(H, q), (H, kv), (q, H), (H, I), (I, H)], c.dtype)
+
+
+def _project(x: jax.Array, w: jax.Array, num_contract: int, layer: jax.Array, in_place: bool,
+             precision: jax.lax.Precision) -> jax.Array:
+    """x [T, *K] @ w [*K, *N] -> [T, *N] (K: w's first num_contract axes). `in_place`: w is the
+    stack of all layers' weights [L, *K, *N] and `layer` picks one, read where it lies."""
+    if not in_place:
+        return jnp.tensordot(x, w, num_contract, precision=precision)
+    k_shape, n_shape = w.shape[1:1 + num_contract], w.shape[1 + num_contract:]
+    out = cpu_matmul.stacked_matmul(x.reshape(x.shape[0], math.prod(k_shape)),
+                                    w.reshape(w.shape[0], math.prod(k_shape), -1), layer)
+    return out.reshape(x.shape[0], *n_shape)
+
+
+def _precision(config: ModelConfig) -> jax.lax.Precision:
+    # float32 means float32: GPUs default f32 matmuls to TF32 and TPUs to one bf16 pass, which moves
+    # logits by ~1e-3 relative and breaks the golden comparison. bf16 models are unaffected.
+    return (jax.lax.Precision.HIGHEST if config.dtype == "float32" else jax.lax.Precision.DEFAULT)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    # Normalise in f32 and cast back before the scale, as HF does, so bf16 matches its rounding.
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return scale * xf.astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [D/2] (host constant), with Llama 3 or linear scaling applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq.astype(np.float32)
+    if rs.rope_type == "linear":
+        return (inv_freq / rs.factor).astype(np.float32)
+    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low_freq_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_freq_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = ((rs.original_max_position_embeddings / wavelen - rs.low_freq_factor)
+              / (rs.high_freq_factor - rs.low_freq_factor))
+    blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """x [T, heads, D] rotated by position, rotate-half convention, angles in f32."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    cos = jnp.cos(angles)[:, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[:, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def paged_attention(config: ModelConfig, mesh: jax.sharding.Mesh | None, q, k, v, kv_cache,
+                    batch: BatchPlan, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Store this step's K/V in the layer's pages and attend over them: (out [T, Hq, D], cache).
+
+    Under a mesh the kernels run per device (shard_map) on that device's KV heads: they are
+    custom calls XLA cannot partition, and partitioned any other way the cache would be gathered.
+    """
+    from jaxserve.executor import sharding
+
+    def attend(q, k, v, kv_cache, batch, layer):
+        num_pages = kv_cache.shape[0] // config.num_layers
+        page_size = kv_cache.shape[1]
+        kv_cache = rpa.write_kv(kv_cache, k, v, batch.slot_mapping + layer * (num_pages * page_size))
+        out = rpa.ragged_paged_attention(
+            q, kv_cache, batch.kv_lens, batch.page_indices + layer * num_pages, batch.cu_q_lens,
+            batch.num_seqs, sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window)
+        return out, kv_cache
+
+    if mesh is None:
+        return attend(q, k, v, kv_cache, batch, layer)
+    heads, cache = sharding.attention_specs(config, mesh)
+    replicated = jax.sharding.PartitionSpec()
+    # check_vma off: the kernels' outputs carry no varying-axes annotations for JAX to check.
+    return jax.shard_map(attend, mesh=mesh, in_specs=(heads, heads, heads, cache, replicated,
+                                                      replicated),
+                         out_specs=(heads, cache), check_vma=False)(q, k, v, kv_cache, batch, layer)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: attention over the paged cache, then a SwiGLU MLP."""
+
+    config: ModelConfig
+    mesh: jax.sharding.Mesh | None = None  # tensor parallel: attention runs per device
+
+    @nn.compact
+    def __call__(self, carry, layer: jax.Array, batch: BatchPlan,
+                 stacked_projections: dict | None = None):
+        """`stacked_projections`: the seven projection weights of all layers ([L, ...] each, not
+        in this layer's params), read in place by the CPU kernel (`_projections_in_place`)."""
+        x, kv_cache = carry
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        H, Hq, Hkv, D, I = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        ones = nn.initializers.ones
+
+        def weight(name, shape, axes, fan_in):
+            if stacked_projections is not None:
+                return stacked_projections[name]
+            return _weight(self, name, shape, axes, _fan_in_normal(fan_in))
+
+        def project(x, w, name):
+            return _project(x, w, PROJECTIONS[name], layer, stacked_projections is not None,
+                            _precision(c))
+
+        h = rms_norm(x, _param(self, "input_norm", (H,), ("embed",), dt, ones), c.rms_norm_eps)
+        wq = weight("q_proj", (H, Hq, D), ("embed", "heads", "head_dim"), H)
+        wk = weight("k_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"), H)
+        wv = weight("v_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"), H)
+        q = project(h, wq, "q_proj")
+        k = project(h, wk, "k_proj")
+        v = project(h, wv, "v_proj")
+        if c.attention_bias:
+            # Random biases larger than typical so a test of a tiny model notices a dropped bias.
+            bias_init = nn.initializers.normal(stddev=0.1)
+            q = q + _param(self, "q_bias", (Hq, D), ("heads", "head_dim"), dt, bias_init)
+            k = k + _param(self, "k_bias", (Hkv, D), ("kv_heads", "head_dim"), dt, bias_init)
+            v = v + _param(self, "v_bias", (Hkv, D), ("kv_heads", "head_dim"), dt, bias_init)
+        inv_freq = rope_inv_freq(c)
+        q = apply_rope(q, batch.positions, inv_freq)
+        k = apply_rope(k, batch.positions, inv_freq)
+
+        if self.is_initializing():
+            # Creating parameters needs only shapes: keep init (and eval_shape of the param tree)
+            # independent of the attention backend.
+            attn = q
+        else:
+            attn, kv_cache = paged_attention(c, self.mesh, q, k, v, kv_cache, batch, layer)
+        wo = weight("o_proj", (Hq, D, H), ("heads", "head_dim", "embed"), Hq * D)
+        x = x + project(attn.astype(dt), wo, "o_proj")
+
+        h = rms_norm(x, _param(self, "post_attention_norm", (H,), ("embed",), dt, ones),
+                     c.rms_norm_eps)
+        w_gate = weight("gate_proj", (H, I), ("embed", "mlp"), H)
+        w_up = weight("up_proj", (H, I), ("embed", "mlp"), H)
+        w_down = weight("down_proj", (I, H), ("mlp", "embed"), I)
+        mlp = nn.silu(project(h, w_gate, "gate_proj")) * project(h, w_up, "up_proj")
+        x = x + project(mlp, w_down, "down_proj")
+        return (x, kv_cache), None
+
+
+def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=None) -> jax.Array:
+    """Zeroed cache for all layers: [L * num_pages, page_size, 2 * Hkv, D], K even / V odd slots."""
+    return jnp.zeros((config.num_layers * num_pages, page_size, 2 * config.num_kv_heads,
+                      config.head_dim), jnp.dtype(dtype or config.dtype))
+
+
+def _init_batch() -> BatchPlan:
+    """The smallest valid batch (one padding token, one empty sequence), only to trace init."""
+    z = jnp.zeros((1,), jnp.int32)
+    return BatchPlan(token_ids=z, positions=z, slot_mapping=z, cu_q_lens=jnp.zeros((2,), jnp.int32),
+                     kv_lens=z, page_indices=jnp.zeros((1, 1), jnp.int32), num_seqs=z,
+                     logits_indices=z)
+
+
+def _boxed_init(config: ModelConfig, rng: jax.Array) -> dict:
+    """Random parameters boxed with their logical axis names (nn.Partitioned)."""
+    c = config
+    dt = jnp.dtype(c.dtype)
+    k_embed, k_head, k_layers = jax.random.split(rng, 3)
+    carry = (jnp.zeros((1, c.hidden_size), dt), init_kv_cache(c, num_pages=1, page_size=1))
+    layer = DecoderLayer(c)
+    layers = jax.vmap(lambda k: layer.init(k, carry, jnp.int32(0), _init_batch())["params"])(
+        jax.random.split(k_layers, c.num_layers))
+    params = {
+        "embed_tokens": nn.Partitioned(
+            nn.initializers.normal(stddev=1.0)(k_embed, (c.vocab_size, c.hidden_size), dt),
+            names=("vocab", "embed")),
+        "norm": nn.Partitioned(jnp.ones((c.hidden_size,), dt), names=("embed",)),
+        "layers": nn.meta.add_axis(layers, 0, {nn.PARTITION_NAME: "layers"}),
+    }
+    if not c.tie_word_embeddings:
+        params["lm_head"] = nn.Partitioned(
+            _fan_in_normal(c.hidden_size)(k_head, (c.hidden_size, c.vocab_size), dt),
+            names=("embed", "vocab"))
+    return params
+
+
+_jit_boxed_init = jax.jit(_boxed_init, static_argnums=0)
+
+
+def init_params(config: ModelConfig, rng: jax.Array) -> dict:
+    """Random parameters (for tiny test models); same tree as the weight loaders produce."""
+    return nn.unbox(_jit_boxed_init(config, rng))
+
+
+def param_logical_axes(config: ModelConfig) -> dict:
+    """PartitionSpec of logical axis names for every parameter (no arrays are allocated)."""
+    boxed = jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0))
+    return nn.get_partition_spec(boxed)
+
+
+def param_shapes(config: ModelConfig) -> dict:
+    """ShapeDtypeStruct of every parameter: what a loader must produce."""
+    return nn.unbox(jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0)))
+
+
+def forward(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: BatchPlan,
+            mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+    """Run all layers over the batch's flat tokens: (final-normed hidden [T, H], kv_cache).
+    With `mesh` (params and cache sharded by jaxserve.executor.sharding), attention runs per device."""
+    layer = DecoderLayer(config, mesh)
+    layers, stacked = params["layers"], None
+    if _projections_in_place(config, mesh, batch.token_ids.shape[0]):
+        stacked = {name: layers[name] for name in PROJECTIONS}
+        layers = {name: p for name, p in layers.items() if name not in PROJECTIONS}
+
+    def body(carry, xs):
+        layer_params, layer_id = xs
+        return layer.apply({"params": layer_params}, carry, layer_id, batch, stacked)
+
+    x = jnp.take(params["embed_tokens"], batch.token_ids, axis=0)
+    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layers, layer_ids))
+    return rms_norm(x, params["norm"], config.rms_norm_eps), kv_cache
+
+
+def compute_logits(params: dict, config: ModelConfig, hidden_rows: jax.Array) -> jax.Array:
+    """LM head on the rows that sample (hidden[batch.logits_indices]): f32 logits [N, vocab]."""
+    if config.tie_word_embeddings:
+        return jnp.einsum("nh,vh->nv", hidden_rows, params["embed_tokens"],
+                          precision=_precision(config), preferred_element_type=jnp.float32)
+    return jnp.einsum("nh,hv->nv", hidden_rows, params["lm_head"], precision=_precision(config),
+                      preferred_element_type=jnp.float32)

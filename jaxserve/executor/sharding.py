@@ -1,0 +1,121 @@
+"""Device mesh and the one table that maps logical axes to mesh axes, for params and KV cache.
+
+Tensor parallelism shards attention heads, KV heads, the MLP hidden axis and the vocabulary on the
+"model" mesh axis; everything is replicated over "data" (data parallel replicas serve different
+requests, each on its own (1, tp) slice of the devices: `replica_meshes`). An axis whose size the
+model axis does not divide is replicated instead — e.g. 3 KV heads on 4 or 8 devices — so a TP size
+runs as long as it splits the heads or the MLP (`check_parallel`), at the cost of duplicated work
+on the replicated tensors. Sharded jitted code is partitioned by XLA (GSPMD) from these shardings,
+except attention: the kernels are custom calls XLA cannot partition, so the model runs them under
+`shard_map` on each device's own KV heads (`attention_specs`) and the cache is never gathered.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.config import ModelConfig, ParallelConfig
+from jaxserve.errors import ConfigError
+
+DATA, MODEL = "data", "model"
+
+# Logical axis name (see jaxserve.executor.models.llama) -> mesh axis, or None for replicated.
+LOGICAL_AXIS_RULES: dict[str, str | None] = {
+    "layers": None,
+    "embed": None,
+    "head_dim": None,
+    "heads": MODEL,
+    "kv_heads": MODEL,
+    "mlp": MODEL,
+    "vocab": MODEL,
+    "cache_pages": None,
+    "page_offset": None,
+    "quant_groups": None,  # int8 weights' scales (not with tensor parallelism)
+}
+
+# Axes of the KV cache [L * num_pages, page_size, 2 * Hkv, D]: K/V pairs of a head are adjacent on
+# axis 2, so a contiguous shard of it holds whole heads' K and V.
+KV_CACHE_AXES = ("cache_pages", "page_offset", "kv_heads", "head_dim")
+
+
+def check_devices(parallel: ParallelConfig, num_devices: int) -> None:
+    dp, tp = parallel.data_parallel_size, parallel.tensor_parallel_size
+    if dp * tp > num_devices:
+        raise ConfigError(
+            f"data_parallel_size x tensor_parallel_size = {dp} x {tp} = {dp * tp} exceeds the "
+            f"{num_devices} available devices")
+
+
+def check_parallel(config: ModelConfig, parallel: ParallelConfig, num_devices: int) -> None:
+    """One clear error at start for sizes that cannot serve this model on these devices."""
+    check_devices(parallel, num_devices)
+    tp = parallel.tensor_parallel_size
+    if tp > 1 and config.num_heads % tp and config.intermediate_size % tp:
+        fits = [n for n in range(2, num_devices // parallel.data_parallel_size + 1)
+                if not config.num_heads % n or not config.intermediate_size % n]
+        raise ConfigError(
+            f"tensor_parallel_size {tp} divides neither the {config.num_heads} attention heads nor "
+            f"the MLP width {config.intermediate_size} of {config.name}: every device would hold "
+            f"and run whole layers (sizes that fit these devices: {fits or [1]})")
+
+
+def make_mesh(parallel: ParallelConfig = ParallelConfig(), devices=None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    check_devices(parallel, len(devices))
+    dp, tp = parallel.data_parallel_size, parallel.tensor_parallel_size
+    return Mesh(np.array(devices[:dp * tp]).reshape(dp, tp), (DATA, MODEL))
+
+
+def replica_meshes(parallel: ParallelConfig, devices=None) -> list[Mesh]:
+    """One (1, tp) mesh per data-parallel replica: row r of the (dp, tp) mesh."""
+    full = make_mesh(parallel, devices)
+    return [Mesh(full.devices[r:r + 1], full.axis_names) for r in range(full.shape[DATA])]
+
+
+def mesh_spec(logical: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """Logical names -> mesh axes via the rule table, replicating axes the mesh does not divide."""
+    axes = []
+    for name, size in zip(tuple(logical) + (None,) * (len(shape) - len(logical)), shape):
+        mesh_axis = LOGICAL_AXIS_RULES[name] if name is not None else None
+        if mesh_axis is not None and size % mesh.shape[mesh_axis]:
+            mesh_axis = None
+        axes.append(mesh_axis)
+    return PartitionSpec(*axes)
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh) -> dict:
+    """NamedSharding for every parameter of the model, same tree as its params."""
+    from jaxserve.executor.models import llama
+
+    logical = llama.param_logical_axes(config)
+    shapes = llama.param_shapes(config)
+    return jax.tree.map(lambda spec, s: NamedSharding(mesh, mesh_spec(spec, s.shape, mesh)),
+                        logical, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def kv_cache_sharding(config: ModelConfig, mesh: Mesh, num_pages: int,
+                      page_size: int) -> NamedSharding:
+    """Sharding of the cache [L * num_pages, page_size, 2 * Hkv, D]: KV heads on "model"."""
+    # Divisibility is tested on Hkv, not 2 * Hkv: a shard must hold whole heads' K/V pairs.
+    by_heads = (config.num_layers * num_pages, page_size, config.num_kv_heads, config.head_dim)
+    return NamedSharding(mesh, mesh_spec(PartitionSpec(*KV_CACHE_AXES), by_heads, mesh))
+
+
+def kv_head_shards(config: ModelConfig, mesh: Mesh) -> int:
+    """Devices one page's KV heads are split over (1: every device holds whole pages)."""
+    spec = kv_cache_sharding(config, mesh, 1, 1).spec
+    return mesh.shape[MODEL] if MODEL in tuple(spec) else 1
+
+
+def attention_specs(config: ModelConfig, mesh: Mesh) -> tuple[PartitionSpec, PartitionSpec]:
+    """shard_map specs of attention: (q/k/v [T, heads, D], KV cache). With KV heads split, each
+    device attends its own query heads over its own KV heads (a contiguous split keeps every query
+    head beside its KV head); otherwise attention runs whole on every device of the group."""
+    cache = kv_cache_sharding(config, mesh, 1, 1).spec
+    return (PartitionSpec(None, MODEL, None) if MODEL in tuple(cache) else PartitionSpec()), cache
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())

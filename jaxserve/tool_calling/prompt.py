@@ -1,0 +1,131 @@
+"""Tools and tool messages in a chat prompt.
+
+A chat template that reads the `tools` variable handles tools itself: it gets the tools, and the
+history as HF templates expect it (an assistant message's `tool_calls[].function.arguments` as an
+object, not OpenAI's JSON string). Any other template gets jaxserve's built-in fallback, in the
+Hermes style that the `hermes` tool parser reads:
+
+- the tools are listed in the system message (appended to the first system/developer message, or
+  a new one in front), one JSON object per line inside `<tools></tools>`, followed by how to call
+  them: one `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block per call;
+- an assistant message's `tool_calls` become such blocks after its content;
+- `tool` messages become a user message of `<tool_response>...</tool_response>` blocks (adjacent
+  ones merged), which any template can render.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import jinja2
+import jinja2.meta
+
+from jaxserve.errors import InvalidRequest
+from jaxserve.tool_calling.functions import FunctionTool
+
+FALLBACK_TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to answer the user. The functions are described by these JSON \
+signatures:
+<tools>
+{tools}
+</tools>
+
+To call functions, reply with one block per call, each holding a JSON object with the function's \
+name and its arguments, and nothing else:
+<tool_call>
+{{"name": <function-name>, "arguments": <arguments-object>}}
+</tool_call>"""
+
+
+def template_uses_tools(source: str) -> bool:
+    """Whether a chat template reads the `tools` variable (then it renders tools itself)."""
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(source))
+    except jinja2.TemplateError:
+        return False  # compiling the template reports its error
+
+
+def chat_messages(messages: Sequence[dict], tools: Sequence[FunctionTool], *,
+                  native: bool) -> list[dict]:
+    """The messages to render: for a template that handles tools (`native`) with tool-call
+    arguments as objects; else with tools and tool calls written out in the fallback format."""
+    if native:
+        return [_native(m, i) for i, m in enumerate(messages)]
+    out: list[dict] = []
+    in_tool_run = False  # adjacent tool messages share one user message
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role == "tool":
+            block = f"<tool_response>\n{_text(m, i)}\n</tool_response>"
+            if in_tool_run:
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+            in_tool_run = True
+            continue
+        in_tool_run = False
+        if role == "assistant" and m.get("tool_calls"):
+            blocks = [_call_block(name, args) for name, args in _calls(m, i)]
+            text = m.get("content") or ""
+            out.append({**_plain(m), "content": "\n".join(([text] if text else []) + blocks)})
+        else:
+            out.append(_plain(m))
+    if tools:
+        prompt = FALLBACK_TOOLS_PROMPT.format(tools="\n".join(
+            json.dumps(t.to_openai(), ensure_ascii=False) for t in tools))
+        if out and out[0].get("role") in ("system", "developer"):
+            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}".lstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _call_block(name: str, arguments: dict) -> str:
+    call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+def _plain(m: dict) -> dict:
+    return {k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id", "name")}
+
+
+def _text(m: dict, i: int) -> str:
+    content = m.get("content")
+    if not isinstance(content, str):
+        raise InvalidRequest(f"messages[{i}].content must be a string", param="messages")
+    return content
+
+
+def _calls(m: dict, i: int) -> list[tuple[str, dict]]:
+    """(name, arguments object) of each of an assistant message's tool_calls."""
+    calls = m.get("tool_calls")
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"messages[{i}].tool_calls must be a list", param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequest(f"messages[{i}].tool_calls[{j}] needs function.name",
+                                 param="messages")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise InvalidRequest(f"messages[{i}].tool_calls[{j}].function.arguments is not "
+                                     f"valid JSON", param="messages") from None
+        if not isinstance(args, dict):
+            raise InvalidRequest(f"messages[{i}].tool_calls[{j}].function.arguments must be a "
+                                 f"JSON object", param="messages")
+        out.append((fn["name"], args))
+    return out
+
+
+def _native(m: dict, i: int) -> dict:
+    if m.get("role") != "assistant" or not m.get("tool_calls"):
+        return dict(m)
+    calls = [{**call, "function": {**call["function"], "arguments": args}}
+             for call, (_, args) in zip(m["tool_calls"], _calls(m, i))]
+    return {**m, "tool_calls": calls}
