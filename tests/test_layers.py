@@ -32,12 +32,13 @@ LAYERS = (
     ("kernels",),
     ("tool_calling", "audit"),
     ("structured", "safety", "telemetry"),
+    ("engine_settings",),  # the engine settings table: flags, deployment fields, EngineConfig
     ("model_registry", "config", "protos"),
     ("errors",),
 )
 # Host side: scheduling, bookkeeping and request handling, tested without a device.
 HOST_SIDE = ("core", "gateway", "fleet", "agents", "evals", "entrypoints.serving",
-             "tokenizer", "model_registry", "config", "errors", "structured",
+             "tokenizer", "model_registry", "engine_settings", "config", "errors", "structured",
              "tool_calling", "safety", "audit", "telemetry")
 DEVICE_LIBRARIES = ("jax", "jaxlib", "flax", "orbax")
 # The package's face (lazy `jaxserve.LLM`) and `python -m jaxserve` stand above every layer.

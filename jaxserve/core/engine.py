@@ -31,13 +31,12 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from jaxserve.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig)
-from jaxserve.errors import ConfigError, ContextLengthExceeded, InvalidRequest
+from jaxserve.config import EngineConfig
+from jaxserve.errors import ContextLengthExceeded, InvalidRequest
 from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from jaxserve.core.request import QoS, Request, RequestStatus
 from jaxserve.core.sampling_params import SamplingParams, SamplingRow
@@ -149,7 +148,7 @@ class LLMEngine:
         if warmup:
             self.runner.warmup(progress)
         # Time to ready, for the start-up line: compiling (or loading from the persistent
-        # compilation cache) every program; from_model adds the weights' load time.
+        # compilation cache) every program; the engine factory adds the weights' load time.
         self.compile_seconds = time.perf_counter() - started
         self.load_seconds = 0.0
         self._groups: dict[str, _Group] = {}
@@ -159,24 +158,6 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._num_finished = 0
-
-    @classmethod
-    def from_model(cls, model: str, *, dtype: str | None = None, strict_compile: bool = False,
-                   warmup: bool = True, progress: bool = True, chat_template: str | None = None,
-                   **engine_args: Any) -> "LLMEngine":
-        """Load a registered model name or a path (GGUF, HF directory, orbax checkpoint).
-        engine_args: the fields of CacheConfig and SchedulerConfig, and tensor_parallel_size (the
-        engine then runs on that many devices), over the registry's defaults.
-        chat_template: a jinja chat template (a file, or the text) instead of the model's."""
-        from jaxserve.executor.parallel import build_engines
-
-        engines = build_engines(model, dtype=dtype, strict_compile=strict_compile, warmup=warmup,
-                                progress=progress, chat_template=chat_template, **engine_args)
-        if len(engines) > 1:
-            raise ConfigError(
-                f"an LLMEngine is one replica: data_parallel_size {len(engines)} is served by "
-                f"`jaxserve serve` / `jaxserve batch` (jaxserve.executor.parallel.start_engine)")
-        return engines[0]
 
     @property
     def max_model_len(self) -> int:
@@ -569,45 +550,3 @@ def _find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] |
         if at >= 0 and (best is None or at < best[0]):
             best = (at, s)
     return best
-
-
-_CACHE_FIELDS = ("page_size", "num_pages", "kv_cache_memory_fraction", "enable_prefix_caching")
-_SCHEDULER_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "enable_chunked_prefill", "min_token_bucket")
-
-
-def parallel_config(args: dict) -> ParallelConfig:
-    return ParallelConfig(**{k: args[k] for k in ("tensor_parallel_size", "data_parallel_size")
-                             if args.get(k) is not None})
-
-
-def make_engine_config(model_config, args: dict) -> EngineConfig:
-    """EngineConfig from flat engine arguments (registry defaults overridden by the caller's).
-    max_model_len defaults to the model's context. Speculative decoding: `speculative_config`
-    (vLLM's: a dict, its JSON text, or a SpeculativeConfig) or `speculative_ngram` k, short for
-    {"method": "ngram", "num_speculative_tokens": k}."""
-    args = {k: v for k, v in args.items() if v is not None}
-    unknown = set(args) - set(_CACHE_FIELDS) - set(_SCHEDULER_FIELDS) - {
-        "kv_cache_dtype", "tensor_parallel_size", "data_parallel_size", "speculative_config",
-        "speculative_ngram"}
-    if unknown:
-        raise InvalidRequest(f"unknown engine arguments: {sorted(unknown)}")
-    max_len = args.setdefault("max_model_len", model_config.max_position_embeddings)
-    if max_len > model_config.max_position_embeddings:
-        raise ContextLengthExceeded(
-            f"max_model_len {max_len} exceeds the model's context of "
-            f"{model_config.max_position_embeddings}", "max_model_len")
-    cache = CacheConfig(dtype=args.get("kv_cache_dtype"),
-                        **{k: args[k] for k in _CACHE_FIELDS if k in args})
-    scheduler = SchedulerConfig(**{k: args[k] for k in _SCHEDULER_FIELDS if k in args})
-    return EngineConfig(model_config, cache, scheduler, parallel_config(args),
-                        _speculative_config(args))
-
-
-def _speculative_config(args: dict) -> SpeculativeConfig | None:
-    spec, k = args.get("speculative_config"), args.get("speculative_ngram")
-    if spec is not None and k is not None:
-        raise ConfigError("give speculative_config or speculative_ngram, not both")
-    if k is not None:
-        return SpeculativeConfig(num_speculative_tokens=k) if k else None
-    return SpeculativeConfig.parse(spec) if spec is not None else None

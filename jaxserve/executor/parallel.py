@@ -19,7 +19,9 @@ from typing import Any, Callable
 import jax
 
 from jaxserve.executor import sharding
-from jaxserve.core.engine import EngineConfig, LLMEngine, make_engine_config, parallel_config
+from jaxserve.config import EngineConfig
+from jaxserve.core.engine import LLMEngine
+from jaxserve.engine_settings import make_engine_config, parallel_config
 from jaxserve.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -88,7 +88,7 @@ class ResolvedVersion:
 def resolve_version(spec: VersionSpec) -> ResolvedVersion:
     """Find the model and check every setting against it (ModelNotFound, or InvalidRequest naming
     the field), reading only metadata."""
-    from jaxserve.core.engine import make_engine_config
+    from jaxserve.engine_settings import make_engine_config
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.weights import read_config
 
