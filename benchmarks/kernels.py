@@ -28,6 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxserve.kernels import ragged_paged_attention as rpa  # noqa: E402
+from jaxserve.shapes import cdiv, kv_cache_shape  # noqa: E402
 
 
 def timeit(fn, *args, iters=20, repeats=3):
@@ -61,7 +62,7 @@ def measure_peaks(on_gpu, dtype=None):
 
 def make_batch(rng, *, q_lens, kv_lens, Hq, Hkv, D, page_size, dtype):
     S = len(q_lens)
-    need = [-(-n // page_size) for n in kv_lens]
+    need = [cdiv(n, page_size) for n in kv_lens]
     pages_per_seq = max(need)
     num_pages = 1 + sum(need)
     perm = rng.permutation(np.arange(1, num_pages)).astype(np.int32)
@@ -72,7 +73,7 @@ def make_batch(rng, *, q_lens, kv_lens, Hq, Hkv, D, page_size, dtype):
         at += n
     T = sum(q_lens)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    cache = jnp.asarray(rng.standard_normal((num_pages, page_size, 2 * Hkv, D)), dtype)
+    cache = jnp.asarray(rng.standard_normal(kv_cache_shape(num_pages, page_size, Hkv, D)), dtype)
     q = jnp.asarray(rng.standard_normal((T, Hq, D)), dtype)
     return (q, cache, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices), jnp.asarray(cu),
             jnp.asarray([S], jnp.int32))

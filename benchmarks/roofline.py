@@ -60,10 +60,11 @@ def load(name: str, dtype: str):
 def make_runner(config, params, args, num_seqs: int, max_tokens: int):
     from jaxserve.config import CacheConfig, SchedulerConfig
     from jaxserve.executor.runner import ModelRunner
+    from jaxserve.shapes import cdiv
 
     page = 16
     max_len = max(args.context + 1, args.prefill_tokens)
-    pages = max(num_seqs * -(-max_len // page), args.prefill_seqs * -(-max_len // page)) + 2
+    pages = max(num_seqs, args.prefill_seqs) * cdiv(max_len, page) + 2
     return ModelRunner(config, params, CacheConfig(page_size=page, num_pages=pages),
                        SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max_tokens,
                                        max_model_len=max_len + page),
@@ -89,12 +90,13 @@ def time_plan(runner, plan, num_rows: int, repeats: int) -> tuple[float, float]:
 
 def run_model(name: str, args, bw: float, peak: float) -> list[dict]:
     import jax
-    import jax.numpy as jnp
+
+    from jaxserve.executor.runner import kv_page_bytes
 
     config, params = load(name, args.dtype)
     c = config
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    kv_token_bytes = c.num_layers * 2 * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize
+    kv_token_bytes = kv_page_bytes(c, 1, c.dtype)
     rng = np.random.default_rng(0)
     rows = []
     max_tokens = max(64, args.prefill_seqs * args.prefill_tokens)

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from jaxserve.kernels import attention as rpa
 from jaxserve.kernels.attention import cpu
+from jaxserve.shapes import cdiv, kv_cache_shape
 
 TOL = {"float32": 2e-3, "bfloat16": 2e-2}
 
@@ -26,7 +27,7 @@ def numpy_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, 
     out = np.zeros((T, Hq, D))
     for s in range(int(num_seqs[0])):
         q0, q1, kv_len = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(kv_lens[s])
-        pages = page_indices[s, :-(-kv_len // ps)]
+        pages = page_indices[s, :cdiv(kv_len, ps)]
         kv = cache[pages].reshape(-1, H2, D)[:kv_len]
         k, v = kv[:, 0::2], kv[:, 1::2]
         for i in range(q1 - q0):
@@ -51,7 +52,7 @@ def make_case(rng, *, q_lens, ctx_lens, page_size, Hq, Hkv, D, dtype, cache_dtyp
     """A batch of sequences with random cached contexts; returns kernel args and the raw cache.
     The cache is `cache_dtype` (default `dtype`, the queries')."""
     kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    need = [-(-n // page_size) for n in kv_lens]
+    need = [cdiv(n, page_size) for n in kv_lens]
     pages_per_seq = pages_per_seq or max(need) + 1
     num_pages = 1 + sum(need) + 2
     # Pages dealt out shuffled so a sequence's pages are not contiguous; page 0 stays the null page.
@@ -66,7 +67,7 @@ def make_case(rng, *, q_lens, ctx_lens, page_size, Hq, Hkv, D, dtype, cache_dtyp
     cu[len(q_lens) + 1:] = sum(q_lens)
     kv_lens_arr = np.zeros(S, np.int32)
     kv_lens_arr[:len(kv_lens)] = kv_lens
-    cache = rng.standard_normal((num_pages, page_size, 2 * Hkv, D)).astype(np.float32)
+    cache = rng.standard_normal(kv_cache_shape(num_pages, page_size, Hkv, D)).astype(np.float32)
     q = rng.standard_normal((T, Hq, D)).astype(np.float32)
     cache, q = jnp.asarray(cache, cache_dtype or dtype), jnp.asarray(q, dtype)
     return (q, cache, jnp.asarray(kv_lens_arr), jnp.asarray(page_indices), jnp.asarray(cu),
@@ -181,7 +182,7 @@ def test_write_kv_round_trip(impl, cache_dtype):
     # cpu: a bf16 cache is written by the kernel library, rounded as XLA's convert rounds.
     rng = np.random.default_rng(1)
     P, ps, Hkv, D, T = 6, 16, 2, 64, 6
-    cache = jnp.zeros((P, ps, 2 * Hkv, D), cache_dtype)
+    cache = jnp.zeros(kv_cache_shape(P, ps, Hkv, D), cache_dtype)
     k = jnp.asarray(rng.standard_normal((T, Hkv, D)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((T, Hkv, D)), jnp.float32)
     slots = jnp.asarray([17, 18, 40, 95, 3, P * ps], jnp.int32)  # the last is dropped
@@ -239,7 +240,7 @@ def test_write_kv_in_place_in_a_loop_carry(cache_dtype):
 def test_bad_shapes_raise_clear_errors(bad, msg):
     Hq, Hkv = bad.get("Hq", 4), bad.get("Hkv", 2)
     q = jnp.zeros((4, Hq, 64))
-    cache = jnp.zeros((4, 16, 2 * Hkv, bad.get("D_cache", 64)))
+    cache = jnp.zeros(kv_cache_shape(4, 16, Hkv, bad.get("D_cache", 64)))
     with pytest.raises(ValueError, match=msg):
         rpa.ragged_paged_attention(q, cache, jnp.zeros(2, jnp.int32), jnp.zeros((2, 3), jnp.int32),
                                    jnp.zeros(3, jnp.int32), jnp.zeros(1, jnp.int32), sm_scale=0.1)

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.executor.batch_plan import next_power_of_two
+from jaxserve.executor.batch_plan import next_power_of_two, pages_for
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import ConfigError, ContextLengthExceeded, InvalidRequest
 from jaxserve.core.request import Request, RequestStatus
@@ -711,7 +711,7 @@ def test_random_workloads(w):
             assert r.deadline is not None
             continue
         m = run.max_tokens[rid]
-        if -(-(r.num_prompt_tokens + m - 1) // w["page_size"]) > usable:
+        if pages_for(r.num_prompt_tokens + m - 1, w["page_size"]) > usable:
             assert run.ends[rid] == [RequestStatus.FINISHED_ERROR], rid
         else:
             assert run.ends[rid] == [RequestStatus.FINISHED_LENGTH], rid

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.executor.batch_plan import NULL_PAGE
+from jaxserve.executor.batch_plan import NULL_PAGE, pages_for
 from jaxserve.errors import ConfigError
 from jaxserve.core.request import Request
 
@@ -87,7 +87,7 @@ class KVCacheManager:
         return self._num_in_use
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return pages_for(num_tokens, self.page_size)
 
     # ---- prefix cache ------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from jaxserve.config import SchedulerConfig
+from jaxserve.shapes import cdiv
 
 NULL_PAGE = 0
 # Speculation's drafts may fill a step up to this many tokens (or its own bucket's padding, if
@@ -56,7 +57,7 @@ class SeqChunk(NamedTuple):
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
+    return cdiv(num_tokens, page_size)
 
 
 def next_power_of_two(n: int) -> int:

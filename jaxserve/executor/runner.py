@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import sys
 import time
 from typing import Callable, NamedTuple, Sequence
@@ -40,6 +41,7 @@ from jaxserve.executor.batch_plan import BatchPlan, StepShapes, pages_for
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.errors import ConfigError
 from jaxserve.executor.models import llama
+from jaxserve.shapes import kv_cache_shape
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +61,8 @@ class StepOutput(NamedTuple):
 
 def kv_page_bytes(config: ModelConfig, page_size: int, dtype: str) -> int:
     """Bytes of one page across all layers (the pool is allocated in such pages)."""
-    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim
-    return per_token * page_size * jnp.dtype(dtype).itemsize
+    page = kv_cache_shape(1, page_size, config.num_kv_heads, config.head_dim, config.num_layers)
+    return math.prod(page) * jnp.dtype(dtype).itemsize
 
 
 def _host_available_bytes() -> int:
@@ -155,8 +157,8 @@ class ModelRunner:
                                     num_pages_for(config, cache_config, scheduler_config, mesh),
                                     num_speculative_tokens)
         cache_dtype = jnp.dtype(cache_config.dtype or config.dtype)
-        shape = (config.num_layers * self.num_pages, self.page_size, 2 * config.num_kv_heads,
-                 config.head_dim)
+        shape = kv_cache_shape(self.num_pages, self.page_size, config.num_kv_heads,
+                               config.head_dim, config.num_layers)
         forward = functools.partial(_forward, config=config, mesh=mesh)
         if mesh is None:
             self._replicated = None

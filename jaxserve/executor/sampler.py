@@ -20,6 +20,7 @@ from jax import lax
 from jaxserve.executor.batch_plan import next_power_of_two
 from jaxserve.core.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SAMPLING_EPS, SamplingRow
 from jaxserve.kernels import sampling as cpu_sampling
+from jaxserve.shapes import cdiv
 
 # ---------------------------------------------------------------------------------------------
 # Host side: per-row metadata for one step (numpy only; the runner transfers it as one pytree).
@@ -190,7 +191,7 @@ def _argmax(logits: jax.Array) -> jax.Array:
     token is unspecified, as no token is the most likely."""
     S, V = logits.shape
     block = max((b for b in range(64, 1025) if V % b == 0), default=_BLOCK)
-    nb = -(-V // block)
+    nb = cdiv(V, block)
     if nb * block != V:
         logits = jnp.pad(logits, ((0, 0), (0, nb * block - V)), constant_values=-jnp.inf)
     blocks = logits.reshape(S, nb, block)
@@ -202,7 +203,7 @@ def _argmax(logits: jax.Array) -> jax.Array:
 def bitmask_width(vocab_size: int) -> int:
     """32-bit words per row of a token bitmask over the vocabulary (the layout llguidance fills:
     token t is allowed when bit t % 32 of word t // 32 is set)."""
-    return -(-vocab_size // 32)
+    return cdiv(vocab_size, 32)
 
 
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
@@ -318,7 +319,7 @@ def _top_p(scaled: jax.Array, top_p: jax.Array) -> jax.Array:
 def _inverse_cdf(weights: jax.Array, uniforms: jax.Array) -> jax.Array:
     """Token ids drawn with probability proportional to weights f32[S, V] (>= 0, some > 0)."""
     S, V = weights.shape
-    nb = -(-V // _BLOCK)
+    nb = cdiv(V, _BLOCK)
     blocks = jnp.pad(weights, ((0, 0), (0, nb * _BLOCK - V))).reshape(S, nb, _BLOCK)
     b = _pick(jnp.sum(blocks, axis=-1), uniforms[:, 0])
     in_block = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]

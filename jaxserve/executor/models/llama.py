@@ -42,6 +42,7 @@ from jaxserve.executor.batch_plan import BatchPlan
 from jaxserve.config import INT8_GROUP, ModelConfig
 from jaxserve.kernels import matmul as cpu_matmul
 from jaxserve.kernels import attention as rpa
+from jaxserve.shapes import kv_cache_shape
 
 
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
@@ -248,8 +249,8 @@ class DecoderLayer(nn.Module):
 
 def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=None) -> jax.Array:
     """Zeroed cache for all layers: [L * num_pages, page_size, 2 * Hkv, D], K even / V odd slots."""
-    return jnp.zeros((config.num_layers * num_pages, page_size, 2 * config.num_kv_heads,
-                      config.head_dim), jnp.dtype(dtype or config.dtype))
+    return jnp.zeros(kv_cache_shape(num_pages, page_size, config.num_kv_heads, config.head_dim,
+                                    config.num_layers), jnp.dtype(dtype or config.dtype))
 
 
 def _init_batch() -> BatchPlan:

@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxserve.kernels.attention.reference import query_items
+from jaxserve.shapes import cdiv
 
 # Rows of the query tile (q_block * padded G; Triton's dot needs every dim >= 16) and bytes of
 # one K (or V) tile: sized so the pipelined tiles fit an H100's shared memory for D up to 128.
@@ -109,9 +110,9 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     q_block = max(1, tile_rows // Gp)
     pages_per_block = max(1, kv_block_tokens // ps)
     blk = pages_per_block * ps
-    num_blocks = -(-pages_per_seq // pages_per_block)
+    num_blocks = cdiv(pages_per_seq, pages_per_block)
 
-    num_items = -(-T // q_block) + S
+    num_items = cdiv(T, q_block) + S
     if num_splits is None:
         fill = max(1, TARGET_PROGRAMS // (num_items * Hkv))
         num_splits = min(1 << (fill.bit_length() - 1), num_blocks)

@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.kernels.attention.reference import query_items
+from jaxserve.shapes import cdiv
 
 Q_BLOCK = 16
 KV_BLOCK_TOKENS = 128
@@ -101,10 +102,10 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     G = Hq // Hkv
     S, pages_per_seq = page_indices.shape
     pages_per_block = max(1, kv_block_tokens // ps)
-    padded_pages = -(-pages_per_seq // pages_per_block) * pages_per_block
+    padded_pages = cdiv(pages_per_seq, pages_per_block) * pages_per_block
     M = q_block * G
 
-    num_items = -(-T // q_block) + S
+    num_items = cdiv(T, q_block) + S
     items = query_items(cu_q_lens, kv_lens, num_seqs[0], q_block=q_block, num_items=num_items,
                         sliding_window=sliding_window, block_tokens=pages_per_block * ps)
     tables = jnp.pad(page_indices, ((0, 0), (0, padded_pages - pages_per_seq))).reshape(-1)
