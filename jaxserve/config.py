@@ -97,7 +97,8 @@ class CacheConfig:
     """Paged KV cache: page size and how many pages the pool holds."""
 
     page_size: int = 16
-    num_pages: int | None = None  # explicit pool size; else from kv_cache_memory_fraction
+    # Explicit pool size, the null page included; else from kv_cache_memory_fraction.
+    num_pages: int | None = None
     kv_cache_memory_fraction: float = 0.5  # of the memory left after weights load
     enable_prefix_caching: bool = True
     dtype: str | None = None  # None: the model's dtype

@@ -93,7 +93,7 @@ def test_replica_set_routes_by_the_replicas_live_prefix_index():
     replicas[1].num_queued = 2  # now 2 busier than replica 0: much busier
     assert rs.route(system + [1, 2, 3]) == 2  # replica 2 holds the first page
     assert rs.route([1, 2, 3]) == 0  # nobody has it: least loaded, lowest index
-    assert rs.stats().num_pages == 45 and rs.stats().num_new_by_priority == {1: 1}
+    assert rs.stats().num_usable_pages == 45 and rs.stats().num_new_by_priority == {1: 1}
 
 
 def test_replica_set_queue_limit_sheds_where_the_queue_is_longest():

@@ -480,7 +480,7 @@ def test_stats_separate_live_pages_from_cached_ones():
     run.add(Request("a", prompt(1, 9)), max_tokens=3)
     run.step()
     s = run.sched.stats()
-    assert (s.num_running, s.num_waiting, s.pages_in_use, s.num_pages) == (1, 0, 3, 32)
+    assert (s.num_running, s.num_waiting, s.pages_in_use, s.num_usable_pages) == (1, 0, 3, 32)
     run.run()
     s = run.sched.stats()
     assert (s.num_running, s.pages_in_use, s.pages_cached_free) == (0, 0, 2)

@@ -63,7 +63,7 @@ class EngineStats:
     num_waiting: int
     pages_in_use: int  # held by live requests
     pages_cached_free: int  # held only by the prefix cache
-    num_pages: int  # usable pages
+    num_usable_pages: int  # the pool less the null page
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # prompt tokens found
     num_preemptions: int
@@ -202,7 +202,7 @@ class LLMEngine:
         return PreparedRequest(request_id, text, ids, params, qos, grammar)
 
     @property
-    def num_kv_pages(self) -> int:
+    def num_usable_pages(self) -> int:
         """Usable pages of the KV pool (the null page excluded)."""
         return self.runner.num_pages - 1
 
@@ -212,7 +212,7 @@ class LLMEngine:
         for more than the whole pool (ContextLengthExceeded at once, never a queue forever).
         A missing max_tokens becomes as many as the context and the sequences' even share of the
         pool allow. Returns params with max_tokens set."""
-        page_size, pool = self.config.cache.page_size, self.num_kv_pages
+        page_size, pool = self.config.cache.page_size, self.num_usable_pages
         max_len = self.max_model_len
         seqs = params.n * len(prompt_lens)
         if params.max_tokens is None:
@@ -536,7 +536,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
         return EngineStats(s.num_running, s.num_waiting, s.pages_in_use, s.pages_cached_free,
-                           s.num_pages, s.prefix_cache_queries, s.prefix_cache_hits,
+                           s.num_usable_pages, s.prefix_cache_queries, s.prefix_cache_hits,
                            s.num_preemptions, self._prompt_tokens, self._generation_tokens,
                            self._num_finished, s.num_new_by_priority, s.num_draft_tokens,
                            s.num_accepted_draft_tokens)

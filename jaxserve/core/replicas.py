@@ -73,7 +73,7 @@ class ReplicaSet:
         return [r.stats() for r in self.replicas]
 
     def stats(self) -> EngineStats:
-        """The replicas' numbers summed (num_pages too: the pools of all replicas)."""
+        """The replicas' numbers summed (num_usable_pages too: the pools of all replicas)."""
         per = self.replica_stats()
         total = {f.name: sum(getattr(s, f.name) for s in per) for f in fields(EngineStats)
                  if f.name != "num_new_by_priority"}

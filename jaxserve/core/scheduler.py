@@ -104,7 +104,7 @@ class SchedulerStats:
     num_waiting: int  # preempted requests included
     pages_in_use: int  # held by live requests
     pages_cached_free: int  # held only by the prefix cache, reusable and evictable
-    num_pages: int  # usable pages (the null page excluded)
+    num_usable_pages: int  # the pool less the null page
     prefix_cache_queries: int  # tokens
     prefix_cache_hits: int  # tokens
     num_preemptions: int  # total since start
@@ -288,7 +288,7 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             pages_in_use=self.cache.num_pages_in_use,
             pages_cached_free=self.cache.num_cached_free_pages,
-            num_pages=self.cache.num_usable_pages,
+            num_usable_pages=self.cache.num_usable_pages,
             prefix_cache_queries=self.cache.prefix_cache_queries,
             prefix_cache_hits=self.cache.prefix_cache_hits,
             num_preemptions=self.num_preemptions,

@@ -38,7 +38,7 @@ class _EngineCollector:
     @staticmethod
     def _add(families: dict, labels: list[str], version: str, per_replica) -> None:
         for replica, s in enumerate(per_replica):
-            usage = s.pages_in_use / s.num_pages if s.num_pages else 0.0
+            usage = s.pages_in_use / s.num_usable_pages if s.num_usable_pages else 0.0
             for kind, name, doc, value in (
                     ("gauge", "num_requests_running", "Requests in the running batch.",
                      s.num_running),
