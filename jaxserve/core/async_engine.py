@@ -1,4 +1,5 @@
-"""AsyncEngine: the LLMEngine step loop on its own thread, streamed to asyncio callers.
+"""AsyncEngine: the LLMEngine step loop on its own thread, streamed to asyncio callers (a
+ServingEngine, jaxserve.core.serving_engine).
 
 The engine thread is the only one that touches engine state. Callers validate on their own thread
 (`LLMEngine.prepare` reads only configs and the tokenizer), then hand the engine commands (add,
@@ -40,14 +41,16 @@ import time
 import traceback
 import uuid
 from collections import deque
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
-from jaxserve.core.engine import EngineStats, LLMEngine, PreparedRequest
+from jaxserve.core.engine import EngineStats, LLMEngine
 from jaxserve.errors import (DeadlineExceeded, EngineDead, EngineOverloaded, InvalidRequest,
                              JaxServeError, QueueTimeout, RequestFailed)
 from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.preparation import PreparedRequest
 from jaxserve.core.request import QoS
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer
 
 # A hint for clients refused or shed by a full queue: a step or a few frees seats.
 OVERLOADED_RETRY_AFTER_S = 1.0
@@ -95,12 +98,20 @@ class AsyncEngine:
                              daemon=True).start()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def load_seconds(self) -> float:
+        return self.engine.load_seconds
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.engine.compile_seconds
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -164,7 +175,7 @@ class AsyncEngine:
             self._unadded -= over
             self._wake.notify()
 
-    def fit_kv_pool(self, prompt_lens, params: SamplingParams) -> SamplingParams:
+    def fit_kv_pool(self, prompt_lens: Sequence[int], params: SamplingParams) -> SamplingParams:
         """LLMEngine.fit_kv_pool (a pure check: safe from any thread)."""
         return self.engine.fit_kv_pool(prompt_lens, params)
 
@@ -244,6 +255,10 @@ class AsyncEngine:
             return True
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def close(self) -> None:
+        """Free the engine's device memory (after `shutdown`)."""
+        self.engine.close()
 
     def fail(self, error: EngineDead) -> None:
         """Stop serving now, from any thread: open streams end with `error`, new requests are

@@ -2,12 +2,12 @@
 
 Each replica is an AsyncEngine with its own scheduler, KV pool, compiled programs and thread, on
 its own slice of the devices; their steps run concurrently (JAX releases the GIL while a program
-runs). `ReplicaSet` has the AsyncEngine surface the serving layer uses (prepare, admit, generate,
-abort, stats, num_queued, is_running, tokenizer, max_model_len), so front ends and the fleet need
-no data-parallel code. A request goes to the replica `jaxserve.core.replica_routing.pick_replica`
-chooses: the one whose prefix cache holds the longest prefix of the prompt, unless it is much
-busier than the least-loaded one. The prefix view is the replica's live page index, read without
-locks (see KVCacheManager.count_cached_prefix): a hint that may be a step stale.
+runs). `ReplicaSet` is a ServingEngine (jaxserve.core.serving_engine) like AsyncEngine, so front
+ends and the fleet need no data-parallel code. A request goes to the replica
+`jaxserve.core.replica_routing.pick_replica` chooses: the one whose prefix cache holds the longest
+prefix of the prompt, unless it is much busier than the least-loaded one. The prefix view is the
+replica's live page index, read without locks (see KVCacheManager.count_cached_prefix): a hint
+that may be a step stale.
 
 All replicas share one configuration and pool size, so validating on any replica is validating
 on all of them; a replica that dies takes the set out of service (`is_running` False), so /ready
@@ -30,6 +30,7 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.replica_routing import pick_replica
 from jaxserve.core.request import QoS
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer
 
 
 class ReplicaSet:
@@ -45,12 +46,21 @@ class ReplicaSet:
         self._owner: dict[str, AsyncEngine] = {}  # request id -> its replica, while it streams
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         return self.replicas[0].tokenizer
 
     @property
     def max_model_len(self) -> int:
         return self.replicas[0].max_model_len
+
+    # Replicas load and compile together: the first one's times are the set's.
+    @property
+    def load_seconds(self) -> float:
+        return self.replicas[0].load_seconds
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.replicas[0].compile_seconds
 
     @property
     def is_running(self) -> bool:
@@ -100,7 +110,7 @@ class ReplicaSet:
         raise EngineOverloaded(f"the request queue is full ({sum(queued)} sequences wait for a "
                                f"slot); retry later", OVERLOADED_RETRY_AFTER_S)
 
-    def fit_kv_pool(self, prompt_lens, params: SamplingParams) -> SamplingParams:
+    def fit_kv_pool(self, prompt_lens: Sequence[int], params: SamplingParams) -> SamplingParams:
         return self.replicas[0].fit_kv_pool(prompt_lens, params)
 
     def prepare(self, request_id: str, prompt, params: SamplingParams | None = None,
@@ -153,3 +163,7 @@ class ReplicaSet:
     def shutdown(self, timeout: float = 30.0) -> bool:
         """AsyncEngine.shutdown on every replica; False if any engine thread would not end."""
         return all([r.shutdown(timeout) for r in self.replicas])
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.close()
