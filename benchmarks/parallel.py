@@ -4,9 +4,9 @@ run on the same devices; and, on a GPU or TPU host, TP scaling (TP=1, 2, 4, ... 
 On a CPU host the devices are virtual (`--xla_force_host_platform_device_count`, set here before
 JAX starts): 2 x 4 of them by default, as the issue asks, sharing the host's cores. The workload is
 benchmarks/workload.py's (seeded pydoc prompts, greedy, ignore_eos), submitted at once to the
-engine a server would run (`jaxserve.executor.parallel.start_engine`: an AsyncEngine, or a ReplicaSet). With
-DP=2 every replica's step is timed: `overlap` is the share of the time some replica steps during
-which both do (0: the replicas serialize; 1: they always step together).
+engine a server would run (`jaxserve.core.engine_factory.start_engine`: an AsyncEngine, or a
+ReplicaSet). With DP=2 every replica's step is timed: `overlap` is the share of the time some
+replica steps during which both do (0: the replicas serialize; 1: they always step together).
 
     python benchmarks/parallel.py                     # DP=2 vs DP=1, TP=4, on 8 virtual CPU devices
     python benchmarks/parallel.py --tp-scaling        # on a GPU/TPU host: TP=1, 2, 4, ...
@@ -80,7 +80,7 @@ async def _generate_all(engine, work) -> int:
 
 
 def run(args, work, tp: int, dp: int) -> dict:
-    from jaxserve.executor.parallel import start_engine
+    from jaxserve.core.engine_factory import start_engine
 
     t0 = time.perf_counter()
     engine = start_engine(args.model, progress=False, tensor_parallel_size=tp,

@@ -49,11 +49,11 @@ class Server:
     def __init__(self, model: str, tenants_file: Path, max_queued: int, engine_kwargs: dict):
         from jaxserve.core.async_engine import AsyncEngine
         from jaxserve.config import ServerConfig
-        from jaxserve.core.engine import LLMEngine
+        from jaxserve.core.engine_factory import build_engine
         from jaxserve.entrypoints.http.app import attach_engine, build_app, start_server
 
-        self.llm = LLMEngine.from_model(model, strict_compile=True, progress=False,
-                                        **engine_kwargs)
+        self.llm = build_engine(model, strict_compile=True, progress=False,
+                                **engine_kwargs)
         self.engine = AsyncEngine(self.llm)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

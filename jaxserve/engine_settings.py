@@ -1,31 +1,108 @@
-"""The engine settings, and EngineConfig from them (flat keyword arguments -> the config
-dataclasses)."""
+"""The engine settings, each declared once: its name, type, help and what it feeds.
+
+The command-line flags (jaxserve.entrypoints.engine_flags), the version fields of a deployment file
+(jaxserve.fleet.deployment) and `make_engine_config` (flat settings -> EngineConfig) are all read
+off `SETTINGS`. A setting left out falls back to the model's registry defaults (the [engine] table
+of configs/*.toml), then to the config dataclass's default: that is why no setting carries a
+default of its own here.
+
+What a setting feeds: CacheConfig, SchedulerConfig or ParallelConfig (`field` names the config's
+field where it differs), the speculative config, or the weights and tokenizer loading itself
+(LOAD: dtype, quantization, chat_template, read by the engine factory, not by EngineConfig).
+"""
 
 from __future__ import annotations
 
-from jaxserve.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig)
+from dataclasses import dataclass
+
+from jaxserve.config import (QUANTIZATIONS, CacheConfig, EngineConfig, ParallelConfig,
+                             SchedulerConfig, SpeculativeConfig)
 from jaxserve.errors import ConfigError, ContextLengthExceeded, InvalidRequest
 
-_CACHE_FIELDS = ("page_size", "num_pages", "kv_cache_memory_fraction", "enable_prefix_caching")
-_SCHEDULER_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "enable_chunked_prefill", "min_token_bucket")
+DTYPES = ("float32", "bfloat16")
+CACHE, SCHEDULER, PARALLEL, SPECULATIVE, LOAD = (
+    "cache", "scheduler", "parallel", "speculative", "load")
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # keyword argument and deployment-file field; the flag is --name-with-dashes
+    type: type  # int, float, bool (a switch that turns the setting off) or str
+    feeds: str  # CACHE, SCHEDULER, PARALLEL, SPECULATIVE or LOAD
+    help: str | None = None
+    field: str | None = None  # the config's field, when it is not `name`
+    choices: tuple[str, ...] | None = None
+    short: str | None = None  # a short flag, e.g. -tp
+    metavar: str | None = None
+    grouped: bool = True  # listed under the "engine" heading of --help
+
+    @property
+    def flag(self) -> str:
+        # A bool setting defaults to on: its flag turns it off (enable_x -> --no-x).
+        name = self.name.removeprefix("enable_") if self.type is bool else self.name
+        return ("--no-" if self.type is bool else "--") + name.replace("_", "-")
+
+    @property
+    def config_field(self) -> str:
+        return self.field or self.name
+
+
+SETTINGS = (
+    Setting("dtype", str, LOAD, choices=DTYPES, grouped=False),
+    Setting("quantization", str, LOAD, choices=QUANTIZATIONS[1:], short="-q", grouped=False,
+            help="int8: the decoder layers' weights stored as int8 groups of 32 (a quarter of "
+                 "the f32 bytes; faster at small batches on CPU)"),
+    Setting("kv_cache_dtype", str, CACHE, field="dtype", choices=DTYPES, grouped=False,
+            help="the KV cache's element type (default: the model's dtype); bfloat16 halves its "
+                 "memory (golden greedy tokens unchanged on SmolLM2)"),
+    Setting("max_model_len", int, SCHEDULER, help="context length (prompt + output)"),
+    Setting("max_num_seqs", int, SCHEDULER, help="sequences per step"),
+    Setting("max_num_batched_tokens", int, SCHEDULER, help="tokens per step"),
+    Setting("min_token_bucket", int, SCHEDULER,
+            help="the smallest step the forward is compiled for, a power of two (default 1; 16 "
+                 "on an accelerator saves compile time)"),
+    Setting("page_size", int, CACHE, help="tokens per KV page (a power of two)"),
+    Setting("num_pages", int, CACHE, help="KV pool size (default: from memory)"),
+    Setting("kv_cache_memory_fraction", float, CACHE,
+            help="fraction of the memory left after weights given to the KV cache"),
+    Setting("enable_prefix_caching", bool, CACHE),
+    Setting("enable_chunked_prefill", bool, SCHEDULER),
+    Setting("speculative_ngram", int, SPECULATIVE, metavar="K",
+            help="speculative decoding: up to K draft tokens per step copied from the "
+                 "sequence's own prompt and output (n-gram lookup); 0 or absent: off"),
+    Setting("speculative_config", str, SPECULATIVE, metavar="JSON",
+            help='vLLM\'s form, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                 '"prompt_lookup_max": 4, "prompt_lookup_min": 3}\''),
+    Setting("chat_template", str, LOAD,
+            help="a jinja chat template file (or the template itself) to use instead of the "
+                 "model's"),
+    Setting("tensor_parallel_size", int, PARALLEL, short="-tp",
+            help="devices each replica's params and KV cache are sharded over"),
+    Setting("data_parallel_size", int, PARALLEL, short="-dp",
+            help="engine replicas in this process, each on its own tensor-parallel-size "
+                 "devices, behind one front door"),
+)
+BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def _feeding(feeds: str, args: dict) -> dict:
+    """The given settings that feed `feeds`, by the config's field names."""
+    return {s.config_field: args[s.name] for s in SETTINGS
+            if s.feeds == feeds and args.get(s.name) is not None}
 
 
 def parallel_config(args: dict) -> ParallelConfig:
-    return ParallelConfig(**{k: args[k] for k in ("tensor_parallel_size", "data_parallel_size")
-                             if args.get(k) is not None})
+    return ParallelConfig(**_feeding(PARALLEL, args))
 
 
 def make_engine_config(model_config, args: dict) -> EngineConfig:
-    """EngineConfig from flat engine arguments (registry defaults overridden by the caller's).
-    max_model_len defaults to the model's context. Speculative decoding: `speculative_config`
-    (vLLM's: a dict, its JSON text, or a SpeculativeConfig) or `speculative_ngram` k, short for
+    """EngineConfig from settings by name (registry defaults overridden by the caller's; the LOAD
+    settings are the loader's and are not read here). max_model_len defaults to the model's
+    context. Speculative decoding: `speculative_config` (vLLM's: a dict, its JSON text, or a
+    SpeculativeConfig) or `speculative_ngram` k, short for
     {"method": "ngram", "num_speculative_tokens": k}."""
     args = {k: v for k, v in args.items() if v is not None}
-    unknown = set(args) - set(_CACHE_FIELDS) - set(_SCHEDULER_FIELDS) - {
-        "kv_cache_dtype", "tensor_parallel_size", "data_parallel_size", "speculative_config",
-        "speculative_ngram"}
+    unknown = set(args) - set(BY_NAME)
     if unknown:
         raise InvalidRequest(f"unknown engine arguments: {sorted(unknown)}")
     max_len = args.setdefault("max_model_len", model_config.max_position_embeddings)
@@ -33,10 +110,8 @@ def make_engine_config(model_config, args: dict) -> EngineConfig:
         raise ContextLengthExceeded(
             f"max_model_len {max_len} exceeds the model's context of "
             f"{model_config.max_position_embeddings}", "max_model_len")
-    cache = CacheConfig(dtype=args.get("kv_cache_dtype"),
-                        **{k: args[k] for k in _CACHE_FIELDS if k in args})
-    scheduler = SchedulerConfig(**{k: args[k] for k in _SCHEDULER_FIELDS if k in args})
-    return EngineConfig(model_config, cache, scheduler, parallel_config(args),
+    return EngineConfig(model_config, CacheConfig(**_feeding(CACHE, args)),
+                        SchedulerConfig(**_feeding(SCHEDULER, args)), parallel_config(args),
                         _speculative_config(args))
 
 

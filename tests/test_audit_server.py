@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve.core.async_engine import AsyncEngine
 from jaxserve.entrypoints.batch import answer_items, batch_gateway, read_input
 from jaxserve.core.engine import LLMEngine
+from jaxserve.core.engine_factory import build_engine
 from jaxserve.fleet.deployment import VersionSpec
 from jaxserve.fleet.fleet import Fleet
 from jaxserve.fleet.routing import Route
@@ -110,9 +111,9 @@ def server(tmp_path_factory, smollm2_tokenizer_fields):
     d = tmp_path_factory.mktemp("audit")
     (d / "tenants.toml").write_text(TENANTS)
     path = tiny_gguf(d / "tiny.gguf", smollm2_tokenizer_fields, max_position_embeddings=256)
-    llm = LLMEngine.from_model(str(path), num_pages=48, max_num_seqs=4,
-                               max_num_batched_tokens=64, max_model_len=256,
-                               min_token_bucket=16, strict_compile=True, progress=False)
+    llm = build_engine(str(path), num_pages=48, max_num_seqs=4,
+                       max_num_batched_tokens=64, max_model_len=256,
+                       min_token_bucket=16, strict_compile=True, progress=False)
     (d / "policy.toml").write_text(POLICY + f"""
 [[pack.filtered.rule]]
 name = "word"

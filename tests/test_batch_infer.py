@@ -16,7 +16,7 @@ import pytest
 from jaxserve.core.async_engine import AsyncEngine
 from jaxserve.entrypoints.batch import (DuplicateCustomIds, ResultWriter, answered_keys, parse_line,
                                   read_input, result_line, run_batch_on)
-from jaxserve.core.engine import LLMEngine
+from jaxserve.core.engine_factory import build_engine
 from jaxserve.errors import error_reply
 from jaxserve.core.sampling_params import SamplingParams
 from tests.test_cli import ROOT, run_cli, tiny_gguf
@@ -94,9 +94,9 @@ def tiny_engine(tmp_path_factory, smollm2_tokenizer_fields):
     # 2048 positions: a batch can hold requests long enough to be interrupted mid-way.
     path = tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", smollm2_tokenizer_fields,
                      max_position_embeddings=2048)
-    llm_engine = LLMEngine.from_model(str(path), num_pages=128, max_num_seqs=8,
-                                      max_num_batched_tokens=32, max_model_len=2048,
-                                      min_token_bucket=16, strict_compile=True, progress=False)
+    llm_engine = build_engine(str(path), num_pages=128, max_num_seqs=8,
+                              max_num_batched_tokens=32, max_model_len=2048,
+                              min_token_bucket=16, strict_compile=True, progress=False)
     engine = AsyncEngine(llm_engine)
     yield engine
     engine.shutdown()

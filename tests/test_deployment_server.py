@@ -320,16 +320,16 @@ def test_structured_output_and_forced_tool_call_requests_are_shadowed(
     the constraint for its own tokenizer and its greedy answer is compared with the primary's
     (a tiny model; two versions over one engine)."""
     from jaxserve.core.async_engine import AsyncEngine
-    from jaxserve.core.engine import LLMEngine
+    from jaxserve.core.engine_factory import build_engine
     from jaxserve.fleet.deployment import VersionSpec
     from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
     from tests.test_cli import tiny_gguf
 
     path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields,
                      max_position_embeddings=256)
-    llm = LLMEngine.from_model(str(path), num_pages=48, max_num_seqs=4,
-                               max_num_batched_tokens=64, max_model_len=256,
-                               min_token_bucket=16, strict_compile=True, progress=False)
+    llm = build_engine(str(path), num_pages=48, max_num_seqs=4,
+                       max_num_batched_tokens=64, max_model_len=256,
+                       min_token_bucket=16, strict_compile=True, progress=False)
     engine = AsyncEngine(llm)
     fleet = Fleet.of_engine("v-a", engine)
     fleet.adopt(VersionSpec("v-b", "tiny"), engine)

@@ -13,6 +13,7 @@ from jax import monitoring
 
 from jaxserve.core.async_engine import AsyncEngine
 from jaxserve.core.engine import LLMEngine
+from jaxserve.core.engine_factory import build_engine
 from jaxserve.errors import ContextLengthExceeded, InvalidRequest
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.core.sampling_params import SamplingParams
@@ -238,9 +239,9 @@ def tiny_path(tmp_path_factory, smollm2_tokenizer_fields):
 
 
 def test_abort_mid_generation_frees_pages(tiny_path):
-    engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=4,
-                                  max_num_batched_tokens=32, max_model_len=128,
-                                  strict_compile=True, progress=False)
+    engine = build_engine(str(tiny_path), num_pages=40, max_num_seqs=4,
+                          max_num_batched_tokens=32, max_model_len=128,
+                          strict_compile=True, progress=False)
     long = SamplingParams(max_tokens=80, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"r{i}", {"prompt_token_ids": list(range(10, 40 + 7 * i))}, long)
@@ -265,9 +266,9 @@ def test_abort_mid_generation_frees_pages(tiny_path):
 
 
 def test_abort_one_sequence_of_n_frees_its_pages_and_its_siblings_go_on(tiny_path):
-    engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=4,
-                                  max_num_batched_tokens=32, max_model_len=128,
-                                  strict_compile=True, progress=False)
+    engine = build_engine(str(tiny_path), num_pages=40, max_num_seqs=4,
+                          max_num_batched_tokens=32, max_model_len=128,
+                          strict_compile=True, progress=False)
     params = SamplingParams(n=3, max_tokens=40, ignore_eos=True, seed=1)
     engine.add_request("r", {"prompt_token_ids": list(range(10, 50))}, params)
     for _ in range(4):
@@ -297,11 +298,12 @@ def test_abort_one_sequence_of_n_frees_its_pages_and_its_siblings_go_on(tiny_pat
 def test_bf16_kv_cache_through_the_cpu_kernel_library(tmp_path, smollm2_tokenizer_fields,
                                                       monkeypatch):
     # kv_cache_dtype="bfloat16" on CPU: decodes, KV writes and prefill chunks' page gathers go
-    # through cpu_decode.cc (XLA:CPU widens the whole cache to f32 around a bf16 scatter or
-    # gather); head_dim 64, a shape the attention kernel takes. Chunked prefills beside decodes;
-    # the tokens are those of the pure-XLA path.
+    # through the CPU kernels' attention.cc (XLA:CPU widens the whole cache to f32 around a bf16
+    # scatter or gather); head_dim 64, a shape the attention kernel takes. Chunked prefills beside
+    # decodes; the tokens are those of the pure-XLA path (the CPU kernels switched off).
     from jaxserve.entrypoints.cli import build_parser
     from jaxserve.entrypoints.engine_flags import engine_args
+    from jaxserve.kernels import cpu as cpu_kernels
     from jaxserve.kernels.attention import cpu
 
     path = tiny_gguf(tmp_path / "tiny64.gguf", smollm2_tokenizer_fields, hidden_size=128,
@@ -321,10 +323,10 @@ def test_bf16_kv_cache_through_the_cpu_kernel_library(tmp_path, smollm2_tokenize
                                             runner._plan_spec(32)).as_text()
         return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)], program
 
-    assert cpu.available()
+    assert cpu_kernels.enabled()
     with_library, program = run()
     assert all(target in program for target in cpu.TARGETS)
-    monkeypatch.setattr(cpu, "available", lambda: False)
+    monkeypatch.setenv(cpu_kernels.ENV, "off")
     without, program = run()
     assert not any(target in program for target in cpu.TARGETS)
     assert without == with_library
@@ -360,17 +362,17 @@ def test_one_failing_request_ends_alone(tiny_path, monkeypatch):
     others in the same batches finish; through AsyncEngine the failure is that stream's error."""
     from jaxserve.errors import RequestFailed
 
-    engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=4,
-                                  max_num_batched_tokens=32, max_model_len=128,
-                                  strict_compile=True, progress=False)
-    on_token = engine._on_token
+    engine = build_engine(str(tiny_path), num_pages=40, max_num_seqs=4,
+                          max_num_batched_tokens=32, max_model_len=128,
+                          strict_compile=True, progress=False)
+    on_token = engine.output_processor._on_token
 
     def failing(group, seq, token, *args):
         if group.prepared.request_id == "bad" and len(seq.request.output_token_ids) == 3:
             raise RuntimeError("detokenizer exploded")
         return on_token(group, seq, token, *args)
 
-    monkeypatch.setattr(engine, "_on_token", failing)
+    monkeypatch.setattr(engine.output_processor, "_on_token", failing)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     llm = LLM.from_engine(engine)
     outs = llm.generate([[5, 6, 7]] * 3, params)  # unaffected
@@ -398,9 +400,9 @@ def test_one_failing_request_ends_alone(tiny_path, monkeypatch):
 def test_num_queued_counts_sequences_not_yet_running(tiny_path):
     """num_queued (what a server's admission limit reads) counts each sequence of an n > 1
     request, from submission on, and drops as requests leave."""
-    engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=1,
-                                  max_num_batched_tokens=32, max_model_len=128,
-                                  strict_compile=True, progress=False)
+    engine = build_engine(str(tiny_path), num_pages=40, max_num_seqs=1,
+                          max_num_batched_tokens=32, max_model_len=128,
+                          strict_compile=True, progress=False)
     async_engine = AsyncEngine(engine)
     params = SamplingParams(max_tokens=120, ignore_eos=True)
 
@@ -440,9 +442,9 @@ def test_deadlines_queue_timeouts_and_shedding_end_whole_requests(tiny_path):
     from jaxserve.errors import DeadlineExceeded, EngineOverloaded, QueueTimeout
     from jaxserve.core.request import QoS, ServiceClass
 
-    engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=2,
-                                  max_num_batched_tokens=32, max_model_len=128,
-                                  strict_compile=True, progress=False)
+    engine = build_engine(str(tiny_path), num_pages=40, max_num_seqs=2,
+                          max_num_batched_tokens=32, max_model_len=128,
+                          strict_compile=True, progress=False)
     now = [0.0]
     engine.scheduler.clock = lambda: now[0]
     long = SamplingParams(max_tokens=50, ignore_eos=True)

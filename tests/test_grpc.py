@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from jaxserve.core.async_engine import AsyncEngine
 from jaxserve.entrypoints.client import AsyncClient, Client
 from jaxserve.core.engine import LLMEngine
+from jaxserve.core.engine_factory import build_engine
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.entrypoints.grpc import SERVICE_NAME, completion_body, start_grpc_server
@@ -117,8 +118,8 @@ def tiny_path(tmp_path_factory, smollm2_tokenizer_fields):
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_path):
-    return LLMEngine.from_model(str(tiny_path), strict_compile=True, progress=False,
-                                **TINY_ENGINE_ARGS)
+    return build_engine(str(tiny_path), strict_compile=True, progress=False,
+                        **TINY_ENGINE_ARGS)
 
 
 def served(llm_engine: LLMEngine, model_name: str):
@@ -411,9 +412,9 @@ def test_serve_grpc_port_shares_the_engine_with_http(tiny, tiny_path, tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    llm_engine = LLMEngine.from_model(SMOLLM2, num_pages=96, max_num_seqs=16,
-                                      max_num_batched_tokens=64, max_model_len=256,
-                                      min_token_bucket=16, strict_compile=True, progress=False)
+    llm_engine = build_engine(SMOLLM2, num_pages=96, max_num_seqs=16,
+                              max_num_batched_tokens=64, max_model_len=256,
+                              min_token_bucket=16, strict_compile=True, progress=False)
     yield from served(llm_engine, SMOLLM2)
 
 

@@ -17,7 +17,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, negativ
 
 from jaxserve.core.async_engine import AsyncEngine
 from jaxserve.config import RequestLimits
-from jaxserve.core.engine import LLMEngine
+from jaxserve.core.engine_factory import build_engine
 from jaxserve.rag.config import EMBEDDING_MODEL, ChunkerConfig, EmbedderConfig, RagConfig
 from jaxserve.rag.service import RagService
 from jaxserve.entrypoints.http.openapi import ROUTES_KEY
@@ -38,9 +38,9 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory, smollm2_tokenizer_fields):
     path = tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", smollm2_tokenizer_fields)
-    llm_engine = LLMEngine.from_model(str(path), num_pages=48, max_num_seqs=4,
-                                      max_num_batched_tokens=32, max_model_len=64,
-                                      min_token_bucket=16, strict_compile=True, progress=False)
+    llm_engine = build_engine(str(path), num_pages=48, max_num_seqs=4,
+                              max_num_batched_tokens=32, max_model_len=64,
+                              min_token_bucket=16, strict_compile=True, progress=False)
     rag = RagService(RagConfig(tmp_path_factory.mktemp("rag"),
                                EmbedderConfig(max_batch=4, max_length=64),
                                ChunkerConfig(chunk_tokens=48, overlap_tokens=8)), tiny_embedder())

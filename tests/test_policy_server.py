@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.core.async_engine import AsyncEngine
 from jaxserve.entrypoints.batch import answer_items, batch_gateway, read_input
-from jaxserve.core.engine import LLMEngine
+from jaxserve.core.engine_factory import build_engine
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.entrypoints.grpc import start_grpc_server
@@ -80,9 +80,9 @@ def server(smollm2_path, tmp_path_factory):
     d = tmp_path_factory.mktemp("policy")
     (d / "policy.toml").write_text(POLICY)
     (d / "tenants.toml").write_text(TENANTS)
-    llm = LLMEngine.from_model(SMOLLM2, num_pages=64, max_num_seqs=2,
-                               max_num_batched_tokens=128, max_model_len=256,
-                               min_token_bucket=16, strict_compile=True, progress=False)
+    llm = build_engine(SMOLLM2, num_pages=64, max_num_seqs=2,
+                       max_num_batched_tokens=128, max_model_len=256,
+                       min_token_bucket=16, strict_compile=True, progress=False)
     engine = AsyncEngine(llm)
     http = ServerThread(SMOLLM2, tenants_file=str(d / "tenants.toml"),
                         policy_file=str(d / "policy.toml"), audit_log_dir=str(d / "audit"),

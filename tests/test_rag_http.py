@@ -318,14 +318,14 @@ def tiny_llm(tmp_path_factory, smollm2_tokenizer_fields):
     """A tiny random LLM with SmolLM2's tokenizer and chat template: the text is noise, the
     prompt (what retrieval put into it) and the citations are what these tests check."""
     from jaxserve.core.async_engine import AsyncEngine
-    from jaxserve.core.engine import LLMEngine
+    from jaxserve.core.engine_factory import build_engine
     from tests.test_cli import tiny_gguf
 
     path = tiny_gguf(tmp_path_factory.mktemp("llm") / "tiny.gguf", smollm2_tokenizer_fields,
                      max_position_embeddings=1024)
-    engine = AsyncEngine(LLMEngine.from_model(str(path), num_pages=64, max_num_seqs=4,
-                                              max_num_batched_tokens=64, max_model_len=1024,
-                                              min_token_bucket=16, progress=False))
+    engine = AsyncEngine(build_engine(str(path), num_pages=64, max_num_seqs=4,
+                                      max_num_batched_tokens=64, max_model_len=1024,
+                                      min_token_bucket=16, progress=False))
     yield engine
     engine.shutdown()
 

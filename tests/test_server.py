@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.core.async_engine import AsyncEngine
 from jaxserve.config import ServerConfig
-from jaxserve.core.engine import LLMEngine
+from jaxserve.core.engine_factory import build_engine
 from jaxserve.entrypoints.http.app import attach_engine, build_app, start_server
 from jaxserve.entrypoints.serving.streams import with_keepalive
 from jaxserve.entrypoints.process import ServerProcess
@@ -179,9 +179,9 @@ def test_keepalive_fills_silence_and_stops_with_the_stream():
 
 @pytest.fixture(scope="module")
 def engine(smollm2_path):
-    return LLMEngine.from_model(SMOLLM2, num_pages=256, max_num_seqs=32,
-                                max_num_batched_tokens=256, max_model_len=512,
-                                min_token_bucket=16, strict_compile=True, progress=False)
+    return build_engine(SMOLLM2, num_pages=256, max_num_seqs=32,
+                        max_num_batched_tokens=256, max_model_len=512,
+                        min_token_bucket=16, strict_compile=True, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -575,10 +575,10 @@ def test_warmup_then_ready_then_engine_failure(tiny_path, caplog):
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
         assert "jaxserve:num_requests_running" not in scrape(srv.url)
         # 5 usable pages of 16 tokens: less than the 128-token context
-        llm_engine = LLMEngine.from_model(str(tiny_path), num_pages=6, max_num_seqs=4,
-                                          max_num_batched_tokens=32, max_model_len=128,
-                                          min_token_bucket=16, strict_compile=True,
-                                          progress=False)
+        llm_engine = build_engine(str(tiny_path), num_pages=6, max_num_seqs=4,
+                                  max_num_batched_tokens=32, max_model_len=128,
+                                  min_token_bucket=16, strict_compile=True,
+                                  progress=False)
         engine = AsyncEngine(llm_engine)
         srv.attach(engine)
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
@@ -617,14 +617,14 @@ def test_warmup_then_ready_then_engine_failure(tiny_path, caplog):
 
         # One request failing on its own (here: its host-side token handling) is a 500 for that
         # request only; the next request is served.
-        on_token = llm_engine._on_token
+        on_token = llm_engine.output_processor._on_token
 
         def fail_one(group, seq, *args):
             if group.prepared.params.seed == 666:
                 raise RuntimeError("injected request failure")
             return on_token(group, seq, *args)
 
-        llm_engine._on_token = fail_one
+        llm_engine.output_processor._on_token = fail_one
         r = http_post(f"{srv.url}/v1/completions",
                       {"model": "tiny", "prompt": "hi", "max_tokens": 3, "seed": 666})
         assert r.status_code == 500 and "injected request failure" in r.json()["error"]["message"]
@@ -656,9 +656,9 @@ def test_full_queue_is_a_503_before_any_stream_starts(tiny_path, monkeypatch):
     """--max-queued-requests 1 with one sequence slot: while one request runs and one waits, a
     third is refused with 503 `overloaded`, streaming or not (never a 200 with an error event);
     the two accepted ones finish, and later the same request is served."""
-    llm_engine = LLMEngine.from_model(str(tiny_path), num_pages=40, max_num_seqs=1,
-                                      max_num_batched_tokens=32, max_model_len=128,
-                                      min_token_bucket=16, strict_compile=True, progress=False)
+    llm_engine = build_engine(str(tiny_path), num_pages=40, max_num_seqs=1,
+                              max_num_batched_tokens=32, max_model_len=128,
+                              min_token_bucket=16, strict_compile=True, progress=False)
     # Hold the engine loop once a request runs, until the refusals are checked: the queue then
     # stays full however fast the tiny model is.
     release, step = threading.Event(), llm_engine.step

@@ -221,17 +221,17 @@ def test_http_num_speculative_tokens_opts_out_caps_and_is_bounded(tmp_path,
     output with no drafts counted; above the server's K it is capped (same output); outside
     0..15 (or not an integer) it is a 400 naming the field."""
     from jaxserve.core.async_engine import AsyncEngine
-    from jaxserve.core.engine import LLMEngine
+    from jaxserve.core.engine_factory import build_engine
     from tests.test_server import ServerThread, http_post, wait_idle
 
     path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields)
-    engine = LLMEngine.from_model(str(path), num_pages=40, max_num_seqs=2,
-                                  max_num_batched_tokens=32, max_model_len=128,
-                                  # 1-token matches too: the random model repeats single tokens
-                                  speculative_config={"num_speculative_tokens": 3,
+    engine = build_engine(str(path), num_pages=40, max_num_seqs=2,
+                          max_num_batched_tokens=32, max_model_len=128,
+                          # 1-token matches too: the random model repeats single tokens
+                          speculative_config={"num_speculative_tokens": 3,
                                                       "prompt_lookup_max": 4,
                                                       "prompt_lookup_min": 1},
-                                  strict_compile=True, progress=False)
+                          strict_compile=True, progress=False)
     async_engine = AsyncEngine(engine)
     srv = ServerThread("tiny")
     try:

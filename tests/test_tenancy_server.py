@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.core.async_engine import AsyncEngine
 from jaxserve.entrypoints.batch import answer_items, batch_gateway, read_input
-from jaxserve.core.engine import LLMEngine
+from jaxserve.core.engine_factory import build_engine
 from jaxserve.errors import ConfigError
 from jaxserve.gateway.pricing import Pricing
 from jaxserve.protos import generation_pb2 as pb
@@ -131,9 +131,9 @@ def server(smollm2_path, tmp_path_factory):
     path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
     path.write_text(TENANTS.format(carol_digest=hash_key("sk-carol").hex()))
     # One sequence slot and a queue of two: the shedding test fills both with one request each.
-    llm = LLMEngine.from_model(SMOLLM2, num_pages=128, max_num_seqs=1,
-                               max_num_batched_tokens=256, max_model_len=512,
-                               min_token_bucket=16, strict_compile=True, progress=False)
+    llm = build_engine(SMOLLM2, num_pages=128, max_num_seqs=1,
+                       max_num_batched_tokens=256, max_model_len=512,
+                       min_token_bucket=16, strict_compile=True, progress=False)
     engine = AsyncEngine(llm)
     # The retrieval routes (embeddings, collections) with the tiny random encoder.
     rag = RagService(RagConfig(tmp_path_factory.mktemp("rag"),

@@ -288,7 +288,7 @@ def test_load_model_every_format_gives_the_same_tree(tmp_path):
 
 def test_load_model_int8_quantization_and_where_it_is_refused(tmp_path):
     from jaxserve.errors import ConfigError
-    from jaxserve.executor.parallel import build_engines
+    from jaxserve.core.engine_factory import build_engines
 
     config = tiny(intermediate_size=64)
     gg = write_gguf(tmp_path / "m.gguf", config, random_params(config))

@@ -288,9 +288,9 @@ async def run_batch_on(engine, model_name: str, input_path: Path, output_path: P
 
 def run_batch(args: argparse.Namespace) -> int:
     """`jaxserve batch`: check the files, load the engine, answer what is left, shut it down."""
-    from jaxserve.entrypoints.engine_flags import (check_model_or_deployment, engine_args,
-                                      one_version_fleet, start_fleet)
-    from jaxserve.executor.parallel import start_engine
+    from jaxserve.core.engine_factory import start_engine
+    from jaxserve.entrypoints.engine_flags import check_model_or_deployment, engine_args
+    from jaxserve.entrypoints.launcher import one_version_fleet, start_fleet
     from jaxserve.entrypoints.serving.request_policy import RequestPolicy
 
     check_model_or_deployment(args)
@@ -313,7 +313,7 @@ def run_batch(args: argparse.Namespace) -> int:
         if args.deployment is not None:  # every version loaded and compiled, as `serve` does
             fleet = start_fleet(args.deployment)
         else:  # as `serve --model`: results carry its system_fingerprint
-            engine = start_engine(args.model, dtype=args.dtype, **engine_args(args))
+            engine = start_engine(args.model, **engine_args(args))
             fleet = one_version_fleet(args, name, engine)
         return asyncio.run(answer_items(engine, name, todo, args.output, gateway, principal,
                                         policy, fleet))

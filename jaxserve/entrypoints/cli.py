@@ -16,7 +16,8 @@ from pathlib import Path
 
 from jaxserve.audit.cli import add_audit_command
 from jaxserve.entrypoints.batch import add_batch_arguments
-from jaxserve.entrypoints.engine_flags import DTYPES, add_engine_arguments, add_engine_flags
+from jaxserve.engine_settings import DTYPES
+from jaxserve.entrypoints.engine_flags import add_engine_arguments, add_engine_flags
 from jaxserve.errors import ContextLengthExceeded, InvalidRequest, JaxServeError
 from jaxserve.model_registry import ModelSpec
 from jaxserve.safety.cli import add_policy_command
@@ -121,7 +122,7 @@ def cmd_generate(args) -> int:
     check_args(args)
     t0 = time.perf_counter()
     # One prompt: compile each program when first needed instead of every bucket up front.
-    llm = LLM(args.model, dtype=args.dtype, warmup=False, progress=False, **engine_args(args))
+    llm = LLM(args.model, warmup=False, progress=False, **engine_args(args))
     _log(f"loaded {args.model} in {time.perf_counter() - t0:.2f} s")
     ids = prompt_ids(args, llm.get_tokenizer())
     max_len = llm.engine.max_model_len
@@ -161,7 +162,7 @@ def cmd_manifest(args) -> int:
     from jaxserve.fleet.deployment import VersionSpec
     from jaxserve.fleet.manifest import manifest_of
 
-    spec = VersionSpec("manifest", args.model, args.dtype, tuple(sorted(engine_args(args).items())))
+    spec = VersionSpec.of("manifest", args.model, engine_args(args))
     print(json.dumps(manifest_of(spec).to_dict(), indent=2))
     return 0
 

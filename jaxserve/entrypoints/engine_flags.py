@@ -1,5 +1,6 @@
 """The command-line flags that configure an engine, shared by `serve`, `generate`, `batch` and
-`manifest`, and the same settings as a deployment file's version table spells them.
+`manifest`: one per engine setting of jaxserve.engine_settings (which a deployment file's version
+table spells by name), plus the model, the compilation cache and the multi-host group.
 
 Flags left out (None) fall back to the model's registry defaults (configs/*.toml), then to the
 config dataclasses' defaults."""
@@ -9,17 +10,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jaxserve.config import QUANTIZATIONS, DistributedConfig
-
-DTYPES = ("float32", "bfloat16")
-# Engine settings by their keyword name (the flag is --name-with-dashes) and value type.
-ENGINE_FLAG_TYPES = {
-    "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
-    "min_token_bucket": int, "page_size": int, "num_pages": int, "kv_cache_memory_fraction": float,
-    "enable_prefix_caching": bool, "enable_chunked_prefill": bool, "chat_template": str,
-    "tensor_parallel_size": int, "data_parallel_size": int, "speculative_ngram": int,
-    "speculative_config": str, "quantization": str, "kv_cache_dtype": str,
-}
+from jaxserve.config import DistributedConfig
+from jaxserve.engine_settings import SETTINGS, Setting
+from jaxserve.entrypoints.kernels import add_cpu_kernels_argument
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
@@ -31,46 +24,29 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_required: bool =
                         help="JAX's persistent compilation cache: a second start of the same "
                              "model skips XLA compilation (default: the jaxserve cache's xla/; "
                              "'' turns it off)")
+    add_cpu_kernels_argument(parser)
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The engine settings without --model (for commands that name the model otherwise)."""
-    parser.add_argument("--dtype", choices=DTYPES, default=None)
-    parser.add_argument("--quantization", "-q", choices=QUANTIZATIONS[1:], default=None,
-                        help="int8: the decoder layers' weights stored as int8 groups of 32 "
-                             "(a quarter of the f32 bytes; faster at small batches on CPU)")
-    parser.add_argument("--kv-cache-dtype", choices=DTYPES, default=None,
-                        help="the KV cache's element type (default: the model's dtype); "
-                             "bfloat16 halves its memory (golden greedy tokens unchanged on "
-                             "SmolLM2)")
-    g = parser.add_argument_group("engine")
-    g.add_argument("--max-model-len", type=int, help="context length (prompt + output)")
-    g.add_argument("--max-num-seqs", type=int, help="sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, help="tokens per step")
-    g.add_argument("--min-token-bucket", type=int,
-                   help="the smallest step the forward is compiled for, a power of two (default "
-                        "1; 16 on an accelerator saves compile time)")
-    g.add_argument("--page-size", type=int, help="tokens per KV page (a power of two)")
-    g.add_argument("--num-pages", type=int, help="KV pool size (default: from memory)")
-    g.add_argument("--kv-cache-memory-fraction", type=float,
-                   help="fraction of the memory left after weights given to the KV cache")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   default=None)
-    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-                   default=None)
-    g.add_argument("--speculative-ngram", type=int, metavar="K",
-                   help="speculative decoding: up to K draft tokens per step copied from the "
-                        "sequence's own prompt and output (n-gram lookup); 0 or absent: off")
-    g.add_argument("--speculative-config", metavar="JSON",
-                   help='vLLM\'s form, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4, "prompt_lookup_min": 3}\'')
-    g.add_argument("--chat-template", help="a jinja chat template file (or the template itself) "
-                   "to use instead of the model's")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int,
-                   help="devices each replica's params and KV cache are sharded over")
-    g.add_argument("--data-parallel-size", "-dp", type=int,
-                   help="engine replicas in this process, each on its own tensor-parallel-size "
-                        "devices, behind one front door")
+    for setting in SETTINGS:
+        if not setting.grouped:
+            _add_flag(parser, setting)
+    group = parser.add_argument_group("engine")
+    for setting in SETTINGS:
+        if setting.grouped:
+            _add_flag(group, setting)
+
+
+def _add_flag(parser, setting: Setting) -> None:
+    names = (setting.flag,) + ((setting.short,) if setting.short else ())
+    # Every flag defaults to None (left out): the registry's default, then the config's, applies.
+    kwargs = {"dest": setting.name, "default": None, "help": setting.help}
+    if setting.type is bool:
+        kwargs["action"] = "store_false"
+    else:
+        kwargs.update(type=setting.type, choices=setting.choices, metavar=setting.metavar)
+    parser.add_argument(*names, **kwargs)
 
 
 def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,33 +68,10 @@ def check_model_or_deployment(args: argparse.Namespace) -> None:
                           "routes), not both")
 
 
-def start_fleet(path: Path, *, progress: bool = True, stall_timeout: float | None = 60.0):
-    """Every version of a deployment file loaded and compiled, its routes installed (a Fleet);
-    one ConfigError naming the file and the field for any problem with it."""
-    from jaxserve.fleet.fleet import Fleet
-    from jaxserve.fleet.loader import EngineLoader
-
-    return Fleet.from_deployment(path, EngineLoader(progress=progress,
-                                                    stall_timeout=stall_timeout))
-
-
-def one_version_fleet(args: argparse.Namespace, name: str, engine, loader=None):
-    """--model (`serve` and `batch` alike) as a fleet of one version named as clients address
-    it, with its manifest (its system_fingerprint) and pricing; `loader` (an EngineLoader) lets
-    versions be loaded beside it."""
-    from jaxserve.fleet.deployment import VersionSpec
-    from jaxserve.fleet.fleet import Fleet
-    from jaxserve.fleet.manifest import manifest_of
-    from jaxserve.gateway.pricing import pricing_for
-
-    spec = VersionSpec(name, args.model, args.dtype, tuple(sorted(engine_args(args).items())))
-    return Fleet.of_engine(name, engine, manifest=manifest_of(spec),
-                           pricing=pricing_for(args.model), loader=loader)
-
-
 def engine_args(args: argparse.Namespace) -> dict:
-    """The flags the user set, as LLMEngine.from_model keyword arguments."""
-    return {k: getattr(args, k) for k in ENGINE_FLAG_TYPES if getattr(args, k, None) is not None}
+    """The engine settings the user set, by name (the engine factory's keyword arguments)."""
+    return {s.name: getattr(args, s.name) for s in SETTINGS
+            if getattr(args, s.name, None) is not None}
 
 
 def configure_compile_cache(args: argparse.Namespace) -> None:

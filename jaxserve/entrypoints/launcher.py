@@ -1,7 +1,8 @@
 """`jaxserve serve`: HTTP (and optionally gRPC) servers over a fleet of model versions: with
---model, one engine (an AsyncEngine, or a ReplicaSet of data-parallel replicas, jaxserve.executor.parallel)
-as a fleet of one version; with --deployment, every version and route of the file
-(jaxserve.fleet). --admin-key adds the admin API (jaxserve.entrypoints.http.admin_routes).
+--model, one engine (an AsyncEngine, or a ReplicaSet of data-parallel replicas, from
+jaxserve.core.engine_factory) as a fleet of one version; with --deployment, every version and route
+of the file (jaxserve.fleet). --admin-key adds the admin API
+(jaxserve.entrypoints.http.admin_routes).
 
 The HTTP server listens first, so /health answers and /ready says "warming up" while weights load
 and every program compiles; then the engine attaches and /ready turns 200, and stdout says how long
@@ -151,7 +152,7 @@ def _overdue() -> None:
 
 async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
     """group_leader: this is process 0 of a multi-host group (jax.distributed initialised)."""
-    from jaxserve.entrypoints.engine_flags import engine_args, one_version_fleet, start_fleet
+    from jaxserve.entrypoints.engine_flags import engine_args
     from jaxserve.fleet.loader import EngineLoader
     from jaxserve.entrypoints.grpc import start_grpc_server
     from jaxserve.entrypoints.http.app import attach_engine, build_app, serving_of, start_server
@@ -209,9 +210,7 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
             load_s, compile_s = _fleet_times(fleet)
         else:
             engine, leader = load.result()
-            # Replicas load and compile together: the first one's times are the set's.
-            llm_engine = getattr(engine, "replicas", [engine])[0].engine
-            load_s, compile_s = llm_engine.load_seconds, llm_engine.compile_seconds
+            load_s, compile_s = engine.load_seconds, engine.compile_seconds
             # With --admin-key, versions can be loaded beside it.
             loader = (EngineLoader(stall_timeout=args.engine_stall_timeout)
                       if args.admin_key is not None else None)
@@ -264,22 +263,67 @@ async def _shutdown(app, runner, grpc_server, engine, timeout: float) -> bool:
     return True
 
 
-def _start_engine(args: argparse.Namespace, engine_kwargs: dict, group_leader: bool,
+def _start_engine(args: argparse.Namespace, settings: dict, group_leader: bool,
                   stall_timeout: float | None):
     """(the engine to serve, the multi-host Leader or None)."""
-    from jaxserve.executor.parallel import start_engine
+    from jaxserve.core.engine_factory import start_engine
 
     if not group_leader:
-        return start_engine(args.model, dtype=args.dtype, stall_timeout=stall_timeout,
-                            **engine_kwargs), None
+        return start_engine(args.model, stall_timeout=stall_timeout, **settings), None
     from jaxserve.executor import multihost
 
     leader = multihost.Leader()
-    engine = start_engine(args.model, dtype=args.dtype, stall_timeout=stall_timeout,
+    engine = start_engine(args.model, stall_timeout=stall_timeout,
                           agree_num_pages=leader.agree_num_pages, publish=leader.publish,
-                          **multihost.group_engine_args(engine_kwargs))
+                          **multihost.group_engine_args(settings))
     leader.watch(engine.fail)
     return engine, leader
+
+
+def _follow(model: str, settings: dict) -> int:
+    """A follower process's life: join, build the same engine as the leader, follow its steps."""
+    import jax
+
+    from jaxserve.core.engine_factory import build_engine
+    from jaxserve.executor import multihost
+
+    follower = multihost.Follower()
+    try:
+        engine = build_engine(model, progress=False, agree_num_pages=follower.agree_num_pages,
+                              **multihost.group_engine_args(settings))
+        print(f"jaxserve: process {jax.process_index()} following the leader's steps", flush=True)
+        follower.run(engine.runner)
+    finally:
+        # Leave jax.distributed before the leader, which hosts its coordination service and
+        # waits for this connection to close.
+        jax.distributed.shutdown()
+        follower.close()
+    return 0
+
+
+def start_fleet(path: Path, *, progress: bool = True, stall_timeout: float | None = 60.0):
+    """Every version of a deployment file loaded and compiled, its routes installed (a Fleet);
+    one ConfigError naming the file and the field for any problem with it."""
+    from jaxserve.fleet.fleet import Fleet
+    from jaxserve.fleet.loader import EngineLoader
+
+    return Fleet.from_deployment(path, EngineLoader(progress=progress,
+                                                    stall_timeout=stall_timeout))
+
+
+def one_version_fleet(args: argparse.Namespace, name: str, engine, loader=None):
+    """--model (`serve` and `batch` alike) as a fleet of one version named as clients address
+    it, with its manifest (its system_fingerprint) and pricing; `loader` (an EngineLoader) lets
+    versions be loaded beside it."""
+    from jaxserve.entrypoints.engine_flags import engine_args
+    from jaxserve.fleet.deployment import VersionSpec
+    from jaxserve.fleet.fleet import Fleet
+    from jaxserve.fleet.manifest import manifest_of
+    from jaxserve.gateway.pricing import pricing_for
+
+    spec = VersionSpec.of(name, args.model, engine_args(args))
+    return Fleet.of_engine(name, engine, manifest=manifest_of(spec),
+                           pricing=pricing_for(args.model), loader=loader)
 
 
 def _fleet_times(fleet) -> tuple[float, float]:
@@ -304,7 +348,8 @@ def _warm_rag(rag) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxserve.entrypoints.engine_flags import check_model_or_deployment, distributed_config, engine_args
+    from jaxserve.entrypoints.engine_flags import (check_model_or_deployment, distributed_config,
+                                                   engine_args)
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -322,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
 
     multihost.initialize(dist)
     if jax.process_index() != 0:
-        return multihost.run_follower(args.model, dtype=args.dtype, engine_args=engine_args(args))
+        return _follow(args.model, engine_args(args))
     try:
         return asyncio.run(serve(args, group_leader=jax.process_count() > 1))
     finally:

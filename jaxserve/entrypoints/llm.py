@@ -12,6 +12,7 @@ import sys
 from typing import Any, Sequence
 
 from jaxserve.core.engine import LLMEngine
+from jaxserve.core.engine_factory import build_engine
 from jaxserve.errors import InvalidRequest
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
@@ -20,18 +21,17 @@ from jaxserve.tokenizer import Tokenizer
 
 class LLM:
     """model: a registered name or a path (GGUF file, HF directory, orbax checkpoint).
-    engine_args: page_size, num_pages, kv_cache_memory_fraction, enable_prefix_caching,
-    kv_cache_dtype, max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill,
-    min_token_bucket, chat_template (a jinja template file or text replacing the model's),
-    tensor_parallel_size (params and KV cache sharded over that many devices), quantization
-    ("int8": the decoder layers' weights stored as int8 groups; see jaxserve.weights.quantize).
-    warmup=False compiles each program on first use instead of all at start (one-off scripts)."""
+    engine_args: the engine settings by name (jaxserve.engine_settings.SETTINGS: max_num_seqs,
+    max_model_len, num_pages, tensor_parallel_size, quantization, chat_template, ...), as the
+    command-line flags take them; data_parallel_size > 1 is for the servers (one LLMEngine is one
+    replica). warmup=False compiles each program on first use instead of all at start (one-off
+    scripts)."""
 
     def __init__(self, model: str, *, dtype: str | None = None, warmup: bool = True,
                  strict_compile: bool = False, progress: bool = True, **engine_args: Any):
-        self.engine = LLMEngine.from_model(model, dtype=dtype, warmup=warmup,
-                                           strict_compile=strict_compile, progress=progress,
-                                           **engine_args)
+        self.engine = build_engine(model, dtype=dtype, warmup=warmup,
+                                   strict_compile=strict_compile, progress=progress,
+                                   **engine_args)
         self._ids = itertools.count()
 
     @classmethod

@@ -319,22 +319,3 @@ class Follower:
 
     def close(self) -> None:
         self._sock.close()
-
-
-def run_follower(model: str, *, dtype: str | None, engine_args: dict) -> int:
-    """A follower process's life: join, build the same engine as the leader, follow its steps."""
-    from jaxserve.executor.parallel import build_engines
-
-    follower = Follower()
-    try:
-        engine = build_engines(model, dtype=dtype, progress=False,
-                               agree_num_pages=follower.agree_num_pages,
-                               **group_engine_args(engine_args))[0]
-        print(f"jaxserve: process {jax.process_index()} following the leader's steps", flush=True)
-        follower.run(engine.runner)
-    finally:
-        # Leave jax.distributed before the leader, which hosts its coordination service and
-        # waits for this connection to close.
-        jax.distributed.shutdown()
-        follower.close()
-    return 0

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxserve.entrypoints.engine_flags import DTYPES, ENGINE_FLAG_TYPES
+from jaxserve.engine_settings import BY_NAME
 from jaxserve.errors import ConfigError, InvalidRequest
 from jaxserve.fleet.routing import STICKY_MODES, CanaryGate, Route
 from jaxserve.gateway.pricing import Pricing, parse_pricing
@@ -38,7 +38,8 @@ GENERATION_FIELDS = {
     "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
     "max_tokens": int, "seed": int, "stop": list, "system_prompt": str,
 }
-_VERSION_FIELDS = {"model", "dtype", "generation", "pricing", *ENGINE_FLAG_TYPES}
+# A version's engine settings are those of jaxserve.engine_settings, by name.
+_VERSION_FIELDS = {"model", "generation", "pricing", *BY_NAME}
 _ROUTE_FIELDS = {"weights", "sticky", "shadow", "canary"}
 _CANARY_FIELDS = {"incumbent", "window_seconds", "min_requests", "max_error_rate_ratio",
                   "min_error_rate", "max_ttft_p99_ratio", "max_cost_ratio"}
@@ -54,6 +55,13 @@ class VersionSpec:
     engine_args: tuple[tuple[str, Any], ...] = ()  # sorted (flag, value)
     generation: tuple[tuple[str, Any], ...] = ()  # sorted (field, value)
     pricing: Pricing | None = None  # None: the model config's [pricing], if any
+
+    @classmethod
+    def of(cls, name: str, model: str, settings: dict, **kwargs: Any) -> "VersionSpec":
+        """A version from engine settings by name (dtype among them)."""
+        settings = dict(settings)
+        return cls(name, model, settings.pop("dtype", None), tuple(sorted(settings.items())),
+                   **kwargs)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "model": self.model, "dtype": self.dtype,
@@ -107,6 +115,15 @@ def _typed(value: Any, kind: type, field: str) -> Any:
     return tuple(value) if kind is list else value
 
 
+def _setting(name: str, value: Any, field: str) -> Any:
+    setting = BY_NAME[name]
+    if setting.choices is not None:
+        if value not in setting.choices:
+            raise _bad(field, f"must be one of {', '.join(setting.choices)}, got {value!r:.40}")
+        return value
+    return _typed(value, setting.type, field)
+
+
 def check_name(name: Any, field: str) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise _bad(field, f"must be 1-128 letters, digits or . _ : - (starting with a letter or "
@@ -132,11 +149,7 @@ def parse_version(name: str, table: Any, prefix: str = "") -> VersionSpec:
     model = table.get("model")
     if not isinstance(model, str) or not model:
         raise _bad(f"{prefix}model", "is required: a registered model name or a path")
-    dtype = table.get("dtype")
-    if dtype is not None and dtype not in DTYPES:
-        raise _bad(f"{prefix}dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r:.40}")
-    engine = tuple(sorted((k, _typed(v, ENGINE_FLAG_TYPES[k], f"{prefix}{k}"))
-                          for k, v in table.items() if k in ENGINE_FLAG_TYPES))
+    settings = {k: _setting(k, v, f"{prefix}{k}") for k, v in table.items() if k in BY_NAME}
     generation = _table(table.get("generation", {}), f"{prefix}generation")
     _unknown(generation, set(GENERATION_FIELDS), f"{prefix}generation.")
     generation = tuple(sorted((k, _typed(v, GENERATION_FIELDS[k], f"{prefix}generation.{k}"))
@@ -148,7 +161,7 @@ def parse_version(name: str, table: Any, prefix: str = "") -> VersionSpec:
                                     f"{prefix}pricing")
         except ConfigError as e:
             raise InvalidRequest(str(e), param=f"{prefix}pricing") from None
-    return VersionSpec(name, model, dtype, engine, generation, pricing)
+    return VersionSpec.of(name, model, settings, generation=generation, pricing=pricing)
 
 
 # ---------------------------------------------------------------- routes

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.core.engine_factory import start_engine
+from jaxserve.core.serving_engine import ServingEngine
 from jaxserve.fleet.deployment import VersionSpec
 from jaxserve.fleet.manifest import FileHashCache, Manifest, build_manifest, resolve_version
 from jaxserve.fleet.memory import MemoryPlan, plan_memory
@@ -26,14 +28,15 @@ class Prepared:
 
 @dataclass(frozen=True)
 class Loaded:
-    engine: Any  # AsyncEngine
+    engine: ServingEngine
     manifest: Manifest
     load_seconds: float
     compile_seconds: float
 
 
 class EngineLoader:
-    """One LLMEngine + AsyncEngine per version, on the default device."""
+    """A version's engine from the engine factory: an AsyncEngine, or a ReplicaSet when the
+    version sets data_parallel_size."""
 
     def __init__(self, *, strict_compile: bool = False, progress: bool = False,
                  hashes: FileHashCache | None = None, stall_timeout: float | None = 60.0):
@@ -44,11 +47,9 @@ class EngineLoader:
         self.hashes = hashes or FileHashCache()
 
     def free_bytes(self) -> int:
-        import jax
+        from jaxserve.executor.parallel import free_device_memory
 
-        from jaxserve.executor.runner import free_memory_bytes
-
-        return free_memory_bytes(jax.devices()[0])
+        return free_device_memory()
 
     def prepare(self, spec: VersionSpec, budget_bytes: int) -> Prepared:
         resolved = resolve_version(spec)
@@ -56,17 +57,18 @@ class EngineLoader:
                         resolved)
 
     def load(self, spec: VersionSpec, prepared: Prepared) -> Loaded:
-        from jaxserve.core.async_engine import AsyncEngine
-        from jaxserve.core.engine import LLMEngine
-
-        engine = LLMEngine.from_model(
+        engine = start_engine(
             spec.model, dtype=spec.dtype, strict_compile=self.strict_compile,
-            progress=self.progress,
+            progress=self.progress, stall_timeout=self.stall_timeout,
             **{**dict(spec.engine_args), "num_pages": prepared.memory.num_pages})
-        manifest = build_manifest(prepared.detail, engine.tokenizer.chat_template, self.hashes)
-        return Loaded(AsyncEngine(engine, stall_timeout=self.stall_timeout), manifest,
-                      engine.load_seconds, engine.compile_seconds)
+        try:
+            manifest = build_manifest(prepared.detail, engine.tokenizer.chat_template,
+                                      self.hashes)
+        except BaseException:
+            self.unload(engine)
+            raise
+        return Loaded(engine, manifest, engine.load_seconds, engine.compile_seconds)
 
-    def unload(self, engine) -> None:
+    def unload(self, engine: ServingEngine) -> None:
         engine.shutdown()
-        engine.engine.close()
+        engine.close()
