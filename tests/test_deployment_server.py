@@ -370,3 +370,37 @@ def test_structured_output_and_forced_tool_call_requests_are_shadowed(
         engine.shutdown()
     assert llm.runner.num_serving_compiles == 0
     assert_no_leaks(llm)
+
+
+# ---------------------------------------------------------------- a data-parallel version
+
+
+def test_a_data_parallel_version_is_a_replica_set(tmp_path, smollm2_tokenizer_fields):
+    """data_parallel_size in a deployment file: the version loads through the engine factory as
+    one replica per device (2 virtual CPU devices), each with the pool the fleet planned."""
+    from jaxserve.entrypoints.process import ServerProcess
+    from tests.test_cli import tiny_gguf
+    from tests.test_parallel import assert_clean_log, devices_env, per_replica
+
+    path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields)
+    deployment = tmp_path / "deployment.toml"
+    deployment.write_text(f'[version.dp]\nmodel = "{path}"\ndata_parallel_size = 2\n'
+                          'max_model_len = 128\nnum_pages = 32\nmax_num_seqs = 4\n'
+                          'max_num_batched_tokens = 16\nmin_token_bucket = 16\n')
+    with (tmp_path / "stderr.log").open("w") as log:
+        server = ServerProcess(["--deployment", str(deployment), "--admin-key", KEY, "--no-rag",
+                                "--port", "0"], log, cwd=ROOT, env=devices_env(2))
+        try:
+            base = server.url.removesuffix("/v1")
+            reply = _request("POST", f"{server.url}/completions",
+                             {"model": "dp", "prompt": [3, 4, 5], "max_tokens": 4})
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+            memory = _request("GET", f"{base}/admin/v1/versions/dp",
+                              headers=ADMIN).json()["memory"]
+            assert (memory["replicas"], memory["num_pages"]) == (2, 32)
+            assert set(per_replica(f"{base}/metrics", "jaxserve:num_requests_running")) == {
+                "0", "1"}
+            assert server.stop() == 0
+        finally:
+            server.kill()
+    assert_clean_log((tmp_path / "stderr.log").read_text())

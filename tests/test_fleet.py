@@ -314,6 +314,31 @@ def test_a_version_that_does_not_fit_is_refused_before_allocating():
     assert loader.free_bytes() == 200
 
 
+def test_a_data_parallel_version_splits_its_share_between_its_replicas():
+    """data_parallel_size n: n copies of the weights and n pools that share the version's
+    kv_cache_memory_fraction of the budget, all counted against it; num_pages is a replica's."""
+    from jaxserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                                 SchedulerConfig)
+    from jaxserve.fleet.memory import plan_memory
+
+    model = ModelConfig(name="m", vocab_size=64, hidden_size=64, intermediate_size=96,
+                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    page = 2 * 2 * 2 * 16 * 16 * 4  # layers x K,V x KV heads x head_dim x page_size x f32
+
+    def plan(dp: int, **cache) -> MemoryPlan:
+        return plan_memory(EngineConfig(model, CacheConfig(**cache), SchedulerConfig(),
+                                        ParallelConfig(data_parallel_size=dp)), 1 << 20)
+
+    one, two = plan(1), plan(2)
+    assert (one.num_pages, one.replicas) == (64, 1)  # half of 1 MiB in 8 KiB pages
+    assert (two.num_pages, two.replicas) == (32, 2)
+    assert two.weights_bytes == 2 * one.weights_bytes
+    assert two.kv_cache_bytes == one.kv_cache_bytes == 64 * page
+    fixed = plan(2, num_pages=10)
+    assert (fixed.num_pages, fixed.kv_cache_bytes) == (10, 2 * 10 * page)
+    assert fixed.to_dict()["replicas"] == 2
+
+
 def test_unload_is_refused_while_routed_then_drains_and_frees():
     loader = FakeLoader()
     fleet = ready_fleet("a", "b", loader=loader)

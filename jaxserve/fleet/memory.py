@@ -4,6 +4,11 @@ split one budget instead of each taking a share of whatever the versions before 
 anything is allocated, a version's weights + KV pool are checked against the memory free now: a
 version that does not fit is an InsufficientMemory naming the numbers, not an out-of-memory crash
 half-way through loading.
+
+A version with data_parallel_size n is n replicas, each with its own copy of the weights and its
+own pool: its KV share of the budget is split between them, and all n copies count against the
+budget (on a CPU they all live in the host's memory; on accelerators the budget is the first
+device's, which makes the count a conservative one).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from jaxserve.errors import InsufficientMemory
 class MemoryPlan:
     weights_bytes: int
     kv_cache_bytes: int
-    num_pages: int
+    num_pages: int  # each replica's pool, the null page included (CacheConfig.num_pages)
+    replicas: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -26,18 +32,20 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         return {"weights_bytes": self.weights_bytes, "kv_cache_bytes": self.kv_cache_bytes,
-                "num_pages": self.num_pages}
+                "num_pages": self.num_pages, "replicas": self.replicas}
 
 
 def plan_memory(config: EngineConfig, budget_bytes: int) -> MemoryPlan:
     from jaxserve.executor.runner import kv_page_bytes, num_pages_for
     from jaxserve.weights import param_bytes
 
+    replicas = config.parallel.data_parallel_size
     num_pages = num_pages_for(config.model, config.cache, config.scheduler,
-                              memory_bytes=budget_bytes)
+                              memory_bytes=budget_bytes // replicas)
     page = kv_page_bytes(config.model, config.cache.page_size,
                          config.cache.dtype or config.model.dtype)
-    return MemoryPlan(param_bytes(config.model), num_pages * page, num_pages)
+    return MemoryPlan(replicas * param_bytes(config.model), replicas * num_pages * page,
+                      num_pages, replicas)
 
 
 def check_fits(name: str, plan: MemoryPlan, free_bytes: int, reserved_bytes: int,
