@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from jaxserve.core.serving_engine import ServingEngine
 from jaxserve.errors import (AlreadyExists, ConfigError, Conflict, EngineOverloaded,
                              InvalidRequest, ModelNotFound, NotFound, TokenizerError, WeightsError)
 from jaxserve.fleet.canary import CanaryMonitor, Sample, Trip
@@ -94,7 +95,7 @@ class Fleet:
         return fleet
 
     @classmethod
-    def of_engine(cls, name: str, engine, *, manifest=None, pricing=None,
+    def of_engine(cls, name: str, engine: ServingEngine, *, manifest=None, pricing=None,
                   loader=None) -> "Fleet":
         """A fleet of one version whose engine was built outside it (`serve --model`, which may
         be replicas or a multi-host leader; a test's engine): addressed by `name`, no route.
@@ -110,7 +111,8 @@ class Fleet:
 
     # ---- versions ----------------------------------------------------------------------------
 
-    def adopt(self, spec: VersionSpec, engine, manifest=None, pricing=None) -> Version:
+    def adopt(self, spec: VersionSpec, engine: ServingEngine, manifest=None,
+              pricing=None) -> Version:
         """Add a version whose engine is already loaded and warm: ready at once. Its memory was
         planned when it was built, so the fleet counts none for it."""
         with self._lock:
@@ -360,7 +362,7 @@ class Fleet:
 
     # ---- views -------------------------------------------------------------------------------
 
-    def engines(self) -> dict[str, object]:
+    def engines(self) -> dict[str, ServingEngine]:
         """The engines of the versions that serve (ready or draining), by version name."""
         with self._lock:
             return {n: v.engine for n, v in sorted(self._versions.items())
@@ -451,5 +453,5 @@ class _NoLoader:
         raise ConfigError("this server serves one model (--model); start it with --deployment "
                           "to load versions at run time")
 
-    def unload(self, engine) -> None:
+    def unload(self, engine: ServingEngine) -> None:
         engine.shutdown()

@@ -9,11 +9,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from jaxserve.core.serving_engine import ServingEngine
 from jaxserve.fleet.deployment import VersionSpec
 from jaxserve.gateway.pricing import Pricing
 
 if TYPE_CHECKING:
-    from jaxserve.fleet.fleet import Fleet
     from jaxserve.fleet.manifest import Manifest
     from jaxserve.fleet.memory import MemoryPlan
 
@@ -57,7 +57,7 @@ class Version:
     memory: "MemoryPlan"
     pricing: Pricing | None
     state: VersionState = VersionState.LOADING
-    engine: Any = None  # an AsyncEngine (or a test's fake) while READY or DRAINING
+    engine: ServingEngine | None = None  # while READY or DRAINING (a test's fake, in tests)
     manifest: "Manifest | None" = None
     error: str | None = None
     load_seconds: float | None = None
@@ -94,7 +94,9 @@ class Lease:
     `shadows` are the versions this request is also copied to (each its own lease; their answers
     are never sent to the client). A lease must end exactly once."""
 
-    fleet: "Fleet"
+    # The Fleet that granted it (jaxserve.fleet.fleet, which imports this module): its _finish
+    # and _release end the lease.
+    fleet: Any
     route: str | None  # None: the version was addressed by name
     version: Version
     shadow: bool = False

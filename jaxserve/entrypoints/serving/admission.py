@@ -15,8 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from jaxserve.gateway import Admission, Gateway, Principal
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.serving_engine import ServingEngine
+from jaxserve.gateway import Admission, Gateway, Principal
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,8 @@ def tenant_params(principal: Principal, params: SamplingParams,
     return params
 
 
-def admit(engine, gateway: Gateway, ctx: CallContext, request_ids: Sequence[str],
-          prompt_ids: Sequence[list[int]], params: SamplingParams,
+def admit(engine: ServingEngine, gateway: Gateway, ctx: CallContext,
+          request_ids: Sequence[str], prompt_ids: Sequence[list[int]], params: SamplingParams,
           max_queued: int | None) -> tuple[Admission, list]:
     """(the tenant's Admission, one PreparedRequest per prompt carrying its QoS). Raises, having
     taken nothing from the tenant's limits, InvalidRequest / ContextLengthExceeded (400),
