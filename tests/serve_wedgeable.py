@@ -15,7 +15,7 @@ _step = LLMEngine.step
 
 
 def step_or_wedge(self: LLMEngine):
-    if any(g.prepared.params.seed == WEDGE_SEED for g in self._groups.values()):
+    if any(g.prepared.params.seed == WEDGE_SEED for g in self.output_processor.groups.values()):
         threading.Event().wait()  # never set: this step never returns
     return _step(self)
 

@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import pytest
 
 from jaxserve.core.async_engine import AsyncEngine
-from jaxserve.core.engine import EngineStats, PreparedRequest
+from jaxserve.core.engine import EngineStats
 from jaxserve.errors import EngineOverloaded
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
+from jaxserve.core.preparation import PreparedRequest
 from jaxserve.core.sampling_params import SamplingParams
 
 

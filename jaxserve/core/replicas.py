@@ -24,9 +24,10 @@ from typing import AsyncIterator, Sequence
 
 from jaxserve.core.async_engine import OVERLOADED_RETRY_AFTER_S, AsyncEngine
 from jaxserve.core.cache import extend_page_hashes
-from jaxserve.core.engine import EngineStats, PreparedRequest
+from jaxserve.core.engine import EngineStats
 from jaxserve.errors import EngineDead, EngineOverloaded, InvalidRequest
 from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.preparation import PreparedRequest
 from jaxserve.core.replica_routing import pick_replica
 from jaxserve.core.request import QoS
 from jaxserve.core.sampling_params import SamplingParams
