@@ -46,7 +46,8 @@ def step_ms(runner, plan, rows) -> float:
 
 
 def step_table(runner, repeats: int) -> list[dict]:
-    from jaxserve.core.sampling_params import SamplingParams, SamplingRow
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.executor.sampling_rows import SamplingRow
 
     kinds = {"greedy": SamplingParams(temperature=0, max_tokens=None),
              "sampled": SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=None)}

@@ -56,8 +56,9 @@ def sampler_call(llm, logits, params: dict, *, kernel: bool):
     (seeded per row), traced on the kernel's path or the bisection's; tokens back on the host."""
     import jax
 
+    from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.executor import sampler
-    from jaxserve.core.sampling_params import SamplingParams, SamplingRow
+    from jaxserve.executor.sampling_rows import SamplingRow
 
     rows = [SamplingRow(SamplingParams(**params, seed=i, max_tokens=None), i, [1], [])
             for i in range(logits.shape[0])]

@@ -77,7 +77,8 @@ def decode_step_figure(runner, num_seqs: int, repeats: int = 5) -> dict:
 def greedy_step_seconds(runner, plan, num_rows: int, repeats: int) -> float:
     """Best of `repeats` synchronous engine steps over `plan` (forward, greedy sampler on its
     first `num_rows` logits rows, tokens back on the host), after one warm-up step."""
-    from jaxserve.core.sampling_params import SamplingParams, SamplingRow
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.executor.sampling_rows import SamplingRow
 
     rows = [SamplingRow(SamplingParams(temperature=0, max_tokens=None), 0, [1], [])] * num_rows
     runner.sample(runner.forward(plan), rows)

@@ -6,9 +6,11 @@ import jax
 import numpy as np
 import pytest
 
+from jaxserve.config import MAX_LOGPROBS
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.executor.sampler import (_apply_penalties, _argmax, make_sampling_metadata, sample,
-                              top_logprobs_width)
-from jaxserve.core.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingRow
+                                       top_logprobs_width)
+from jaxserve.executor.sampling_rows import SamplingRow
 
 EOS = (1,)
 sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs", "all_greedy"))

@@ -39,10 +39,11 @@ from jaxserve.core.output_processing import OutputProcessor
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.preparation import PreparedRequest
 from jaxserve.core.request import QoS, Request, RequestStatus
-from jaxserve.core.sampling_params import SamplingParams, SamplingRow
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.core.speculation import NgramProposer
 from jaxserve.executor.batch_plan import pages_for
+from jaxserve.executor.sampling_rows import SamplingRow
 from jaxserve.structured.grammar import GrammarCompiler, GrammarMatcher
 from jaxserve.tokenizer import Tokenizer
 

@@ -14,17 +14,13 @@ import math
 import numbers
 import secrets
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any
 
 from jaxserve.config import MAX_LOGPROBS  # the sampler's compiled top-logprobs width
 from jaxserve.errors import InvalidRequest
+from jaxserve.executor.sampling_rows import MAX_STOP_TOKEN_IDS, SAMPLING_EPS
 from jaxserve.structured.params import StructuredOutputsParams
 
-# Bounds the static width of the per-row "blocked ids" array the sampler masks while min_tokens
-# holds back EOS and stop tokens, so that width never depends on a request.
-MAX_STOP_TOKEN_IDS = 64
-# Below this temperature a row is greedy: dividing logits by it would only amplify rounding.
-SAMPLING_EPS = 1e-5
 _SEED_RANGE = (-(2**63), 2**64)
 
 
@@ -193,12 +189,3 @@ class SamplingParams:
             return secrets.randbits(64)
         return (self.seed + index) % 2**64
 
-
-class SamplingRow(NamedTuple):
-    """One sampling sequence of a step. `seed` is resolved (SamplingParams.sequence_seed), so an
-    unseeded request keeps one random stream across steps and preemptions."""
-
-    params: SamplingParams
-    seed: int
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]

@@ -4,8 +4,8 @@ jitted draw of one token per row.
 The runner compiles `sample` per row bucket and per static width of the optional inputs: the
 penalty history (0 unless a row uses penalties) and the top logprobs (0 or MAX_LOGPROBS), so a
 step pays only for what its rows use. Structured outputs are a separate step before it,
-`apply_token_bitmask`, run only in steps with a constrained row. What a request asks for is
-`jaxserve.core.sampling_params.SamplingParams`.
+`apply_token_bitmask`, run only in steps with a constrained row. The rows come in as
+`jaxserve.executor.sampling_rows.SamplingRow`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxserve.config import MAX_LOGPROBS
 from jaxserve.executor.batch_plan import next_power_of_two
-from jaxserve.core.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SAMPLING_EPS, SamplingRow
+from jaxserve.executor.sampling_rows import MAX_STOP_TOKEN_IDS, SAMPLING_EPS, SamplingRow
 from jaxserve.kernels import sampling as cpu_sampling
 from jaxserve.shapes import cdiv
 
