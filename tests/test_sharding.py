@@ -93,7 +93,7 @@ def test_tiny_model_tp_equals_tp1(tp):
     prompts = [[3, 14, 15, 92, 65], list(range(20, 33))]
     expected = _logits(params, TINY, None, prompts)
     mesh = sharding.make_mesh(ParallelConfig(tensor_parallel_size=tp))
-    shardings = sharding.param_shardings(TINY, mesh)
+    shardings = llama.param_shardings(TINY, mesh)
     sharded = jax.device_put(params, shardings)
     # Heads, MLP and vocab are split; 2 KV heads split only where TP divides them.
     assert sharded["layers"]["q_proj"].sharding.spec == P(None, None, "model", None)
@@ -134,7 +134,7 @@ def test_orbax_checkpoint_restores_straight_into_the_mesh(tmp_path):
     save_checkpoint(tmp_path / "ckpt", TINY, params, tokenizer_source=None)
     mesh = sharding.make_mesh(ParallelConfig(tensor_parallel_size=4, data_parallel_size=2))
     _, restored = load_model(ModelSpec("tiny", "orbax", tmp_path / "ckpt"), mesh=mesh)
-    expected = sharding.param_shardings(TINY, mesh)
+    expected = llama.param_shardings(TINY, mesh)
     for leaf, want, ref in zip(jax.tree.leaves(restored), jax.tree.leaves(expected),
                                jax.tree.leaves(params)):
         assert leaf.sharding == want
@@ -155,7 +155,7 @@ def test_sharded_step_never_gathers_the_kv_cache(tp, kv_heads):
     config = TINY.replace(num_kv_heads=kv_heads)
     mesh = sharding.replica_meshes(ParallelConfig(tensor_parallel_size=tp))[0]
     params = jax.device_put(llama.init_params(config, jax.random.key(0)),
-                            sharding.param_shardings(config, mesh))
+                            llama.param_shardings(config, mesh))
     # A pool big enough that any gather of it would dwarf the step's activations.
     runner = ModelRunner(config, params, CacheConfig(page_size=PAGE_SIZE, num_pages=64),
                          SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,

@@ -174,7 +174,7 @@ class ModelRunner:
                                     out_shardings=kv_sharding)()
             self._forward_jit = jax.jit(
                 forward, donate_argnums=1,
-                in_shardings=(sharding.param_shardings(config, mesh), kv_sharding,
+                in_shardings=(llama.param_shardings(config, mesh), kv_sharding,
                               self._replicated),
                 out_shardings=(kv_sharding, self._replicated))
             self._sample_shardings = dict(in_shardings=self._replicated,

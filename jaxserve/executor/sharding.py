@@ -21,7 +21,8 @@ from jaxserve.errors import ConfigError
 
 DATA, MODEL = "data", "model"
 
-# Logical axis name (see jaxserve.executor.models.llama) -> mesh axis, or None for replicated.
+# Logical axis name (the models declare theirs, e.g. llama.param_logical_axes) -> mesh axis, or
+# None for replicated.
 LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "layers": None,
     "embed": None,
@@ -85,14 +86,12 @@ def mesh_spec(logical: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> Par
     return PartitionSpec(*axes)
 
 
-def param_shardings(config: ModelConfig, mesh: Mesh) -> dict:
-    """NamedSharding for every parameter of the model, same tree as its params."""
-    from jaxserve.executor.models import llama
-
-    logical = llama.param_logical_axes(config)
-    shapes = llama.param_shapes(config)
+def named_shardings(logical_axes: dict, shapes: dict, mesh: Mesh) -> dict:
+    """NamedSharding for every leaf of a tree of arrays, e.g. a model's params: `logical_axes`
+    holds a PartitionSpec of logical names per leaf and `shapes` their shapes, as the model
+    declares them (llama.param_shardings passes its own)."""
     return jax.tree.map(lambda spec, s: NamedSharding(mesh, mesh_spec(spec, s.shape, mesh)),
-                        logical, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+                        logical_axes, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def kv_cache_sharding(config: ModelConfig, mesh: Mesh, num_pages: int,

@@ -16,8 +16,8 @@ Layout choices:
     layers/o_proj [L, Hq, D, H], layers/{gate,up}_proj [L, H, I], layers/down_proj [L, I, H].
   With config.quantization "int8" the seven projections are uint8 codes of those shapes plus
   `{name}_scale` and `{name}_min` [L, K / 32, *out] (see `_weight`, jaxserve.weights.quantize).
-  Every parameter carries logical axis names (see `param_logical_axes`); `jaxserve.executor.sharding` maps
-  them to mesh axes.
+  Every parameter carries logical axis names (`param_logical_axes`), which `param_shardings` maps
+  to mesh axes through the rule table in jaxserve.executor.sharding.
 - All layers share one KV cache array [L * num_pages, page_size, 2 * Hkv, D] that rides in the scan
   carry (updated in place when the caller donates it). Layer l's page p is row l * num_pages + p, so
   the model offsets the batch's page indices and slots per layer and the attention kernel sees a
@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.executor import sharding
 from jaxserve.executor.batch_plan import BatchPlan
 from jaxserve.config import INT8_GROUP, ModelConfig
 from jaxserve.kernels import matmul as cpu_matmul
@@ -164,7 +165,6 @@ def paged_attention(config: ModelConfig, mesh: jax.sharding.Mesh | None, q, k, v
     Under a mesh the kernels run per device (shard_map) on that device's KV heads: they are
     custom calls XLA cannot partition, and partitioned any other way the cache would be gathered.
     """
-    from jaxserve.executor import sharding
 
     def attend(q, k, v, kv_cache, batch, layer):
         num_pages = kv_cache.shape[0] // config.num_layers
@@ -301,6 +301,12 @@ def param_logical_axes(config: ModelConfig) -> dict:
 def param_shapes(config: ModelConfig) -> dict:
     """ShapeDtypeStruct of every parameter: what a loader must produce."""
     return nn.unbox(jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0)))
+
+
+def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh) -> dict:
+    """NamedSharding of every parameter on `mesh` (tensor parallel): the logical axes declared
+    here, mapped to mesh axes by the rule table in jaxserve.executor.sharding."""
+    return sharding.named_shardings(param_logical_axes(config), param_shapes(config), mesh)
 
 
 def forward(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: BatchPlan,
