@@ -1,6 +1,6 @@
 """The sampler on the CPU: one call of the compiled sampler over real SmolLM2 logits (the
 throughput workload's prompts, 64 rows), per sampling setting, with the CPU kernels' top-k/top-p
-thresholds (jaxserve.kernels/sampling) against the pure-JAX bisection, in the same process.
+thresholds (jaxserve.kernels.sampling) against the pure-JAX bisection, in the same process.
 
     python benchmarks/sampler.py
     python benchmarks/sampler.py --rows 16
@@ -53,25 +53,32 @@ def real_logits(model: str, rows: int):
 
 def sampler_call(llm, logits, params: dict, *, kernel: bool):
     """A no-argument call of the sampler over `logits`, every row with these SamplingParams
-    (seeded per row), traced on the kernel's path or the bisection's; tokens back on the host."""
+    (seeded per row), traced on the kernel's path or the bisection's (the CPU kernels switched
+    off while it traces); tokens back on the host."""
+    import os
+
     import jax
 
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.executor import sampler
     from jaxserve.executor.sampling_rows import SamplingRow
+    from jaxserve.kernels import cpu
 
     rows = [SamplingRow(SamplingParams(**params, seed=i, max_tokens=None), i, [1], [])
             for i in range(logits.shape[0])]
     md = jax.device_put(sampler.make_sampling_metadata(
         rows, logits.shape[0], eos_token_ids=llm.engine.runner.eos_token_ids))
     sample = jax.jit(functools.partial(sampler.sample, all_greedy=params["temperature"] == 0))
-    available = sampler.cpu_sampling.available
+    switch = os.environ.get(cpu.ENV)
     if not kernel:  # traced now, on the bisection path
-        sampler.cpu_sampling.available = lambda: False
+        cpu.set_mode("off")
     try:
         jax.device_get(tuple(sample(logits, md)))
     finally:
-        sampler.cpu_sampling.available = available
+        if switch is None:
+            os.environ.pop(cpu.ENV, None)
+        else:
+            os.environ[cpu.ENV] = switch
     return lambda: jax.device_get(tuple(sample(logits, md)))
 
 

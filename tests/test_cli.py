@@ -162,3 +162,80 @@ def test_convert_to_orbax_round_trip(tmp_path, capsys):
     assert_same_tree(from_orbax, jax.tree.map(np.asarray, from_gguf))
     rc = cli.main(["convert", str(src), str(dst)])
     assert_one_line_error(rc, capsys.readouterr().err, "already exists")
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def test_kernels_build_then_status(tmp_path, capsys, monkeypatch):
+    # Ahead of time, into a fresh kernel cache (an image's); status then finds it built.
+    from jaxserve.kernels.cpu import library
+
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    monkeypatch.delenv("JAXSERVE_CPU_KERNELS", raising=False)
+    assert cli.main(["kernels", "build"]) == 0
+    built = library.plan().path
+    assert built.exists() and str(built).startswith(str(tmp_path))
+    assert f"built {built}" in capsys.readouterr().out
+    assert cli.main(["kernels", "status"]) == 0
+    out = capsys.readouterr().out
+    assert f"library: {built} (built)" in out
+    assert f"key {library.plan().key}" in out and "attention.cc" in out
+    assert "switch: auto (JAXSERVE_CPU_KERNELS unset)" in out
+    if jax.default_backend() == "cpu":
+        assert "now: kernels: attention=cpu sampler=cpu" in out
+
+
+def test_kernels_build_without_a_compiler_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    rc = cli.main(["kernels", "build"])
+    assert_one_line_error(rc, capsys.readouterr().err, "no C++ compiler")
+
+
+def test_kernels_status_honours_the_switch(capsys, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "off")
+    assert cli.main(["kernels", "status"]) == 0
+    out = capsys.readouterr().out
+    assert "switch: off (JAXSERVE_CPU_KERNELS=off)" in out
+    assert ("now: kernels: attention=xla sampler=xla matmul=xla; CPU kernels off: "
+            "JAXSERVE_CPU_KERNELS=off") in out.splitlines() or jax.default_backend() != "cpu"
+
+
+@pytest.mark.parametrize("argv", [["kernels", "status"],
+                                  ["generate", "--model", "no-such-model", "--prompt", "hi"]])
+def test_an_invalid_cpu_kernels_switch_fails_first(capsys, monkeypatch, argv):
+    monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "fast")
+    rc = cli.main(argv)
+    assert_one_line_error(rc, capsys.readouterr().err,
+                          "JAXSERVE_CPU_KERNELS='fast': expected one of auto, off")
+
+
+@pytest.mark.parametrize("command", [
+    ["serve", "--model", "m"], ["generate", "--model", "m", "--prompt", "hi"],
+    ["batch", "--model", "m", "--input", "i.jsonl", "--output", "o.jsonl"]])
+def test_every_engine_command_takes_cpu_kernels(capsys, command):
+    parser = cli.build_parser()
+    assert parser.parse_args([*command, "--cpu-kernels", "off"]).cpu_kernels == "off"
+    assert parser.parse_args(command).cpu_kernels is None
+    with pytest.raises(SystemExit):
+        parser.parse_args([*command, "--cpu-kernels", "on"])
+    assert "invalid choice: 'on'" in capsys.readouterr().err
+
+
+def test_generate_with_cpu_kernels_off_logs_the_xla_paths(tmp_path, capsys, caplog, monkeypatch,
+                                                          smollm2_tokenizer_fields):
+    # The flag sets the process-wide switch (the environment variable) before the engine is
+    # built, and the engine logs the paths it takes.
+    import logging
+
+    monkeypatch.delenv("JAXSERVE_CPU_KERNELS", raising=False)  # restored after the test
+    caplog.set_level(logging.INFO, logger="jaxserve.executor.runner")
+    jax.clear_caches()
+    path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields)
+    assert cli.main(["generate", "--model", str(path), "--prompt-token-ids", "1,2,3",
+                     "--max-tokens", "2", "--cpu-kernels", "off"]) == 0
+    assert os.environ["JAXSERVE_CPU_KERNELS"] == "off"
+    assert ("kernels: attention=xla sampler=xla matmul=xla; CPU kernels off: "
+            "JAXSERVE_CPU_KERNELS=off") in caplog.messages
+    jax.clear_caches()

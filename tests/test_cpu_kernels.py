@@ -1,6 +1,7 @@
-"""The CPU kernels' library (jaxserve.kernels/cpu_library.py): its cache, the sampler's top-k /
-top-p thresholds (jaxserve.kernels/sampling) against a float64 reference and the pure-JAX path, and
-the stacked-weights matmul (jaxserve.kernels/matmul) against a float64 reference, and the library
+"""The CPU kernels (jaxserve.kernels.cpu): the one switch and what it turns off, the library
+(jaxserve.kernels.cpu.library: its sources, handlers and cache), the sampler's top-k / top-p
+thresholds (jaxserve.kernels.sampling) against a float64 reference and the pure-JAX path, the
+stacked-weights matmul (jaxserve.kernels.matmul) against a float64 reference, and the library
 built for older x86 ISAs. The attention kernel's tests are in test_ragged_paged_attention.py; the
 model through the matmul kernel in test_llama.py."""
 
@@ -17,13 +18,14 @@ import jax
 import numpy as np
 import pytest
 
+from jaxserve.kernels import cpu as cpu_kernels
 from jaxserve.kernels.cpu import library as cpu_library
 from jaxserve.kernels import matmul as cpu_matmul
 from jaxserve.kernels import sampling as cpu_sampling
 from jaxserve.executor import sampler
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_library = pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_library.available(),
+needs_library = pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_kernels.enabled(),
                                    reason="the CPU kernels' library")
 
 
@@ -47,6 +49,76 @@ def test_kernel_cache_prunes_builds_unused_for_the_max_age(tmp_path):
         "cpu_kernels-recent.so", "cpu_kernels-used.so", "unrelated.so"]
     # The library in use was marked used now, whatever its age before.
     assert libs["cpu_kernels-used"].stat().st_mtime >= now
+
+
+def test_the_library_builds_every_source_and_registers_every_handler_they_define():
+    # Adding a kernel is its .cc and its wrapper: the sources are globbed, the handlers found in
+    # them, and each wrapper's FFI target is one of theirs.
+    from jaxserve.kernels.attention import cpu as attention_cpu
+
+    assert [p.name for p in cpu_library.sources()] == ["attention.cc", "matmul.cc", "sampling.cc"]
+    handlers = cpu_library.handlers()
+    assert handlers["jaxserve_paged_decode"] == "JaxservePagedDecode"
+    assert set(handlers) == {*attention_cpu.TARGETS, cpu_sampling._TARGET, cpu_matmul._TARGET}
+    assert cpu_library.plan().path.name == f"cpu_kernels-{cpu_library.plan().key}.so"
+
+
+@pytest.mark.parametrize("value", ["", "on", "OFF", "1"])
+def test_an_invalid_switch_is_a_clear_error(monkeypatch, value):
+    from jaxserve.errors import ConfigError
+
+    monkeypatch.setenv(cpu_kernels.ENV, value)
+    with pytest.raises(ConfigError, match=f"JAXSERVE_CPU_KERNELS={value!r}: expected one of "
+                                          f"auto, off"):
+        cpu_kernels.enabled()
+
+
+def test_switched_off_the_kernels_are_not_even_built(monkeypatch, tmp_path):
+    monkeypatch.setenv(cpu_kernels.ENV, "off")
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    assert not cpu_kernels.enabled()
+    assert cpu_kernels.why_off() == "JAXSERVE_CPU_KERNELS=off"
+    assert not (tmp_path / "kernels").exists()
+
+
+def _step_programs():
+    """The HLO of a model step (16 tokens: decodes, the CPU kernels' shapes) and of the sampler
+    over sampled rows with top-k and top-p, traced now."""
+    from jaxserve.config import ModelConfig
+    from jaxserve.executor.batch_plan import SeqChunk, make_plan
+    from jaxserve.executor.models import llama
+    from jaxserve.executor.sampling_rows import SamplingRow
+    from jaxserve.core.sampling_params import SamplingParams
+
+    jax.clear_caches()
+    config = ModelConfig(name="tiny", vocab_size=96, hidden_size=64, intermediate_size=48,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64)
+    params = llama.init_params(config, jax.random.key(0))
+    cache = llama.init_kv_cache(config, 8, 4)
+    plan = make_plan([SeqChunk([5], 3, [1, 2]), SeqChunk([7], 6, [3, 4])], num_tokens_padded=16,
+                     num_seqs_padded=4, pages_per_seq=4, page_size=4)
+    forward = jax.jit(lambda p, c, b: llama.forward(p, config, c, b))
+    rows = [SamplingRow(SamplingParams(temperature=0.8, top_k=5, top_p=0.9), 1, [1], [])] * 2
+    md = sampler.make_sampling_metadata(rows, 2, eos_token_ids=[0])
+    return (forward.lower(params, cache, jax.tree.map(jax.numpy.asarray, plan)).as_text(),
+            jax.jit(sampler.sample).lower(jax.numpy.zeros((2, 96)), md).as_text())
+
+
+@needs_library
+def test_switched_off_every_call_site_takes_its_xla_path(monkeypatch):
+    # The attention's decodes, the layers' projections and the sampler's thresholds: each in the
+    # step's programs with the switch on auto, none with it off.
+    from jaxserve.kernels.attention import cpu as attention_cpu
+
+    targets = {"attention": attention_cpu._TARGET, "matmul": cpu_matmul._TARGET,
+               "sampler": cpu_sampling._TARGET}
+    forward, sample = _step_programs()
+    assert {name: t in forward + sample for name, t in targets.items()} == dict.fromkeys(
+        targets, True)
+    monkeypatch.setenv(cpu_kernels.ENV, "off")
+    forward, sample = _step_programs()
+    assert not [t for t in cpu_library.handlers() if t in forward + sample]
+    jax.clear_caches()
 
 
 def _reference_keep(x, top_k, top_p):
@@ -101,7 +173,7 @@ def test_sampling_thresholds_agree_with_the_pure_jax_bisection(monkeypatch):
     kept = {}
     for path in ("kernel", "bisection"):
         if path == "bisection":
-            monkeypatch.setattr(cpu_sampling, "available", lambda: False)
+            monkeypatch.setenv(cpu_kernels.ENV, "off")
         kept[path] = np.isfinite(np.asarray(sampler._top_k_top_p(jax.numpy.asarray(x), md)))
     np.testing.assert_array_equal(kept["kernel"], kept["bisection"])
     assert 0 < kept["kernel"].sum() < x.size  # some rows filtered
@@ -134,16 +206,16 @@ def check_stacked_matmul(T: int, K: int, N: int) -> None:
         np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(K), rtol=0)
 
 
-# The library has a variant per x86 ISA (the attention's scores, cpu_decode.cc's Vec; the matmul's
+# The library has a variant per x86 ISA (the attention's scores, attention.cc's Vec; the matmul's
 # tiles): AVX-512, AVX2, and the compiler's generic vectors. The suite's own build takes the
 # host's; these build the others (in a subprocess, with its own kernel cache, so this process
 # keeps its registered library) and check the attention and the matmul through them.
 _OLDER_X86_SCRIPT = """
 import numpy as np
-from jaxserve.kernels.attention import cpu
+from jaxserve.kernels import cpu
 from tests.test_cpu_kernels import MATMUL_CASES, check_stacked_matmul
 from tests.test_ragged_paged_attention import check, make_case
-assert cpu.available()
+assert cpu.enabled()
 rng = np.random.default_rng(0)
 for D, (hq, hkv) in ((64, (9, 3)), (128, (8, 1))):
     for cache_dtype in ("float32", "bfloat16"):

@@ -1,4 +1,5 @@
-"""Ragged paged attention: every implementation against a float64 numpy oracle written here."""
+"""Ragged paged attention: every implementation (xla, cpu, the Pallas kernels in interpret mode)
+against the float64 reference, jaxserve.kernels.attention.reference."""
 
 from __future__ import annotations
 
@@ -11,40 +12,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jaxserve.kernels import attention as rpa
-from jaxserve.kernels.attention import cpu
+from jaxserve.kernels import cpu as cpu_kernels
+from jaxserve.kernels.attention import cpu, reference
+from jaxserve.kernels.cpu import library
 from jaxserve.shapes import cdiv, kv_cache_shape
 
 TOL = {"float32": 2e-3, "bfloat16": 2e-2}
-
-
-def numpy_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                    sliding_window=None, soft_cap=None):
-    q = np.asarray(q, np.float64)
-    cache = np.asarray(kv_cache, np.float64)
-    T, Hq, D = q.shape
-    _, ps, H2, _ = cache.shape
-    Hkv = H2 // 2
-    out = np.zeros((T, Hq, D))
-    for s in range(int(num_seqs[0])):
-        q0, q1, kv_len = int(cu_q_lens[s]), int(cu_q_lens[s + 1]), int(kv_lens[s])
-        pages = page_indices[s, :cdiv(kv_len, ps)]
-        kv = cache[pages].reshape(-1, H2, D)[:kv_len]
-        k, v = kv[:, 0::2], kv[:, 1::2]
-        for i in range(q1 - q0):
-            pos = kv_len - (q1 - q0) + i
-            keys = np.arange(kv_len)
-            ok = keys <= pos
-            if sliding_window is not None:
-                ok &= keys > pos - sliding_window
-            for h in range(Hq):
-                kh = h // (Hq // Hkv)
-                sc = k[:, kh] @ q[q0 + i, h] * sm_scale
-                if soft_cap is not None:
-                    sc = soft_cap * np.tanh(sc / soft_cap)
-                sc = np.where(ok, sc, -np.inf)
-                p = np.exp(sc - sc.max())
-                out[q0 + i, h] = p @ v[:, kh] / p.sum()
-    return out
 
 
 def make_case(rng, *, q_lens, ctx_lens, page_size, Hq, Hkv, D, dtype, cache_dtype=None,
@@ -81,8 +54,7 @@ def check(impl, args, *, dtype, sliding_window=None, soft_cap=None, interpret=Fa
     fn = jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl, interpret=interpret,
                                    **kw))
     got = np.asarray(fn(*args).astype(jnp.float32), np.float64)
-    want = numpy_attention(*(np.asarray(a.astype(jnp.float32)) if a.dtype == jnp.bfloat16
-                             else np.asarray(a) for a in args), **kw)
+    want = reference.ragged_paged_attention(*args, **kw)
     live = int(cu[int(num_seqs[0])])
     err = np.abs(got[:live] - want[:live]).max() / max(np.abs(want[:live]).max(), 1e-6)
     assert err <= TOL[dtype], f"{impl}: relative error {err:.2e} > {TOL[dtype]}"
@@ -119,21 +91,21 @@ def run_case(impl, case, hq_hkv, *, sliding_window=None, soft_cap=None, interpre
           interpret=interpret)
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("impl", ["xla", "cpu"])
 @settings(max_examples=20, deadline=None)
 @given(case=batches(), hq_hkv=heads,
        sliding_window=st.sampled_from([None, None, 1, 7, 40]),
        soft_cap=st.sampled_from([None, None, 5.0]))
-def test_matches_numpy(impl, case, hq_hkv, sliding_window, soft_cap):
+def test_matches_the_reference(impl, case, hq_hkv, sliding_window, soft_cap):
     # cpu: decodes and short queries through the C++ kernel (f32 queries, f32 or bf16 cache),
-    # chunks and bf16 queries through the reference. The oracle reads the bf16 cache's values, so
-    # f32 queries keep the f32 tolerance over either cache.
+    # chunks and bf16 queries through the XLA path. The reference reads the bf16 cache's values,
+    # so f32 queries keep the f32 tolerance over either cache.
     run_case(impl, case, hq_hkv, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("impl", ["xla", "cpu"])
 def test_long_context_crosses_kv_blocks(impl):
-    # Contexts longer than one KV block (reference.*_KV_BLOCK_TOKENS) and a prefill longer than
+    # Contexts longer than one KV block (xla.*_KV_BLOCK_TOKENS) and a prefill longer than
     # one query block exercise the loops' bounds, on the prefill path and on the decode-only one;
     # nine decodes of mixed lengths fill more than two groups of the decode path, the last one
     # partly, with a chunk among them; five short queries (speculative verify rows, 2-8
@@ -160,23 +132,26 @@ def test_long_context_crosses_kv_blocks(impl):
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
 def test_cpu_path_runs_decodes_and_verifies_in_the_kernel(cache_dtype):
     # A batch of decodes and verifies only: the cpu path's program calls the kernel (a shape it
-    # refused would pass the numeric tests on the reference alone).
+    # refused would pass the numeric tests on the XLA path alone).
     rng = np.random.default_rng(1)
     args = make_case(rng, q_lens=[5, 1, 8], ctx_lens=[40, 70, 3], page_size=16, Hq=9, Hkv=3, D=64,
                      dtype="float32", cache_dtype=cache_dtype)
-    assert cpu.supports(args[0], args[1]) and cpu.available()
+    assert cpu.supports(args[0], args[1]) and cpu_kernels.enabled()
     run = {impl: jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl, sm_scale=0.125))
-           for impl in ("cpu", "reference")}
+           for impl in ("cpu", "xla")}
     assert cpu._TARGET in run["cpu"].lower(*args).as_text()
     # Outside the contract (kv_len < q_len: the first queries sit before position 0 and see
-    # nothing), the kernel still answers as the reference does, zeros for those queries.
+    # nothing), the kernel still answers as the XLA path and the reference do, zeros for those
+    # queries.
     args = (args[0], args[1], args[2].at[0].set(3)) + args[3:]  # 5 queries, 3 tokens
-    got, want = (np.asarray(run[impl](*args)) for impl in ("cpu", "reference"))
+    got, want = (np.asarray(run[impl](*args)) for impl in ("cpu", "xla"))
     np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(got, reference.ragged_paged_attention(*args, sm_scale=0.125),
+                               atol=1e-5)
     assert not got[:2].any()
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("impl", ["xla", "cpu"])
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
 def test_write_kv_round_trip(impl, cache_dtype):
     # cpu: a bf16 cache is written by the kernel library, rounded as XLA's convert rounds.
@@ -209,7 +184,7 @@ def test_cpu_write_kv_rounds_as_xla_converts(cache_dtype):
     cache = jnp.zeros((2, 2, 2, 8), cache_dtype)
     slots = jnp.asarray([3], jnp.int32)
     got, want = (np.asarray(jax.jit(write)(cache, k, -k, slots))
-                 for write in (cpu.write_kv, rpa.reference.write_kv))
+                 for write in (cpu.write_kv, rpa.xla.write_kv))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     ok = ~np.isnan(want)
     uint = np.uint16 if cache_dtype == "bfloat16" else np.uint32
@@ -260,27 +235,55 @@ def test_unknown_impl_raises():
         rpa.ragged_paged_attention(*args, sm_scale=0.1, impl="cuda")
 
 
+@pytest.mark.parametrize("attend", [rpa.ragged_paged_attention,
+                                    reference.ragged_paged_attention])
+def test_sinks_are_a_clear_error_until_an_implementation_takes_them(attend):
+    args = make_case(np.random.default_rng(2), q_lens=[1], ctx_lens=[3], page_size=16, Hq=2,
+                     Hkv=1, D=64, dtype="float32")
+    with pytest.raises(ValueError, match="sinks are not supported"):
+        attend(*args, sm_scale=0.1, sinks=jnp.zeros(2))
+
+
+def test_the_reference_is_plain_causal_attention():
+    # One sequence whose pages are in order, 5 new queries after 7 cached tokens, against a
+    # softmax written out here per query and head (GQA: 2 query heads per KV head).
+    rng = np.random.default_rng(6)
+    args = make_case(rng, q_lens=[5], ctx_lens=[7], page_size=4, Hq=4, Hkv=2, D=64,
+                     dtype="float32", pad_tokens=0, pad_seqs=0)
+    q, cache, _, page_indices, _, _ = (np.asarray(a, np.float64) for a in args)
+    kv = cache[page_indices[0, :3].astype(int)].reshape(-1, 4, 64)[:12]
+    want = np.zeros((5, 4, 64))
+    for i in range(5):
+        for h in range(4):
+            k, v = kv[:8 + i, 2 * (h // 2)], kv[:8 + i, 2 * (h // 2) + 1]
+            p = np.exp(k @ q[i, h] * 0.125)
+            want[i, h] = p @ v / p.sum()
+    np.testing.assert_allclose(reference.ragged_paged_attention(*args, sm_scale=0.125), want,
+                               rtol=1e-12)
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="auto picks a kernel off CPU")
 def test_auto_picks_the_cpu_path_and_its_kernel_builds():
     # The suite's machines have a C++ compiler: the kernel must build there, or every decode
-    # test above would pass on the reference alone.
-    assert rpa._auto_impl() == "cpu"
-    assert cpu.available()
+    # test above would pass on the XLA path alone.
+    assert rpa.auto_impl() == "cpu"
+    assert cpu_kernels.enabled()
 
 
-def test_cpu_kernel_falls_back_to_the_reference_without_a_compiler(tmp_path, monkeypatch,
-                                                                    caplog):
+def test_cpu_kernel_falls_back_to_the_xla_path_without_a_compiler(tmp_path, monkeypatch,
+                                                                  caplog):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
-    cpu.available.cache_clear()
+    library.load.cache_clear()
     try:
-        assert not cpu.available()
+        assert not cpu_kernels.enabled()
+        assert cpu_kernels.why_off().startswith("no C++ compiler")
         assert "CPU kernels unavailable" in caplog.text
         args = make_case(np.random.default_rng(5), q_lens=[1, 1, 9], ctx_lens=[40, 3, 20],
                          page_size=16, Hq=4, Hkv=2, D=64, dtype="float32")
         check("cpu", args, dtype="float32")
     finally:
-        cpu.available.cache_clear()  # the next caller builds (or finds) the real kernel again
+        library.load.cache_clear()  # the next caller builds (or finds) the real kernel again
 
 
 # ---- Pallas kernels in interpret mode (slow on CPU: few, small examples) -------------------------
@@ -289,7 +292,7 @@ def test_cpu_kernel_falls_back_to_the_reference_without_a_compiler(tmp_path, mon
 @settings(max_examples=6, deadline=None)
 @given(case=batches(max_seqs=3, max_q=12, max_ctx=40), hq_hkv=heads,
        sliding_window=st.sampled_from([None, 5]), soft_cap=st.sampled_from([None, 5.0]))
-def test_pallas_interpret_matches_numpy(impl, case, hq_hkv, sliding_window, soft_cap):
+def test_pallas_interpret_matches_the_reference(impl, case, hq_hkv, sliding_window, soft_cap):
     run_case(impl, case, hq_hkv, sliding_window=sliding_window, soft_cap=soft_cap, interpret=True)
 
 
@@ -315,5 +318,5 @@ def test_gpu_kernel_kv_splits_merge_exactly(num_splits):
     q, cache, kv_lens, page_indices, cu, num_seqs = args
     kw = dict(sm_scale=0.125, sliding_window=150)
     got = gpu.ragged_paged_attention(*args, **kw, interpret=True, num_splits=num_splits)
-    want = numpy_attention(*(np.asarray(a) for a in args), **kw)
+    want = reference.ragged_paged_attention(*args, **kw)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-3 * np.abs(want).max())

@@ -1,5 +1,5 @@
 """`jaxserve fetch | convert | generate | serve | batch | manifest | index | search | audit |
-policy`.
+policy | kernels`.
 
 Every error a user can cause surfaces as a JaxServeError and is printed as one line on stderr with
 exit code 1 — never a traceback. Progress goes to stderr so stdout carries only the result (with
@@ -18,6 +18,7 @@ from jaxserve.audit.cli import add_audit_command
 from jaxserve.entrypoints.batch import add_batch_arguments
 from jaxserve.engine_settings import DTYPES
 from jaxserve.entrypoints.engine_flags import add_engine_arguments, add_engine_flags
+from jaxserve.entrypoints.kernels import add_kernels_command, configure_cpu_kernels
 from jaxserve.errors import ContextLengthExceeded, InvalidRequest, JaxServeError
 from jaxserve.model_registry import ModelSpec
 from jaxserve.safety.cli import add_policy_command
@@ -286,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_audit_command(sub)
     add_policy_command(sub)
+    add_kernels_command(sub)
     return p
 
 
@@ -296,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             from jaxserve.entrypoints.engine_flags import configure_compile_cache
 
             configure_compile_cache(args)
+        if hasattr(args, "cpu_kernels"):  # the same commands: the CPU kernels' switch
+            configure_cpu_kernels(args)
         return args.func(args)
     except JaxServeError as e:
         print(f"error: {e}", file=sys.stderr)

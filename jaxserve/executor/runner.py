@@ -41,6 +41,7 @@ from jaxserve.executor.batch_plan import BatchPlan, StepShapes, pages_for
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.errors import ConfigError
 from jaxserve.executor.models import llama
+from jaxserve.kernels import paths
 from jaxserve.shapes import kv_cache_shape
 
 log = logging.getLogger(__name__)
@@ -184,6 +185,7 @@ class ModelRunner:
         self.program_compile_seconds: dict[tuple, float] = {}  # per program key, filled by warmup
         self.num_serving_compiles = 0
         self._warm = False
+        log.info("%s", paths.summary(matmul_off=llama.why_matmul_off(config, mesh)))
 
     @property
     def num_pages(self) -> int:

@@ -20,6 +20,7 @@ from jax import lax
 from jaxserve.config import MAX_LOGPROBS
 from jaxserve.executor.batch_plan import next_power_of_two
 from jaxserve.executor.sampling_rows import MAX_STOP_TOKEN_IDS, SAMPLING_EPS, SamplingRow
+from jaxserve.kernels import cpu as cpu_kernels
 from jaxserve.kernels import sampling as cpu_sampling
 from jaxserve.shapes import cdiv
 
@@ -260,11 +261,12 @@ def _draw(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
 
 
 def _top_k_top_p(scaled: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """The scaled logits with what top-k, then top-p, drop set to -inf. On XLA:CPU, where the
-    CPU kernels' library builds, a kernel that buckets each row's values finds its thresholds
-    (jaxserve.kernels.sampling; exact); elsewhere bisection does (`_top_k`, `_top_p`), whose 32
-    passes over [rows, vocabulary] cost little on an accelerator's bandwidth."""
-    if jax.default_backend() == "cpu" and cpu_sampling.available():
+    """The scaled logits with what top-k, then top-p, drop set to -inf. Where the CPU kernels
+    are enabled (jaxserve.kernels.cpu: on XLA:CPU, built, not switched off), a kernel that buckets
+    each row's values finds its thresholds (jaxserve.kernels.sampling; exact); elsewhere bisection
+    does (`_top_k`, `_top_p`), whose 32 passes over [rows, vocabulary] cost little on an
+    accelerator's bandwidth."""
+    if cpu_kernels.enabled():
         t = cpu_sampling.thresholds(scaled, md.top_k, md.top_p)
         return jnp.where(scaled >= t[:, None], scaled, -jnp.inf)
     scaled = lax.cond(jnp.any(md.top_k > 0), _top_k, lambda s, _: s, scaled, md.top_k)

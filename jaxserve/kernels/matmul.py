@@ -1,13 +1,13 @@
 """One layer's projection read in place from the stacked layers' weights, on the CPU, through a
-C++ XLA FFI kernel (cpu_matmul.cc, in the CPU kernels' library: jaxserve.kernels/cpu_library.py).
+C++ XLA FFI kernel (cpu/matmul.cc, in the CPU kernels' library: jaxserve.kernels.cpu.library).
 
 The model's scan over the layers otherwise slices each layer's weights out of the stack, a copy
 XLA:CPU makes before the dots: in a decode step, whose matmuls have a row per sequence, that copy
 streams every weight from memory and then the dots run, one after the other. The kernel computes
-while it streams (see cpu_matmul.cc). jaxserve/executor/models/llama.py uses it for steps of MIN_ROWS to
-MAX_ROWS tokens: a decode step of one sequence is a matrix-vector product that XLA streams as fast
-(15.5 vs 16.4 ms per SmolLM2 step on a 2-core AVX-512 host), and past MAX_ROWS the kernel, which
-rereads the rows for each column panel, was not measured.
+while it streams (see cpu/matmul.cc). jaxserve/executor/models/llama.py uses it for steps of
+MIN_ROWS to MAX_ROWS tokens: a decode step of one sequence is a matrix-vector product that XLA
+streams as fast (15.5 vs 16.4 ms per SmolLM2 step on a 2-core AVX-512 host), and past MAX_ROWS
+the kernel, which rereads the rows for each column panel, was not measured.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels.cpu.library import available
-
-_TARGET = "jaxserve_stacked_matmul"  # cpu_library.HANDLERS
+_TARGET = "jaxserve_stacked_matmul"  # matmul.cc's JaxserveStackedMatmul
 # The kernel's vector width divides its output columns: 16 floats covers AVX-512, AVX2 and SSE.
 COLUMN_MULTIPLE = 16
 MIN_ROWS, MAX_ROWS = 2, 512
@@ -31,9 +29,9 @@ def supports(num_rows: int, shapes: list[tuple[int, int]], dtype) -> bool:
 
 def stacked_matmul(x, w, layer):
     """x f32[T, K] @ w[layer] for w f32[L, K, N] and a scalar layer index: f32[T, N]. Where
-    `available()` and `supports`."""
+    `jaxserve.kernels.cpu.enabled()` and `supports`."""
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
     return call(x, w, jnp.asarray(layer, jnp.int32))
 
 
-__all__ = ["available", "supports", "stacked_matmul"]
+__all__ = ["supports", "stacked_matmul"]

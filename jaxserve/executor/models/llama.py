@@ -22,9 +22,10 @@ Layout choices:
   carry (updated in place when the caller donates it). Layer l's page p is row l * num_pages + p, so
   the model offsets the batch's page indices and slots per layer and the attention kernel sees a
   plain paged cache.
-- On the CPU, steps of jaxserve.kernels.matmul's MIN_ROWS to MAX_ROWS tokens keep the seven
-  projection weights out of the scan: the kernel reads layer `layer` of each stack in place, where
-  the scan would copy each layer's slice out first (see `_projections_in_place`).
+- Where the CPU kernels are enabled (jaxserve.kernels.cpu), steps of jaxserve.kernels.matmul's
+  MIN_ROWS to MAX_ROWS tokens keep the seven projection weights out of the scan: the kernel reads
+  layer `layer` of each stack in place, where the scan would copy each layer's slice out first
+  (see `_projections_in_place`; `why_matmul_off` says why a model never does).
 - RoPE uses the HF "rotate half" convention; the GGUF loader undoes llama.cpp's interleaved layout.
 """
 
@@ -41,8 +42,9 @@ import numpy as np
 from jaxserve.executor import sharding
 from jaxserve.executor.batch_plan import BatchPlan
 from jaxserve.config import INT8_GROUP, ModelConfig
-from jaxserve.kernels import matmul as cpu_matmul
 from jaxserve.kernels import attention as rpa
+from jaxserve.kernels import cpu as cpu_kernels
+from jaxserve.kernels import matmul as cpu_matmul
 from jaxserve.shapes import kv_cache_shape
 
 
@@ -90,17 +92,33 @@ def _weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[st
     return (w * scale[:, None] + low[:, None]).reshape(shape).astype(dt)
 
 
+def why_matmul_off(config: ModelConfig, mesh: jax.sharding.Mesh | None) -> str | None:
+    """Why this model's projections never go through the CPU matmul kernel whatever the CPU
+    kernels' switch (tensor parallel, int8, shapes it does not take), or None."""
+    c = config
+    if mesh is not None:
+        return "tensor parallel"
+    if c.quantization is not None:
+        return f"{c.quantization} weights"
+    if jnp.dtype(c.dtype) != jnp.float32:
+        return f"{c.dtype} weights (the kernel takes float32)"
+    if not cpu_matmul.supports(cpu_matmul.MIN_ROWS, _projection_shapes(c), c.dtype):
+        return f"output widths not a multiple of {cpu_matmul.COLUMN_MULTIPLE}"
+    return None
+
+
+def _projection_shapes(c: ModelConfig) -> list[tuple[int, int]]:
+    H, I, q, kv = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, \
+        c.num_kv_heads * c.head_dim
+    return [(H, q), (H, kv), (q, H), (H, I), (I, H)]
+
+
 def _projections_in_place(config: ModelConfig, mesh: jax.sharding.Mesh | None,
                           num_tokens: int) -> bool:
     """Whether a step of `num_tokens` reads the projection weights in place from the layers'
-    stack through the CPU kernel (jaxserve.kernels/matmul) instead of a slice per layer."""
-    c = config
-    if (mesh is not None or c.quantization is not None or jax.default_backend() != "cpu"
-            or not cpu_matmul.available()):
-        return False
-    H, I, q, kv = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, \
-        c.num_kv_heads * c.head_dim
-    return cpu_matmul.supports(num_tokens, [(H, q), (H, kv), (q, H), (H, I), (I, H)], c.dtype)
+    stack through the CPU kernel (jaxserve.kernels.matmul) instead of a slice per layer."""
+    return (why_matmul_off(config, mesh) is None and cpu_kernels.enabled()
+            and cpu_matmul.supports(num_tokens, _projection_shapes(config), config.dtype))
 
 
 def _project(x: jax.Array, w: jax.Array, num_contract: int, layer: jax.Array, in_place: bool,
@@ -312,7 +330,8 @@ def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh) -> dict:
 def forward(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: BatchPlan,
             mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, jax.Array]:
     """Run all layers over the batch's flat tokens: (final-normed hidden [T, H], kv_cache).
-    With `mesh` (params and cache sharded by jaxserve.executor.sharding), attention runs per device."""
+    With `mesh` (params and cache sharded by jaxserve.executor.sharding), attention runs per
+    device."""
     layer = DecoderLayer(config, mesh)
     layers, stacked = params["layers"], None
     if _projections_in_place(config, mesh, batch.token_ids.shape[0]):

@@ -9,6 +9,11 @@ Contract (same layout as jax.experimental.pallas.ops.tpu.ragged_paged_attention)
     num_seqs      i32[1]
 Query i of sequence s sits at position kv_lens[s] - q_len(s) + i and attends to cache positions
 <= that (and > that - sliding_window when a window is set). GQA: Hq // Hkv queries per KV head.
+`sinks` is part of the contract but no implementation takes it yet (a clear error).
+
+Implementations: reference.py (float64 numpy, what every other one is tested against), xla.py
+(the tuned pure-JAX path), cpu.py (xla.py with decodes and verifies through the C++ CPU kernel),
+gpu.py and tpu.py (Pallas); validate.py's shape checks run before any of them.
 """
 
 from __future__ import annotations
@@ -16,42 +21,48 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.kernels.attention import reference
+from jaxserve.kernels import cpu as cpu_kernels
+from jaxserve.kernels.attention import xla
 from jaxserve.kernels.attention.validate import validate_inputs
 
-IMPLS = ("reference", "cpu", "pallas_tpu", "pallas_gpu")
+# The implementations; each is tested against the float64 reference (reference.py), which is not
+# one of them: it is numpy, for tests and checks, never a serving path.
+IMPLS = ("xla", "cpu", "pallas_tpu", "pallas_gpu")
 
 
-def _auto_impl() -> str:
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cpu": "cpu"}.get(jax.default_backend(),
-                                                                         "reference")
+def auto_impl() -> str:
+    """What impl="auto" runs here: the Pallas kernel of the backend, the CPU path where the CPU
+    kernels are enabled (jaxserve.kernels.cpu), else the tuned XLA path."""
+    backend = jax.default_backend()
+    if backend in ("tpu", "gpu"):
+        return f"pallas_{backend}"
+    return "cpu" if backend == "cpu" and cpu_kernels.enabled() else "xla"
 
 
 def write_kv(kv_cache, k, v, slot_mapping, *, impl="auto"):
-    """Scatter this step's K/V into the cache at `slot_mapping` (reference.write_kv). On the cpu
+    """Scatter this step's K/V into the cache at `slot_mapping` (xla.write_kv). On the cpu
     path a bf16 cache is written by the CPU kernel library: XLA:CPU would widen the whole cache to
     f32 around its scatter."""
     if impl == "auto":
-        impl = _auto_impl()
-    if impl == "cpu" and kv_cache.dtype == jnp.bfloat16:
+        impl = auto_impl()
+    if impl == "cpu" and kv_cache.dtype == jnp.bfloat16 and cpu_kernels.enabled():
         from jaxserve.kernels.attention import cpu
-        if cpu.available():
-            return cpu.write_kv(kv_cache, k, v, slot_mapping)
-    return reference.write_kv(kv_cache, k, v, slot_mapping)
+        return cpu.write_kv(kv_cache, k, v, slot_mapping)
+    return xla.write_kv(kv_cache, k, v, slot_mapping)
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                           sliding_window=None, soft_cap=None, impl="auto", interpret=False):
-    """Dispatch to an implementation; impl="auto" picks by backend (CPU -> cpu: the reference
-    with decodes and verifies through a C++ kernel where it builds and takes the shapes)."""
+                           sliding_window=None, soft_cap=None, sinks=None, impl="auto",
+                           interpret=False):
+    """Dispatch to an implementation; impl="auto" picks by backend (`auto_impl`)."""
     validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs,
-                    sliding_window=sliding_window, soft_cap=soft_cap)
+                    sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     if impl == "auto":
-        impl = _auto_impl()
+        impl = auto_impl()
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
-    if impl == "reference":
-        return reference.ragged_paged_attention(*args, **kwargs)
+    if impl == "xla":
+        return xla.ragged_paged_attention(*args, **kwargs)
     if impl == "cpu":
         from jaxserve.kernels.attention import cpu
         return cpu.ragged_paged_attention(*args, **kwargs)
@@ -64,4 +75,4 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     raise ValueError(f"impl={impl!r}: expected 'auto' or one of {IMPLS}")
 
 
-__all__ = ["ragged_paged_attention", "write_kv", "validate_inputs", "IMPLS"]
+__all__ = ["ragged_paged_attention", "write_kv", "validate_inputs", "auto_impl", "IMPLS"]

@@ -1,7 +1,7 @@
 """Pallas GPU (Triton lowering) ragged paged attention: mixed prefill + decode in one launch.
 
 Grid: (query item, KV head). An item is a block of up to `q_block` consecutive queries of one
-sequence (see reference.query_items); its program loads the item's queries for all `G` query heads
+sequence (see xla.query_items); its program loads the item's queries for all `G` query heads
 of its KV head as one [q_block * G, D] tile, so GQA shares every K/V load, and walks only the KV
 blocks that tile can see, gathering `pages_per_block` pages of its sequence per step. Softmax is
 online in f32 and the dots accumulate in f32.
@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxserve.kernels.attention.reference import query_items
+from jaxserve.kernels.attention.xla import query_items
 from jaxserve.shapes import cdiv
 
 # Rows of the query tile (q_block * padded G; Triton's dot needs every dim >= 16) and bytes of

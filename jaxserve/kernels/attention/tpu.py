@@ -1,6 +1,6 @@
 """Pallas TPU (Mosaic) ragged paged attention.
 
-Grid: one program per query item (see reference.query_items), all KV heads inside it, so each
+Grid: one program per query item (see xla.query_items), all KV heads inside it, so each
 page is one contiguous DMA of [page_size, 2 * Hkv, D] that serves K and V of every head. The item
 metadata and the page table are scalar-prefetched into SMEM; the cache stays in HBM (memory space
 ANY) and the kernel copies the item's pages block by block into a two-slot VMEM buffer, starting
@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.kernels.attention.reference import query_items
+from jaxserve.kernels.attention.xla import query_items
 from jaxserve.shapes import cdiv
 
 Q_BLOCK = 16

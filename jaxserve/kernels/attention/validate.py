@@ -6,7 +6,10 @@ import numpy as np
 
 
 def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                    sliding_window=None, soft_cap=None):
+                    sliding_window=None, soft_cap=None, sinks=None):
+    if sinks is not None:
+        raise ValueError("attention sinks are not supported yet: no implementation takes "
+                         "`sinks` (pass None)")
     if q.ndim != 3 or kv_cache.ndim != 4:
         raise ValueError(f"q must be [T, Hq, D] and kv_cache [pages, page_size, 2*Hkv, D]; got "
                          f"q {q.shape}, kv_cache {kv_cache.shape}")

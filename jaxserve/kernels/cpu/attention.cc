@@ -1,15 +1,15 @@
 // Paged attention of decodes and short queries for XLA:CPU, an XLA FFI custom call (built and
-// registered by jaxserve.kernels/cpu_library.py, used by cpu.py).
+// registered by jaxserve/kernels/cpu/library.py, used by jaxserve/kernels/attention/cpu.py).
 //
 // Sequences of 1 to kMaxQueries queries (a decode, or a decode and its speculative drafts)
-// against their pages of the cache, read in place: the pure-JAX reference gathers each block of
+// against their pages of the cache, read in place: the tuned XLA path gathers each block of
 // pages into a fresh buffer, transposes it for the batched dots and runs its online softmax as a
 // while loop of many small XLA ops; here each (sequence, KV head) walks its pages once, its
 // scores, softmax state and weighted values in small buffers that stay in L1 (L2 for the longest
 // verifies).
-// Layout and semantics: the package docstring of ragged_paged_attention (K head h at slot 2h,
+// Layout and semantics: the docstring of jaxserve/kernels/attention (K head h at slot 2h,
 // V head h at 2h + 1 of a page row). Rows of sequences not selected by `include` come back 0.
-// The cache is f32 or bf16 (read as f32, as the reference reads it); queries and output are f32.
+// The cache is f32 or bf16 (read as f32, as the XLA path reads it); queries and output are f32.
 //
 // Also here, for a bf16 cache: the KV write and the page gather of the prefill path. XLA:CPU has
 // no bf16 scatter or gather and widens the operand to f32 around one, which for the cache is the
@@ -37,7 +37,7 @@ namespace {
 
 using jaxserve_cpu::ExpNonPositive;
 
-constexpr float kMasked = -1e30f;  // the reference's running-max start and masked score
+constexpr float kMasked = -1e30f;  // the XLA path's running-max start and masked score
 // The largest page and the most queries per KV head the kernel takes (cpu.py's `supports`
 // checks the same bounds before choosing it).
 constexpr int kMaxPage = 64;
@@ -224,7 +224,7 @@ void AttendOne(const Problem& p, int64_t seq, int64_t h) {
   const int64_t token_stride = 2 * p.hkv * D;
   constexpr int kQ = kDecode ? 1 : kMaxQueries;
   // Positions [lo[r], hi[r]) of query r; the first query's lo is the lowest any query sees. (A
-  // query before position 0, kv_len < q_len, sees none and comes back 0, as in the reference.)
+  // query before position 0, kv_len < q_len, sees none and comes back 0, as in the XLA path.)
   int64_t lo[kQ], hi[kQ];
   for (int64_t r = 0; r < nq; ++r) {
     hi[r] = len - nq + r + 1;
@@ -412,7 +412,7 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBu
 }
 
 // rows [T, 2 * Hkv, D] (K and V interleaved, f32) into the cache's token slots `slots` [T]
-// (page * page_size + offset); slots past the cache are dropped, as the reference's scatter drops
+// (page * page_size + offset); slots past the cache are dropped, as the XLA path's scatter drops
 // them, and so are negative ones (which XLA would count from the end; the engine has none). The
 // output is the cache, updated in place (aliased by the caller).
 template <typename T>

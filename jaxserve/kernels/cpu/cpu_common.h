@@ -1,8 +1,7 @@
-// What the CPU kernels (ragged_paged_attention/cpu_decode.cc, sampling/cpu_sampling.cc,
-// matmul/cpu_matmul.cc) share: a vectorisable exp and a loop over work items on XLA's intra-op
-// thread pool.
-#ifndef JAXSERVE_PALLAS_KERNELS_CPU_COMMON_H_
-#define JAXSERVE_PALLAS_KERNELS_CPU_COMMON_H_
+// What the CPU kernels (attention.cc, sampling.cc, matmul.cc) share: a vectorisable exp and a
+// loop over work items on XLA's intra-op thread pool.
+#ifndef JAXSERVE_KERNELS_CPU_COMMON_H_
+#define JAXSERVE_KERNELS_CPU_COMMON_H_
 
 #include <algorithm>
 #include <atomic>
@@ -64,4 +63,4 @@ inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t num_items,
 
 }  // namespace jaxserve_cpu
 
-#endif  // JAXSERVE_PALLAS_KERNELS_CPU_COMMON_H_
+#endif  // JAXSERVE_KERNELS_CPU_COMMON_H_

@@ -1,5 +1,6 @@
 // One layer's projection out of a stack of layers' weights for XLA:CPU, an XLA FFI custom call
-// (built and registered by jaxserve.kernels/cpu_library.py; used by jaxserve/executor/models/llama.py):
+// (built and registered by jaxserve/kernels/cpu/library.py; used by
+// jaxserve/executor/models/llama.py):
 // out[T, N] = x[T, K] @ w[layer] where w is [L, K, N], read in place.
 //
 // Why: a decode step's matmuls have few rows (one per sequence) and every step reads all the

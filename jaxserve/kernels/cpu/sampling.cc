@@ -1,5 +1,5 @@
 // The top-k and top-p thresholds of the sampler's rows for XLA:CPU, an XLA FFI custom call
-// (built and registered by jaxserve.kernels/cpu_library.py; used by jaxserve/executor/sampler.py).
+// (built and registered by jaxserve/kernels/cpu/library.py; used by jaxserve/executor/sampler.py).
 //
 // Per row of scaled logits: top-k keeps the values >= the k-th largest finite one (ties too);
 // top-p then keeps, of those, the values >= the largest t whose values >= t weigh at least top_p
