@@ -322,6 +322,7 @@ def test_structured_output_and_forced_tool_call_requests_are_shadowed(
     from jaxserve.core.async_engine import AsyncEngine
     from jaxserve.core.engine_factory import build_engine
     from jaxserve.fleet.deployment import VersionSpec
+    from jaxserve.entrypoints.serving.calls import Call
     from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
     from tests.test_cli import tiny_gguf
 
@@ -348,7 +349,8 @@ def test_structured_output_and_forced_tool_call_requests_are_shadowed(
         serving = OpenAIServing(None, "tiny", fleet=fleet)
         answers = []
         for kind, body in requests:
-            gen = await serving.prepare_async(kind, body, serving.open_context("http"))
+            gen = await serving.prepare_async(kind, body, serving.open_context("http"),
+                                              Call(serving.sinks))
             async with gen.running():
                 answers.append(await gen.response())
         # the copies run in the background, after their primaries' admission

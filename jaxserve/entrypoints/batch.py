@@ -25,6 +25,8 @@ from jaxserve.config import RequestLimits
 from jaxserve.errors import (ConfigError, EngineDead, InvalidRequest, JaxServeError,
                              RateLimitExceeded, error_reply)
 from jaxserve.entrypoints.serving.admission import CallContext
+from jaxserve.entrypoints.serving.calls import Call
+from jaxserve.entrypoints.serving.outcome import call_outcome
 from jaxserve.gateway import Gateway, Principal, load_tenants
 from jaxserve.entrypoints.serving.validation import load_json
 
@@ -153,11 +155,11 @@ class ResultWriter:
 async def _answer(serving, item: BatchLine, ctx: CallContext) -> dict:
     """One request through the servers' admission path, as the tenant `ctx` names. A rate limit
     that will pass is waited out (a batch paces itself rather than failing its lines); one that
-    never can (larger than the limit) is the line's 429."""
+    never can (larger than the limit) is the line's 429. Each try is a call of its own."""
     while True:
         try:
             gen = await serving.prepare_async(item.kind, item.body, dataclasses.replace(
-                ctx, arrival=time.monotonic()))
+                ctx, arrival=time.monotonic()), Call(serving.sinks))
         except RateLimitExceeded as e:
             if e.retry_after is None:
                 raise
@@ -186,10 +188,9 @@ async def serve_all(serving, items: list[BatchLine], writer: ResultWriter, progr
                              failed=counts["failed"])
 
     async def one(item: BatchLine) -> None:
-        if item.error is not None:
-            if serving.policy is not None:  # refused before the serving layer: recorded here
-                serving.policy.record_call(
-                    dataclasses.replace(ctx, route=f"batch:{item.url or ''}"), item.error, None)
+        if item.error is not None:  # refused before the serving layer: its call ends here
+            Call(serving.sinks).end(call_outcome(
+                dataclasses.replace(ctx, route=f"batch:{item.url or ''}"), item.error))
             finish(item, *error_reply(item.error))
             return
         try:

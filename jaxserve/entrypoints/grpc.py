@@ -21,8 +21,9 @@ from jaxserve.gateway.limits import retry_after_header
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.entrypoints.serving.admission import CallContext
-from jaxserve.entrypoints.serving.calls import end_call
+from jaxserve.entrypoints.serving.calls import Call
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
+from jaxserve.entrypoints.serving.outcome import call_outcome
 
 if TYPE_CHECKING:  # the RAG stack (FAISS, bm25s) loads only when a service is passed in
     from jaxserve.rag.service import RagService
@@ -91,12 +92,14 @@ class GenerationService(pb_grpc.GenerationServicer):
     def _principal(self, context):
         return self.serving.gateway.authenticate(_authorization(context))
 
-    def _end(self, ctx: CallContext, context, error: BaseException | None, **kwargs) -> None:
-        """A call no Generation ends: counted and audited as HTTP's (calls.end_call)."""
-        end_call(self.serving.metrics, self.serving.policy, ctx, error,
-                 authorization=_authorization(context), **kwargs)
+    def _end(self, call: Call, ctx: CallContext, context, error: BaseException | None,
+             tenant_hold=None, **kwargs) -> None:
+        """End a call the serving layer did not: as HTTP's front door does."""
+        call.end(call_outcome(ctx, error, authorization=_authorization(context), **kwargs),
+                 tenant_hold=tenant_hold)
 
     async def Generate(self, request, context):
+        call = Call(self.serving.sinks)
         ctx = CallContext(None, transport="grpc", client=context.peer())
         try:
             principal = self._principal(context)
@@ -106,13 +109,12 @@ class GenerationService(pb_grpc.GenerationServicer):
             ctx = dataclasses.replace(ctx, principal=principal,
                                       timeout_s=context.time_remaining())
             body = completion_body(request)
-        except JaxServeError as e:  # before the serving layer, which audits what it refuses
-            self._end(ctx, context, e)
+        except JaxServeError as e:  # before the serving layer, which ends what it refuses
+            self._end(call, ctx, context, e)
             await abort_with(context, e)
         try:
-            gen = await self.serving.prepare_async("completion", body, ctx)
+            gen = await self.serving.prepare_async("completion", body, ctx, call)
         except JaxServeError as e:
-            self._end(ctx, context, e, audit=False)
             await abort_with(context, e)
         # Cancellation (the client left, or its deadline passed) ends the block too: the
         # request's pages are freed now rather than when it would have finished.
@@ -135,29 +137,26 @@ class GenerationService(pb_grpc.GenerationServicer):
         if self.rag is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 "this server was started without an embedding model")
+        call = Call(self.serving.sinks)
         ctx = CallContext(None, transport="grpc", client=context.peer(), route="grpc:Embed")
-        error, num_tokens = None, 0
+        error, num_tokens, hold = None, 0, None
         try:
             ctx = dataclasses.replace(ctx, principal=self._principal(context))
             if self.serving.policy is not None:  # a call whose record the log cannot take
                 self.serving.policy.check_accepting()
-            # Under the tenant's limits as HTTP's /v1/embeddings (Gateway.admit_call).
-            lease = self.serving.gateway.admit_call(ctx.principal, tokens=True, holds_slot=True)
-            try:
-                self.rag.check_model(request.model)
-                if not request.input:
-                    raise InvalidRequest("'input' must hold at least one string",
-                                         param="input")
-                # The encoder blocks: run it off the event loop, as the HTTP routes do.
-                vectors, num_tokens = await asyncio.get_running_loop().run_in_executor(
-                    None, self.rag.embed, list(request.input))
-                lease.settle(num_tokens)
-            finally:
-                lease.settle(0)  # does nothing once settled with the tokens read
+            # Under the tenant's limits as HTTP's /v1/embeddings (Gateway.admit_call), settled
+            # with the tokens read when the call ends.
+            hold = self.serving.gateway.admit_call(ctx.principal, tokens=True, holds_slot=True)
+            self.rag.check_model(request.model)
+            if not request.input:
+                raise InvalidRequest("'input' must hold at least one string", param="input")
+            # The encoder blocks: run it off the event loop, as the HTTP routes do.
+            vectors, num_tokens = await asyncio.get_running_loop().run_in_executor(
+                None, self.rag.embed, list(request.input))
         except BaseException as e:  # JaxServeError, or the client left (cancelled)
             error = e
         finally:
-            self._end(ctx, context, error, prompt_tokens=num_tokens)
+            self._end(call, ctx, context, error, hold, prompt_tokens=num_tokens)
         if error is not None:
             if not isinstance(error, JaxServeError):
                 raise error
@@ -165,14 +164,15 @@ class GenerationService(pb_grpc.GenerationServicer):
         return pb.EmbedResponse(embeddings=[pb.Embedding(values=v.tolist()) for v in vectors])
 
     async def ListModels(self, request, context):
+        call = Call(self.serving.sinks)
         ctx = CallContext(None, transport="grpc", client=context.peer())
         try:
             ctx = dataclasses.replace(ctx, principal=self._principal(context))
         except JaxServeError as e:
-            self._end(ctx, context, e, audit=False)
+            self._end(call, ctx, context, e, audited=False)
             await abort_with(context, e)
         # Counted, not audited: as HTTP's /v1/models, which clients poll as a health check.
-        self._end(ctx, context, None, audit=False)
+        self._end(call, ctx, context, None, audited=False)
         routes, versions = self.serving.fleet.models()
         models = [pb.Model(id=name) for name in routes] + [
             pb.Model(id=v.name, max_model_len=v.engine.max_model_len,

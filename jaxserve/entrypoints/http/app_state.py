@@ -1,6 +1,7 @@
 """The HTTP app's state: its configuration, the gateway (tenants, limits), the idempotency store,
-the metrics, the request policy (filters, audit log), and the serving layer once the engine is
-warm. Read at build time, so a bad tenants or policy file fails the start."""
+the metrics, the request policy (filters, audit log), the sinks every call's outcome goes to,
+and the serving layer once the engine is warm. Read at build time, so a bad tenants or policy
+file fails the start."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from jaxserve.gateway import Gateway, load_tenants
 from jaxserve.gateway.idempotency import IdempotencyStore
 from jaxserve.gateway.pricing import Pricing
 from jaxserve.telemetry.metrics import PolicyMetrics, ServerMetrics
+from jaxserve.entrypoints.serving.calls import Sinks
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
 from jaxserve.entrypoints.serving.request_policy import RequestPolicy
 
@@ -33,6 +35,8 @@ class AppState:
         self.policy = RequestPolicy.open(config.policy_file, config.audit_log_dir,
                                          PolicyMetrics(self.metrics.registry),
                                          self.gateway.tenants.tenants.values())
+        # Where every call ends (front door, gRPC, generations): counted, logged, audited.
+        self.sinks = Sinks(self.metrics, self.policy, config.log_prompts)
         self.shutting_down = False  # set on SIGTERM: not ready while in-flight requests drain
         self.openapi: dict | None = None  # built on first request, once every route is added
 
@@ -46,11 +50,10 @@ class AppState:
         return {} if self.serving is None else self.serving.fleet.counters()
 
     def attach(self, engine, rag=None, pricing: Pricing | None = None, fleet=None) -> None:
-        self.serving = OpenAIServing(engine, self.model_name, self.metrics,
-                                     self.config.log_prompts, rag,
+        self.serving = OpenAIServing(engine, self.model_name, self.metrics, rag,
                                      self.config.max_queued_requests, self.config.limits,
                                      self.config.tool_call_parser, self.gateway, pricing, fleet,
-                                     self.policy)
+                                     self.policy, self.sinks)
 
     def require_serving(self) -> OpenAIServing:
         if self.serving is None:

@@ -1,8 +1,8 @@
 """The HTTP front door, in front of every handler: who calls (the tenant's key: 401), the
 router's own refusals (404, 405) and every typed error as OpenAI's error body (the one table in
-jaxserve.errors, with Retry-After and Allow), each keyed request counted per tenant by outcome
-and, where it is the front door's, audited; OpenAI's x-ratelimit-* on every response to a known
-tenant; and the tenant's limits on the routes beside generation (`tenant_limited`)."""
+jaxserve.errors, with Retry-After and Allow), each keyed request's one `Call` (calls.py), which
+the front door ends unless the serving layer did; OpenAI's x-ratelimit-* on every response to a
+known tenant; and the tenant's limits on the routes beside generation (`tenant_limited`)."""
 
 from __future__ import annotations
 
@@ -18,23 +18,22 @@ from jaxserve.errors import (JaxServeError, MethodNotAllowed, NotFound, error_re
 from jaxserve.gateway import Principal, deadlines
 from jaxserve.gateway.limits import Lease, retry_after_header
 from jaxserve.entrypoints.serving.admission import CallContext
+from jaxserve.entrypoints.serving.calls import Call
+from jaxserve.entrypoints.serving.outcome import call_outcome
 from jaxserve.entrypoints.http.app_state import STATE_KEY, AppState
-from jaxserve.entrypoints.serving.calls import end_call
 
 log = logging.getLogger("jaxserve.server")
 
 # Routes anyone may call (probes, scrapes, the API description); the admin API has its own key.
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
 _PRINCIPAL = web.RequestKey("principal", Principal)  # who calls (set by _front_door)
-_COUNTED = web.RequestKey("counted", bool)  # the request's end is counted (by its Generation)
-# Every keyed request gets one audit record (with --audit-log): from the call into
-# OpenAIServing on, a generation's is the serving layer's, every other the front door's. Not
-# /v1/models: clients poll it as a health check (it is not rate-limited either), and it reads
-# nothing of a tenant's. A request the router refuses (no such path, or not with this method)
-# is recorded for a known tenant only, so keyless scanners cannot grow the log.
+_CALL = web.RequestKey("call", Call)  # the keyed request's one end (set by _front_door)
+# Every keyed request gets one audit record (with --audit-log). Not /v1/models: clients poll it
+# as a health check (it is not rate-limited either), and it reads nothing of a tenant's. A
+# request the router refuses (no such path, or not with this method) is recorded for a known
+# tenant only, so keyless scanners cannot grow the log.
 _UNAUDITED_PATHS = frozenset({"/v1/models"})
 _MAX_AUDITED_PATH = 256  # a path is the caller's text: bounded in its record
-_AUDITED = web.RequestKey("audited", bool)
 _USED_TOKENS = web.RequestKey("used_tokens", int)  # an encoder call's tokens (its usage)
 
 
@@ -43,14 +42,21 @@ def caller(request: web.Request) -> Principal:
     return request[_PRINCIPAL]
 
 
+def call_of(request: web.Request) -> Call:
+    """A keyed request's call, for the serving layer to end (a refusal, a Generation) or a
+    route to end itself (an idempotent replay); else the front door ends it."""
+    return request[_CALL]
+
+
 _LEASE = web.RequestKey("lease", Lease)  # a limited call's hold on its tenant's limits
 
 
 def tenant_limited(*, tokens: bool = False, holds_slot: bool = True):
     """A keyed route's handler under its tenant's limits, as generations are
-    (`Gateway.admit_call`): a 429 with Retry-After before its body is read. `holds_slot`: work
-    in an executor, one of max_concurrent_requests while it runs; `tokens`: it runs the encoder,
-    whose tokens `charge_tokens` takes once they are known."""
+    (`Gateway.admit_call`): a 429 with Retry-After before its body is read; the hold settles
+    when the call ends (the front door). `holds_slot`: work in an executor, one of
+    max_concurrent_requests while it runs; `tokens`: it runs the encoder, whose tokens
+    `charge_tokens` names once they are known."""
     def wrap(handler):
         @functools.wraps(handler)
         async def limited(request: web.Request) -> web.StreamResponse:
@@ -60,18 +66,14 @@ def tenant_limited(*, tokens: bool = False, holds_slot: bool = True):
             lease = state.gateway.admit_call(caller(request), tokens=tokens,
                                              holds_slot=holds_slot)
             request[_LEASE] = lease
-            try:
-                return await handler(request)
-            finally:
-                lease.settle(0)  # does nothing once charge_tokens settled it
+            return await handler(request)
         return limited
     return wrap
 
 
 def charge_tokens(request: web.Request, used_tokens: int) -> None:
-    """A `tenant_limited(tokens=True)` call read `used_tokens` (its usage): settle with them
-    (its audit record's `prompt_tokens`)."""
-    request[_LEASE].settle(used_tokens)
+    """A `tenant_limited(tokens=True)` call read `used_tokens` (its usage): its end settles with
+    them (and its audit record's `prompt_tokens` names them)."""
     request[_USED_TOKENS] = used_tokens
 
 
@@ -123,12 +125,13 @@ async def _unrouted(request: web.Request, handler):
 @web.middleware
 async def _front_door(request: web.Request, handler):
     """Every route but the open ones needs the caller's key (401 `invalid_api_key`); each such
-    request is counted per tenant by outcome and audited (`calls.end_call`), unless its
-    Generation counts it or the serving layer audits it. The open routes and the admin API
-    (its own key) are neither: a 404 or 405 there is nobody's."""
+    request is one call, ended once (counted per tenant by outcome, audited): by the serving
+    layer or its Generation, else here. The open routes and the admin API (its own key) are
+    neither: a 404 or 405 there is nobody's."""
     if request.path in _OPEN_PATHS or request.path.startswith("/admin/"):
         return await handler(request)
     state: AppState = request.app[STATE_KEY]
+    call = request[_CALL] = Call(state.sinks)
     ctx = CallContext(None, client=request.remote, route=request.path[:_MAX_AUDITED_PATH])
     try:
         principal = state.gateway.authenticate(request.headers.get("Authorization"))
@@ -138,20 +141,23 @@ async def _front_door(request: web.Request, handler):
     except web.HTTPException:
         raise
     except BaseException as exc:
-        _end(request, state, ctx, exc)
+        _end(request, call, ctx, exc)
         raise
-    _end(request, state, ctx, None, resp.status)
+    _end(request, call, ctx, None, resp.status)
     return resp
 
 
-def _end(request: web.Request, state: AppState, ctx: CallContext, error: BaseException | None,
+def _end(request: web.Request, call: Call, ctx: CallContext, error: BaseException | None,
          status_code: int = 200) -> None:
+    """End the call with what the front door knows, unless the serving layer ended it."""
+    if call.ended:
+        return
     routed = request.match_info.http_exception is None
-    end_call(state.metrics, state.policy, ctx, error, count=not request.get(_COUNTED),
-             audit=(not request.get(_AUDITED) and request.path not in _UNAUDITED_PATHS
-                    and (routed or ctx.principal is not None)),
-             authorization=request.headers.get("Authorization"),
-             prompt_tokens=request.get(_USED_TOKENS, 0), status_code=status_code)
+    call.end(call_outcome(ctx, error, authorization=request.headers.get("Authorization"),
+                          prompt_tokens=request.get(_USED_TOKENS, 0), success_code=status_code,
+                          audited=request.path not in _UNAUDITED_PATHS
+                          and (routed or ctx.principal is not None)),
+             tenant_hold=request.get(_LEASE))
 
 
 async def ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -166,16 +172,6 @@ def call_context(request: web.Request) -> CallContext:
     return CallContext(request[_PRINCIPAL],
                        deadlines.parse_timeout(request.headers.get(deadlines.HEADER)),
                        client=request.remote, route=request.path)
-
-
-def hand_audit_to_serving(request: web.Request) -> None:
-    """From here on the serving layer writes the request's one audit record (or its replay's)."""
-    request[_AUDITED] = True
-
-
-def hand_count_to_generation(request: web.Request) -> None:
-    """The request's end is counted by its Generation (`running()`), not here."""
-    request[_COUNTED] = True
 
 
 # Outermost first: errors become replies around everything, the key is checked before the

@@ -1,7 +1,8 @@
 """The generation routes: POST /v1/chat/completions, /v1/completions and /v1/responses (over
-the chat path: entrypoints/serving/responses.py). Each reads its body, hands it to OpenAIServing (which
-parses, admits and audits it) and answers the Generation whole or streamed, inside its
-`running()`; an Idempotency-Key's repeat replays the stored answer instead.
+the chat path: entrypoints/serving/responses.py). Each reads its body, hands it with its call to
+OpenAIServing (which parses and admits it, or ends the call refused) and answers the Generation
+whole or streamed, inside its `running()` (which ends the call); an Idempotency-Key's repeat
+replays the stored answer instead, and ends the call as a replay.
 
 A client that goes away (mid-stream or while waiting for a non-streaming answer) cancels its
 handler (the server runs with handler cancellation on), and `running()` aborts its engine
@@ -18,21 +19,15 @@ from jaxserve.gateway import idempotency
 from jaxserve.entrypoints.serving import protocol
 from jaxserve.entrypoints.serving.admission import CallContext
 from jaxserve.entrypoints.http.app_state import STATE_KEY, AppState
-from jaxserve.entrypoints.http.front_door import (call_context, hand_audit_to_serving,
-                                        hand_count_to_generation, logged_error_reply)
+from jaxserve.entrypoints.http.front_door import call_context, call_of, logged_error_reply
 from jaxserve.entrypoints.serving.generation import Generation
 from jaxserve.entrypoints.http.json_body import read_json
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
+from jaxserve.entrypoints.serving.outcome import Outcome
 from jaxserve.entrypoints.serving.request_models import request_models
 from jaxserve.entrypoints.serving.responses import ResponseEvents, ResponseObject, chat_body, rename_param
 from jaxserve.entrypoints.http.sse import SSE_HEADERS, Keep, plain_error_event, sse, stream_response
 from jaxserve.entrypoints.serving.validation import validate
-
-
-async def _prepare(request: web.Request, serving: OpenAIServing, kind: str, body,
-                   ctx: CallContext) -> Generation:
-    hand_audit_to_serving(request)
-    return await serving.prepare_async(kind, body, ctx)
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
@@ -47,11 +42,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     fingerprint = idempotency.fingerprint(request.path.encode() + b"\n" + await request.read())
     stored = state.idempotency.begin(tenant, key, fingerprint)
     if stored is not None:  # the model does not run again
-        hand_audit_to_serving(request)
-        if serving.policy is not None:
-            serving.policy.record(request_id=protocol.new_id("replay"), kind=kind, ctx=ctx,
-                                  error=None, model=body.get("model"), version=stored.version,
-                                  idempotent_replay=True)
+        call_of(request).end(Outcome(protocol.new_id("replay"), ctx, kind=kind,
+                                     model=body.get("model"), version=stored.version,
+                                     idempotent_replay=True))
         return await _replay(request, stored)
     try:
         return await _run(request, serving, kind, body, ctx, functools.partial(
@@ -62,20 +55,19 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 
 async def _run(request: web.Request, serving: OpenAIServing, kind: str, body,
                ctx: CallContext, keep: Keep | None) -> web.StreamResponse:
-    gen = await _prepare(request, serving, kind, body, ctx)
+    gen = await serving.prepare_async(kind, body, ctx, call_of(request))
     keepalive = request.app[STATE_KEY].config.keepalive_seconds
-    return await _respond(request, gen, gen.response, lambda: stream_response(
+    return await _respond(gen, gen.response, lambda: stream_response(
         request, gen, gen.chunks(keepalive), plain_error_event, keep=keep), keep)
 
 
-async def _respond(request: web.Request, gen: Generation, whole, stream,
-                   keep: Keep | None = None) -> web.StreamResponse:
+async def _respond(gen: Generation, whole, stream, keep: Keep | None = None
+                   ) -> web.StreamResponse:
     """Answer an admitted generation, `whole()` (a JSON body) or `stream()` (the streamed
-    response), inside `gen.running()` (settled, counted, logged, its engine requests freed
-    however it ends). `keep` (for an Idempotency-Key) receives what a replay sends once the
-    request is answered in full: the body, or the SSE events (kept before the stream's end goes
-    out: a client that closes right after [DONE] cancels this handler)."""
-    hand_count_to_generation(request)
+    response), inside `gen.running()` (its call ended, its engine requests freed however it
+    ends). `keep` (for an Idempotency-Key) receives what a replay sends once the request is
+    answered in full: the body, or the SSE events (kept before the stream's end goes out: a
+    client that closes right after [DONE] cancels this handler)."""
     async with gen.running():
         if gen.parsed.stream:
             return await stream()
@@ -112,7 +104,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     serving = state.require_serving()
     req = validate(request_models(state.config.limits).responses, await read_json(request))
     try:
-        gen = await _prepare(request, serving, "chat", chat_body(req), call_context(request))
+        gen = await serving.prepare_async("chat", chat_body(req), call_context(request),
+                                          call_of(request))
     except InvalidRequest as exc:
         raise rename_param(exc) from None
     response = ResponseObject(req)
@@ -126,6 +119,6 @@ async def responses(request: web.Request) -> web.StreamResponse:
         event = events.error(logged_error_reply(exc)[1])
         return sse(event, event["type"])
 
-    return await _respond(request, gen, whole, lambda: stream_response(
+    return await _respond(gen, whole, lambda: stream_response(
         request, gen, events.events(gen.chunks(state.config.keepalive_seconds)), error_event,
         done=False))

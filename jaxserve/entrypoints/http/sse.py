@@ -72,7 +72,7 @@ async def stream_response(request: web.Request, gen: Generation, events, error_e
         for h in held:
             await send(h)
     end = [sse("[DONE]")] if done else []
-    # Kept before the end leaves (see generation_routes._respond).
+    # Kept before the end leaves (see openai_routes._respond).
     if gen.error is None and keep is not None:
         keep(idempotency.StoredResponse(200, (("Content-Type", "text/event-stream"),),
                                         events=(*sent, *end), version=gen.version.name))

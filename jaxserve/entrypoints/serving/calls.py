@@ -1,24 +1,115 @@
-"""A keyed call's one end, whatever its transport: counted per tenant by outcome
-(`jaxserve:requests`) and, with --audit-log, given its one audit record. The HTTP front door and
-the gRPC service end here every call that no `Generation` ends (which counts and records its
-own): the routes beside generation (embeddings, rerank, tokenize, collections, gRPC `Embed`,
-`/v1/models`, gRPC `ListModels`) and the requests refused before the serving layer saw them."""
+"""A call's one end, whatever its transport and however it ends: `Call.end` hands the call's one
+`Outcome` (outcome.py) to each of its sinks, once.
+
+- tenant settlement: the hold on the tenant's limits (a generation's `Admission`, or the `Lease`
+  of a call beside generation) settles with the tokens used (`Lease.settle`);
+- the fleet: the version's lease ends, with the outcome in its counters and its route's canary
+  window when the request ran on it (`Lease.finish`), else released with its shadow copies;
+- the server's `Sinks`: the request counters (`ServerMetrics.record_request`), the access log
+  (a line per request that ran), the audit log and the policy counters (`RequestPolicy.record`).
+
+The transport creates the Call (the HTTP front door, the gRPC service, the batch runner per line)
+and ends it unless the serving layer did: a refusal there, or the request's Generation.
+"""
 
 from __future__ import annotations
 
-from jaxserve.errors import outcome
-from jaxserve.entrypoints.serving.admission import CallContext
+import json
+import logging
+from typing import Callable
+
+from jaxserve.errors import version_fault
+from jaxserve.fleet.versions import Lease as VersionLease
+from jaxserve.entrypoints.serving.outcome import Outcome
+
+access_log = logging.getLogger("jaxserve.access")
+
+Sink = Callable[[Outcome], None]
 
 
-def end_call(metrics, policy, ctx: CallContext, error: BaseException | None, *,
-             count: bool = True, audit: bool = True, authorization: str | None = None,
-             prompt_tokens: int = 0, status_code: int = 200) -> None:
-    """`metrics`: a ServerMetrics or None; `policy`: a RequestPolicy or None (no audit log).
-    `count` / `audit`: False when a Generation or the serving layer does that part itself.
-    `authorization`: the key sent (a 401's record names its id); `prompt_tokens`: the tokens an
-    encoder read; `status_code`: that of a success."""
-    if count and metrics is not None:
-        tenant = ctx.principal.tenant.name if ctx.principal is not None else "none"
-        metrics.record_request(tenant, outcome(error))
-    if audit and policy is not None:
-        policy.record_call(ctx, error, authorization, prompt_tokens, status_code)
+def metrics_sink(metrics) -> Sink:
+    """`metrics`: a ServerMetrics. A request that ran counts its latency and usage under its
+    version and route; any other call only its outcome, with no version ("")."""
+    def count(o: Outcome) -> None:
+        tenant = o.tenant or "none"
+        if not o.served:
+            metrics.record_request(tenant, o.status)
+            return
+        metrics.e2e.labels(o.version, o.route).observe(o.total_s)
+        metrics.record_request(tenant, o.status, o.prompt_tokens, o.completion_tokens,
+                               o.cost or 0.0, o.version, o.route)
+    return count
+
+
+def access_log_sink(log_prompts: bool) -> Sink:
+    """One JSON line per request that ran; with `log_prompts` its prompts too (off by default:
+    prompts may hold what users keep private), PII redacted by the tenant's pack."""
+    def log(o: Outcome) -> None:
+        if not o.served:
+            return
+        record = {
+            "request_id": o.request_id, "model": o.version, "route": o.route, "kind": o.kind,
+            "transport": o.ctx.transport, "tenant": o.tenant, "key_id": o.key_id,
+            "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
+            "ttft_s": o.ttft_s, "total_s": round(o.total_s, 4),
+            "finish_reasons": sorted({r for r in o.finish_reasons if r}), "status": o.status}
+        if log_prompts:
+            record["prompt"] = (o.prompts if o.screening is None else
+                                [o.screening.redact_pii(t) for t in o.screening.prompt_texts])
+        access_log.info(json.dumps(record))
+    return log
+
+
+class Sinks:
+    """The server's sinks, in order; `add` installs one more (the server installs its own the
+    same way)."""
+
+    def __init__(self, metrics=None, policy=None, log_prompts: bool = False):
+        """`metrics`: a ServerMetrics or None; `policy`: a RequestPolicy or None (no policy
+        counters, no audit log)."""
+        self._sinks: list[Sink] = []
+        if metrics is not None:
+            self.add(metrics_sink(metrics))
+        self.add(access_log_sink(log_prompts))
+        if policy is not None:
+            self.add(policy.record)
+
+    def add(self, sink: Sink) -> None:
+        self._sinks.append(sink)
+
+    def record(self, o: Outcome) -> None:
+        for sink in self._sinks:
+            sink(o)
+
+
+def _end_version_lease(lease: VersionLease, o: Outcome) -> None:
+    if o.served:  # a version's fault (a 5xx) counts against it; a client's or a shed does not
+        lease.finish(error=version_fault(o.error), ttft=o.ttft_s, prompt_tokens=o.prompt_tokens,
+                     completion_tokens=o.completion_tokens)
+    else:  # it never ran there: released, with its shadow copies, saying nothing of the version
+        lease.__exit__(None, None, None)
+
+
+class Call:
+    """One call of any transport, ended exactly once."""
+
+    def __init__(self, sinks: Sinks):
+        self.sinks = sinks
+        self.outcome: Outcome | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.outcome is not None
+
+    def end(self, o: Outcome, *, tenant_hold=None, version_lease: VersionLease | None = None
+            ) -> None:
+        """`tenant_hold`: the call's hold on its tenant's limits (an Admission, or a gateway
+        Lease), if it took one; `version_lease`: the fleet's lease of the version chosen."""
+        if self.outcome is not None:
+            raise RuntimeError(f"call {self.outcome.request_id} already ended")
+        self.outcome = o
+        if tenant_hold is not None:
+            tenant_hold.settle(o.used_tokens)
+        if version_lease is not None:
+            _end_version_lease(version_lease, o)
+        self.sinks.record(o)

@@ -2,51 +2,54 @@
 per prompt, each with n choices, turns the engine's cumulative outputs into per-choice deltas
 (through the tenant's output filter), and assembles them into OpenAI's chat or completion
 response, or its stream of chunks. Every transport answers it inside `running()`, so however it
-ends (done, client gone, deadline, error) its tenant's reservation settles, it is counted and
-logged once (access log, audit record), and its KV pages return at once.
+ends (done, client gone, deadline, error) its call ends once with its Outcome (calls.py: the
+tenant's reservation settles, the version's lease ends, it is counted, logged and audited), and
+its KV pages return at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
-from jaxserve.errors import outcome, version_fault
+from jaxserve.core.serving_engine import ServingEngine
 from jaxserve.fleet.versions import Lease
 from jaxserve.gateway import Admission
 from jaxserve.gateway.usage import with_cost
 from jaxserve.entrypoints.serving import protocol
 from jaxserve.entrypoints.serving import shadow
 from jaxserve.entrypoints.serving.admission import CallContext
+from jaxserve.entrypoints.serving.calls import Call
 from jaxserve.entrypoints.serving.logprobs import chat_logprobs, completion_logprobs
+from jaxserve.entrypoints.serving.outcome import Outcome
+from jaxserve.entrypoints.serving.screening import Screening
 from jaxserve.entrypoints.serving.streams import merge_streams, with_keepalive
 from jaxserve.entrypoints.serving.tool_output import ToolCallOutput
-
-if TYPE_CHECKING:
-    from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
-
-access_log = logging.getLogger("jaxserve.access")
 
 
 class Generation:
     """One admitted API request: its prepared engine requests (QoS stamped), its hold on the
-    tenant's limits, and what was sent so far."""
+    tenant's limits, its call, and what was sent so far. `metrics` (a ServerMetrics or None)
+    observes its latencies as its tokens arrive; `max_queued` bounds its shadow copies as it
+    bounded the request."""
 
-    def __init__(self, serving: "OpenAIServing", gen_id: str, parsed: protocol.ParsedRequest,
-                 prepared: list, admission: Admission, ctx: CallContext, lease: Lease,
+    def __init__(self, gen_id: str, parsed: protocol.ParsedRequest, prepared: list,
+                 admission: Admission, ctx: CallContext, lease: Lease, call: Call, *,
+                 metrics=None, max_queued: int | None = None,
                  citations: list[dict] | None = None,
-                 tool_output: ToolCallOutput | None = None, screening=None):
-        self.serving = serving
+                 tool_output: ToolCallOutput | None = None,
+                 screening: Screening | None = None):
+        self.call = call
+        self.metrics = metrics
+        self.max_queued = max_queued
         self.lease = lease  # the version chosen for this request (and its shadow copies)
         self.version = lease.version
-        self.engine = lease.version.engine
+        self.engine: ServingEngine = lease.version.engine
         self.route = lease.route or ""  # "": the version was addressed by name
         self.tool_output = tool_output or ToolCallOutput(None)
-        self.screening = screening  # request_policy.Screening, or None: no policy, no audit
+        self.screening = screening  # None: no policy, no audit
         self.citations = citations  # retrieval-augmented chat: what the prompt was given
         self.parsed = parsed
         self.chat = parsed.kind == "chat"
@@ -69,7 +72,6 @@ class Generation:
         self.last_token_at: dict[int, float] = {}  # per choice: ITL is within one sequence
         self.engine_answered = False  # an output came back: the request left the queue
         self.error: BaseException | None = None  # what ended it, when reported in-band
-        self._finished = False
         # Shadow copies compare their tokens with these (kept only when there are copies).
         self.token_ids: dict[int, list[int]] | None = {} if lease.shadows else None
         self._primary_tokens: asyncio.Future | None = None
@@ -142,7 +144,7 @@ class Generation:
         result = []
         now = time.monotonic()
         self.engine_answered = True
-        metrics = self.serving.metrics
+        metrics = self.metrics
         if out.finished and metrics is not None and out.metrics is not None \
                 and out.metrics.first_scheduled_time is not None:
             metrics.queue.labels(*self.labels, self.tenant).observe(
@@ -271,10 +273,10 @@ class Generation:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator["Generation"]:
-        """What every transport answers the request in: at its end, however it ends, `finish`
-        (with the exception that left the block, or `self.error` for one the transport reported
-        in-band, such as a stream's error event) and the engine aborts what is unfinished, so
-        its pages return at once."""
+        """What every transport answers the request in: at its end, however it ends, its call
+        ends (with the exception that left the block, or `self.error` for one the transport
+        reported in-band, such as a stream's error event) and the engine aborts what is
+        unfinished, so its pages return at once."""
         error = None
         self._start_shadows()
         try:
@@ -283,9 +285,9 @@ class Generation:
             error = exc
             raise
         finally:
-            # Counted and logged first: a client that closes right after [DONE] cancels the
-            # handler here, and the await below would then raise before anything after it ran.
-            self.finish(self.error or error)
+            # Ended first: a client that closes right after [DONE] cancels the handler here,
+            # and the await below would then raise before anything after it ran.
+            self._end(self.error or error)
             await asyncio.shield(self.abort_unfinished())
 
     def _start_shadows(self) -> None:
@@ -293,51 +295,25 @@ class Generation:
             return
         self._primary_tokens = asyncio.get_running_loop().create_future()
         for lease in self.lease.shadows:
-            shadow.start(lease, self.parsed, self.params, self.serving.prompt_ids,
-                         self._primary_tokens, self.serving.max_queued_requests, self.id)
+            shadow.start(lease, self.parsed, self.params, self._primary_tokens, self.max_queued,
+                         self.id)
 
-    def finish(self, error: BaseException | None) -> None:
-        """The request ended (error None: answered in full): settle the tenant's reservation with
-        the tokens used, count it per tenant, write its access-log line. Once; later calls do
-        nothing."""
-        if self._finished:
-            return
-        self._finished = True
-        end = time.monotonic()
-        completion = sum(self.completion_tokens.values())
-        self.admission.settle(self.prompt_tokens + completion)
-        status = outcome(error)
-        usage = self.usage()
-        metrics = self.serving.metrics
-        if metrics is not None:
-            metrics.e2e.labels(*self.labels).observe(end - self.arrival)
-            metrics.record_request(self.tenant, status, self.prompt_tokens, completion,
-                                   usage.get("cost", 0.0), *self.labels)
-        ttft = None if self.first_token_at is None else round(self.first_token_at - self.arrival, 4)
-        self.lease.finish(error=version_fault(error), ttft=ttft, prompt_tokens=self.prompt_tokens,
-                          completion_tokens=completion)
+    def _end(self, error: BaseException | None) -> None:
+        """The request ended (error None: answered in full): its shadow copies get the tokens
+        to compare with, and its call its Outcome."""
         if self._primary_tokens is not None and not self._primary_tokens.done():
             self._primary_tokens.set_result(
                 None if error is not None else
                 [self.token_ids.get(i * self.n, []) for i in range(len(self.prepared))])
-        record = {
-            "request_id": self.id, "model": self.version.name, "route": self.route,
-            "kind": self.parsed.kind,
-            "transport": self.ctx.transport, "tenant": self.tenant,
-            "key_id": self.ctx.principal.key_id, "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion, "ttft_s": ttft,
-            "total_s": round(end - self.arrival, 4),
-            "finish_reasons": sorted(set(self.finish_reasons.values())), "status": status}
-        if self.serving.log_prompts:  # off by default: prompts may hold what users keep private
-            record["prompt"] = (self.parsed.prompts if self.screening is None else
-                                [self.screening.redact_pii(t)
-                                 for t in self.screening.prompt_texts])
-        access_log.info(json.dumps(record))
-        if self.serving.policy is not None:
-            self.serving.policy.record(
-                request_id=self.id, kind=self.parsed.kind, ctx=self.ctx, error=error,
-                model=self.parsed.model, version=self.version.name,
-                prompt_tokens=self.prompt_tokens,
-                completion_tokens=completion, cost=usage.get("cost"),
-                finish_reasons=[self.finish_reasons.get(i, "") for i in range(self.num_choices)],
-                screening=self.screening)
+        self.call.end(self._outcome(error), tenant_hold=self.admission, version_lease=self.lease)
+
+    def _outcome(self, error: BaseException | None) -> Outcome:
+        return Outcome(
+            self.id, self.ctx, error, kind=self.parsed.kind, model=self.parsed.model,
+            version=self.version.name, route=self.route, served=True,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=sum(self.completion_tokens.values()),
+            cost=self.usage().get("cost"),
+            finish_reasons=tuple(self.finish_reasons.get(i, "") for i in range(self.num_choices)),
+            first_token_at=self.first_token_at, screening=self.screening,
+            prompts=self.parsed.prompts)

@@ -3,7 +3,7 @@ and the offline batch runner all call this, so a response body is built in exact
 
 A request is parsed and tokenized once here and admitted on one path (admission.py); what it
 becomes is a `Generation` (generation.py): its engine requests, deltas, response or chunks,
-and its one end.
+and its one end. A request refused here ends its call here (calls.py).
 
 A chat with tools gets them in its prompt and its output parsed into `tool_calls`
 (entrypoints/serving/tool_output.py); a forced tool_choice becomes a grammar constraint. Every request
@@ -23,6 +23,7 @@ import dataclasses
 from typing import Any
 
 from jaxserve.config import RequestLimits
+from jaxserve.core.serving_engine import ServingEngine
 from jaxserve.errors import ContextLengthExceeded, EngineDead, EngineOverloaded, InvalidRequest
 from jaxserve.fleet.fleet import Fleet
 from jaxserve.fleet.versions import Lease
@@ -30,8 +31,10 @@ from jaxserve.gateway import Gateway
 from jaxserve.gateway.pricing import Pricing
 from jaxserve.entrypoints.serving import protocol
 from jaxserve.entrypoints.serving.admission import CallContext, admit, tenant_params
+from jaxserve.entrypoints.serving.calls import Call, Sinks
 from jaxserve.entrypoints.serving.generation import Generation
 from jaxserve.entrypoints.serving.generation_defaults import with_defaults
+from jaxserve.entrypoints.serving.outcome import Outcome
 from jaxserve.entrypoints.serving.tool_output import ToolCallOutput
 from jaxserve.tool_calling.choice import forced_tool_call
 from jaxserve.tool_calling.parsers import get_tool_parser
@@ -42,13 +45,15 @@ class OpenAIServing:
     and admits them (admission.py) on its engine, for every transport.
 
     `fleet`: the model versions and routes (serve --deployment). Without one, `engine` alone is
-    served as a fleet of one version named `model_name`, priced `pricing`."""
+    served as a fleet of one version named `model_name`, priced `pricing`. `sinks`: where its
+    calls' outcomes go (the HTTP app's, shared with its front door); default: `metrics`, the
+    access log and `policy`'s audit log."""
 
-    def __init__(self, engine, model_name: str, metrics=None, log_prompts: bool = False,
-                 rag=None, max_queued_requests: int | None = None,
+    def __init__(self, engine: ServingEngine | None, model_name: str, metrics=None, rag=None,
+                 max_queued_requests: int | None = None,
                  limits: RequestLimits = RequestLimits(), tool_call_parser: str = "hermes",
                  gateway: Gateway | None = None, pricing: Pricing | None = None,
-                 fleet: Fleet | None = None, policy=None):
+                 fleet: Fleet | None = None, policy=None, sinks: Sinks | None = None):
         if fleet is None:
             fleet = (Fleet.of_engine(model_name, engine, pricing=pricing) if engine is not None
                      else Fleet.empty())
@@ -59,7 +64,7 @@ class OpenAIServing:
         self.policy = policy  # a request_policy.RequestPolicy, or None: no policy, no audit
         self.model_name = model_name
         self.metrics = metrics
-        self.log_prompts = log_prompts
+        self.sinks = sinks if sinks is not None else Sinks(metrics, policy)
         self.rag = rag  # a jaxserve.rag.service.RagService, or None: no retrieval
         self.max_queued_requests = max_queued_requests  # None: no admission limit
         self.limits = limits
@@ -69,7 +74,7 @@ class OpenAIServing:
         """The context of a caller with no credentials: the open server's `default` tenant."""
         return CallContext(self.gateway.authenticate(None), transport=transport)
 
-    def engine_for(self, model: str):
+    def engine_for(self, model: str) -> ServingEngine:
         """The engine a request naming `model` would run on (for tokenize / detokenize): raises
         ModelNotFound for a name that is neither a route nor a ready version."""
         with self.fleet.select(model) as lease:
@@ -83,34 +88,30 @@ class OpenAIServing:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
                                  param=param)
 
-    async def prepare_async(self, kind: str, body: Any, ctx: CallContext) -> Generation:
+    async def prepare_async(self, kind: str, body: Any, ctx: CallContext,
+                            call: Call) -> Generation:
         """Everything that can fail before generation starts: a failure here is the client's
-        4xx (or 503 when the engine cannot take it), takes nothing from its tenant, and is
-        audited. The tenant's input rules run first (a classifier in its executor). A chat
-        with "rag" has its collection searched for the last user message (in an executor:
-        embedding and search block) and the results put into the prompt; the response then
-        carries "citations".
-
-        A request that fails here (or whose caller leaves meanwhile) gets its one audit
-        record here, naming the version chosen if it got that far; an admitted one gets it
-        from its Generation when it ends."""
+        4xx (or 503 when the engine cannot take it), takes nothing from its tenant, and ends
+        `call` here, naming the version chosen if it got that far. The tenant's input rules
+        run first (a classifier in its executor). A chat with "rag" has its collection
+        searched for the last user message (in an executor: embedding and search block) and
+        the results put into the prompt; the response then carries "citations". An admitted
+        request's call ends with its Generation."""
         parsed = lease = None
         try:
             parsed = self._parse(kind, body, ctx)
             lease = self.fleet.select(parsed.model, user=parsed.user,
                                       api_key=ctx.principal.key_id)
-            return await self._prepare(kind, body, parsed, ctx, lease)
-        except BaseException as e:
-            if lease is not None:
-                lease.__exit__(None, None, None)  # releases it and its shadow copies
-            if self.policy is not None:
-                self.policy.record(request_id=protocol.new_id("req"), kind=kind, ctx=ctx,
-                                   error=e, model=parsed.model if parsed is not None else None,
-                                   version=lease.version.name if lease is not None else None)
+            return await self._prepare(kind, body, parsed, ctx, lease, call)
+        except BaseException as e:  # refused, or its caller left meanwhile
+            call.end(Outcome(protocol.new_id("req"), ctx, e, kind=kind,
+                             model=parsed.model if parsed is not None else None,
+                             version=lease.version.name if lease is not None else None),
+                     version_lease=lease)
             raise
 
     async def _prepare(self, kind: str, body: Any, parsed: protocol.ParsedRequest,
-                       ctx: CallContext, lease: Lease) -> Generation:
+                       ctx: CallContext, lease: Lease, call: Call) -> Generation:
         defaults = lease.version.generation_defaults
         if defaults:  # parsed again: the defaults go through the same checks as the body
             parsed = self._parse_body(kind, with_defaults(body, kind, defaults))
@@ -133,8 +134,8 @@ class OpenAIServing:
         parsed, tool_output = self._tools(parsed)
         if parsed.sampling_params.structured_outputs is not None:  # its grammar compiles
             return await asyncio.get_running_loop().run_in_executor(
-                None, self._start, parsed, ctx, lease, citations, tool_output, screening)
-        return self._start(parsed, ctx, lease, citations, tool_output, screening)
+                None, self._start, parsed, ctx, lease, call, citations, tool_output, screening)
+        return self._start(parsed, ctx, lease, call, citations, tool_output, screening)
 
     def _parse_body(self, kind: str, body: Any) -> protocol.ParsedRequest:
         parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
@@ -147,11 +148,11 @@ class OpenAIServing:
         self.gateway.check(ctx.principal, parsed.model)
         return parsed
 
-    def _start(self, parsed: protocol.ParsedRequest, ctx: CallContext, lease: Lease,
+    def _start(self, parsed: protocol.ParsedRequest, ctx: CallContext, lease: Lease, call: Call,
                citations: list[dict] | None, tool_output: ToolCallOutput,
                screening=None) -> Generation:
         engine = lease.version.engine
-        prompt_ids = [self.prompt_ids(engine.tokenizer, parsed, p) for p in parsed.prompts]
+        prompt_ids = [protocol.prompt_ids(engine.tokenizer, parsed, p) for p in parsed.prompts]
         params = self._fit_context(engine, parsed, prompt_ids)
         if not engine.is_running:
             raise EngineDead("the engine is not running; the server cannot generate")
@@ -166,8 +167,9 @@ class OpenAIServing:
         admission, prepared = admit(engine, self.gateway, ctx,
                                     [f"{gen_id}-{i}" for i in range(len(prompt_ids))],
                                     prompt_ids, params, self.max_queued_requests)
-        return Generation(self, gen_id, parsed, prepared, admission, ctx, lease, citations,
-                          tool_output, screening)
+        return Generation(gen_id, parsed, prepared, admission, ctx, lease, call,
+                          metrics=self.metrics, max_queued=self.max_queued_requests,
+                          citations=citations, tool_output=tool_output, screening=screening)
 
     def _tools(self, parsed: protocol.ParsedRequest
                ) -> tuple[protocol.ParsedRequest, ToolCallOutput]:
@@ -189,16 +191,8 @@ class OpenAIServing:
         return parsed, ToolCallOutput(self.tool_parser)
 
     @staticmethod
-    def prompt_ids(tokenizer, parsed: protocol.ParsedRequest, prompt) -> list[int]:
-        """Tokenized once, here, by the version's tokenizer; the engine's `prepare` checks the
-        ids (empty, vocabulary, context)."""
-        if parsed.kind == "chat":
-            return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
-                                                      tools=parsed.tools))
-        return list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
-
-    @staticmethod
-    def _fit_context(engine, parsed: protocol.ParsedRequest, prompt_ids: list[list[int]]):
+    def _fit_context(engine: ServingEngine, parsed: protocol.ParsedRequest,
+                     prompt_ids: list[list[int]]):
         """OpenAI's rule: prompt + max_tokens within the context (the engine alone would cut the
         completion at the context instead). A chat request without max_tokens keeps None: the
         engine gives it the rest of the context, or what the KV pool can hold."""

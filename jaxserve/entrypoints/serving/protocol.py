@@ -123,6 +123,16 @@ def parse_completion_request(body: Any, limits: RequestLimits = _DEFAULT_LIMITS
                          continuous_usage=_continuous_usage(req), user=req.user)
 
 
+def prompt_ids(tokenizer, parsed: ParsedRequest, prompt) -> list[int]:
+    """One prompt of `parsed` as token ids, tokenized once by the tokenizer of the version that
+    runs it (a shadow copy's by its own); the engine's `prepare` checks the ids (empty,
+    vocabulary, context)."""
+    if parsed.kind == "chat":
+        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                  tools=parsed.tools))
+    return list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

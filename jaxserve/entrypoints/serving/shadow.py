@@ -17,6 +17,7 @@ import logging
 
 from jaxserve.errors import JaxServeError, version_fault
 from jaxserve.core.request import QoS, ServiceClass
+from jaxserve.entrypoints.serving import protocol
 
 log = logging.getLogger("jaxserve.shadow")
 
@@ -37,23 +38,22 @@ def _greedy(params) -> bool:
     return params.temperature == 0 and params.n == 1
 
 
-def start(lease, parsed, params, prompt_ids_of, primary_tokens: asyncio.Future,
-          max_queued: int | None, request_id: str) -> None:
-    """Run one shadow copy in the background. `prompt_ids_of(tokenizer, parsed, prompt)`
-    tokenizes a prompt for the shadow's own tokenizer; `primary_tokens` resolves to the
-    primary's token ids per prompt once it answered in full (None when it did not)."""
-    task = asyncio.ensure_future(_run(lease, parsed, params, prompt_ids_of, primary_tokens,
-                                      max_queued, request_id))
+def start(lease, parsed, params, primary_tokens: asyncio.Future, max_queued: int | None,
+          request_id: str) -> None:
+    """Run one shadow copy in the background, its prompts tokenized by the shadow version's own
+    tokenizer. `primary_tokens` resolves to the primary's token ids per prompt once it answered
+    in full (None when it did not)."""
+    task = asyncio.ensure_future(_run(lease, parsed, params, primary_tokens, max_queued,
+                                      request_id))
     _TASKS.add(task)
     task.add_done_callback(_TASKS.discard)
 
 
-async def _run(lease, parsed, params, prompt_ids_of, primary_tokens, max_queued,
-               request_id) -> None:
+async def _run(lease, parsed, params, primary_tokens, max_queued, request_id) -> None:
     engine = lease.version.engine
     outputs: list[list[int]] = []
     try:
-        prompt_ids = [prompt_ids_of(engine.tokenizer, parsed, p) for p in parsed.prompts]
+        prompt_ids = [protocol.prompt_ids(engine.tokenizer, parsed, p) for p in parsed.prompts]
         params = engine.fit_kv_pool([len(p) for p in prompt_ids], params)
         qos = QoS(priority=SHADOW_PRIORITY, tenant="shadow")
 
