@@ -34,10 +34,11 @@ class ScriptedEngine:
         self.gate.set()
         self.hang = threading.Event()
 
-    def prepare(self, request_id, prompt, params, priority=0, *, qos=None) -> PreparedRequest:
+    def prepare(self, request_id, prompt, params, priority=0, *, qos=None,
+                fitted=False) -> PreparedRequest:
         return PreparedRequest(request_id, None, [1], params or SamplingParams())
 
-    def add_request(self, request_id, *, prepared: PreparedRequest) -> None:
+    def add_prepared(self, prepared: PreparedRequest) -> None:
         self.log.append(("add", prepared.params.n))
         self.pending.append(prepared)
 

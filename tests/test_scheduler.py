@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from jaxserve.executor.batch_plan import next_power_of_two, pages_for
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.errors import ConfigError, ContextLengthExceeded, InvalidRequest
+from jaxserve.errors import ConfigError
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 
@@ -400,14 +400,15 @@ def test_a_request_outgrowing_max_model_len_ends_with_length():
     assert run.requests["a"].output_token_ids == reference(prompt(1, 6), 3)
 
 
-def test_add_request_validation():
+def test_add_request_invariants():
+    """The engine checks requests once (test_engine); here they are assertions."""
     run = make(max_model_len=8)
     run.add(Request("a", [1, 2]), 1)
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(AssertionError):
         run.sched.add_request(Request("a", [3]))
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(AssertionError):
         run.sched.add_request(Request("empty", []))
-    with pytest.raises(ContextLengthExceeded):
+    with pytest.raises(AssertionError):
         run.sched.add_request(Request("long", list(range(9))))
     assert run.sched.stats().num_waiting == 1
 
@@ -417,7 +418,7 @@ def test_add_requests_is_all_or_nothing_and_keeps_arrival_order():
     run.sched.add_requests([Request("a", [1]), Request("b", [2])])
     for bad in ([Request("c", [1]), Request("c", [2])], [Request("d", [1]), Request("a", [2])],
                 [Request("e", [1]), Request("f", [])]):
-        with pytest.raises(InvalidRequest):
+        with pytest.raises(AssertionError):
             run.sched.add_requests(bad)
     assert run.sched.stats().num_waiting == 2
     run.sched.add_requests([Request(f"n{i}", [3]) for i in range(3)])

@@ -175,15 +175,16 @@ class AsyncEngine:
             self._unadded -= over
             self._wake.notify()
 
-    def fit_kv_pool(self, prompt_lens: Sequence[int], params: SamplingParams) -> SamplingParams:
-        """LLMEngine.fit_kv_pool (a pure check: safe from any thread)."""
-        return self.engine.fit_kv_pool(prompt_lens, params)
+    def check_fits(self, prompt_lens: Sequence[int], params: SamplingParams) -> SamplingParams:
+        """LLMEngine.check_fits (a pure check: safe from any thread)."""
+        return self.engine.check_fits(prompt_lens, params)
 
     def prepare(self, request_id: str, prompt, params: SamplingParams | None = None,
-                priority: int = 0, *, qos: QoS | None = None) -> PreparedRequest:
+                priority: int = 0, *, qos: QoS | None = None,
+                fitted: bool = False) -> PreparedRequest:
         """Validate a request on the caller's thread (LLMEngine.prepare): the errors a client
         gets before anything is queued."""
-        return self.engine.prepare(request_id, prompt, params, priority, qos=qos)
+        return self.engine.prepare(request_id, prompt, params, priority, qos=qos, fitted=fitted)
 
     async def generate(self, prompt=None, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0, *,
@@ -202,8 +203,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         stream = self._streams[request_id] = _Stream(asyncio.get_running_loop())
-        self._submit(lambda: self.engine.add_request(request_id, prepared=prepared), request_id,
-                     prepared.params.n)
+        self._submit(lambda: self.engine.add_prepared(prepared), request_id, prepared.params.n)
         finished = False
         try:
             while True:

@@ -120,11 +120,14 @@ class LLMEngine:
 
     def prepare(self, request_id: str, prompt: str | dict | Sequence[int],
                 params: SamplingParams | None = None, priority: int = 0, *,
-                qos: QoS | None = None) -> PreparedRequest:
+                qos: QoS | None = None, fitted: bool = False) -> PreparedRequest:
         """Validate a request without touching engine state: InvalidRequest or
         ContextLengthExceeded for anything that could never run (a structured-output constraint
         is compiled here, on the caller's thread). `qos` (tenant, class, weight, deadlines) comes
-        from the gateway; without it, `priority` alone (lower first)."""
+        from the gateway; without it, `priority` alone (lower first). The prompt is checked
+        against the context and the KV pool (`check_fits`) unless `fitted`: params come from
+        check_fits over the whole request this prompt belongs to (the serving path checks all of
+        a request's prompts at once)."""
         if qos is None:
             qos = QoS(priority=priority)
         elif priority not in (0, qos.priority):
@@ -141,11 +144,8 @@ class LLMEngine:
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
                                  "prompt")
-        max_len = self.max_model_len
-        if len(ids) > max_len:
-            raise ContextLengthExceeded(
-                f"the prompt has {len(ids)} tokens but max_model_len is {max_len}", "prompt")
-        params = self.fit_kv_pool([len(ids)], params)
+        if not fitted:
+            params = self.check_fits([len(ids)], params)
         grammar = (self.grammars.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         return PreparedRequest(request_id, text, ids, params, qos, grammar)
@@ -155,18 +155,23 @@ class LLMEngine:
         """Usable pages of the KV pool (the null page excluded)."""
         return self.runner.num_pages - 1
 
-    def fit_kv_pool(self, prompt_lens: Sequence[int], params: SamplingParams) -> SamplingParams:
-        """Check a request of several prompts, each run `params.n` times, against what the KV pool
-        can ever hold: all its sequences at their longest at once, so one request can never ask
-        for more than the whole pool (ContextLengthExceeded at once, never a queue forever).
-        A missing max_tokens becomes as many as the context and the sequences' even share of the
-        pool allow. Returns params with max_tokens set."""
+    def check_fits(self, prompt_lens: Sequence[int], params: SamplingParams) -> SamplingParams:
+        """The one check that a request of several prompts, each run `params.n` times, can ever
+        run: every prompt within max_model_len, and all its sequences at their longest at once
+        within the KV pool, so one request can never ask for more than the whole pool
+        (ContextLengthExceeded at once, never a queue forever). A missing max_tokens becomes as
+        many as the context and the sequences' even share of the pool allow. Returns params with
+        max_tokens set. Reads only the configs: safe from any thread."""
         page_size, pool = self.config.cache.page_size, self.num_usable_pages
         max_len = self.max_model_len
+        longest = max(prompt_lens, default=0)
+        if longest > max_len:
+            raise ContextLengthExceeded(
+                f"the prompt has {longest} tokens but max_model_len is {max_len}", "prompt")
         seqs = params.n * len(prompt_lens)
         if params.max_tokens is None:
             share = pool // seqs * page_size
-            params = params.replace(max_tokens=max(1, min(max_len, share) - max(prompt_lens)))
+            params = params.replace(max_tokens=max(1, min(max_len, share) - longest))
         pages = params.n * sum(pages_for(min(p + params.max_tokens, max_len), page_size)
                                for p in prompt_lens)
         if pages > pool:
@@ -199,6 +204,12 @@ class LLMEngine:
         if prepared.request_id in self.output_processor.groups:
             raise InvalidRequest(f"request id {prepared.request_id!r} is already in use",
                                  "request_id")
+        self.add_prepared(prepared)
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        """Queue a prepared request whose id its caller has checked is not in use (AsyncEngine:
+        its open streams)."""
+        assert prepared.request_id not in self.output_processor.groups, "request ids are unique"
         group = self.output_processor.new_group(prepared)
         # The n sequences enter the scheduler's queue in one step.
         self.scheduler.add_requests([seq.request for seq in group.seqs])

@@ -111,12 +111,14 @@ class ReplicaSet:
         raise EngineOverloaded(f"the request queue is full ({sum(queued)} sequences wait for a "
                                f"slot); retry later", OVERLOADED_RETRY_AFTER_S)
 
-    def fit_kv_pool(self, prompt_lens: Sequence[int], params: SamplingParams) -> SamplingParams:
-        return self.replicas[0].fit_kv_pool(prompt_lens, params)
+    def check_fits(self, prompt_lens: Sequence[int], params: SamplingParams) -> SamplingParams:
+        return self.replicas[0].check_fits(prompt_lens, params)
 
     def prepare(self, request_id: str, prompt, params: SamplingParams | None = None,
-                priority: int = 0, *, qos: QoS | None = None) -> PreparedRequest:
-        return self.replicas[0].prepare(request_id, prompt, params, priority, qos=qos)
+                priority: int = 0, *, qos: QoS | None = None,
+                fitted: bool = False) -> PreparedRequest:
+        return self.replicas[0].prepare(request_id, prompt, params, priority, qos=qos,
+                                        fitted=fitted)
 
     def route(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """The index of the replica a prompt goes to (see jaxserve.core.replica_routing)."""

@@ -46,7 +46,7 @@ import numpy as np
 from jaxserve.executor.batch_plan import BatchPlan, SeqChunk, StepShapes, make_plan
 from jaxserve.core.cache import KVCacheManager
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.errors import ConfigError, ContextLengthExceeded, InvalidRequest
+from jaxserve.errors import ConfigError
 from jaxserve.core.fair_queue import FairQueue
 from jaxserve.core.request import Request, RequestStatus
 
@@ -153,18 +153,13 @@ class Scheduler:
 
     def add_requests(self, requests: list[Request]) -> None:
         """Queue requests (e.g. the n sequences of one API request) in one step, all or none;
-        each costs the fair queue's O(log T), whatever the queue's length."""
+        each costs the fair queue's O(log T), whatever the queue's length. The engine checked
+        them once (LLMEngine.prepare, add_request): unique ids and a non-empty prompt within
+        max_model_len are invariants here."""
         ids = {r.request_id for r in requests}
-        for request in requests:
-            if request.request_id in self._requests or len(ids) < len(requests):
-                raise InvalidRequest(f"request id {request.request_id!r} is already in use",
-                                     "request_id")
-            if not request.prompt_token_ids:
-                raise InvalidRequest("the prompt must contain at least one token", "prompt")
-            if request.num_tokens > self.config.max_model_len:
-                raise ContextLengthExceeded(
-                    f"the request has {request.num_tokens} tokens but max_model_len is "
-                    f"{self.config.max_model_len}", "prompt")
+        assert len(ids) == len(requests) and ids.isdisjoint(self._requests), "ids in use"
+        assert all(r.prompt_token_ids and r.num_tokens <= self.config.max_model_len
+                   for r in requests), "a prompt the engine refuses"
         for request in requests:
             request.status = RequestStatus.WAITING
             self._requests[request.request_id] = request

@@ -39,13 +39,15 @@ class ServingEngine(Protocol):
         """The queue limit, before a request of num_seqs sequences is generated: sheds less
         important never-started work, or raises EngineOverloaded."""
 
-    def fit_kv_pool(self, prompt_lens: Sequence[int], params: SamplingParams) -> SamplingParams:
-        """`params` with max_tokens fitted to the KV pool (a pure check, any thread)."""
+    def check_fits(self, prompt_lens: Sequence[int], params: SamplingParams) -> SamplingParams:
+        """The request's prompts against the context and the KV pool, once; `params` with
+        max_tokens fitted to the pool (a pure check, any thread)."""
 
     def prepare(self, request_id: str, prompt, params: SamplingParams | None = None,
-                priority: int = 0, *, qos: QoS | None = None) -> PreparedRequest:
+                priority: int = 0, *, qos: QoS | None = None,
+                fitted: bool = False) -> PreparedRequest:
         """Validate a request on the caller's thread: the errors a client gets before anything
-        is queued."""
+        is queued (`fitted`: params come from check_fits over the whole request)."""
 
     def generate(self, prompt=None, params: SamplingParams | None = None,
                  request_id: str | None = None, priority: int = 0, *,

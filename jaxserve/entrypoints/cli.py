@@ -100,19 +100,16 @@ def check_args(args) -> None:
 
 
 def prompt_ids(args, tokenizer) -> list[int]:
+    """The prompt's token ids, unchecked: LLM.generate prepares them as it does any prompt."""
     if args.prompt_token_ids is not None:
         return parse_token_ids(args.prompt_token_ids)
-    if args.chat:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                                 add_generation_prompt=True)
-        # The rendered template holds its own special tokens: encode without adding BOS again.
-        ids = (tokenizer.encode(rendered, add_special_tokens=False) if isinstance(rendered, str)
-               else list(rendered))
-    else:
-        ids = tokenizer.encode(args.prompt)
-    if not ids:
-        raise InvalidRequest("the prompt encodes to no tokens", param="prompt")
-    return ids
+    if not args.chat:
+        return tokenizer.encode(args.prompt)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                             add_generation_prompt=True)
+    # The rendered template holds its own special tokens: encode without adding BOS again.
+    return (tokenizer.encode(rendered, add_special_tokens=False) if isinstance(rendered, str)
+            else list(rendered))
 
 
 def cmd_generate(args) -> int:

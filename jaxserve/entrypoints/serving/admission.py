@@ -1,5 +1,5 @@
 """The one admission path every transport's requests take, after the body is parsed and tokenized
-once (openai_serving): the engine's checks of each prompt (`prepare`: empty, vocabulary, context),
+once (openai_serving): the engine's checks of each prompt (`prepare`: empty, vocabulary),
 the tenant's limits (gateway: 429), the engine's queue (503, or a less important request shed in
 its place), then the QoS (class, share, deadlines) stamped on each prepared request.
 
@@ -47,11 +47,12 @@ def tenant_params(principal: Principal, params: SamplingParams,
 def admit(engine: ServingEngine, gateway: Gateway, ctx: CallContext,
           request_ids: Sequence[str], prompt_ids: Sequence[list[int]], params: SamplingParams,
           max_queued: int | None) -> tuple[Admission, list]:
-    """(the tenant's Admission, one PreparedRequest per prompt carrying its QoS). Raises, having
+    """(the tenant's Admission, one PreparedRequest per prompt carrying its QoS); `params` come
+    from the engine's check_fits over all the prompts, so no prompt is fitted again. Raises, having
     taken nothing from the tenant's limits, InvalidRequest / ContextLengthExceeded (400),
     RateLimitExceeded (429) or EngineOverloaded (503). The caller settles the Admission on every
     terminal path."""
-    prepared = [engine.prepare(rid, {"prompt_token_ids": ids}, params)
+    prepared = [engine.prepare(rid, {"prompt_token_ids": ids}, params, fitted=True)
                 for rid, ids in zip(request_ids, prompt_ids)]
     admission = gateway.admit(ctx.principal, [len(ids) for ids in prompt_ids],
                               params.max_tokens, params.n, ctx.timeout_s, ctx.arrival)

@@ -159,9 +159,9 @@ class OpenAIServing:
         if engine.is_stalled:  # a request now would only wait for nothing
             raise EngineOverloaded("the engine has made no progress for a while (see GET "
                                    "/ready); retry later")
-        # The whole request against the KV pool, before a stream's headers go out, so it is still
-        # a 400 and not an error inside a 200 stream.
-        params = engine.fit_kv_pool([len(p) for p in prompt_ids], params)
+        # The whole request against the context and the KV pool, once, before a stream's headers
+        # go out, so it is still a 400 and not an error inside a 200 stream.
+        params = engine.check_fits([len(p) for p in prompt_ids], params)
         params = tenant_params(ctx.principal, params, parsed.max_tokens_given)
         gen_id = protocol.new_id("chatcmpl" if parsed.kind == "chat" else "cmpl")
         admission, prepared = admit(engine, self.gateway, ctx,

@@ -54,12 +54,12 @@ async def _run(lease, parsed, params, primary_tokens, max_queued, request_id) ->
     outputs: list[list[int]] = []
     try:
         prompt_ids = [protocol.prompt_ids(engine.tokenizer, parsed, p) for p in parsed.prompts]
-        params = engine.fit_kv_pool([len(p) for p in prompt_ids], params)
+        params = engine.check_fits([len(p) for p in prompt_ids], params)
         qos = QoS(priority=SHADOW_PRIORITY, tenant="shadow")
 
         def prepare() -> list:
             return [engine.prepare(f"{request_id}-shadow-{lease.version.name}-{i}",
-                                   {"prompt_token_ids": ids}, params, qos=qos)
+                                   {"prompt_token_ids": ids}, params, qos=qos, fitted=True)
                     for i, ids in enumerate(prompt_ids)]
 
         # A constraint's grammar compiles here, for this version's tokenizer (one its vocabulary
