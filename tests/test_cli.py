@@ -229,7 +229,7 @@ def test_generate_with_cpu_kernels_off_logs_the_xla_paths(tmp_path, capsys, capl
     # built, and the engine logs the paths it takes.
     import logging
 
-    monkeypatch.delenv("JAXSERVE_CPU_KERNELS", raising=False)  # restored after the test
+    monkeypatch.setenv("JAXSERVE_CPU_KERNELS", "auto")  # restored (unset) after the test
     caplog.set_level(logging.INFO, logger="jaxserve.executor.runner")
     jax.clear_caches()
     path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields)
