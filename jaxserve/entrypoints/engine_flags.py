@@ -54,8 +54,8 @@ def add_deployment_arguments(parser: argparse.ArgumentParser) -> None:
     routes of a deployment file; `check_model_or_deployment` checks one was given."""
     add_engine_arguments(parser, model_required=False)
     parser.add_argument("--deployment", type=Path, default=None, metavar="FILE",
-                        help="the model versions and routes of this TOML file (README 'Model "
-                             "versions'; in place of --model, whose engine flags then do not "
+                        help="the model versions and routes of this TOML file (docs/fleet.md; "
+                             "in place of --model, whose engine flags then do not "
                              "apply: each version has its own); a request's 'model' names a "
                              "route or a version")
 

@@ -92,7 +92,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         limits.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default,
                             help=f"{_LIMIT_HELP[f.name]} (default: %(default)s)")
     parser.add_argument("--tenants", type=Path, default=None, metavar="FILE",
-                        help="tenants, API keys, limits and classes (TOML; README 'Tenants'); "
+                        help="tenants, API keys, limits and classes (TOML; docs/tenants.md); "
                              "every route but /health, /ready, /metrics and /openapi.json then "
                              "needs 'Authorization: Bearer KEY' (default: one open tenant)")
     parser.add_argument("--idempotency-ttl", type=float, default=_DEFAULTS.idempotency_ttl_s,
@@ -113,11 +113,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     """--policy and --audit-log (serve and batch alike)."""
     parser.add_argument("--policy", type=Path, default=None, metavar="FILE",
-                        help="content policy packs (TOML; README 'Content policy'): a tenant uses "
-                             "its `policy` pack, others the pack `default` (default: none)")
+                        help="content policy packs (TOML; docs/policy-and-audit.md): a tenant "
+                             "uses its `policy` pack, others the pack `default` (default: none)")
     parser.add_argument("--audit-log", type=Path, default=None, metavar="DIR",
-                        help="write one hash-chained JSON line per request to DIR (README 'Audit "
-                             "log'; check it with `jaxserve audit verify DIR`)")
+                        help="write one hash-chained JSON line per request to DIR "
+                             "(docs/policy-and-audit.md; check it with "
+                             "`jaxserve audit verify DIR`)")
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
