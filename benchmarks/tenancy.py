@@ -6,9 +6,9 @@ request ended exactly once and no KV page leaked.
 
     python benchmarks/tenancy.py [--model smollm2-135m-instruct] [--seconds 30] [--flood 3]
 
-The server is the real HTTP app (jaxserve.entrypoints.http.app) with a tenants file, in this process on its
-own event loop and thread; the clients are aiohttp streams on another. Baseline and flood run in
-the same process, one after the other, on the same engine.
+The server is the real HTTP app (jaxserve.entrypoints.http.app) with a tenants file, in this process
+on its own event loop and thread; the clients are aiohttp streams on another. Baseline and flood run
+in the same process, one after the other, on the same engine.
 """
 
 from __future__ import annotations

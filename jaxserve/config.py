@@ -180,8 +180,8 @@ class ServerConfig:
     engine_stall_timeout: float = 60.0
     # SIGTERM: in-flight requests get this long to finish, then are aborted.
     shutdown_timeout: float = 20.0
-    # How chat output with tools is read (jaxserve.tool_calling.parsers; "hermes" matches the built-in
-    # tool prompt of templates that do not render tools themselves).
+    # How chat output with tools is read (jaxserve.tool_calling.parsers; "hermes" matches the
+    # built-in tool prompt of templates that do not render tools themselves).
     tool_call_parser: str = "hermes"
     tenants_file: str | None = None  # --tenants: None serves one open tenant, `default`
     idempotency_ttl_s: float = 24 * 3600.0  # how long an Idempotency-Key's response is kept

@@ -1,5 +1,5 @@
-"""The step shapes derived from the configs (jaxserve.executor.batch_plan.StepShapes): token buckets from
-min_token_bucket, the sequence and logits rows of each, and the room speculation may fill."""
+"""The step shapes derived from the configs (jaxserve.executor.batch_plan.StepShapes): token buckets
+from min_token_bucket, the sequence and logits rows of each, and the room speculation may fill."""
 
 from __future__ import annotations
 

@@ -297,7 +297,7 @@ def test_batch_cli_ctrl_c_resume_golden_and_tools_script(smollm2_path, smollm2_g
     args = ["--model", SMOLLM2, "--input", str(inp), "--output", str(out), "--max-model-len",
             "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--num-pages", "64",
             "--min-token-bucket", "16"]
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.entrypoints.cli", "batch", *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve", "batch", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _read_lines_until(out, 1, proc, deadline_s=300)

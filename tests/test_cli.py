@@ -22,7 +22,7 @@ SMOLLM2 = "smollm2-135m-instruct"
 
 
 def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jaxserve.entrypoints.cli", *args], cwd=ROOT, env=dict(os.environ),
+    return subprocess.run([sys.executable, "-m", "jaxserve", *args], cwd=ROOT, env=dict(os.environ),
                           capture_output=True, text=True, timeout=timeout)
 
 

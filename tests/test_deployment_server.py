@@ -92,7 +92,7 @@ def test_a_malformed_deployment_file_is_one_error_naming_the_field(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text(DEPLOYMENT.replace('sticky = "user"', 'sticky = "cookie"'))
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--deployment", str(bad), "--port", "0",
+        [sys.executable, "-m", "jaxserve", "serve", "--deployment", str(bad), "--port", "0",
          "--no-rag"], cwd=ROOT, env=dict(os.environ), capture_output=True, text=True,
         timeout=300)
     assert proc.returncode == 1
@@ -100,7 +100,7 @@ def test_a_malformed_deployment_file_is_one_error_naming_the_field(tmp_path):
     assert len(errors) == 1 and "route.smollm2.sticky" in errors[0] and str(bad) in errors[0], \
         proc.stderr[-2000:]
     both = subprocess.run(
-        [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--deployment", str(bad), "--model",
+        [sys.executable, "-m", "jaxserve", "serve", "--deployment", str(bad), "--model",
          SMOLLM2, "--port", "0", "--no-rag"], cwd=ROOT, env=dict(os.environ),
         capture_output=True, text=True, timeout=300)
     assert both.returncode == 1 and "either --model" in both.stderr

@@ -1,9 +1,9 @@
 """The gRPC front end (jaxserve.v1) end to end: a real grpc.aio server on a free localhost port over
-the real engine, called through jaxserve.entrypoints.client (asyncio and blocking). Streamed deltas joining to
-the engine's own output, token-id prompts, sampling fields and seeds, every error's status code,
-deadline expiry and client cancellation aborting the engine request (pages back in the pool),
-ListModels, health, reflection as a generic tool uses it, golden greedy output and 16 concurrent
-streams on SmolLM2, and `jaxserve serve --grpc-port` as a subprocess."""
+the real engine, called through jaxserve.entrypoints.client (asyncio and blocking). Streamed deltas
+joining to the engine's own output, token-id prompts, sampling fields and seeds, every error's
+status code, deadline expiry and client cancellation aborting the engine request (pages back in the
+pool), ListModels, health, reflection as a generic tool uses it, golden greedy output and 16
+concurrent streams on SmolLM2, and `jaxserve serve --grpc-port` as a subprocess."""
 
 from __future__ import annotations
 

@@ -344,7 +344,7 @@ class Group:
         group = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
         self.follower_log = (log_dir / "follower.log").open("w")
         self.follower = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--model", model, *flags, *group,
+            [sys.executable, "-m", "jaxserve", "serve", "--model", model, *flags, *group,
              "--process-id", "1"], cwd=ROOT, env=devices_env(2), stdout=self.follower_log,
             stderr=subprocess.STDOUT)
         self.leader_log = (log_dir / "leader.log").open("w")

@@ -10,7 +10,8 @@ import pytest
 
 from jaxserve.errors import InvalidRequest
 from jaxserve.entrypoints.serving.request_models import request_models
-from jaxserve.entrypoints.serving.responses import ResponseEvents, ResponseObject, chat_body, rename_param
+from jaxserve.entrypoints.serving.responses import (ResponseEvents, ResponseObject, chat_body,
+                                                    rename_param)
 from jaxserve.entrypoints.serving.tool_output import ToolCallOutput
 from jaxserve.entrypoints.serving.validation import validate
 from jaxserve.tool_calling.parsers import get_tool_parser

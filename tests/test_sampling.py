@@ -77,7 +77,8 @@ def test_sequence_seeds():
 
 
 def test_parsing_a_request_imports_no_jax():
-    code = ("import sys, jaxserve.core.sampling_params, jaxserve.entrypoints.serving.protocol, jaxserve.structured; "
+    code = ("import sys, jaxserve.core.sampling_params, jaxserve.entrypoints.serving.protocol, "
+            "jaxserve.structured; "
             "print('jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

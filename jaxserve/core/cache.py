@@ -121,7 +121,8 @@ class KVCacheManager:
         """How many leading pages of a prompt (its chained page hashes) are indexed now.
 
         Safe from another thread: each test is one dict lookup, atomic in CPython, and the answer
-        may be a step stale. A routing hint (jaxserve.core.replicas), never an admission decision."""
+        may be a step stale. A routing hint (jaxserve.core.replicas), never an
+        admission decision."""
         n = 0
         while n < len(page_hashes) and page_hashes[n] in self._hash_to_page:
             n += 1

@@ -54,7 +54,8 @@ _LIMIT_HELP = {
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from jaxserve.entrypoints.engine_flags import add_deployment_arguments, add_distributed_arguments
+    from jaxserve.entrypoints.engine_flags import (add_deployment_arguments,
+                                                   add_distributed_arguments)
 
     add_deployment_arguments(parser)
     parser.add_argument("--admin-key", default=None, metavar="KEY",

@@ -18,9 +18,9 @@ looks programs up, so a shape that was not warmed cannot compile silently: with 
 `CompileDuringServing`; otherwise it is compiled, logged and counted (`num_serving_compiles`).
 
 Tensor parallel (a mesh): every program is jitted with explicit in/out shardings. Params and the
-KV cache keep their sharding (jaxserve.executor.sharding) in and out, the cache is donated, and plans,
-sampler inputs and logits are replicated, so a step moves no weights and never gathers the cache.
-The shapes every program is compiled for come from `StepShapes`, which the scheduler pads to.
+KV cache keep their sharding (jaxserve.executor.sharding) in and out, the cache is donated, and
+plans, sampler inputs and logits are replicated, so a step moves no weights and never gathers the
+cache. The shapes every program is compiled for come from `StepShapes`, which the scheduler pads to.
 """
 
 from __future__ import annotations

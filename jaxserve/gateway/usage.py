@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from jaxserve.gateway.pricing import Pricing, parse_pricing, pricing_for  # noqa: F401 - the gateway's API
+from jaxserve.gateway.pricing import (Pricing, parse_pricing,  # noqa: F401 - the gateway's API
+                                      pricing_for)  # noqa: F401
 
 
 def with_cost(usage: dict, pricing: Pricing | None) -> dict:

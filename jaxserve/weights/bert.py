@@ -1,4 +1,5 @@
-"""HF BERT directories (config.json + model.safetensors) -> the tree of jaxserve.executor.models.bert."""
+"""HF BERT directories (config.json + model.safetensors) -> the tree of
+jaxserve.executor.models.bert."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """HF checkpoint names -> jaxserve's parameter tree; every source format goes through here.
 
 HF stores torch Linear weights as [out, in]; the model wants [in, out] with the head axes split out
-(see jaxserve.executor.models.llama). Loaders hand tensors by HF name, so GGUF only has to rename its own.
+(see jaxserve.executor.models.llama). Loaders hand tensors by HF name, so GGUF only has to rename
+its own.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """int8 weight storage (ModelConfig.quantization "int8"), applied to loaded host weights.
 
-Each decoder projection (jaxserve.executor.models.llama.PROJECTIONS) becomes uint8 codes of its shape and,
-per group of INT8_GROUP rows of its flattened contraction axes and per output channel, an f32
-scale and minimum: w ~= code * scale + min, scale = (max - min) / 255 over the group. The model
+Each decoder projection (jaxserve.executor.models.llama.PROJECTIONS) becomes uint8 codes of its
+shape and, per group of INT8_GROUP rows of its flattened contraction axes and per output channel, an
+f32 scale and minimum: w ~= code * scale + min, scale = (max - min) / 255 over the group. The model
 dequantizes a layer inside the step, so a decode step reads a quarter of the f32 bytes.
 
 Why asymmetric groups of 32: a Q4_1 (or Q4_0) GGUF block is 32 input rows holding 16 levels from

@@ -2,8 +2,8 @@
 
 `add_admin_routes(app, fleet, admin_key)` registers (before the server starts; `fleet` may
 follow with `set_admin_fleet` once it is loaded, and until then the routes answer 503), on the app
-built by
-`jaxserve.entrypoints.http.app.build_app` (whose middleware turns typed errors into OpenAI error bodies):
+built by `jaxserve.entrypoints.http.app.build_app` (whose middleware turns typed errors into OpenAI
+error bodies):
 
     GET    /admin/v1/versions                 versions: state, manifest, memory, counters
     GET    /admin/v1/versions/{name}

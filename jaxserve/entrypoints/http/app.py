@@ -1,6 +1,6 @@
 """The aiohttp OpenAI-compatible server: its route table (the generation routes:
-entrypoints/http/openai_routes.py; models, tokenize/detokenize, health/ready, Prometheus metrics, and
-GET /openapi.json describing them all), the app built around the front door
+entrypoints/http/openai_routes.py; models, tokenize/detokenize, health/ready, Prometheus metrics,
+and GET /openapi.json describing them all), the app built around the front door
 (entrypoints/http/front_door.py), and starting, attaching the engine to, and stopping it.
 """
 
@@ -16,7 +16,8 @@ from jaxserve.gateway.pricing import Pricing
 from jaxserve.entrypoints.serving import protocol
 from jaxserve.entrypoints.serving import response_models as out
 from jaxserve.entrypoints.http.app_state import STATE_KEY, AppState
-from jaxserve.entrypoints.http.front_door import MIDDLEWARES, caller, ratelimit_headers, tenant_limited
+from jaxserve.entrypoints.http.front_door import (MIDDLEWARES, caller, ratelimit_headers,
+                                                  tenant_limited)
 from jaxserve.entrypoints.http.openai_routes import chat_completions, completions, responses
 from jaxserve.entrypoints.http.json_body import LIMITS_KEY, parse_body
 from jaxserve.telemetry.metrics import CONTENT_TYPE

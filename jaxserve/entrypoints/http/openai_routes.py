@@ -25,7 +25,8 @@ from jaxserve.entrypoints.http.json_body import read_json
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
 from jaxserve.entrypoints.serving.outcome import Outcome
 from jaxserve.entrypoints.serving.request_models import request_models
-from jaxserve.entrypoints.serving.responses import ResponseEvents, ResponseObject, chat_body, rename_param
+from jaxserve.entrypoints.serving.responses import (ResponseEvents, ResponseObject, chat_body,
+                                                    rename_param)
 from jaxserve.entrypoints.http.sse import SSE_HEADERS, Keep, plain_error_event, sse, stream_response
 from jaxserve.entrypoints.serving.validation import validate
 

@@ -1,11 +1,11 @@
 """HTTP routes of the retrieval pipeline: OpenAI embeddings, rerank (the Cohere/Jina shape vLLM
 serves), and collections (documents, search).
 
-`add_rag_routes(app, service)` registers them on the app built by `jaxserve.entrypoints.http.app.build_app`
-(before the server starts), whose middleware maps typed errors to OpenAI error bodies: unknown
-collection or document 404, existing collection 409, bad arguments 400. Every call into the
-service (embedding, SQLite, FAISS) runs in the default executor so the event loop keeps serving
-other requests, token streams included.
+`add_rag_routes(app, service)` registers them on the app built by
+`jaxserve.entrypoints.http.app.build_app` (before the server starts), whose middleware maps typed
+errors to OpenAI error bodies: unknown collection or document 404, existing collection 409, bad
+arguments 400. Every call into the service (embedding, SQLite, FAISS) runs in the default executor
+so the event loop keeps serving other requests, token streams included.
 
 Each tenant route is under its tenant's limits (`front_door.tenant_limited`): a request, a
 concurrency slot while it runs, and for embeddings and rerank the tokens the encoder read.

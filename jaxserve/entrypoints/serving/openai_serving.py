@@ -1,14 +1,15 @@
-"""OpenAI chat/text completions over an AsyncEngine, with no transport: HTTP (entrypoints/http/app.py), gRPC
-and the offline batch runner all call this, so a response body is built in exactly one place.
+"""OpenAI chat/text completions over an AsyncEngine, with no transport: HTTP
+(entrypoints/http/app.py), gRPC and the offline batch runner all call this, so a response body is
+built in exactly one place.
 
 A request is parsed and tokenized once here and admitted on one path (admission.py); what it
 becomes is a `Generation` (generation.py): its engine requests, deltas, response or chunks,
 and its one end. A request refused here ends its call here (calls.py).
 
 A chat with tools gets them in its prompt and its output parsed into `tool_calls`
-(entrypoints/serving/tool_output.py); a forced tool_choice becomes a grammar constraint. Every request
-is prepared for the engine up front (its grammar compiled, a 400 before any stream starts), a
-constrained one in an executor so a slow compile never blocks the event loop.
+(entrypoints/serving/tool_output.py); a forced tool_choice becomes a grammar constraint. Every
+request is prepared for the engine up front (its grammar compiled, a 400 before any stream starts),
+a constrained one in an executor so a slow compile never blocks the event loop.
 
 Every request's model version is chosen through the fleet (`fleet.select`: a route's weights,
 stickiness and shadow copies, or a version named directly); the version's engine, tokenizer,

@@ -89,7 +89,8 @@ def parse_chat_request(body: Any, limits: RequestLimits = _DEFAULT_LIMITS) -> Pa
 
 def flatten_messages(messages) -> list[dict]:
     """Validated ChatMessages as the chat template takes them: text parts joined, an assistant's
-    tool_calls and a tool message's tool_call_id kept (jaxserve.tool_calling.prompt renders them)."""
+    tool_calls and a tool message's tool_call_id kept
+    (jaxserve.tool_calling.prompt renders them)."""
     out = []
     for m in messages:
         content = m.content

@@ -216,7 +216,7 @@ class _Unsupported(Body):
         "An opaque end-user id; a route with sticky = \"user\" keeps one user on one version."))
 
 
-# ---- POST /v1/responses: the subset agents use (entrypoints/serving/responses.py) ------------------------
+# ---- POST /v1/responses: the subset agents use (entrypoints/serving/responses.py) ----------------
 
 
 class InputTextPart(Body):

@@ -292,7 +292,7 @@ class Reranked(Reply):
     usage: RerankUsage
 
 
-# ---- POST /v1/responses (entrypoints/serving/responses.py) -----------------------------------------------
+# ---- POST /v1/responses (entrypoints/serving/responses.py) ---------------------------------------
 
 
 class OutputText(Reply):

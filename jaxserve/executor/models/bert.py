@@ -6,7 +6,8 @@ per-token states instead. Callers jit them per (B, L) bucket with `config` stati
 jaxserve.rag.embedder).
 
 Layout: one encoder block is a linen module; the blocks' parameters are stacked on a leading axis
-and run with `jax.lax.scan`, as in jaxserve.executor.models.llama, so compile time does not grow with depth.
+and run with `jax.lax.scan`, as in jaxserve.executor.models.llama, so compile time does not grow
+with depth.
 The tree:
     word_embeddings [V, H], position_embeddings [P, H], token_type_embeddings [T, H],
     embeddings_norm/{scale, bias} [H],
