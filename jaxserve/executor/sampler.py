@@ -153,8 +153,9 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, num_top_logprobs: int = 0
     its sampler.
 
     No sort: top-k and top-p thresholds are found by bisection over the logit values (a full sort
-    of a 49152-wide row costs ~10 ms on a CPU core), and both run only when some row asks for them;
-    on XLA:CPU a kernel finds them instead (`_top_k_top_p`).
+    of a vocabulary-wide row is slow on a CPU; measured: benchmarks/RESULTS.md, "The sampler's
+    top-k and top-p on the CPU"), and both run only when some row asks for them; on XLA:CPU a
+    kernel finds them instead (`_top_k_top_p`).
     The penalty path is compiled in only when md.history_token_ids is wider than 0.
     `all_greedy` (static; the caller checks md.temperature on the host) compiles the draw out.
     """
@@ -169,7 +170,8 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, num_top_logprobs: int = 0
     logits = logits.at[rows, blocked].set(-jnp.inf, mode="drop")
     # A mixed step runs both paths for every row: on XLA:CPU a lax.cond skipping the draw saved
     # nothing (its operand buffers cost as much as the draw). An all-greedy step is a separate
-    # program without the draw (64 x 49152 on the 2-core AVX2 host: ~41 -> ~10 ms).
+    # program without the draw (measured: benchmarks/RESULTS.md, the host C record of issue 18's
+    # "the CPU step", commit 0b3195c).
     token_ids = _argmax(logits)
     if not all_greedy:
         token_ids = jnp.where(md.temperature < SAMPLING_EPS, token_ids, _draw(logits, md))
@@ -186,11 +188,11 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, num_top_logprobs: int = 0
 def _argmax(logits: jax.Array) -> jax.Array:
     """jnp.argmax over the last axis (the first index of each row's largest value) of f32[S, V],
     i32[S], taken blockwise: the block with the largest maximum, then the index in that block.
-    XLA:CPU runs argmax's (value, index) reduction element by element but a max vectorised: 64 x
-    49152 on the 2-core AVX-512 host took 6.7 ms with jnp.argmax and 0.3 ms so (128256 wide:
-    17.4 vs 0.8). Blocks divide V where a width of 64-1024 does; otherwise the row is padded with
-    -inf (151936 wide padded to 256s took 23 ms, in blocks of 128 0.8). With NaN logits the
-    token is unspecified, as no token is the most likely."""
+    XLA:CPU runs argmax's (value, index) reduction element by element but a max vectorised, so
+    this is many times faster. Blocks divide V where a width of 64-1024 does, as padding the row
+    costs more than the whole blockwise argmax; otherwise the row is padded with -inf.
+    Measured: benchmarks/RESULTS.md, "Decodes through a C++ kernel". With NaN logits the token is
+    unspecified, as no token is the most likely."""
     S, V = logits.shape
     block = max((b for b in range(64, 1025) if V % b == 0), default=_BLOCK)
     nb = cdiv(V, block)

@@ -6,8 +6,8 @@ XLA:CPU makes before the dots: in a decode step, whose matmuls have a row per se
 streams every weight from memory and then the dots run, one after the other. The kernel computes
 while it streams (see cpu/matmul.cc). jaxserve/executor/models/llama.py uses it for steps of
 MIN_ROWS to MAX_ROWS tokens: a decode step of one sequence is a matrix-vector product that XLA
-streams as fast (15.5 vs 16.4 ms per SmolLM2 step on a 2-core AVX-512 host), and past MAX_ROWS
-the kernel, which rereads the rows for each column panel, was not measured.
+streams as fast (measured: benchmarks/RESULTS.md, "The layers' projections read in place"), and
+past MAX_ROWS the kernel, which rereads the rows for each column panel, was not measured.
 """
 
 from __future__ import annotations

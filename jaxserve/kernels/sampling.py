@@ -2,9 +2,10 @@
 (cpu/sampling.cc, in the CPU kernels' library: jaxserve.kernels.cpu.library).
 
 jaxserve/executor/sampler.py finds the thresholds elsewhere by bisection, 32 passes over [rows,
-vocabulary]; on XLA:CPU each pass is a full read of the logits (64 rows of a 49k vocabulary: ~23
-ms for top-p on a 2-core host, against ~2.5 ms here). The kernel's thresholds are exact: each
-row's kept set is the one a float64 reference keeps.
+vocabulary]; on XLA:CPU each pass is a full read of the logits, which makes the bisection several
+times slower than this kernel (measured: benchmarks/RESULTS.md, "The sampler's top-k and top-p on
+the CPU"). The kernel's thresholds are exact: each row's kept set is the one a float64 reference
+keeps.
 """
 
 from __future__ import annotations

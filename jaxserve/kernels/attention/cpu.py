@@ -18,8 +18,8 @@ queries and shapes the kernel does not take (`supports`).
 A bf16 cache (`kv_cache_dtype="bfloat16"`) is read as f32, as the XLA path reads it, at half the
 bytes. Its KV write and the prefill path's page gather go through the same library
 (`write_kv`, `gather_pages`): XLA:CPU has no bf16 scatter or gather and widens the operand to f32
-around one, which for the cache is the whole cache, twice per layer (64 decodes over a bf16
-cache: 2.6 s per step through XLA).
+around one, which for the cache is the whole cache, twice per layer (measured:
+benchmarks/RESULTS.md, "bf16 KV cache on the CPU path").
 """
 
 from __future__ import annotations

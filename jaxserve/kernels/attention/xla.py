@@ -30,23 +30,20 @@ from jaxserve.shapes import cdiv
 
 # Picked by timing on the 2-core CPU (SmolLM2 shape, f32): KV positions per inner step and items
 # per step for each path. Decode walks 64-token KV blocks: a block is gathered whole, and with 256
-# a 100-token sequence gathered 2.5x the bytes it reads (64 x 100 tokens: 4 vs 13 ms; 64 x 300: 14
-# vs 50 ms; 64 x 2000: 75 vs 93 ms); 4 sequences per step beat 2, 8 and 16 (64 decodes of 46-286
-# tokens: 3.1 vs 3.8, 3.3, 3.2 ms; 16 decodes: 0.9 vs 1.0, 1.2, 1.5 ms), and 32-token blocks lost.
-# Prefill: 32-query items, 4 at a time over 128-token KV blocks beat 2 over 256 on every mix tried
-# (per layer: 4 chunks of 121 + 28 decodes 6.1 -> 4.0 ms; 4 x 512 after 512 cached 62 -> 56 ms;
-# 2 chunks of 236 + 40 decodes 5.6 -> 4.4 ms; 8 chunks of 16 2.6 -> 1.4 ms): less of each block
-# is masked off by causality; 64- and 128-query items won on some mixes and lost on others.
+# a 100-token sequence gathered 2.5x the bytes it reads; 4 sequences per step beat 2, 8 and 16, and
+# 32-token blocks lost. Prefill: 32-query items, 4 at a time over 128-token KV blocks, beat 2 over
+# 256 on every mix tried, as less of each block is masked off by causality; 64- and 128-query
+# items won on some mixes and lost on others. Measured: benchmarks/RESULTS.md, "The XLA path's
+# block sizes, group sizes and item order".
 DECODE_KV_BLOCK_TOKENS = 64
 DECODE_SEQS_PER_STEP = 4
 PREFILL_KV_BLOCK_TOKENS = 128
 PREFILL_Q_BLOCK = 32
 PREFILL_ITEMS_PER_STEP = 4
 # Sequences of 2-8 queries (a decode verifying up to 7 drafts) take 8-query items, 4 at a time,
-# over 64-token KV blocks: on the prefill path one 5-token verify at 500 tokens cost 3.7 ms per
-# layer, here 1.1-1.3 (8 of them at 300: 4.3-4.8 -> 1.4-1.5 ms; and 0.45 for the one verify once
-# leftover items went singly). Each query row on the decode path instead (its pages gathered per
-# row) won for one sequence but lost for many (12 chunks of 8: 5.9 -> 10.5 ms).
+# over 64-token KV blocks, so they do not pay for a prefill item's padding. Each query row on the
+# decode path instead (its pages gathered per row) won for one sequence but lost for many.
+# Measured: benchmarks/RESULTS.md, "Short queries and leftover items".
 SHORT_QUERY_TOKENS = 8
 
 _MASKED = -1e30
@@ -187,8 +184,8 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
                         sliding_window=sliding_window, block_tokens=blk_tokens, include=include)
     # Longest first: a group walks as many KV blocks as its longest item and gathers every item's
     # pages at each, so items of like length share a group and fewer unread blocks are gathered
-    # (64 decodes of 46-286 tokens: 4.7-5.7 -> 3.5-3.8 ms per layer). Items without rows have
-    # blk_hi 0 and stay last.
+    # (measured: benchmarks/RESULTS.md, "The XLA path's block sizes, group sizes and item order").
+    # Items without rows have blk_hi 0 and stay last.
     order = jnp.argsort(-items.blk_hi, stable=True)
     items = items._replace(**{f: getattr(items, f)[order] for f in QueryItems._fields
                               if f != "num_live"})
@@ -239,8 +236,8 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
 def _in_groups(num_live, per_step: int, groups_of, out):
     """Run the live items (sorted first) through groups_of(width, first)'s loop body: full groups
     of per_step, then what is left one at a time. A last group padded with dead items would gather
-    their (null) pages at every KV block all the same (one 5-token verify in 8-query items: 1.3 ->
-    0.4 ms per layer; 4 of 32 verifies at a time still beat 1)."""
+    their (null) pages at every KV block all the same; full groups of per_step still beat going
+    one at a time (measured: benchmarks/RESULTS.md, "Short queries and leftover items")."""
     full = num_live // per_step
     out = lax.fori_loop(0, full, groups_of(per_step, 0), out)
     return lax.fori_loop(0, num_live - full * per_step, groups_of(1, full * per_step), out)
@@ -251,8 +248,8 @@ def _decode(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
     """Sequences of one query (decodes), DECODE_SEQS_PER_STEP at a time, longest first, each group
     walking its own KV blocks. Written for XLA:CPU: one query per sequence means no query-block
     axis, so the two contractions are batched matrix products over (sequence, KV head) that XLA
-    runs without the transposes the general path's layout needs (SmolLM2 shape, 64 decodes of
-    46-286 tokens: 7.8 -> 4.1 ms per layer on the 2-core AVX2 host)."""
+    runs without the transposes the general path's layout needs (measured: benchmarks/RESULTS.md,
+    "Reference attention rewritten for XLA:CPU")."""
     T, Hq, D = q.shape
     _, ps, H2, _ = kv_cache.shape
     Hkv = H2 // 2
@@ -325,9 +322,9 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     def short_queries():
         # short_impl takes them all; else decodes on the decode path and short queries on query
         # blocks of their size: as a prefill item a decode computes a whole q_block of rows for
-        # its one query (SmolLM2 shape, 40 decodes at 300 tokens + 2 chunks of 236: 55 ms -> 16
-        # ms on the CPU). Each path writes only its own rows and leaves the others 0, so the sum
-        # is the whole answer.
+        # its one query (measured: benchmarks/RESULTS.md, "The XLA path's block sizes, group sizes
+        # and item order"). Each path writes only its own rows and leaves the others 0, so the
+        # sum is the whole answer.
         if short_impl is not None:
             return short(include=~chunk)
         return short(include=q_lens <= 1) + _attend(

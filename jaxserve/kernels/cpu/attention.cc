@@ -13,7 +13,7 @@
 //
 // Also here, for a bf16 cache: the KV write and the page gather of the prefill path. XLA:CPU has
 // no bf16 scatter or gather and widens the operand to f32 around one, which for the cache is the
-// whole cache, twice per layer (64 decodes: 2.6 s per step instead of ~80 ms).
+// whole cache, twice per layer (measured: benchmarks/RESULTS.md, "bf16 KV cache on the CPU path").
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -64,8 +64,8 @@ inline Bf16 ToBf16(float f) {
   return Bf16{static_cast<uint16_t>(u >> 16)};
 }
 // One K or V row of a head as f32: the row itself for an f32 cache, else widened into `buf` once,
-// not once per query that reads it (64 decodes of 46-286 tokens, AVX-512 host: 0.50 -> 0.36 ms
-// per layer; f32 0.42).
+// not once per query that reads it (measured: benchmarks/RESULTS.md, "bf16 KV cache on the CPU
+// path").
 template <int D>
 inline const float* RowF32(const float* row, float*) {
   return row;
@@ -158,11 +158,10 @@ inline Vec SumEach(const Vec* v) {
 }
 #endif
 // Whether AttendOne scores kLanes tokens at once (SumEach) or each token with its own horizontal
-// sums. The vector scores take less arithmetic, and win wherever that counts: verifies (64 x 5
-// queries of 46-286 tokens, KV read from DRAM, 2-core AVX-512 host: 1.70 -> 1.10 ms per layer, f32
-// or bf16 cache) and bf16 decodes (0.37 -> 0.29; at 1,000-3,000 tokens 3.8 -> 2.6). An f32 decode
-// is bound by DRAM, and there the scalar scores were the faster (0.46 vs 0.50 ms per layer, 4.1 vs
-// 4.4 at 1,000-3,000 tokens), for a reason not found.
+// sums. The vector scores take less arithmetic, and win wherever that counts: verifies (f32 or
+// bf16 cache) and bf16 decodes. An f32 decode is bound by DRAM, and there the scalar scores were
+// the faster, for a reason not found. Measured: benchmarks/RESULTS.md, "The scores as vectors of
+// partial sums".
 template <typename T, bool kDecode>
 constexpr bool kVectorScores = !kDecode || !std::is_same_v<T, float>;
 
@@ -179,13 +178,12 @@ inline Vec PartialDot(const float* q, const float* k) {
 // A head's row is a third (SmolLM2) of the token's row, so the hardware sees a strided stream
 // that stops at every 4 KiB page: AttendOne asks for the row `ahead` tokens after token `t` of
 // this page (`base`, starting at position `first`), or of the next page past this one's end.
-// How far ahead: 4 for the scalar scores (64 decodes of 46-286 tokens in the engine, pages in
-// order, 2-core AVX-512 host: the step 100 -> 96 ms), 16 for the vector scores, which spend less
-// time per token (bf16 cache, KV from DRAM: 0.34 -> 0.29 ms per layer; at 4 they were slower than
-// the scalar scores). The code generated here moves the f32 decode by a third: a lambda
-// capturing the loop's state (0.48 -> 0.66 ms per layer), or `t + ahead` passed in as one
-// argument (0.48 -> 0.62, one prefetch sequence with a selected base instead of two), were
-// slower; time this function's changes with the KV in DRAM.
+// How far ahead: 4 for the scalar scores, 16 for the vector scores, which spend less time per
+// token (at 4 they were slower than the scalar scores). The f32 decode is sensitive to the code
+// generated here: a lambda capturing the loop's state, or `t + ahead` passed in as one argument
+// (one prefetch sequence with a selected base instead of two), were slower; time this function's
+// changes with the KV in DRAM. Measured: benchmarks/RESULTS.md, "Row prefetch in the kernel" and
+// "The scores as vectors of partial sums".
 template <typename T, int D>
 inline void PrefetchAhead(const T* base, const T* next_base, int64_t token_stride, int64_t t,
                           int64_t ahead, int64_t first, int64_t len, int64_t ps) {
@@ -211,8 +209,8 @@ struct Problem {
 // G heads each, over the sequence's visible positions, a page at a time. Query r sits at position
 // len - Q + r and sees the positions up to its own (and, with a window, the last `window` of
 // them). D and G are compile-time so the loops over them unroll and each K and V row, loaded
-// once, serves all Q * G queries; so is Q for a decode (Q = 1; a loop over a runtime Q cost
-// decodes 15%: 0.47 -> 0.55 ms per layer, 64 decodes on the AVX-512 host). T is the cache's
+// once, serves all Q * G queries; so is Q for a decode (Q = 1: a loop over a runtime Q slowed
+// decodes; measured: benchmarks/RESULTS.md, "Verifies through the kernel too"). T is the cache's
 // element type.
 template <typename T, int D, int G, bool kDecode>
 void AttendOne(const Problem& p, int64_t seq, int64_t h) {
@@ -252,9 +250,9 @@ void AttendOne(const Problem& p, int64_t seq, int64_t h) {
     const int64_t page = page_at(first / ps);
     const T* base = kv + page * ps * token_stride + 2 * h * D;
     // A page that does not follow this one in memory is one the hardware prefetcher has not
-    // seen coming: ask for this head's rows of it while this page is computed (64 decodes of
-    // 46-286 tokens in pages spread at random over the pool, on the 2-core AVX-512 host: 0.68
-    // -> 0.47 ms per layer; no change when the pages are in order).
+    // seen coming: ask for this head's rows of it while this page is computed. It pays when the
+    // pages are spread at random over the pool, and changes nothing when they are in order
+    // (measured: benchmarks/RESULTS.md, "Decodes through a C++ kernel").
     const bool has_next = first + ps < len;
     const int64_t next = has_next ? page_at(first / ps + 1) : page;
     const T* next_base = kv + next * ps * token_stride + 2 * h * D;

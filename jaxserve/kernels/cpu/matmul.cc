@@ -5,11 +5,11 @@
 //
 // Why: a decode step's matmuls have few rows (one per sequence) and every step reads all the
 // layers' weights from memory (425 MB for SmolLM2 in f32, far over any cache). Through XLA the
-// scan over the layers first copies each layer's slice out of the stack (a memory-bound copy,
-// ~15 ms of a ~83 ms 64-sequence step on a 2-core host) and then runs the dots on the copy; dots
-// reading the weights from memory themselves run slower still. Here the weights stream from
-// memory while the cores compute: each thread owns a contiguous run of column panels, and while
-// it computes one block of a panel it prefetches the block it computes next.
+// scan over the layers first copies each layer's slice out of the stack (a memory-bound copy) and
+// then runs the dots on the copy; dots reading the weights from memory themselves run slower
+// still (measured: benchmarks/RESULTS.md, "The layers' projections read in place"). Here the
+// weights stream from memory while the cores compute: each thread owns a contiguous run of column
+// panels, and while it computes one block of a panel it prefetches the block it computes next.
 //
 // Arithmetic: f32 FMAs in order within each block of kDepth contraction rows, the blocks' sums
 // then added in order (a plain running sum over K = 1536 loses ~3x the precision).
@@ -27,8 +27,8 @@ namespace {
 
 // A tile is kRows rows by kVecs vectors of kLanes floats in registers (AVX-512: 24 of 32 zmm;
 // AVX2: 12 of 16 ymm, leaving room for the weights' two vectors, so a step of k loads 2 + 6 for 12
-// FMAs: 83% of the AVX2 FMA peak at 128+ rows on an AVX-512 host built with -mno-avx512f, where a
-// 4 x 3 tile, its weights read again by each FMA, reached 63%).
+// FMAs, where a 4 x 3 tile read its weights again for each FMA and ran well below this one;
+// measured: benchmarks/RESULTS.md, "The AVX2 build").
 #if defined(__AVX512F__)
 constexpr int kLanes = 16, kRows = 8, kVecs = 3;
 #elif defined(__AVX2__)
@@ -53,8 +53,8 @@ template <int R, int V>
 void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out, int64_t ldo,
           int64_t depth, bool accumulate, const Prefetch& next) {
   // The loops unrolled whole and each x broadcast straight from memory, so the accumulators
-  // stay in registers: without that GCC 12's AVX2 build kept them on the stack (53 GFLOP/s, an
-  // eighth of the AVX-512 build on the same host).
+  // stay in registers: without that GCC 12's AVX2 build kept them on the stack, at a fraction of
+  // the AVX-512 build's rate (measured: benchmarks/RESULTS.md, "The AVX2 build").
   Vec acc[R][V] = {};
   for (int64_t k = 0; k < depth; ++k) {
     Vec b[V];
@@ -103,8 +103,8 @@ constexpr Tiles kTiles;
 
 // Panels [p0, p1) of out[T, N] = x[T, K] @ w[K, N], a block of kDepth contraction rows at a
 // time across all of them: the rows of w are then read along their run of columns, which streams
-// from memory faster than one panel down all of K (8-16 rows: 19% less time standalone, 5-6%
-// less for the engine's whole 8- and 16-sequence steps).
+// from memory faster than one panel down all of K, most at 8-16 rows (measured:
+// benchmarks/RESULTS.md, "Then: a block of rows across all panels").
 void Panels(const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out,
             int64_t p0, int64_t p1) {
   auto vecs = [N](int64_t p) { return std::min<int64_t>(kVecs, (N - p * kPanel) / kLanes); };

@@ -5,11 +5,12 @@
 // top-p then keeps, of those, the values >= the largest t whose values >= t weigh at least top_p
 // of the kept mass (weights exp(v - max)). The row's threshold is the larger of the two, -inf
 // for a filter that is off (top_k <= 0, top_p >= 1). The sampler's pure-JAX path finds the same
-// thresholds by 32 bisection passes over the whole row, each a full read of [rows, vocabulary]:
-// ~23 ms at 64 rows of a 49k vocabulary on a 2-core host (2-6 ms here). Here each row counts its
-// values (top-k) or sums their weights (top-p) into 4096 buckets by value, which finds the bucket
-// holding the threshold; only that bucket's values are then ordered. Exact: a row keeps what a
-// float64 reference keeps (tests/test_cpu_kernels.py).
+// thresholds by 32 bisection passes over the whole row, each a full read of [rows, vocabulary],
+// several times slower on a CPU than this kernel (measured: benchmarks/RESULTS.md, "The sampler's
+// top-k and top-p on the CPU"). Here each row counts its values (top-k) or sums their weights
+// (top-p) into 4096 buckets by value, which finds the bucket holding the threshold; only that
+// bucket's values are then ordered. Exact: a row keeps what a float64 reference keeps
+// (tests/test_cpu_kernels.py).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
