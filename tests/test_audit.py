@@ -319,3 +319,129 @@ def test_a_failed_write_is_retried_without_a_gap_or_a_duplicate(tmp_path, monkey
     log.close()  # the retry a second later succeeds
     assert [r["request_id"] for r in records(tmp_path)] == ["before", "during"]
     assert verify(tmp_path).ok
+
+
+# ---------------------------------------------------------------- tampering verify must see
+# (review a70e490, M5)
+
+
+def test_the_newest_file_deleted_is_found(rotated):
+    newest = sorted(rotated.glob("audit-*.jsonl"))[-1]
+    newest.unlink()
+    assert verify(rotated).error.startswith(f"{newest.name}: missing (the file before it ends "
+                                            f"with the rotate record naming it)")
+
+
+def forge_checkpoint(directory: Path, number: int, key: bytes | None = None) -> Path:
+    from jaxserve.audit.record import encode
+
+    line, _ = encode({"type": "checkpoint", "ts": "2026-11-27T00:00:00.000Z", "last_seq": 0,
+                      "last_hash": "0" * 64, "through": f"audit-{number:06d}.jsonl",
+                      "records_removed": 1}, key)
+    path = directory / f"checkpoint-{number:06d}.jsonl"
+    path.write_bytes(line + b"\n")
+    return path
+
+
+def test_a_checkpoint_past_the_newest_file_is_refused_and_prune_deletes_nothing(rotated):
+    path = second_file(rotated)
+    ls = lines(path)
+    ls[2] = ls[2].replace(b'"status":"ok"', b'"status":"no"')
+    rewrite(path, ls)
+    newest = sorted(rotated.glob("audit-*.jsonl"))[-1]
+    forge_checkpoint(rotated, 999999)
+    report = verify(rotated)
+    assert not report.ok and report.error.startswith(
+        "checkpoint-999999.jsonl: names audit-999999.jsonl, at or after the newest file")
+    before = sorted(rotated.iterdir())
+    with pytest.raises(AuditError, match="not pruning a log that fails verification"):
+        prune(rotated, 3650, now=time.time() + 60)
+    assert sorted(rotated.iterdir()) == before and newest.exists()
+    # one naming the newest file itself leaves no chain to verify: refused as well
+    (rotated / "checkpoint-999999.jsonl").unlink()
+    forge_checkpoint(rotated, int(newest.stem.split("-")[1]))
+    assert verify(rotated).error.startswith(f"checkpoint-{newest.stem.split('-')[1]}.jsonl: "
+                                            f"names {newest.name}, at or after the newest file")
+
+
+def test_a_keyed_log_finds_a_chain_rewritten_without_its_key(tmp_path):
+    from jaxserve.audit.record import encode
+
+    key = b"k" * 32
+    log = AuditLog(AuditLogConfig(tmp_path, max_file_bytes=SMALL, key=key))
+    for i in range(30):
+        log.write(AuditRecord(f"req-{i}", "/v1/completions", "ok", 200, tenant="acme"))
+    log.close()
+    assert verify(tmp_path, key=key).ok
+    assert verify(tmp_path).error.startswith("audit-000001.jsonl:1: keyed record")
+    assert verify(tmp_path, key=b"x" * 32).error.startswith(
+        "audit-000001.jsonl:1: record changed")
+    # whoever can write the directory but lacks the key rewrites the chain from the start
+    prev, out = "0" * 64, []
+    for r in records(tmp_path):
+        del r["hmac"]
+        r["prev"], r["tenant"] = prev, "mallory"
+        line, prev = encode(r)
+        out.append(line + b"\n")
+    for p in sorted(tmp_path.glob("audit-*.jsonl")):
+        p.unlink()
+    (tmp_path / "audit-000001.jsonl").write_bytes(b"".join(out))
+    assert verify(tmp_path).ok  # plain sha256: consistent, but not the key's
+    assert verify(tmp_path, key=key).error.startswith(
+        "audit-000001.jsonl:1: not keyed: this log's key signs every record")
+    with pytest.raises(AuditError, match="written without a key"):
+        AuditLog(AuditLogConfig(tmp_path, key=key))
+
+
+def test_prune_of_a_keyed_log_signs_its_checkpoint(tmp_path):
+    key = b"k" * 32
+    log = AuditLog(AuditLogConfig(tmp_path, max_file_bytes=SMALL, key=key))
+    for i in range(30):
+        log.write(AuditRecord(f"req-{i}", "/v1/completions", "ok", 200, tenant="acme"))
+    log.close()
+    with pytest.raises(AuditError, match="keyed record"):
+        prune(tmp_path, 0, now=time.time() + 60)
+    assert prune(tmp_path, 0, now=time.time() + 60, key=key).removed
+    assert verify(tmp_path, key=key).ok
+    forge_checkpoint(tmp_path, 1)  # older than the real one: not the newest, ignored ...
+    assert verify(tmp_path, key=key).ok
+    for p in tmp_path.glob("checkpoint-*"):
+        p.unlink()
+    forge_checkpoint(tmp_path, int(sorted(tmp_path.glob("audit-*"))[0].stem[-6:]) - 1)
+    assert "not keyed" in verify(tmp_path, key=key).error  # ... and a forged one fails
+
+
+def test_verify_against_an_exported_head_finds_records_cut_from_the_end(rotated):
+    report = verify(rotated)
+    head = (report.head_seq, report.head_hash)
+    assert verify(rotated, head=head).ok
+    assert verify(rotated, head=(report.head_seq - 3, records(rotated)[-4]["hash"])).ok
+    assert verify(rotated, head=(report.head_seq - 3, "f" * 64)).error.startswith(
+        f"record seq {report.head_seq - 3} has hash ")
+    newest = sorted(rotated.glob("audit-*.jsonl"))[-1]
+    rewrite(newest, lines(newest)[:-2])
+    assert verify(rotated).ok  # a hash chain alone cannot see it
+    assert verify(rotated, head=head).error == (
+        f"the chain ends at seq {report.head_seq - 2}, before the exported head (seq "
+        f"{report.head_seq}): records were cut from the end")
+
+
+def test_audit_cli_key_file_and_head(tmp_path, capsys):
+    key_file = tmp_path / "audit.key"
+    key_file.write_bytes(b"0123456789abcdef0123456789abcdef\n")
+    directory = tmp_path / "log"
+    log = AuditLog(AuditLogConfig(directory, key=key_file.read_bytes().strip()))
+    log.write(AuditRecord("r", "/v1/completions", "ok", 200))
+    log.close()
+    assert main(["audit", "verify", str(directory)]) == 1
+    assert main(["audit", "verify", str(directory), "--key-file", str(key_file)]) == 0
+    out = capsys.readouterr().out
+    seq, digest = out.split("head seq ")[1].split()[0], out.split("sha256 ")[1].split()[0]
+    assert main(["audit", "verify", str(directory), "--key-file", str(key_file),
+                 "--head", f"{seq}:{digest}"]) == 0
+    assert main(["audit", "verify", str(directory), "--key-file", str(key_file),
+                 "--head", f"{int(seq) + 1}:{digest}"]) == 1
+    short = tmp_path / "short.key"
+    short.write_text("abc")
+    assert main(["audit", "verify", str(directory), "--key-file", str(short)]) == 1
+    assert "at least 16 bytes" in capsys.readouterr().err

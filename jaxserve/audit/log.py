@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxserve.audit.record import (GENESIS, AuditError, AuditRecord, data_file_name, decode,
-                                   encode, list_files, utc_now)
+from jaxserve.audit.record import (GENESIS, AuditError, AuditRecord, KeyMismatch,
+                                   data_file_name, decode, encode, list_files, utc_now)
 from jaxserve.errors import ConfigError, EngineOverloaded
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class AuditLogConfig:
     max_file_bytes: int = 64 * 2**20
     max_pending: int = 4096  # queued records beyond which check_accepting refuses
     fsync: bool = True  # False: a process crash loses nothing written, an OS crash may
+    key: bytes | None = None  # HMAC key (--audit-key-file): every line keyed (record.py)
 
     def __post_init__(self):
         if self.max_file_bytes < 4096:
@@ -176,7 +177,7 @@ class AuditLog:
         """The next chained line for body (seq, ts, type and prev first)."""
         record = {"seq": self._seq, "ts": body["ts"], "type": body["type"], "prev": self._prev}
         record.update((k, v) for k, v in body.items() if k not in ("ts", "type"))
-        line, self._prev = encode(record)
+        line, self._prev = encode(record, self.config.key)
         self._seq += 1
         self._size += len(line) + 1
         return line
@@ -219,8 +220,13 @@ class AuditLog:
                 continue  # empty: take the chain from the file before
             last = raw[raw.rfind(b"\n", 0, cut - 1) + 1:cut - 1]
             try:
-                record, digest = decode(last)
+                record, digest = decode(last, self.config.key)
                 self._seq, self._prev = int(record["seq"]) + 1, digest
+            except KeyMismatch:
+                raise AuditError(f"{self.directory} was written "
+                                 f"{'with' if self.config.key is None else 'without'} a key; "
+                                 f"give the same --audit-key-file, or start a new directory") \
+                    from None
             except (ValueError, KeyError, TypeError) as e:
                 raise AuditError(f"{path}: the last record is damaged ({e}); run `jaxserve "
                                  f"audit verify {self.directory}`") from None

@@ -4,11 +4,16 @@ A line is one JSON object (ASCII, no spaces) whose last member is `"hash"`: the 
 line's bytes with that member removed (`{...,"hash":"<hex>"}` -> `{...}`). Hashing the bytes as
 written needs no canonical JSON. Every chained line also has `seq` (0, 1, 2, ... across files)
 and `prev` (the previous line's hash; 64 zeros for the first line ever).
+
+A keyed log (`--audit-key-file`) ends each line with `"hmac"` instead: HMAC-SHA256 of the same
+bytes under the key, so whoever can write the directory but lacks the key cannot rewrite the
+chain and recompute it; a keyed log holds only keyed lines.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
 from dataclasses import dataclass
@@ -20,13 +25,18 @@ from jaxserve.errors import JaxServeError
 from jaxserve.safety.rules import Intervention
 
 GENESIS = "0" * 64
-_HASH_SUFFIX = re.compile(rb',"hash":"([0-9a-f]{64})"\}$')
+_HASH_SUFFIX = re.compile(rb',"(hash|hmac)":"([0-9a-f]{64})"\}$')
+MIN_KEY_BYTES = 16
 _DATA_FILE = re.compile(r"^audit-(\d{6,})\.jsonl$")
 _CHECKPOINT_FILE = re.compile(r"^checkpoint-(\d{6,})\.jsonl$")
 
 
 class AuditError(JaxServeError):
     """The audit log cannot be opened, verified or pruned."""
+
+
+class KeyMismatch(ValueError):
+    """A line keyed where the reader has no key, or plain where the reader's key signs all."""
 
 
 @dataclass(frozen=True)
@@ -79,20 +89,33 @@ def parse_time(ts: str) -> float:
     return datetime.fromisoformat(ts).timestamp()
 
 
-def encode(body: dict) -> tuple[bytes, str]:
-    """The line for `body` (without its newline) and its hash."""
+def _digest(data: bytes, key: bytes | None) -> str:
+    if key is None:
+        return hashlib.sha256(data).hexdigest()
+    return hmac.new(key, data, hashlib.sha256).hexdigest()
+
+
+def encode(body: dict, key: bytes | None = None) -> tuple[bytes, str]:
+    """The line for `body` (without its newline) and its hash (its HMAC under `key`)."""
     head = json.dumps(body, separators=(",", ":")).encode()
-    digest = hashlib.sha256(head).hexdigest()
-    return head[:-1] + b',"hash":"' + digest.encode() + b'"}', digest
+    digest = _digest(head, key)
+    name = b"hash" if key is None else b"hmac"
+    return head[:-1] + b',"' + name + b'":"' + digest.encode() + b'"}', digest
 
 
-def decode(line: bytes) -> tuple[dict, str]:
-    """(the record, its hash); ValueError saying what is wrong with the line."""
+def decode(line: bytes, key: bytes | None = None) -> tuple[dict, str]:
+    """(the record, its hash); ValueError saying what is wrong with the line (KeyMismatch: it
+    is keyed and `key` is None, or plain and `key` is given)."""
     m = _HASH_SUFFIX.search(line)
     if m is None:
         raise ValueError("not an audit record (no trailing hash)")
-    digest = m.group(1).decode()
-    if hashlib.sha256(line[:m.start()] + b"}").hexdigest() != digest:
+    keyed, digest = m.group(1) == b"hmac", m.group(2).decode()
+    if keyed and key is None:
+        raise KeyMismatch("keyed record (hmac): verify it with the log's key file")
+    if not keyed and key is not None:
+        raise KeyMismatch("not keyed: this log's key signs every record, this one has a plain "
+                          "sha256 (rewritten without the key?)")
+    if not hmac.compare_digest(_digest(line[:m.start()] + b"}", key), digest):
         raise ValueError("record changed: its content does not match its hash")
     try:
         record = json.loads(line)
@@ -101,6 +124,18 @@ def decode(line: bytes) -> tuple[dict, str]:
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
     return record, digest
+
+
+def read_key_file(path) -> bytes:
+    """The HMAC key in `path` (its bytes, trailing whitespace removed); AuditError when it
+    cannot be read or is shorter than MIN_KEY_BYTES."""
+    try:
+        key = Path(path).read_bytes().rstrip()
+    except OSError as e:
+        raise AuditError(f"cannot read the audit key file {path}: {e.strerror}") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise AuditError(f"the audit key file {path} must hold at least {MIN_KEY_BYTES} bytes")
+    return key
 
 
 def data_file_name(number: int) -> str:
