@@ -21,8 +21,6 @@ import re
 import threading
 from typing import Sequence
 
-import llguidance
-import llguidance.numpy
 import numpy as np
 
 from jaxserve.errors import InvalidRequest
@@ -49,6 +47,8 @@ class GrammarViolation(InvalidRequest):
 
 def grammar_text(constraint: StructuredOutputsParams) -> str:
     """The llguidance grammar for a constraint (not yet checked: compiling does that)."""
+    import llguidance  # here, not at the top: the engine's import path stays light (issue 41)
+
     kind = constraint.kind
     try:
         if kind in ("json", "json_object"):
@@ -145,6 +145,8 @@ class GrammarCompiler:
         self._cached = functools.lru_cache(maxsize=cache_size)(self._compile)
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
+        import llguidance
+
         with self._lock:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = llguidance.LLTokenizer(
@@ -161,6 +163,8 @@ class GrammarCompiler:
         return self._cached.cache_info()
 
     def _compile(self, constraint: StructuredOutputsParams) -> CompiledGrammar:
+        import llguidance
+
         template = llguidance.LLMatcher(self._tokenizer(), grammar_text(constraint), log_level=0)
         if template.is_error():
             raise _invalid(constraint, template.get_error())
@@ -171,5 +175,7 @@ class GrammarCompiler:
         """Write each matcher's allowed tokens into bitmask[row] (i32[R, ceil(V / 32)], C order);
         other rows are left as they are. Runs the rows in parallel on llguidance's threads."""
         if rows:
+            import llguidance.numpy
+
             llguidance.numpy.fill_next_token_bitmask_par(
                 self._executor, [(m._matcher, row) for m, row in rows], bitmask)
