@@ -100,6 +100,40 @@ def test_malformed_calls_are_content(parser, text):
     assert parsed.content == text and parsed.tool_calls == []
 
 
+# Outputs cut by max_tokens mid-call: (parser, text, content, calls) with parse(text, cut=True);
+# the stream announced the same calls, arguments as far as they went.
+CUT = [
+    ("hermes", 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+     "Checking.", [("get_weather", '{"city": "Par')]),
+    ("hermes", f'<tool_call>\n{{"name": "add", "arguments": {{"a": 1}}}}\n</tool_call>\n'
+               f'<tool_call>\n{{"name": "get_weather"', None,
+     [("add", '{"a": 1}'), ("get_weather", "")]),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1, "b"', None, [("add", '{"a": 1, "b"')]),
+    ("mistral", '[TOOL_CALLS]add[ARGS]{"a": ', None, [("add", '{"a": ')]),
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a"', None, [("add", '{"a"')]),
+]
+
+
+@pytest.mark.parametrize("parser,text,content,calls", CUT)
+def test_a_call_cut_by_max_tokens_is_returned_as_far_as_it_went(parser, text, content, calls):
+    p = get_tool_parser(parser)
+    parsed = p.parse(text, cut=True)
+    assert parsed.content == content
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == calls
+    assert p.parse(text).tool_calls == []  # not cut: an unfinished call is the model's fault
+    stream = p.stream()
+    deltas = [stream.feed(text[i:i + 3]) for i in range(0, len(text), 3)] + [stream.finish()]
+    streamed: dict[int, list[str]] = {}
+    for e in (e for d in deltas for e in d.tool_calls):
+        entry = streamed.setdefault(e["index"], ["", ""])
+        entry[0] += e.get("function", {}).get("name", "")
+        entry[1] += e.get("function", {}).get("arguments", "")
+    assert [tuple(streamed[i]) for i in sorted(streamed)] == calls
+    # cut before the name is complete: nothing to call, the text stays content
+    assert get_tool_parser("hermes").parse('<tool_call>\n{"na', cut=True).content == \
+        '<tool_call>\n{"na'
+
+
 def test_streamed_content_is_held_back_only_while_it_may_start_a_call():
     stream = get_tool_parser("hermes").stream()
     assert stream.feed("Hi <").content == "Hi"  # " <" may start "<tool_call>"

@@ -1,6 +1,7 @@
 """`tool_choice` "required" or a named function, enforced: the constraint that makes the model
 emit a call, in its tool parser's format, to one of the allowed functions with arguments valid
-under that function's `parameters` schema. It is grammar-constrained decoding like any other
+under that function's `parameters` schema (its objects closed when the tool is `strict`, as
+OpenAI's strict mode has them: jaxserve.structured.strict). It is grammar-constrained decoding like any other
 structured output, so it works even on a model too small to follow the tool prompt.
 """
 
@@ -24,7 +25,7 @@ def forced_tool_call(tools: Sequence[FunctionTool], choice: ToolChoice, parser: 
     allowed = [t for t in tools if choice.mode == "required" or t.name == choice.name]
     calls = [{"type": "object",
               "properties": {"name": {"const": t.name},
-                             parser.arguments_key: t.parameters_schema()},
+                             parser.arguments_key: t.enforced_schema()},
               "required": ["name", parser.arguments_key], "additionalProperties": False}
              for t in allowed]
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.errors import InvalidRequest
+from jaxserve.structured.strict import close_objects
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
@@ -29,6 +30,12 @@ class FunctionTool:
 
     def parameters_schema(self) -> dict:
         return json.loads(self.parameters)
+
+    def enforced_schema(self) -> dict:
+        """The schema a forced call's arguments are held to: with `strict`, every object that
+        does not say additionalProperties is closed (OpenAI's strict mode)."""
+        schema = self.parameters_schema()
+        return close_objects(schema) if self.strict else schema
 
     def to_openai(self) -> dict:
         """The tool as chat templates and the fallback prompt show it to the model."""

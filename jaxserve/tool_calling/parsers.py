@@ -12,7 +12,8 @@ One parser per model family, chosen by name (vLLM's `--tool-call-parser` names):
 A call's `arguments` is the JSON text of the arguments object exactly as the model wrote it (so
 the streamed fragments join to the same string). When any call is malformed (bad JSON, no name,
 arguments not an object, an unfinished call), `parse` returns the whole text as content and no
-calls, as vLLM does. Each parser also knows its format the other way round: `forced_grammar`
+calls, as vLLM does; but an output cut by max_tokens (`parse(text, cut=True)`) keeps its last,
+unfinished call, with the arguments written so far (OpenAI's answer to a call cut short). Each parser also knows its format the other way round: `forced_grammar`
 (used by `jaxserve.tool_calling.choice`) writes the Lark grammar that makes a model emit calls.
 
 Pure Python: no JAX, no engine.
@@ -203,9 +204,13 @@ class ToolParser:
         One call, or with `parallel` one or more."""
         raise NotImplementedError
 
-    def parse(self, text: str) -> ParsedToolCalls:
+    def parse(self, text: str, *, cut: bool = False) -> ParsedToolCalls:
+        """The content and calls of a whole output. `cut`: generation was cut (max_tokens), so
+        a last call still being written is returned as far as it goes, its name known and its
+        arguments unfinished JSON text, as a stream announced it."""
         content_end, found = self._scan(text, final=True)
-        calls = [_finished_call(text, c) for c in found]
+        calls = [_finished_call(text, c) if c.complete or not cut else _cut_call(text, c)
+                 for c in found]
         if not found or any(c is None for c in calls):
             return ParsedToolCalls(text, [])
         return ParsedToolCalls(text[:content_end] or None, calls)
@@ -224,6 +229,13 @@ def _arguments(text: str, call: _Call, final: bool) -> str:
     if raw.startswith('"'):
         return _loads_str(raw) if end is not None else ""
     return raw
+
+
+def _cut_call(text: str, call: _Call) -> ToolCall | None:
+    """An unfinished call whose name is complete, with its arguments as far as they go."""
+    if not (call.ok and isinstance(call.name, str) and call.name.strip()):
+        return None
+    return ToolCall(call.name.strip(), _arguments(text, call, final=False))
 
 
 def _finished_call(text: str, call: _Call) -> ToolCall | None:

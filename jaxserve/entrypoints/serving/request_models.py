@@ -126,7 +126,9 @@ class JsonSchemaFormat(Body):
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema",
                                            description="The JSON schema (absent: any object).")
-    strict: bool | None = Field(None, description="Always enforced, whatever its value.")
+    strict: bool | None = Field(None, description=(
+        "The schema is always enforced; true also closes every object that does not say "
+        "additionalProperties (OpenAI's strict mode)."))
 
 
 class ResponseFormatJsonSchema(Body):
@@ -169,7 +171,9 @@ class FunctionDefinition(Body):
     parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments "
                                                                 "object; enforced when the call "
                                                                 "is forced by tool_choice.")
-    strict: bool | None = None
+    strict: bool | None = Field(None, description="True: a forced call's arguments have every "
+                                                  "object that does not say "
+                                                  "additionalProperties closed.")
 
 
 class ChatTool(Body):

@@ -7,7 +7,8 @@ no constraint), vLLM's `structured_outputs` ({json|regex|choice|grammar|json_obj
 given: two constraints on one output would have to be intersected, which no client expects.
 A forced `tool_choice` (required / named) is a constraint of its own, so it cannot be combined
 with a structured output either. Each constraint names the field it came from, so the grammar
-compiler's 400 for a schema it cannot enforce names it too. No JAX, no grammar library.
+compiler's 400 for a schema it cannot enforce names it too. A `strict` json_schema has its
+objects closed (jaxserve.structured.strict). No JAX, no grammar library.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from jaxserve.errors import InvalidRequest
 from jaxserve.structured.params import StructuredOutputsParams
+from jaxserve.structured.strict import close_objects
 from jaxserve.tool_calling.functions import FunctionTool, ToolChoice, parse_tool_choice, parse_tools
 
 _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
@@ -31,6 +33,8 @@ def structured_constraint(req: Any) -> StructuredOutputsParams | None:
         given.append(StructuredOutputsParams(json_object=True, param="response_format"))
     elif fmt is not None and fmt.type == "json_schema":
         schema = fmt.json_schema.schema_
+        if schema is not None and fmt.json_schema.strict:
+            schema = close_objects(schema)
         given.append(StructuredOutputsParams(json=schema, param="response_format")
                      if schema is not None
                      else StructuredOutputsParams(json_object=True, param="response_format"))

@@ -3,7 +3,8 @@ stream deltas, when the request has tools (and tool_choice is not "none").
 
 The model family's parser (`--tool-call-parser`, jaxserve.tool_calling.parsers) finds the calls. A
 choice that made calls and ended on its own ("stop") finishes with "tool_calls"; one cut by
-max_tokens keeps "length" (its unfinished call stays content, as the parser leaves it). Streaming
+max_tokens keeps "length" and its unfinished call, arguments as far as they were written (as
+OpenAI returns it, and as the stream announced it). Streaming
 runs one ToolCallStream per choice, so the deltas join to what the whole-text parse returns.
 """
 
@@ -27,7 +28,7 @@ class ToolCallOutput:
         """(the assistant message, the finish_reason) of a finished choice."""
         if self.parser is None:
             return {"role": "assistant", "content": text}, finish
-        parsed = self.parser.parse(text)
+        parsed = self.parser.parse(text, cut=finish == "length")
         message = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             message["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
