@@ -192,6 +192,37 @@ def test_check_text_for_retrieved_chunks(tmp_path):
     assert found == [Intervention("default.rule[1]", "redact", "input")]
 
 
+@pytest.mark.parametrize("text", [
+    "open \u200bsesame", "open\u00a0sesame", "open  sesame", "open\n\tsesame",
+    "\uff4f\uff50\uff45\uff4e \uff53\uff45\uff53\uff41\uff4d\uff45",  # fullwidth
+    "op\u00adeN sesame", "open s\u0435same",  # a soft hyphen; a Cyrillic e
+    "o\u0301pen se\u200dsa\ufe0fme", "\U0001d428pen sesame",  # accents, joiners; math bold
+])
+def test_input_rules_see_through_invisible_and_look_alike_characters(tmp_path, text):
+    """Review a70e490, M1: each of these passed `literal "open sesame"`."""
+    pack = policy(tmp_path, rule("literal", "block", stage="input", pattern="open sesame")
+                  ).pack("default")
+    assert pack.check_text(text)[2] == Intervention("default.rule[0]", "block", "input")
+
+
+def test_a_redaction_in_folded_text_replaces_the_original_characters(tmp_path):
+    from jaxserve.safety.normalize import fold
+
+    pack = policy(tmp_path, rule("pii:email", "redact", stage="input")
+                  + rule("literal", "redact", stage="input", pattern="file")).pack("default")
+    text = "mail b\u200bob@ex\u00adample.\uff43om, the \ufb01le \u00bd, caf\u00e9"
+    assert pack.check_text(text)[0] == ("mail [REDACTED:email], the [REDACTED:literal] "
+                                        "\u00bd, caf\u00e9")
+    folded = fold("x\u00bdy\u200bz")  # one character to three, one to none
+    assert folded.text == "x1\u20442yz"
+    assert [folded.span(i, i + 1) for i in range(len(folded.text))] == [
+        (0, 1), (1, 2), (1, 2), (1, 2), (2, 3), (4, 5)]
+    # an output literal still matches as written (the output is not folded)
+    pack = policy(tmp_path, rule("literal", "block", stage="output", pattern="caf\u00e9")
+                  ).pack("default")
+    assert stream(pack, ["un caf", "\u00e9"])[1] is not None
+
+
 # ---------------------------------------------------------------- streamed output
 
 
@@ -253,12 +284,56 @@ def test_redaction_of_a_value_growing_over_deltas(tmp_path):
 
 
 def test_holdback_is_bounded_for_patterns_that_keep_growing(tmp_path):
+    """Past the cap, a match still forming gets its rule's action (review a70e490, H5): the
+    block ends the stream where that match began, rather than letting its start out."""
     pack = policy(tmp_path, "[pack.default]\nmax_holdback_chars = 8\n"
                   + rule("regex", "block", stage="output", pattern=r"BEGIN.*END")).pack("default")
     f = pack.output_filter()
-    assert f.update("BEGIN").text == ""  # could still become a match
-    assert f.update("BEGIN and on and on").text == "BEGIN and o"  # all but 8 characters
-    assert f.update("BEGIN and on and on END").blocked is None  # its start is gone already
+    assert f.update("say BEGIN").text == "say "  # could still become a match
+    r = f.update("say BEGIN and on and on")
+    assert (r.text, r.blocked) == ("", Intervention("default.rule[0]", "block", "output"))
+    # flag: counted once, the text released all the same
+    pack = policy(tmp_path, "[pack.default]\nmax_holdback_chars = 8\n"
+                  + rule("regex", "flag", stage="output", pattern=r"BEGIN.*END")).pack("default")
+    released, blocked, f = stream(pack, ["say BEGIN", " and on and on", " and on", " END."])
+    assert (released, blocked) == ("say BEGIN and on and on and on END.", None)
+    assert f.interventions == [Intervention("default.rule[0]", "flag", "output", 1)]
+    # redact: the cut match is redacted as it goes on; one still forming 16 x 8 characters
+    # after its start ends the stream (its scans stay bounded, and none of it is let out)
+    pack = policy(tmp_path, "[pack.default]\nmax_holdback_chars = 8\n"
+                  + rule("regex", "redact", stage="output", pattern=r"BEGIN.*END")).pack("default")
+    released, blocked, f = stream(pack, ["say BEGIN", " and on" * 3, " END", " ok"])
+    assert (released, blocked) == ("say [REDACTED:regex] ok", None)
+    released, blocked, f = stream(pack, ["say BEGIN", *[" and on"] * 20, " END"])
+    assert (released, blocked) == ("say [REDACTED:regex]", Intervention("default.rule[0]",
+                                                                        "block", "output"))
+
+
+JWT = ("eyJhbGciOiJSUzI1NiIsInR5cCI6IkpXVCJ9." + "eyJ" + "c3ViIjoiMTIzNDU2Nzg5MCJ9" * 6
+       + "." + "SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c" * 4)
+
+
+@pytest.mark.parametrize("piece", [1, 4, 7, 300])
+@pytest.mark.parametrize("secret, kind", [
+    (JWT, "api_key"),  # 357 characters: longer than the 256 held back
+    ("ghp_" + "a1B2" * 60, "api_key"),  # a GitHub token of 244 characters
+    ("bob@example.com" + ".ab" * 120, "email"),  # an address padded past the hold-back
+])
+def test_a_match_longer_than_the_holdback_is_redacted_whole(tmp_path, piece, secret, kind):
+    """Review a70e490, H5: a match still growing when the hold-back cap forced its start out
+    was skipped once it completed, so the whole secret streamed out. Now the forced part is
+    redacted and so is the rest of that match; what follows it is released."""
+    pack = policy(tmp_path, rule("pii:api_key", "redact", stage="output")
+                  + rule("pii:email", "redact", stage="output")).pack("default")
+    text = f"Here: {secret} and more."
+    released, blocked, f = stream(pack, [text[i:i + piece] for i in range(0, len(text), piece)])
+    if kind == "email":  # fed a character at a time, "bob@example.com." is already a match
+        assert released.startswith("Here: [REDACTED:email]") and "bob" not in released
+        assert released.endswith(" and more.") and blocked is None
+        return
+    assert (released, blocked) == (f"Here: [REDACTED:{kind}] and more.", None)
+    assert [span[:2] for span in f.redactions] == [(6, 6 + len(secret))]
+    assert [(i.action, i.count) for i in f.interventions] == [("redact", 1)]
 
 
 WORDS = ["the", "word", "open", "sesame", "bob@example.com", "4111 1111 1111 1111", "maybe",

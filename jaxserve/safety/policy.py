@@ -39,6 +39,7 @@ import regex
 
 from jaxserve.errors import ConfigError
 from jaxserve.safety.classifier import ClassifierRunner
+from jaxserve.safety.normalize import fold
 from jaxserve.safety.pii import DETECTORS
 from jaxserve.safety.rules import ACTIONS, STAGES, Intervention, Rule
 from jaxserve.safety.text_filter import TextFilter
@@ -79,12 +80,34 @@ class Pack:
         """A filter for one choice's streamed output (one per choice)."""
         return TextFilter(self._text_rules("output"), "output", self.max_holdback_chars)
 
+    def completes_term(self, before: str, token: str) -> bool:
+        """Whether `token` written after `before` would complete a match of an output rule that
+        blocks or redacts: a top-logprob alternative naming what the output may not show."""
+        text = before + token
+        for r in self._text_rules("output"):
+            if r.action != "flag" and any(
+                    m.end() > len(before) and (r.check is None or r.check(m.group()))
+                    for m in r.pattern.finditer(text)):
+                return True
+        return False
+
     def check_text(self, text: str) -> tuple[str, list[Intervention], Intervention | None]:
         """The input text rules on one text, at once (no classifier): (redacted text,
-        interventions, the block or None). For retrieved chunks as well as prompts."""
+        interventions, the block or None). For retrieved chunks as well as prompts. The rules
+        match the text folded (normalize.py: no invisible characters, accents, compatibility
+        forms or look-alikes); a redaction replaces the original characters."""
         f = TextFilter(self._text_rules("input"), "input", self.max_holdback_chars)
-        result = f.update(text, final=True)
-        return (text if result.blocked else result.text), f.interventions, result.blocked
+        folded = fold(text)
+        result = f.update(folded.text, final=True)
+        if result.blocked is not None or not f.redactions:
+            return text, f.interventions, result.blocked
+        out, last = [], 0
+        for start, end, replacement in f.redactions:
+            start, end = folded.span(start, end)
+            out += [text[last:start], replacement]
+            last = end
+        out.append(text[last:])
+        return "".join(out), f.interventions, None
 
     async def check_input(self, texts: Sequence[str]) -> InputDecision:
         """A request's prompt texts (a completion prompt, or each chat message's content): the
@@ -252,7 +275,7 @@ def _load_rule(path: Path, pack: str, index: int, data: dict, classifiers: dict)
         if not isinstance(whole_word, bool) or (whole_word and match != "literal"):
             raise fail("whole_word is true or false, for literal rules only")
         if match == "literal":
-            source = regex.escape(pattern)
+            source = _literal_source(pattern)
             if whole_word:
                 source = rf"(?<!\w){source}(?!\w)"
             compiled = regex.compile(source, regex.IGNORECASE)
@@ -273,6 +296,16 @@ def _load_rule(path: Path, pack: str, index: int, data: dict, classifiers: dict)
                     detector.check)
     raise fail(f"match must be literal, regex, {', '.join('pii:' + k for k in DETECTORS)} or "
                f"classifier:NAME, got {match!r}")
+
+
+def _literal_source(pattern: str) -> str:
+    """A literal as a regex: its whitespace matches any run of whitespace, and it matches as
+    written (streamed output) or folded (input text, which the rules see folded)."""
+    def source(text: str) -> str:
+        return r"\s+".join(regex.escape(part) for part in regex.split(r"\s+", text))
+
+    written, folded = source(pattern), source(fold(pattern).text)
+    return written if written == folded else f"(?:{written}|{folded})"
 
 
 def _classifier_rule(fail, data, name, stage, match, action, classifiers, text_keys) -> Rule:

@@ -7,8 +7,15 @@ a rule either matches for sure (the match cannot change whatever text follows), 
 some point on may still become a match (a `regex` partial match, or a match that touches the end
 and could grow or fail a lookahead) and is held back. So a blocked term is never released, even
 when the tokens that spell it arrive one by one; what is held is just the tail that could still
-be one, never more than `max_holdback` characters. The cost per update is a scan of the held tail
-plus the new text, per rule.
+be one, never more than `max_holdback` characters. A match still forming when the cap forces its
+start out (a JWT longer than the hold-back) gets its rule's action all the same: what is forced
+out is redacted (one `[REDACTED:kind]`, and the rest of that match after it) or blocks the
+stream, or is counted (flag); a redacted match still forming 16 x max_holdback characters after
+its start ends the stream (content_filter) rather than be scanned on without bound. The cost per update is a scan of the held tail plus the new text,
+per rule (from the start of a match the cap cut, while that match goes on).
+
+`redactions` lists the spans of the text that were not released verbatim, so the serving layer
+can hold back the token ids and logprobs that would spell them.
 
 The engine does the same for stop strings (jaxserve/core/engine.py holds back len(stop) - 1
 characters); this filter sits after it, on the text the engine shows.
@@ -20,6 +27,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from jaxserve.safety.rules import ACTION_ORDER, Intervention, Rule
+
+
+# A redaction whose match is still forming this many times max_holdback characters after it
+# began ends the stream instead (see update).
+OPEN_MATCH_FACTOR = 16
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,11 @@ class TextFilter:
         self._pos = 0
         self._rule_pos = [0] * len(self._rules)  # per rule: matches before it were counted
         self._hits = [0] * len(self._rules)
+        # Per rule whose match was cut by the hold-back cap: where that match starts. It is
+        # scanned from there while the match goes on, so all of it gets the rule's action.
+        self._open: dict[int, int] = {}
+        # (start, end, what replaced it) of each span of the text not released verbatim
+        self.redactions: list[tuple[int, int, str]] = []
         self.blocked: Intervention | None = None
 
     def update(self, text: str, final: bool = False) -> FilterResult:
@@ -67,30 +84,48 @@ class TextFilter:
         if self.blocked is not None:
             return FilterResult("", self.blocked)
         n = len(text)
-        hold = n
-        events = []
+        for i, start in self._open.items():
+            if n - start > OPEN_MATCH_FACTOR * self._max_holdback and \
+                    self._rules[i].action == "redact":
+                # Each update scans a cut match from its start: past this bound, ending the
+                # stream keeps that cost bounded and still lets nothing of the match out.
+                self._hits[i] += 1
+                self.blocked = Intervention(self._rules[i].name, "block", self._stage)
+                return FilterResult("", self.blocked)
+        events, growing = [], {}
         for i, rule in enumerate(self._rules):
-            spans, rule_hold = _scan(rule, text, max(self._rule_pos[i], self._pos), final)
-            hold = min(hold, rule_hold)
+            start = self._open.get(i, max(self._rule_pos[i], self._pos))
+            spans, growing[i] = _scan(rule, text, start, final)
             events.extend((s, ACTION_ORDER[rule.action], -e, i) for s, e in spans)
-        # A pattern that can keep growing (`a.*b`) must not hold the stream forever.
-        hold = max(hold, n - self._max_holdback, self._pos)
+        # A pattern that can keep growing (`a.*b`) must not hold the stream forever: past the
+        # cap, a match still forming is released under its rule's action (H5), so a secret
+        # longer than the hold-back is redacted (or blocks) all the same.
+        release = max(min(growing.values(), default=n), n - self._max_holdback, self._pos)
+        for i, g in growing.items():
+            if g < release:
+                events.append((g, ACTION_ORDER[self._rules[i].action], -release, i))
+        self._open = {i: g for i, g in growing.items() if g < release}
         events.sort()
         block = next((ev for ev in events if self._rules[ev[3]].action == "block"), None)
-        limit = block[0] if block is not None else hold
+        limit = block[0] if block is not None else release
         out = []
         for start, _, neg_end, i in events:
             if start >= limit:
                 break
-            if start < self._pos or start < self._rule_pos[i]:
-                continue  # inside a redaction, or an overlapping match of the same rule
             rule, end = self._rules[i], -neg_end
+            if start < self._pos or start < self._rule_pos[i]:
+                # A match that began inside text already redacted (the rest of a cut match,
+                # or one overlapping a redaction): a redaction swallows its tail too.
+                self._rule_pos[i] = max(self._rule_pos[i], end)
+                if rule.action == "redact" and end > self._pos and start < self._pos:
+                    self._redacted(self._pos, end, "")
+                continue
             self._hits[i] += 1
             self._rule_pos[i] = end
             if rule.action == "redact":
                 out.append(text[self._pos:start])
                 out.append(rule.replacement)
-                self._pos = end
+                self._redacted(start, end, rule.replacement)
         if limit > self._pos:
             out.append(text[self._pos:limit])
             self._pos = limit
@@ -99,6 +134,13 @@ class TextFilter:
             self._hits[i] += 1
             self.blocked = Intervention(self._rules[i].name, "block", self._stage)
         return FilterResult("".join(out), self.blocked)
+
+    def _redacted(self, start: int, end: int, replacement: str) -> None:
+        if self.redactions and self.redactions[-1][1] >= start:
+            start, _, before = self.redactions.pop()
+            replacement = before + replacement
+        self.redactions.append((start, end, replacement))
+        self._pos = end
 
     @property
     def position(self) -> int:

@@ -177,7 +177,8 @@ class Generation:
                 finish = self.finish_reasons[choice] = comp.finish_reason
             if self.screening is not None:
                 text, ids, logprobs, blocked = self.screening.output(
-                    choice, comp.text, text, ids, logprobs, comp.finish_reason is not None)
+                    choice, comp.text, text, ids, logprobs, comp.finish_reason is not None,
+                    lag=max(map(len, self.params.stop), default=1) - 1)
                 if blocked:  # OpenAI's value; _until_finished stops the engine request
                     finish = self.finish_reasons[choice] = "content_filter"
             if text or ids or finish:

@@ -7,10 +7,14 @@ Host-side: no JAX.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from typing import Sequence
+import json
+from typing import Callable, Sequence
 
+from jaxserve.errors import InvalidRequest
 from jaxserve.safety import Intervention, Pack, Rule, TextFilter
+from jaxserve.tool_calling.functions import FunctionTool, parse_tools
 
 
 def pii_redactions(pack: Pack) -> tuple[Rule, ...]:
@@ -20,13 +24,96 @@ def pii_redactions(pack: Pack) -> tuple[Rule, ...]:
                  if r.match.startswith("pii:"))
 
 
+def _redacted(redactions: list[tuple[int, int, str]], start: int, end: int) -> bool:
+    """Whether text[start:end] overlaps one of the (sorted, disjoint) redacted spans."""
+    i = bisect.bisect_right(redactions, start, key=lambda span: span[1])
+    return i < len(redactions) and redactions[i][0] < end
+
+
+def prompt_texts(parsed, decode: Callable[[list[int]], str]) -> list[str]:
+    """Every text of a request that its prompt renders, for the input rules (review a70e490,
+    M1): a completion's prompts (token ids as their text); a chat's message contents, each
+    assistant tool call (its name and arguments, as the tool prompt writes them: JSON escapes
+    decoded) and each tool (name, description, parameters schema). So a rule is not passed by
+    moving its text into a tool's description or a past call's arguments (a /v1/responses
+    function_call item is such a call)."""
+    if parsed.kind != "chat":
+        return [p if isinstance(p, str) else decode(p) for p in parsed.prompts]
+    texts = []
+    for m in parsed.prompts[0]:
+        if isinstance(m.get("content"), str):
+            texts.append(m["content"])
+        texts.extend(_call_text(call) for call in m.get("tool_calls") or ())
+    texts.extend(json.dumps(t.to_openai(), ensure_ascii=False) for t in parsed.tools)
+    return texts
+
+
+def with_prompt_texts(parsed, before: Sequence[str], after: Sequence[str]):
+    """`parsed` with the texts of prompt_texts replaced by their redacted versions; a token-id
+    prompt whose text a redaction changed becomes the redacted text (tokenized again).
+    ValueError when a redaction leaves a tool or a tool call that no longer parses."""
+    if list(before) == list(after):
+        return parsed
+    if parsed.kind != "chat":
+        prompts = [p if b == a else a for p, b, a in zip(parsed.prompts, before, after)]
+        return dataclasses.replace(parsed, prompts=prompts)
+    pairs = iter(zip(before, after))
+    messages = []
+    for m in parsed.prompts[0]:
+        m = dict(m)
+        if isinstance(m.get("content"), str):
+            m["content"] = next(pairs)[1]
+        if m.get("tool_calls"):
+            m["tool_calls"] = [_with_call_text(call, *next(pairs)) for call in m["tool_calls"]]
+        messages.append(m)
+    tools = tuple(tool if b == a else _tool(a) for tool, (b, a) in zip(parsed.tools, pairs))
+    return dataclasses.replace(parsed, prompts=[messages], tools=tools)
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+
+
+def _call_text(call) -> str:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict):  # the tool prompt refuses it (400)
+        return json.dumps(call, ensure_ascii=False, default=str)
+    args = fn.get("arguments")
+    return json.dumps({"name": fn.get("name"),
+                       "arguments": _json(args) if isinstance(args, str) else args},
+                      ensure_ascii=False)
+
+
+def _with_call_text(call: dict, before: str, after: str) -> dict:
+    if before == after:
+        return call
+    redacted = _json(after)
+    if not isinstance(redacted, dict) or not {"name", "arguments"} <= redacted.keys():
+        raise ValueError("a redaction broke a tool call")
+    args = redacted["arguments"]
+    return {**call, "function": {**call["function"], "name": redacted["name"], "arguments":
+                                 args if isinstance(args, str) else
+                                 json.dumps(args, ensure_ascii=False)}}
+
+
+def _tool(text: str) -> FunctionTool:
+    try:
+        return parse_tools([_json(text)])[0]
+    except InvalidRequest:
+        raise ValueError("a redaction broke a tool") from None
+
+
 class Screening:
     """One request under its tenant's pack: the input stage's interventions and the prompt texts
     as the model saw them, one output filter per choice, and (with the tenant's audit_content)
     the text each choice was sent."""
 
     def __init__(self, pack: Pack | None, input_interventions: Sequence[Intervention],
-                 prompt_texts: Sequence[str], pii_rules: Sequence[Rule], keep_content: bool):
+                 prompt_texts: Sequence[str], pii_rules: Sequence[Rule], keep_content: bool,
+                 token_text: Callable[[int], str] | None = None):
         self.pack = pack
         self.input_interventions = tuple(input_interventions)
         self.prompt_texts = tuple(prompt_texts)
@@ -34,35 +121,73 @@ class Screening:
         self._filtering = pack is not None and pack.has_output_rules
         self._filters: dict[int, TextFilter] = {}
         self.retrieval_interventions: list[Intervention] = []
-        self._held: dict[int, tuple[list, list]] = {}  # per choice: token ids, logprobs
+        # Per choice: the token ids (and logprobs) not sent yet, in groups of those that came
+        # with one text delta: [text start, text end, ids, logprobs].
+        self._held: dict[int, list[list]] = {}
+        self._token_text = token_text  # one id's text: what a top-logprob alternative says
         self.outputs: dict[int, list[str]] | None = {} if keep_content else None
 
     def output(self, choice: int, text_so_far: str, new_text: str, ids: list, logprobs,
-               final: bool) -> tuple[str, list, list | None, bool]:
+               final: bool, lag: int = 0) -> tuple[str, list, list | None, bool]:
         """One choice's delta through its output filter: (text, token ids, logprobs) that may
-        be sent, and whether a block rule ended the choice. Token ids and logprobs wait while
-        the filter holds text back (they would spell it), and those of a blocked term are
-        never sent."""
+        be sent, and whether a block rule ended the choice. `new_text` is the delta's raw text
+        (the end of `text_so_far`), `lag` how many characters of a token's text the engine may
+        show only later (a stop string's hold-back).
+
+        Token ids and logprobs would spell the text they stand for, so they follow the filter
+        (review a70e490, H4): they wait while it holds their text back; those whose text it
+        redacted, or that a block ended, are never sent; and a top-logprob alternative that
+        would complete a blocked or redacted term is left out."""
         blocked = False
         if self._filtering:
             f = self._filters.get(choice)
             if f is None:
                 f = self._filters[choice] = self.pack.output_filter()
             result = f.update(text_so_far, final)
-            new_text, blocked = result.text, result.blocked is not None
-            held_ids, held_lps = self._held.setdefault(choice, ([], []))
-            held_ids.extend(ids)
-            held_lps.extend(logprobs or ())
-            if blocked or f.position < len(text_so_far):
-                ids, logprobs = [], None if logprobs is None else []
-            else:
-                ids, logprobs = held_ids[:], None if logprobs is None else held_lps[:]
-            if blocked or f.position == len(text_so_far):
-                held_ids.clear()
-                held_lps.clear()
+            blocked = result.blocked is not None
+            ids, logprobs = self._release(choice, f, text_so_far, len(new_text), ids, logprobs,
+                                          final or blocked, lag)
+            new_text = result.text
         if self.outputs is not None and new_text:
             self.outputs.setdefault(choice, []).append(new_text)
         return new_text, ids, logprobs, blocked
+
+    def _release(self, choice: int, f: TextFilter, text: str, new_chars: int, ids: list,
+                 logprobs, done: bool, lag: int) -> tuple[list, list | None]:
+        held = self._held.setdefault(choice, [])
+        end = len(text)
+        if held and held[-1][0] == held[-1][1]:  # ids whose text had not shown: it is this
+            held[-1][1] = end
+            held[-1][2].extend(ids)
+            held[-1][3].extend(logprobs or ())
+        elif ids:
+            held.append([end - new_chars, end, list(ids), list(logprobs or ())])
+        elif held:
+            held[-1][1] = end
+        out_ids, out_lps = [], []
+        while held and (done or held[0][0] < held[0][1] and held[0][1] + lag <= f.position):
+            start, stop, group_ids, group_lps = held.pop(0)
+            if f.blocked is not None or _redacted(f.redactions, start, stop + lag):
+                continue
+            out_ids.extend(group_ids)
+            if group_lps:
+                before = text[max(0, start - self.pack.max_holdback_chars):start]
+                out_lps.extend(self._alternatives(before, group_ids, group_lps))
+        return out_ids, None if logprobs is None else out_lps
+
+    def _alternatives(self, before: str, ids: list, logprobs: list) -> list:
+        """The logprobs with each top alternative that would complete a term an output rule
+        blocks or redacts left out (`before`: the text in front of the first id)."""
+        if self._token_text is None or not any(lp.top for lp in logprobs):
+            return logprobs
+        out = []
+        for tid, lp in zip(ids, logprobs):
+            tail = before[-self.pack.max_holdback_chars:]
+            out.append(lp._replace(top=[(alt, v) for alt, v in lp.top
+                                        if not self.pack.completes_term(
+                                            tail, self._token_text(alt))]))
+            before += self._token_text(tid)
+        return out
 
     def screen_chunks(self, results: list) -> list:
         """Retrieved chunks (rag.SearchResult) through the input text rules: a chunk a block
