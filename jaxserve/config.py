@@ -187,6 +187,12 @@ class ServerConfig:
     idempotency_ttl_s: float = 24 * 3600.0  # how long an Idempotency-Key's response is kept
     policy_file: str | None = None  # --policy: content policy packs (TOML)
     audit_log_dir: str | None = None  # --audit-log: hash-chained JSONL, one record per request
+    # An open server (no tenants) answers only these Host names besides loopback names and IP
+    # literals, and only browser Origins among them (DNS rebinding, CSRF); "*": any.
+    allowed_hosts: tuple[str, ...] = ()
+    # /metrics needs `Authorization: Bearer <this>` (--metrics-token-file); None: open, except
+    # on a server with tenants, where it answers loopback clients only.
+    metrics_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -196,6 +202,8 @@ class ServerConfig:
         for name in ("engine_stall_timeout", "shutdown_timeout", "idempotency_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.metrics_token is not None and not self.metrics_token:
+            raise ConfigError("the metrics token is empty")
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,15 @@ class Unauthenticated(JaxServeError):
     """Missing or unknown API key (HTTP 401 `invalid_api_key`, gRPC UNAUTHENTICATED)."""
 
 
+class Forbidden(JaxServeError):
+    """The request may not be made from where it comes: an open server's foreign Host or
+    browser Origin, or /metrics to a client it is not open to (HTTP 403 `forbidden`)."""
+
+
+class UnsupportedMediaType(JaxServeError):
+    """A JSON route's body is not declared JSON (HTTP 415, naming Content-Type)."""
+
+
 class IdempotencyConflict(JaxServeError):
     """A request with this Idempotency-Key is still being processed (HTTP 409)."""
 
@@ -173,6 +182,9 @@ _STATUS_TABLE: tuple[tuple[type[Exception], ErrorStatus], ...] = (
                                    "deadline_exceeded")),
     (Unauthenticated, ErrorStatus(401, "UNAUTHENTICATED", "invalid_request_error",
                                   "invalid_api_key")),
+    (Forbidden, ErrorStatus(403, "PERMISSION_DENIED", "invalid_request_error", "forbidden")),
+    (UnsupportedMediaType, ErrorStatus(415, "INVALID_ARGUMENT", "invalid_request_error",
+                                       "unsupported_media_type")),
     (IdempotencyConflict, ErrorStatus(409, "ABORTED", "invalid_request_error",
                                       "idempotency_conflict")),
     (IdempotencyMismatch, ErrorStatus(422, "FAILED_PRECONDITION", "invalid_request_error",
@@ -233,8 +245,11 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 def error_reply(error: BaseException) -> tuple[int, dict]:
     """The HTTP status (a batch line's status_code too) and OpenAI error body of any exception."""
     status = error_status(error)
+    # An untyped error's text may name paths, SQL or other internals: the log has it, the
+    # client gets a generic message.
     message = (str(error) if isinstance(error, JaxServeError)
-               else f"internal error: {type(error).__name__}: {error}")
+               else "The server had an error while processing your request (the server's log "
+                    "has the details)")
     # An unknown model names `model`; other errors name their field, if any.
     param = "model" if isinstance(error, ModelNotFound) else getattr(error, "param", None)
     return status.http, error_body(message, status.type, param, status.code)

@@ -1,7 +1,8 @@
 """The example manifests under deploy/ hold together: every jaxserve command line parses with the
 real CLI (flags that exist, values of the right type), ports the flags open are the declared
 container ports, probes hit routes the server has on ports that exist, Services select pods that
-exist and target their named ports, and a multi-host group's sizes add up."""
+exist and target their named ports, and a multi-host group's sizes add up. A server listening
+beyond its pod has keys (--tenants) and a /metrics token, both files of mounted Secrets."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from jaxserve.entrypoints.cli import build_parser
 from jaxserve.config import ServerConfig
 from jaxserve.entrypoints.engine_flags import distributed_config
 from jaxserve.entrypoints.http.app import build_app
+from jaxserve.entrypoints.launcher import check_exposure
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 MANIFESTS = sorted(DEPLOY.rglob("*.yaml"))
@@ -53,6 +55,13 @@ def jaxserve_args(container: dict, env: dict):
     return build_parser().parse_args([*command[1:], *(expand(a, env) for a in container["args"])])
 
 
+def mounts(template: dict, container: dict) -> list[Path]:
+    """Where the container mounts Secret volumes (keys and tokens live in Secrets)."""
+    secrets = {v["name"] for v in template["spec"].get("volumes", []) if "secret" in v}
+    return [Path(m["mountPath"]) for m in container.get("volumeMounts", [])
+            if m["name"] in secrets]
+
+
 ROUTES = {r.resource.canonical for r in build_app(ServerConfig(), "m").router.routes()}
 
 
@@ -72,6 +81,12 @@ def test_manifest_holds_together(path):
             if args.command == "serve" and "http" in ports:
                 assert ports["http"] == args.port
                 assert args.host == "0.0.0.0", "a pod must listen beyond its loopback"
+                # beyond loopback, keys (or the explicit flag, which an example never uses)
+                assert args.tenants is not None and not args.allow_unauthenticated
+                check_exposure(args.host, args.tenants, args.allow_unauthenticated)
+                mounted = mounts(template, container)
+                for flag in (args.tenants, args.metrics_token_file):  # files of mounted Secrets
+                    assert flag is not None and any(flag.is_relative_to(m) for m in mounted), flag
             if "grpc" in ports:
                 assert ports["grpc"] == args.grpc_port
             for probe, path_ in (("readinessProbe", "/ready"), ("livenessProbe", "/health"),
@@ -81,7 +96,8 @@ def test_manifest_holds_together(path):
                     assert get["path"] == path_ and get["path"] in ROUTES
                     assert get["port"] in ports, f"{probe} targets an undeclared port"
             annotations = template["metadata"].get("annotations", {})
-            if "prometheus.io/port" in annotations:
+            if "prometheus.io/port" in annotations:  # a scraper elsewhere: it needs the token
+                assert args.metrics_token_file is not None
                 assert int(annotations["prometheus.io/port"]) == args.port
                 assert annotations["prometheus.io/path"] in ROUTES
             group = distributed_config(args)

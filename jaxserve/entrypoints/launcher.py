@@ -41,6 +41,7 @@ log = logging.getLogger("jaxserve.server")
 _DEFAULTS = ServerConfig()
 _ENGINE_STOP_S = 5.0  # for the engine thread to leave its loop once the drain is over
 _DEADLINE_MARGIN_S = 15.0  # beyond drain + engine stop, before the process is ended regardless
+METRICS_TOKEN_ENV = "JAXSERVE_METRICS_TOKEN"
 _LIMIT_HELP = {
     "max_n": "largest `n` (and `best_of`) a request may ask",
     "max_prompts": "most prompts in one completions request",
@@ -96,6 +97,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tenants, API keys, limits and classes (TOML; docs/tenants.md); "
                              "every route but /health, /ready, /metrics and /openapi.json then "
                              "needs 'Authorization: Bearer KEY' (default: one open tenant)")
+    parser.add_argument("--allow-unauthenticated", action="store_true",
+                        help="without --tenants, listen on a --host beyond loopback anyway: "
+                             "anyone who reaches it may generate and read, change or delete "
+                             "every collection (default: refused; docs/security.md)")
+    parser.add_argument("--allowed-hosts", type=_host_list, default=None,
+                        metavar="HOST[,HOST...]",
+                        help="without --tenants, the Host names (and browser Origins) answered "
+                             "besides loopback names and IP addresses; '*' answers any "
+                             "(default: none; docs/security.md)")
+    parser.add_argument("--metrics-token-file", type=Path, default=None, metavar="FILE",
+                        help="/metrics needs 'Authorization: Bearer TOKEN', TOKEN read from FILE "
+                             f"(or from ${METRICS_TOKEN_ENV}); without one, a server with "
+                             "--tenants answers /metrics to loopback clients only")
     parser.add_argument("--idempotency-ttl", type=float, default=_DEFAULTS.idempotency_ttl_s,
                         metavar="SECONDS",
                         help="how long the response to an Idempotency-Key is kept for a retry "
@@ -122,6 +136,44 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
                              "`jaxserve audit verify DIR`)")
 
 
+def _host_list(text: str) -> tuple[str, ...]:
+    return tuple(h.strip() for h in text.split(",") if h.strip())
+
+
+def _metrics_token(path: Path | None) -> str | None:
+    """--metrics-token-file's token (the file's text, stripped), else $JAXSERVE_METRICS_TOKEN's;
+    never a flag's value, which every local user could read in the process list."""
+    if path is None:
+        return os.environ.get(METRICS_TOKEN_ENV) or None
+    try:
+        token = path.read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"--metrics-token-file {path}: {e.strerror}") from None
+    if not token:
+        raise ConfigError(f"--metrics-token-file {path}: the file is empty")
+    return token
+
+
+def check_exposure(host: str, tenants: Path | None, allow_unauthenticated: bool) -> None:
+    """An open server (no --tenants) listens on loopback only, unless --allow-unauthenticated;
+    either way it says loudly that it is open."""
+    from jaxserve.entrypoints.http.exposure import is_loopback
+
+    if tenants is not None:
+        return
+    if is_loopback(host):
+        log.warning("no --tenants: every route is open to any program on this machine (and "
+                    "to web pages only through loopback names; docs/security.md)")
+        return
+    if not allow_unauthenticated:
+        raise ConfigError(f"--host {host!r} reaches beyond this machine, and without --tenants "
+                          f"anyone who reaches it may generate and read, change or delete every "
+                          f"collection: give --tenants FILE (API keys), or --allow-unauthenticated "
+                          f"to serve it open anyway (docs/security.md)")
+    log.warning("UNAUTHENTICATED server on %r (--allow-unauthenticated): anyone who reaches it "
+                "may generate and read, change or delete every collection", host)
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     limits = RequestLimits(**{f.name: getattr(args, f.name)
                               for f in dataclasses.fields(RequestLimits)})
@@ -135,7 +187,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         tenants_file=str(args.tenants) if args.tenants else None,
                         idempotency_ttl_s=args.idempotency_ttl,
                         policy_file=str(args.policy) if args.policy else None,
-                        audit_log_dir=str(args.audit_log) if args.audit_log else None)
+                        audit_log_dir=str(args.audit_log) if args.audit_log else None,
+                        allowed_hosts=args.allowed_hosts or (),
+                        metrics_token=_metrics_token(args.metrics_token_file))
 
 
 def _exit_now(code: int) -> None:
@@ -357,6 +411,7 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_model_or_deployment(args)
     dist = distributed_config(args)
+    check_exposure(args.host, args.tenants, args.allow_unauthenticated)
     if args.deployment is not None:
         if dist is not None:
             raise ConfigError("--deployment serves on one host; multi-host needs --model")

@@ -6,16 +6,18 @@ and GET /openapi.json describing them all), the app built around the front door
 
 from __future__ import annotations
 
+import hmac
 import ssl
 
 from aiohttp import web
 
 from jaxserve.config import ServerConfig
-from jaxserve.errors import InvalidRequest
+from jaxserve.errors import Forbidden, InvalidRequest, Unauthenticated
 from jaxserve.gateway.pricing import Pricing
 from jaxserve.entrypoints.serving import protocol
 from jaxserve.entrypoints.serving import response_models as out
 from jaxserve.entrypoints.http.app_state import STATE_KEY, AppState
+from jaxserve.entrypoints.http.exposure import is_loopback
 from jaxserve.entrypoints.http.front_door import (MIDDLEWARES, caller, ratelimit_headers,
                                                   tenant_limited)
 from jaxserve.entrypoints.http.openai_routes import chat_completions, completions, responses
@@ -103,7 +105,20 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """The Prometheus text. It names every tenant with its traffic, tokens and spend: with a
+    metrics token only for `Authorization: Bearer TOKEN`; without one, a server with tenants
+    answers loopback clients only (a scraper beside it, or a tunnel)."""
     state: AppState = request.app[STATE_KEY]
+    token = state.config.metrics_token
+    if token is not None:
+        scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                 token.encode()):
+            raise Unauthenticated("/metrics needs 'Authorization: Bearer TOKEN', the token of "
+                                  "--metrics-token-file")
+    elif not state.gateway.tenants.open and not is_loopback(request.remote or ""):
+        raise Forbidden("/metrics of a server with tenants answers loopback clients only, "
+                        "unless the server has a metrics token (--metrics-token-file)")
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -147,7 +162,7 @@ def _routes(config: ServerConfig) -> list[Route]:
         Route("GET", "/ready", ready, "Ready to generate: 200, else 503 with the reason",
               ok=out.Status, errors=(503,), tags=("operations",)),
         Route("GET", "/metrics", metrics, "Prometheus metrics", ok="text/plain",
-              tags=("operations",)),
+              errors=(401, 403), tags=("operations",)),
         Route("GET", "/openapi.json", openapi, "This description (OpenAPI 3.1)",
               tags=("operations",)),
     ]

@@ -21,6 +21,7 @@ from jaxserve.entrypoints.serving.admission import CallContext
 from jaxserve.entrypoints.serving.calls import Call
 from jaxserve.entrypoints.serving.outcome import call_outcome
 from jaxserve.entrypoints.http.app_state import STATE_KEY, AppState
+from jaxserve.entrypoints.http.exposure import open_server_guard
 
 log = logging.getLogger("jaxserve.server")
 
@@ -174,6 +175,7 @@ def call_context(request: web.Request) -> CallContext:
                        client=request.remote, route=request.path)
 
 
-# Outermost first: errors become replies around everything, the key is checked before the
-# router's refusal is raised (so a caller without a key learns nothing about the paths).
-MIDDLEWARES = (_errors_middleware, _front_door, _unrouted)
+# Outermost first: errors become replies around everything, an open server's Host and Origin
+# are checked before anything runs (exposure.py), the key is checked before the router's refusal
+# is raised (so a caller without a key learns nothing about the paths).
+MIDDLEWARES = (_errors_middleware, open_server_guard, _front_door, _unrouted)

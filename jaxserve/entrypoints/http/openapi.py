@@ -18,8 +18,12 @@ ROUTES_KEY = web.AppKey("routes", list)
 _REF = "#/components/schemas/{model}"
 _DESCRIPTIONS = {200: "OK", 201: "Created", 202: "Accepted (it goes on in the background)",
                  400: "Invalid request (the `param` names the field)",
-                 401: "Missing or wrong credentials", 404: "Unknown model or resource",
+                 401: "Missing or wrong credentials",
+                 403: "Not from here: a Host or Origin an open server does not answer, or "
+                      "/metrics to a client it is not open to",
+                 404: "Unknown model or resource",
                  409: "Conflicts with the current state (or the same Idempotency-Key still runs)",
+                 415: "The body is not sent as JSON (Content-Type: application/json)",
                  422: "Idempotency-Key reused with a different body",
                  429: "A rate limit of the tenant (Retry-After says when to retry)",
                  500: "The request failed inside the server",
@@ -84,9 +88,11 @@ def openapi_document(routes: list[Route], title: str, version: str) -> dict:
         if params:
             op["parameters"] = [{"name": p, "in": "path", "required": True,
                                  "schema": {"type": "string"}} for p in params]
+        errors = r.errors
         if r.body is not None:
             op["requestBody"] = {"required": True,
                                  "content": _content(refs[(r.body, "validation")])}
+            errors = tuple(sorted({*errors, 415}))  # json_body.read_json's
         if isinstance(r.ok, type):
             ok = _content(refs[(r.ok, "serialization")])
         else:
@@ -96,7 +102,7 @@ def openapi_document(routes: list[Route], title: str, version: str) -> dict:
                                "text/event-stream"))
         op["responses"][str(r.ok_status)] = {"description": _DESCRIPTIONS[r.ok_status],
                                              "content": ok}
-        for status in r.errors:
+        for status in errors:
             op["responses"][str(status)] = {**error, "description": _DESCRIPTIONS[status]}
         paths.setdefault(r.path, {})[r.method.lower()] = op
     return {"openapi": "3.1.0", "info": {"title": title, "version": version},
