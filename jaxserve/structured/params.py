@@ -73,6 +73,8 @@ class StructuredOutputsParams:
         if isinstance(schema, str):
             try:
                 schema = _json.loads(schema)
+            except RecursionError:
+                raise self._bad("the JSON schema nests too deeply") from None
             except ValueError as e:
                 raise self._bad(f"the JSON schema is not valid JSON ({e})") from None
         if not isinstance(schema, dict):

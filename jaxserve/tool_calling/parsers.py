@@ -148,7 +148,7 @@ def _scan_object(text: str, start: int) -> tuple[dict[str, tuple[int, int | None
 def _loads_str(raw: str) -> str:
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
         return raw
     return value if isinstance(value, str) else raw
 
@@ -247,7 +247,7 @@ def _finished_call(text: str, call: _Call) -> ToolCall | None:
         arguments = _arguments(text, call, final=True)
         if not isinstance(json.loads(arguments), dict):
             return None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
         return None
     return ToolCall(call.name.strip(), arguments)
 

@@ -113,7 +113,7 @@ def _calls(m: dict, i: int) -> list[tuple[str, dict]]:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
                 raise InvalidRequest(f"messages[{i}].tool_calls[{j}].function.arguments is not "
                                      f"valid JSON", param="messages") from None
         if not isinstance(args, dict):
