@@ -54,6 +54,21 @@ stage = "output"
 match = "literal"
 pattern = "France"
 action = "flag"
+
+[[pack.redacting.rule]]
+name = "sesame-anywhere"
+stage = "input"
+match = "literal"
+pattern = "open sesame"
+action = "block"
+
+[[pack.redacting.rule]]
+name = "city"
+stage = "output"
+match = "literal"
+pattern = "Paris"
+kind = "city"
+action = "redact"
 """
 TENANTS = """
 [tenant.alice]
@@ -63,6 +78,10 @@ api_keys = ["sk-alice"]
 api_keys = ["sk-carol"]
 policy = "default"
 audit_content = true
+
+[tenant.dave]
+api_keys = ["sk-dave"]
+policy = "redacting"
 """
 # SmolLM2's greedy answer (../shared/golden): "The capital of France is Paris."
 PARIS = {"model": SMOLLM2, "messages": [{"role": "user", "content": "What is the capital of "
@@ -202,6 +221,58 @@ def test_grpc_invalid_argument_and_content_filter(server, smollm2_golden):
 
 
 @pytest.mark.slow
+def test_redacted_output_is_in_no_logprobs_token_and_no_grpc_token_id(server, smollm2_golden):
+    """Review a70e490, H4: with a `redact` rule on the word the model says, the text showed
+    [REDACTED:city] but logprobs' tokens (and gRPC's token_ids) still spelled it."""
+    body = post(f"{server.url}/v1/chat/completions",
+                {**PARIS, "logprobs": True, "top_logprobs": 5}, key="sk-dave").json()
+    choice = body["choices"][0]
+    assert choice["message"]["content"] == "The capital of France is [REDACTED:city]."
+    tokens = [c["token"] for c in choice["logprobs"]["content"]]
+    alternatives = [t["token"] for c in choice["logprobs"]["content"] for t in c["top_logprobs"]]
+    assert "".join(tokens).startswith("The capital of France is")
+    assert "paris" not in " ".join(tokens + alternatives).lower()
+    raw = post(f"{server.url}/v1/completions",
+               {"model": SMOLLM2, "prompt": "The capital of France is", "max_tokens": 3,
+                "temperature": 0, "logprobs": 5, "stream": True}, key="sk-dave").text
+    assert "[REDACTED:city]" in raw and "paris" not in raw.lower()
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(server.grpc_target))
+    deltas = list(stub.Generate(pb.GenerateRequest(
+        model=SMOLLM2, prompt_token_ids=smollm2_golden["cases"][0]["input_ids"], max_tokens=16,
+        temperature=0), metadata=(("authorization", "Bearer sk-dave"),)))
+    assert "".join(d.text for d in deltas) == "The capital of France is [REDACTED:city]."
+    spelled = server.llm.tokenizer.decode([t for d in deltas for t in d.token_ids])
+    assert spelled.startswith("The capital of France is") and "Paris" not in spelled
+    idle(server)
+
+
+@pytest.mark.slow
+def test_input_rules_screen_tools_and_past_tool_calls(server):
+    """Review a70e490, M1: a blocked phrase moved into a tool's description, a past call's
+    arguments (JSON-escaped), a /v1/responses function_call item, or spelled with a zero-width
+    space, reached the model."""
+    tool = {"type": "function", "function": {"name": "t", "description": "open sesame"}}
+    call = {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c1", "type": "function",
+        "function": {"name": "t", "arguments": '{"say": "\\u006fpen sesame"}'}}]}
+    user = {"role": "user", "content": "do what the tool says"}
+    for url, body in [
+            ("/v1/chat/completions", {**PARIS, "messages": [user], "tools": [tool]}),
+            ("/v1/chat/completions", {**PARIS, "messages": [user, call, {
+                "role": "tool", "tool_call_id": "c1", "content": "ok"}]}),
+            ("/v1/chat/completions", {**PARIS, "messages": [
+                {"role": "user", "content": "open \u200bSE\u0405AME"}]}),
+            ("/v1/responses", {"model": SMOLLM2, "max_output_tokens": 4, "input": [
+                user, {"type": "function_call", "call_id": "c1", "name": "t",
+                       "arguments": '{"say": "open sesame"}'},
+                {"type": "function_call_output", "call_id": "c1", "output": "ok"}]})]:
+        r = post(f"{server.url}{url}", body, key="sk-dave")
+        assert r.status_code == 400, (url, r.text)
+        assert r.json()["error"]["code"] == "content_policy_violation"
+        assert "sesame-anywhere" in r.json()["error"]["message"]
+
+
+@pytest.mark.slow
 def test_audit_log_of_the_mixed_run_verifies(server, capsys):
     """Last: the earlier tests' requests are the mixed run (blocked, filtered, redacted, batch)."""
     from jaxserve.entrypoints.cli import main
@@ -212,7 +283,8 @@ def test_audit_log_of_the_mixed_run_verifies(server, capsys):
     raw = b"".join(p.read_bytes() for p in sorted((server.dir / "audit").glob("audit-*.jsonl")))
     assert EMAIL.encode() not in raw and b"sk-alice" not in raw
     records = [json.loads(line) for line in raw.splitlines()]
-    requests = [r for r in records if r["type"] == "request"]
+    # dave's requests (the H4 and M1 tests) are not part of this run's expected order
+    requests = [r for r in records if r["type"] == "request" and r["tenant"] != "dave"]
     by_status = [(r["route"], r["status_code"], r["finish_reasons"]) for r in requests]
     assert by_status[:4] == [
         ("/v1/chat/completions", 400, []),

@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from jaxserve.core.outputs import TokenLogprob
 from jaxserve.errors import ConfigError, ContentPolicyViolation
 from jaxserve.gateway.tenants import Tenant
 from jaxserve.entrypoints.serving.admission import CallContext
@@ -99,10 +100,11 @@ def test_output_ids_wait_with_held_text_and_a_block_releases_none(policy):
     whole, sent_text, sent_ids = "", [], []
     for token_id, piece in enumerate(["The ", "city is ", "Pa", "ri", "s."]):
         whole += piece
-        text, ids, lps, blocked = screening.output(0, whole, piece, [token_id], [token_id], False)
+        text, ids, lps, blocked = screening.output(0, whole, piece, [token_id],
+                                                   [TokenLogprob(-token_id, [])], False)
         sent_text.append(text)
         sent_ids += ids
-        assert lps == ids
+        assert [-lp.logprob for lp in lps] == ids
         if blocked:
             break
     assert blocked and "".join(sent_text) == "The city is "
@@ -113,6 +115,92 @@ def test_output_ids_wait_with_held_text_and_a_block_releases_none(policy):
     assert (text, ids, blocked) == ("", [], False)
     text, ids, lps, blocked = screening.output(1, "Pass", "ss", [8], None, True)
     assert (text, ids, lps, blocked) == ("Pass", [7, 8], None, False)
+
+
+def test_tools_and_past_tool_calls_pass_the_input_rules(policy):
+    """Review a70e490, M1: the input rules saw only message contents, so a blocked phrase moved
+    into a tool's description, its schema, or a past call's arguments (JSON-escaped, too)
+    reached the model. Every text the prompt renders is screened; a redaction is written back
+    into the tool or the call."""
+    import dataclasses
+
+    from jaxserve.tool_calling.functions import parse_tools
+
+    def tool(description="a tool", schema=None):
+        return {"type": "function", "function": {"name": "t", "description": description,
+                                                 "parameters": schema or {"type": "object"}}}
+
+    def chat(*messages, tools=()):
+        return dataclasses.replace(parsed("chat", [list(messages)]), tools=parse_tools(
+            list(tools)) if tools else ())
+
+    user = {"role": "user", "content": "do what the tool says"}
+    called = {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "c1", "type": "function",
+        "function": {"name": "t", "arguments": '{"say": "\\u006fpen sesame"}'}}]}
+    for request in (chat(user, tools=[tool("open sesame")]),
+                    chat(user, tools=[tool(schema={"type": "object", "properties": {
+                        "x": {"type": "string", "description": "OPEN SESAME"}}})]),
+                    chat(user, called)):
+        with pytest.raises(ContentPolicyViolation) as e:
+            asyncio.run(policy.screen(request, Tenant("a"), None))
+        assert e.value.interventions[0].rule == "sesame"
+    strict = Tenant("b", policy="strict")
+    called["tool_calls"][0]["function"]["arguments"] = '{"number": "555-123-4567"}'
+    out, screening = asyncio.run(policy.screen(
+        chat(user, called, tools=[tool("or ring 555-123-4567")]), strict, None))
+    assert out.prompts[0][1]["tool_calls"][0]["function"]["arguments"] == \
+        '{"number": "[REDACTED:phone]"}'
+    assert out.tools[0].description == "or ring [REDACTED:phone]"
+    assert len(screening.prompt_texts) == 4 and "555" not in "".join(screening.prompt_texts)
+
+
+REDACTING = """
+[[pack.default.rule]]
+name = "email"
+stage = "output"
+match = "pii:email"
+action = "redact"
+
+[[pack.default.rule]]
+name = "paris"
+stage = "output"
+match = "literal"
+pattern = "Paris"
+action = "block"
+"""
+VOCAB = ["Mail ", "bob", "@", "example", ".com", " now", ".", "Paris", "Lyon", " bob@x.io"]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_redacted_text_releases_no_token_ids_or_logprobs(tmp_path, lag):
+    """Review a70e490, H4: the ids (and logprobs) held back with a redacted e-mail address were
+    all released once the filter caught up, so logprobs' tokens and gRPC's token_ids spelled
+    it. Now a redacted span's ids never go out; nor does a top-logprob alternative that would
+    complete a blocked or redacted term. `lag`: a stop string's hold-back, which may show a
+    token's text only in the next delta, so the id before a redaction waits and goes too."""
+    path = tmp_path / "policy.toml"
+    path.write_text(REDACTING)
+    policy = RequestPolicy(load_policy(path), None)
+    _, screening = asyncio.run(policy.screen(parsed("completion", ["hi"]), Tenant("a"),
+                                             lambda ids: "".join(VOCAB[i] for i in ids)))
+    whole, sent_text, sent_ids, sent_lps = "", [], [], []
+    pieces = ["Mail ", "bob", "@", "example", ".com", " now", "."]
+    for token_id, piece in enumerate(pieces):
+        whole += piece
+        # each token's alternatives: the city the rule blocks, another, an address
+        lp = TokenLogprob(-1.0, [(7, -2.0), (8, -3.0), (9, -4.0)])
+        text, ids, lps, blocked = screening.output(0, whole, piece, [token_id], [lp],
+                                                   token_id == len(pieces) - 1, lag=lag)
+        sent_text.append(text)
+        sent_ids += ids
+        sent_lps += lps
+    assert "".join(sent_text) == "Mail [REDACTED:email] now."
+    assert sent_ids == ([0, 5, 6] if lag == 0 else [5, 6])
+    assert len(sent_lps) == len(sent_ids)
+    # "Paris" is blocked wherever it comes; " bob@x.io" would be redacted ("Lyon" right after
+    # the address would lengthen it: left out there)
+    assert [[alt for alt, _ in lp.top] for lp in sent_lps] == [[8], [], [8]][-len(sent_lps):]
 
 
 def test_retrieved_chunks_pass_the_input_rules(policy):

@@ -14,18 +14,18 @@ policy is never served without it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
 from jaxserve.audit import AuditError, AuditLog, AuditLogConfig, AuditRecord
 from jaxserve.errors import ConfigError, ContentPolicyViolation
 from jaxserve.gateway.tenants import Tenant
 from jaxserve.safety import Intervention, Pack, PolicySet, load_policy
 from jaxserve.entrypoints.serving.outcome import Outcome
-from jaxserve.entrypoints.serving.screening import Screening, pii_redactions
+from jaxserve.entrypoints.serving.screening import (Screening, pii_redactions, prompt_texts,
+                                                    with_prompt_texts)
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +96,7 @@ class RequestPolicy:
         if self.audit is not None:
             self.audit.check_accepting()
         chat = parsed.kind == "chat"
-        # A chat has one prompt (its messages); only text content is checked.
-        texts = ([m["content"] for m in parsed.prompts[0] if isinstance(m.get("content"), str)]
-                 if chat else [p if isinstance(p, str) else decode(p) for p in parsed.prompts])
+        texts = prompt_texts(parsed, decode)
         pack = self.pack_for(tenant)
         interventions: tuple[Intervention, ...] = ()
         if pack is not None:
@@ -109,11 +107,16 @@ class RequestPolicy:
             if decision.blocked is not None:
                 raise ContentPolicyViolation(decision.blocked.rule,
                                              "messages" if chat else "prompt", interventions)
-            parsed = _with_texts(parsed, texts, decision.texts)
+            try:
+                parsed = with_prompt_texts(parsed, texts, decision.texts)
+            except ValueError:  # a redaction that a tool (call) does not survive: blocked
+                rule = next(i.rule for i in interventions if i.action == "redact")
+                raise ContentPolicyViolation(rule, "messages", interventions) from None
             texts = decision.texts
         screening = Screening(pack, interventions, texts,
                               self._pii.get(pack.name, ()) if pack is not None else (),
-                              self.audit is not None and tenant.audit_content)
+                              self.audit is not None and tenant.audit_content,
+                              lambda token_id: decode([token_id]))
         return parsed, screening
 
     def record(self, o: Outcome) -> None:
@@ -160,16 +163,3 @@ class RequestPolicy:
         if self.policy is not None:
             self.policy.close()
 
-
-def _with_texts(parsed, before: Sequence[str], after: Sequence[str]):
-    """`parsed` with its prompt texts replaced by their redacted versions; a token-id prompt
-    whose text a redaction changed becomes the redacted text (tokenized again)."""
-    if list(before) == list(after):
-        return parsed
-    if parsed.kind == "chat":
-        it = iter(after)
-        messages = [{**m, "content": next(it)} if isinstance(m.get("content"), str) else m
-                    for m in parsed.prompts[0]]
-        return dataclasses.replace(parsed, prompts=[messages])
-    prompts = [p if b == a else a for p, b, a in zip(parsed.prompts, before, after)]
-    return dataclasses.replace(parsed, prompts=prompts)
