@@ -426,6 +426,42 @@ def test_classifier_timeout_or_failure_decides_by_on_error(tmp_path, on_error, t
         ps.close()
 
 
+def test_one_tenant_cannot_saturate_the_classifier(tmp_path):
+    """Review a70e490, M9: a tenant's calls filled every worker, so every other tenant's call
+    queued behind them, timed out and was blocked (or let through unclassified). Now each
+    tenant has max_calls_per_tenant calls at a time (a hung one keeps its slot until it
+    returns): its own next call waits, then is a 429; other tenants' calls still run. A text
+    longer than max_input_chars is blocked without a call, whatever on_error says."""
+    from jaxserve.errors import RateLimitExceeded
+
+    ps = policy(tmp_path, CLASSIFIER.format(timeout=0.3, on_error="allow")
+                + "workers = 2\nmax_input_chars = 1000\n"
+                + rule("classifier:tox", "block", stage="input", label="toxic", threshold=0.8))
+    pack, seen = ps.pack("default"), ps.classifiers["tox"].instance.seen
+    RELEASE.clear()
+
+    async def run():
+        hung = asyncio.create_task(pack.check_input(["hang on"], "mallory"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(RateLimitExceeded, match="classifier"):
+            await pack.check_input(["hang on again"], "mallory")
+        other = await pack.check_input(["an awful day"], "alice")
+        RELEASE.set()
+        return other, await hung
+
+    try:
+        other, hung = asyncio.run(run())
+        assert other.blocked == Intervention("default.rule[0]", "block", "input")
+        assert hung.interventions == (Intervention("classifier:tox", "flag", "input"),)
+        assert "hang on again" not in seen
+        d = check(pack, "x" * 1001)
+        assert d.blocked == Intervention("classifier:tox", "block", "input")
+        assert "x" * 1001 not in seen
+    finally:
+        RELEASE.set()
+        ps.close()
+
+
 # ---------------------------------------------------------------- metrics and the CLI
 
 

@@ -7,6 +7,13 @@ moderator is slow) or "allow" (fail open). Either way it is recorded as an inter
 rule `classifier:NAME` (action block, or flag when allowed), so failures show in the metrics.
 A timed-out call cannot be killed: it keeps its worker thread until it returns, and calls queued
 behind it time out in turn; `workers` sets how many calls run at once.
+
+So that one tenant cannot fill the workers and have every other tenant's calls time out (review
+a70e490, M9), each tenant has at most `max_calls_per_tenant` calls queued or running at a time (a
+timed-out call keeps its slot until it really returns): its next call waits for one of its own,
+at most timeout_s, and is then refused with a 429 (RateLimitExceeded) rather than decided by
+on_error. A text longer than `max_input_chars` is never sent: it is blocked, whatever on_error
+says (a size no moderation call is made for is not let through).
 """
 
 from __future__ import annotations
@@ -16,11 +23,12 @@ import asyncio
 import importlib
 import logging
 import math
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from jaxserve.errors import ConfigError
+from jaxserve.errors import ConfigError, RateLimitExceeded
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,7 @@ class Classifier(abc.ABC):
 class ClassifierResult:
     scores: Mapping[str, float] = field(default_factory=dict)
     error: str | None = None  # "timeout" or the exception, when the call failed
+    oversized: bool = False  # longer than max_input_chars: not sent, always blocks
 
 
 def load_class(path: str) -> type:
@@ -70,7 +79,8 @@ class ClassifierRunner:
     """One configured classifier: its instance, its executor and its failure policy."""
 
     def __init__(self, name: str, cls_path: str, args: Mapping[str, Any], timeout_s: float,
-                 on_error: str, workers: int):
+                 on_error: str, workers: int, max_calls_per_tenant: int = 1,
+                 max_input_chars: int = 100_000):
         cls = load_class(cls_path)
         if not (isinstance(cls, type) and issubclass(cls, Classifier)):
             raise ConfigError(f"{cls_path} is not a subclass of jaxserve.safety.Classifier")
@@ -81,17 +91,41 @@ class ClassifierRunner:
         self.name = name
         self.timeout_s = timeout_s
         self.on_error = on_error
+        self.max_calls_per_tenant = max_calls_per_tenant
+        self.max_input_chars = max_input_chars
         self._executor = ThreadPoolExecutor(max_workers=workers,
                                             thread_name_prefix=f"classifier-{name}")
+        # Per event loop (asyncio semaphores belong to one), per tenant: its calls' slots.
+        self._slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    async def classify(self, text: str) -> ClassifierResult:
+    def _slot(self, loop, tenant: str) -> asyncio.Semaphore:
+        slots = self._slots.setdefault(loop, {})
+        if tenant not in slots:
+            slots[tenant] = asyncio.Semaphore(self.max_calls_per_tenant)
+        return slots[tenant]
+
+    async def classify(self, text: str, tenant: str = "") -> ClassifierResult:
+        """Scores of `text` for one of `tenant`'s requests; RateLimitExceeded (429) when the
+        tenant's calls stay at max_calls_per_tenant for timeout_s."""
+        if len(text) > self.max_input_chars:
+            return ClassifierResult(error=f"longer than {self.max_input_chars} characters",
+                                    oversized=True)
         loop = asyncio.get_running_loop()
+        slot = self._slot(loop, tenant)
         try:
-            scores = await asyncio.wait_for(
-                loop.run_in_executor(self._executor, self.instance.classify, text),
-                self.timeout_s)
+            await asyncio.wait_for(slot.acquire(), self.timeout_s)
+        except TimeoutError:
+            raise RateLimitExceeded(
+                f"too many calls of this tenant to the classifier {self.name!r} at once (at most "
+                f"{self.max_calls_per_tenant}); retry later", retry_after=self.timeout_s) from None
+        call = self._executor.submit(self.instance.classify, text)
+        call.add_done_callback(lambda _: _release(loop, slot))  # when it really returns
+        try:
+            scores = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call)),
+                                            self.timeout_s)
             return ClassifierResult(_checked_scores(scores))
         except TimeoutError:
+            call.cancel()  # still queued: it never runs
             log.warning("classifier %s timed out after %.3g s", self.name, self.timeout_s)
             return ClassifierResult(error="timeout")
         except Exception as e:  # noqa: BLE001 - a user's model failing decides by on_error
@@ -101,6 +135,13 @@ class ClassifierRunner:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.instance.close()
+
+
+def _release(loop, slot: asyncio.Semaphore) -> None:
+    try:
+        loop.call_soon_threadsafe(slot.release)
+    except RuntimeError:  # the loop is closed, and its semaphores with it
+        pass
 
 
 def _checked_scores(scores) -> dict[str, float]:

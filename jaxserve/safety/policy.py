@@ -20,6 +20,8 @@
     timeout_s = 2.0
     on_error = "block"              # "block" (fail closed) | "allow" (fail open)
     workers = 1
+    max_calls_per_tenant = 1        # a tenant's calls queued or running at once
+    max_input_chars = 100000        # a longer text is blocked without a call
 
 A classifier rule (input stage only) adds `label` and `threshold` (it matches when the label's
 score >= threshold) and takes the action block or flag. Every mistake — an unknown key, a wrong
@@ -48,7 +50,8 @@ DEFAULT_MAX_HOLDBACK_CHARS = 256
 _PACK_KEYS = {"rule", "max_prompt_chars", "max_holdback_chars"}
 _RULE_KEYS = {"name", "stage", "match", "pattern", "whole_word", "kind", "action", "label",
               "threshold"}
-_CLASSIFIER_KEYS = {"class", "args", "timeout_s", "on_error", "workers"}
+_CLASSIFIER_KEYS = {"class", "args", "timeout_s", "on_error", "workers", "max_calls_per_tenant",
+                    "max_input_chars"}
 
 
 @dataclass(frozen=True)
@@ -109,10 +112,11 @@ class Pack:
         out.append(text[last:])
         return "".join(out), f.interventions, None
 
-    async def check_input(self, texts: Sequence[str]) -> InputDecision:
+    async def check_input(self, texts: Sequence[str], tenant: str = "") -> InputDecision:
         """A request's prompt texts (a completion prompt, or each chat message's content): the
         size limit, then the text rules on each text, then each classifier the pack's rules use,
-        once, on the redacted texts joined by newlines."""
+        once, on the redacted texts joined by newlines, as one of `tenant`'s calls
+        (RateLimitExceeded when the tenant has too many classifier calls at once)."""
         if self.max_prompt_chars is not None and sum(map(len, texts)) > self.max_prompt_chars:
             block = Intervention(f"{self.name}.max_prompt_chars", "block", "input")
             return InputDecision(tuple(texts), (block,), block)
@@ -123,21 +127,22 @@ class Pack:
             if blocked is not None:
                 return InputDecision(tuple(texts), _merge(found), blocked)
             out.append(redacted)
-        blocked = await self._classify("\n".join(out), found)
+        blocked = await self._classify("\n".join(out), found, tenant)
         return InputDecision(tuple(out), _merge(found), blocked)
 
-    async def _classify(self, text: str, found: list[Intervention]) -> Intervention | None:
+    async def _classify(self, text: str, found: list[Intervention],
+                        tenant: str) -> Intervention | None:
         rules = [r for r in self.rules if r.classifier is not None]
         if not rules:
             return None
         names = list(dict.fromkeys(r.classifier for r in rules))
         results = dict(zip(names, await asyncio.gather(
-            *(self.classifiers[n].classify(text) for n in names))))
+            *(self.classifiers[n].classify(text, tenant) for n in names))))
         blocked = None
         for name, result in results.items():
             if result.error is not None:
                 runner = self.classifiers[name]
-                action = "block" if runner.on_error == "block" else "flag"
+                action = "block" if runner.on_error == "block" or result.oversized else "flag"
                 found.append(Intervention(f"classifier:{name}", action, "input"))
                 blocked = blocked or (found[-1] if action == "block" else None)
         for r in rules:
@@ -208,7 +213,8 @@ def load_policy(path: str | Path) -> PolicySet:
             try:
                 runners[name] = ClassifierRunner(
                     name, spec["class"], spec.get("args", {}), float(spec.get("timeout_s", 2.0)),
-                    spec.get("on_error", "block"), spec.get("workers", 1))
+                    spec.get("on_error", "block"), spec.get("workers", 1),
+                    spec.get("max_calls_per_tenant", 1), spec.get("max_input_chars", 100_000))
             except ConfigError as e:
                 raise ConfigError(f"{path}: classifier.{name}: {e}") from None
     except ConfigError:
@@ -340,7 +346,8 @@ def _check_classifier(path: Path, name: str, spec: Any) -> None:
     if spec.get("on_error", "block") not in ("block", "allow"):
         raise ConfigError(f"{path}: {where}: on_error must be block or allow, got "
                           f"{spec['on_error']!r}")
-    _positive_int(path, where, spec, "workers")
+    for key in ("workers", "max_calls_per_tenant", "max_input_chars"):
+        _positive_int(path, where, spec, key)
 
 
 def _table(path: Path, where: str, value: Any) -> dict:

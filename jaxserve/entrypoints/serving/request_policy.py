@@ -100,7 +100,7 @@ class RequestPolicy:
         pack = self.pack_for(tenant)
         interventions: tuple[Intervention, ...] = ()
         if pack is not None:
-            decision = await pack.check_input(texts)
+            decision = await pack.check_input(texts, tenant.name)
             interventions = decision.interventions
             if self.metrics is not None:
                 self.metrics.record(interventions)
