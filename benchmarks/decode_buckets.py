@@ -95,14 +95,14 @@ def tiny_runner():
     import jax
 
     from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
-    from jaxserve.executor.models import llama
+    from jaxserve.executor.models import decoder
     from jaxserve.executor.runner import ModelRunner
 
     config = ModelConfig(name="tiny", vocab_size=49152, hidden_size=32, intermediate_size=64,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                          rms_norm_eps=2.0 ** -20, rope_theta=10000.0, max_position_embeddings=128,
                          bos_token_id=1, eos_token_ids=(2,))
-    return ModelRunner(config, llama.init_params(config, jax.random.key(0)),
+    return ModelRunner(config, decoder.init_params(config, jax.random.key(0)),
                        CacheConfig(num_pages=40), SchedulerConfig(
                            max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128),
                        eos_token_ids=(2,))

@@ -50,7 +50,7 @@ def load(name: str, dtype: str):
 
         return load_model(resolve(SMOLLM2), dtype=dtype)
     if name == "llama-1b":
-        from jaxserve.executor.models.llama import init_params
+        from jaxserve.executor.models.decoder import init_params
 
         config = ModelConfig(**LLAMA_1B, dtype=dtype)
         return config, init_params(config, jax.random.key(0))

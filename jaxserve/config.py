@@ -18,21 +18,40 @@ _DTYPES = ("float32", "bfloat16", "float16")
 MAX_LOGPROBS = 20
 
 
+ROPE_TYPES = ("linear", "llama3", "longrope")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3 style frequency-dependent rope scaling (rope_type "llama3"), or linear scaling."""
+    """How rope frequencies are stretched past the pretraining context, as HF names the types:
+    "linear" (all frequencies / factor), "llama3" (Llama 3.1+: long wavelengths / factor, short
+    ones kept, the band between blended) or "longrope" (Phi-3: each frequency / its own factor,
+    `short_factor` for positions < original_max_position_embeddings, `long_factor` past them, and
+    cos / sin scaled by `attention_factor`)."""
 
     rope_type: str = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self):
-        if self.rope_type not in ("llama3", "linear"):
-            raise ConfigError(f"unsupported rope_scaling type {self.rope_type!r} (llama3, linear)")
+        if self.rope_type not in ROPE_TYPES:
+            raise ConfigError(f"unsupported rope scaling type {self.rope_type!r} (supported: "
+                              f"{', '.join(ROPE_TYPES)})")
         if self.factor <= 0:
             raise ConfigError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.rope_type == "longrope" and (not self.short_factor
+                                             or len(self.short_factor) != len(self.long_factor)):
+            raise ConfigError("longrope scaling needs short_factor and long_factor of equal length")
+
+
+# What ModelConfig.layer_types may say of a layer, in HF's words.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 QUANTIZATIONS = (None, "int8")
@@ -41,7 +60,9 @@ INT8_GROUP = 32  # contraction rows per int8 scale: a Q4_1 / Q4_0 block, so thos
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+    """Architecture of a dense decoder (jaxserve.executor.models.decoder). The defaults are the
+    Llama shape; each family's differences are fields set by its entry in
+    jaxserve.weights.architectures."""
 
     name: str
     vocab_size: int
@@ -54,10 +75,24 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # Rope on the first rotary_dim dims of each head only (Phi-4-mini); None: all of head_dim.
+    rotary_dim: int | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
-    sliding_window: int | None = None  # Mistral
+    sliding_window: int | None = None  # Mistral; the window of the "sliding_attention" layers
+    # Per layer, "full_attention" or "sliding_attention" (Gemma's alternation); () is every layer
+    # sliding when sliding_window is set, else full.
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' rope base, unscaled
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm of each head's q and k before rope
+    norm_offset: float = 0.0  # Gemma: RMSNorm scales by (norm_offset + weight)
+    sandwich_norms: bool = False  # Gemma 2/3: attention and MLP outputs normed before the residual
+    embedding_multiplier: float = 1.0  # Gemma: sqrt(hidden_size)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU)
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this ** -0.5 (else D)
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the LM head's logits
     dtype: str = "float32"  # activations and weights
     # Weight storage of the decoder layers' projections: None stores them in `dtype`; "int8"
     # stores uint8 codes with a scale and a minimum per INT8_GROUP contraction rows (see
@@ -79,6 +114,27 @@ class ModelConfig:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be > 0 or None, got {self.sliding_window}")
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or not set(self.layer_types) <= set(LAYER_TYPES)):
+            raise ConfigError(f"layer_types must name one of {LAYER_TYPES} per layer "
+                              f"({self.num_layers}), got {self.layer_types}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ConfigError("sliding_attention layers need a sliding_window")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        if self.rotary_dim is not None and not 0 < self.rotary_dim <= self.head_dim \
+                or (self.rotary_dim or 2) % 2:
+            raise ConfigError(f"rotary_dim must be even and in (0, head_dim], got "
+                              f"{self.rotary_dim}")
+        rs = self.rope_scaling
+        if rs is not None and rs.rope_type == "longrope" and \
+                len(rs.short_factor) != (self.rotary_dim or self.head_dim) // 2:
+            raise ConfigError(f"longrope factors must number rotary_dim / 2, got "
+                              f"{len(rs.short_factor)}")
+        for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
+                     "local_rope_theta"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0 or None, got {getattr(self, name)}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got "
                               f"{self.quantization!r}")
@@ -90,6 +146,13 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention)."""
+        types = self.layer_types or (("sliding_attention" if self.sliding_window else
+                                      "full_attention"),) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
 
 
 @dataclass(frozen=True)
@@ -172,6 +235,9 @@ class ServerConfig:
     grpc_port: int | None = None
     served_model_name: str | None = None
     keepalive_seconds: float = 5.0
+    # A stream whose client stops reading is ended (request aborted, pages freed) once one
+    # write has waited this long for the client; its snapshots are not queued meanwhile.
+    stream_write_timeout_s: float = 30.0
     log_prompts: bool = False
     max_queued_requests: int | None = None  # None: no limit
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -180,13 +246,19 @@ class ServerConfig:
     engine_stall_timeout: float = 60.0
     # SIGTERM: in-flight requests get this long to finish, then are aborted.
     shutdown_timeout: float = 20.0
-    # How chat output with tools is read (jaxserve.tool_calling.parsers; "hermes" matches the
-    # built-in tool prompt of templates that do not render tools themselves).
-    tool_call_parser: str = "hermes"
+    # How chat output is read for tool calls (jaxserve.tool_calling.parsers) and for reasoning
+    # (jaxserve.reasoning.parsers; or "none"); "auto": from each model's chat template.
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
     tenants_file: str | None = None  # --tenants: None serves one open tenant, `default`
     idempotency_ttl_s: float = 24 * 3600.0  # how long an Idempotency-Key's response is kept
     policy_file: str | None = None  # --policy: content policy packs (TOML)
     audit_log_dir: str | None = None  # --audit-log: hash-chained JSONL, one record per request
+    audit_key_file: str | None = None  # --audit-key-file: HMAC-keyed chain
+    audit_max_bytes: int | None = None  # --audit-max-bytes: refuse calls past it (None: no cap)
+    audit_min_free_bytes: int | None = None  # --audit-min-free-bytes (None: the log's default)
+    # Failed authentications per client and minute before its calls are refused (429) unchecked.
+    auth_failures_per_minute: int = 20
     # An open server (no tenants) answers only these Host names besides loopback names and IP
     # literals, and only browser Origins among them (DNS rebinding, CSRF); "*": any.
     allowed_hosts: tuple[str, ...] = ()
@@ -199,7 +271,8 @@ class ServerConfig:
             raise ConfigError(f"port must be in [0, 65536), got {self.port}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ConfigError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
-        for name in ("engine_stall_timeout", "shutdown_timeout", "idempotency_ttl_s"):
+        for name in ("engine_stall_timeout", "shutdown_timeout", "idempotency_ttl_s",
+                     "stream_write_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.metrics_token is not None and not self.metrics_token:

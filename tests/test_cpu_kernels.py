@@ -86,18 +86,18 @@ def _step_programs():
     over sampled rows with top-k and top-p, traced now."""
     from jaxserve.config import ModelConfig
     from jaxserve.executor.batch_plan import SeqChunk, make_plan
-    from jaxserve.executor.models import llama
+    from jaxserve.executor.models import decoder
     from jaxserve.executor.sampling_rows import SamplingRow
     from jaxserve.core.sampling_params import SamplingParams
 
     jax.clear_caches()
     config = ModelConfig(name="tiny", vocab_size=96, hidden_size=64, intermediate_size=48,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64)
-    params = llama.init_params(config, jax.random.key(0))
-    cache = llama.init_kv_cache(config, 8, 4)
+    params = decoder.init_params(config, jax.random.key(0))
+    cache = decoder.init_kv_cache(config, 8, 4)
     plan = make_plan([SeqChunk([5], 3, [1, 2]), SeqChunk([7], 6, [3, 4])], num_tokens_padded=16,
                      num_seqs_padded=4, pages_per_seq=4, page_size=4)
-    forward = jax.jit(lambda p, c, b: llama.forward(p, config, c, b))
+    forward = jax.jit(lambda p, c, b: decoder.forward(p, config, c, b))
     rows = [SamplingRow(SamplingParams(temperature=0.8, top_k=5, top_p=0.9), 1, [1], [])] * 2
     md = sampler.make_sampling_metadata(rows, 2, eos_token_ids=[0])
     return (forward.lower(params, cache, jax.tree.map(jax.numpy.asarray, plan)).as_text(),

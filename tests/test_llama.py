@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve.executor.batch_plan import SeqChunk, make_plan
 from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.executor.models import llama
+from jaxserve.executor.models import decoder
 
 PAGE_SIZE = 4
 NUM_PAGES = 24
@@ -44,7 +44,7 @@ def dense_reference(params, config: ModelConfig, token_ids) -> tuple[np.ndarray,
     ids = np.asarray(token_ids)
     T = len(ids)
     pos = np.arange(T)
-    inv_freq = llama.rope_inv_freq(config)
+    inv_freq = decoder.rope_frequencies(config.rope_theta, config.rope_scaling, config.head_dim)[0]
     group = config.num_heads // config.num_kv_heads
     mask = pos[None, :] <= pos[:, None]
     if config.sliding_window is not None:
@@ -77,13 +77,13 @@ def dense_reference(params, config: ModelConfig, token_ids) -> tuple[np.ndarray,
 
 @functools.partial(jax.jit, static_argnums=1, donate_argnums=2)
 def _step(params, config, kv_cache, batch):
-    hidden, kv_cache = llama.forward(params, config, kv_cache, batch)
-    return hidden, llama.compute_logits(params, config, hidden[batch.logits_indices]), kv_cache
+    hidden, kv_cache = decoder.forward(params, config, kv_cache, batch)
+    return hidden, decoder.compute_logits(params, config, hidden[batch.logits_indices]), kv_cache
 
 
 def run_steps(params, config, steps, *, num_tokens_padded=16, num_seqs_padded=4, pages_per_seq=4):
     """Run ragged steps; each step is a list of SeqChunk. Returns per-step (hidden, logits) numpy."""
-    kv_cache = llama.init_kv_cache(config, NUM_PAGES, PAGE_SIZE)
+    kv_cache = decoder.init_kv_cache(config, NUM_PAGES, PAGE_SIZE)
     out = []
     for chunks in steps:
         plan = make_plan(chunks, num_tokens_padded=num_tokens_padded,
@@ -114,11 +114,11 @@ def test_ragged_paged_forward_matches_dense(changes, weights, monkeypatch):
     # The step's projections read the stacked weights in place through the CPU kernel where it is
     # built (16 tokens: within its rows), else each layer's slice through XLA's dots.
     if weights == "sliced":
-        monkeypatch.setattr(llama, "_projections_in_place", lambda *args: False)
-    elif not llama._projections_in_place(config, None, 16):
+        monkeypatch.setattr(decoder, "_projections_in_place", lambda *args: False)
+    elif not decoder._projections_in_place(config, None, 16):
         pytest.skip("the CPU matmul kernel is not built here")
     jax.clear_caches()  # _step's trace depends on the choice
-    params = llama.init_params(config, jax.random.key(1))
+    params = decoder.init_params(config, jax.random.key(1))
     seqs, tables = _three_sequences(config)
     # (sequence, start, end) per chunk. Step 1: prefill seq 0 and seq 1's first chunk; step 2: a
     # decode, seq 1's middle chunk crossing pages, seq 2's prefill; step 3: a decode and a 1-token
@@ -143,7 +143,7 @@ def test_ragged_paged_forward_matches_dense(changes, weights, monkeypatch):
 
 def test_bf16_forward_close_to_f32():
     config = tiny_config()
-    params = llama.init_params(config, jax.random.key(2))
+    params = decoder.init_params(config, jax.random.key(2))
     seq = np.random.default_rng(3).integers(0, config.vocab_size, 9).tolist()
     steps = [[SeqChunk(seq, 0, [3, 4, 6])]]
     (_, logits32), = run_steps(params, config, steps)
@@ -160,7 +160,7 @@ def _q4_1_exact(params: dict) -> dict:
     from gguf import GGMLQuantizationType, quants
 
     layers = dict(params["layers"])
-    for name, num_contract in llama.PROJECTIONS.items():
+    for name, num_contract in decoder.PROJECTIONS.items():
         w = np.asarray(layers[name])
         rows = w.reshape(w.shape[0], -1, int(np.prod(w.shape[1 + num_contract:])))
         t = np.ascontiguousarray(rows.transpose(0, 2, 1))  # blocks run along the contraction
@@ -175,14 +175,14 @@ def test_int8_weights_give_the_f32_forward_of_q4_1_weights():
     from jaxserve.weights.quantize import quantize_int8
 
     config = tiny_config(intermediate_size=64)
-    params = _q4_1_exact(jax.tree.map(np.asarray, llama.init_params(config, jax.random.key(4))))
+    params = _q4_1_exact(jax.tree.map(np.asarray, decoder.init_params(config, jax.random.key(4))))
     seq = np.random.default_rng(5).integers(0, config.vocab_size, 9).tolist()
     steps = [[SeqChunk(seq[:8], 0, [3, 4])], [SeqChunk(seq[8:], 8, [3, 4, 6])]]
     cfg8 = config.replace(quantization="int8")
     params8 = quantize_int8(params)
     # The tree the model declares for int8: uint8 codes, f32 scale and min per 32 rows.
     assert jax.tree.map(lambda x: (x.shape, np.dtype(x.dtype)), params8) == jax.tree.map(
-        lambda x: (x.shape, np.dtype(x.dtype)), llama.param_shapes(cfg8))
+        lambda x: (x.shape, np.dtype(x.dtype)), decoder.param_shapes(cfg8))
     assert params8["layers"]["o_proj_scale"].shape == (3, 4 * 16 // 32, 32)
     for (h32, l32), (h8, l8) in zip(run_steps(params, config, steps),
                                     run_steps(params8, cfg8, steps)):
@@ -190,7 +190,7 @@ def test_int8_weights_give_the_f32_forward_of_q4_1_weights():
         np.testing.assert_allclose(h8, h32, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(l8, l32, atol=1e-5, rtol=1e-5)
     # Other weights lose up to half a step of (max - min) / 255 per group: close, not equal.
-    plain = jax.tree.map(np.asarray, llama.init_params(config, jax.random.key(4)))
+    plain = jax.tree.map(np.asarray, decoder.init_params(config, jax.random.key(4)))
     (_, l32), = run_steps(plain, config, steps[:1])
     (_, l8), = run_steps(quantize_int8(plain), cfg8, steps[:1])
     assert 0 < np.abs(l8 - l32).max() < 0.05
@@ -202,8 +202,8 @@ def test_int8_weights_give_the_f32_forward_of_q4_1_weights():
 
 def test_params_tree_and_logical_axes():
     config = tiny_config(attention_bias=True)
-    params = llama.init_params(config, jax.random.key(0))
-    axes = llama.param_logical_axes(config)
+    params = decoder.init_params(config, jax.random.key(0))
+    axes = decoder.param_logical_axes(config)
     L, H = config.num_layers, config.hidden_size
     assert params["layers"]["q_proj"].shape == (L, H, config.num_heads, config.head_dim)
     assert params["layers"]["k_bias"].shape == (L, config.num_kv_heads, config.head_dim)
@@ -211,18 +211,18 @@ def test_params_tree_and_logical_axes():
     assert tuple(axes["embed_tokens"]) == ("vocab", "embed")
     assert jax.tree.structure(params) == jax.tree.structure(
         axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    assert "lm_head" not in llama.init_params(config.replace(tie_word_embeddings=True),
+    assert "lm_head" not in decoder.init_params(config.replace(tie_word_embeddings=True),
                                               jax.random.key(0))
 
 
 def test_program_size_does_not_grow_with_depth():
     def n_eqns(num_layers):
         config = tiny_config(num_layers=num_layers)
-        params = llama.param_shapes(config)
+        params = decoder.param_shapes(config)
         cache = jax.ShapeDtypeStruct((num_layers * 4, PAGE_SIZE, 4, 16), jnp.float32)
         plan = make_plan([SeqChunk([1, 2], 0, [1])], num_tokens_padded=4, num_seqs_padded=2,
                          pages_per_seq=1, page_size=PAGE_SIZE)
-        jaxpr = jax.make_jaxpr(functools.partial(llama.forward, config=config))(
+        jaxpr = jax.make_jaxpr(functools.partial(decoder.forward, config=config))(
             params, kv_cache=cache, batch=jax.tree.map(jnp.asarray, plan))
         return len(jaxpr.jaxpr.eqns)
 
@@ -234,7 +234,8 @@ def test_llama3_rope_scaling_keeps_high_and_slows_low_frequencies():
     scaled = base.replace(rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0,
                                                    high_freq_factor=4.0,
                                                    original_max_position_embeddings=8192))
-    f0, f1 = llama.rope_inv_freq(base), llama.rope_inv_freq(scaled)
+    f0, f1 = (decoder.rope_frequencies(c.rope_theta, c.rope_scaling, c.head_dim)[0]
+              for c in (base, scaled))
     wavelen = 2 * np.pi / f0
     high = wavelen < 8192 / 4
     low = wavelen > 8192 / 1
@@ -249,15 +250,15 @@ def test_llama3_rope_scaling_keeps_high_and_slows_low_frequencies():
 
 @functools.partial(jax.jit, static_argnums=1)
 def _prefill_logits(params, config, kv_cache, batch):
-    hidden, _ = llama.forward(params, config, kv_cache, batch)
-    return llama.compute_logits(params, config, hidden)
+    hidden, _ = decoder.forward(params, config, kv_cache, batch)
+    return decoder.compute_logits(params, config, hidden)
 
 
 @pytest.mark.slow
 def test_smollm2_forward_matches_hf_golden(smollm2, smollm2_golden):
     config, params = smollm2
     page_size, pages_per_seq = 16, 4
-    cache = llama.init_kv_cache(config, num_pages=pages_per_seq + 1, page_size=page_size)
+    cache = decoder.init_kv_cache(config, num_pages=pages_per_seq + 1, page_size=page_size)
     for case in smollm2_golden["cases"]:
         ids = case["input_ids"]
         plan = make_plan([SeqChunk(ids, 0, list(range(1, pages_per_seq + 1)))],

@@ -23,7 +23,7 @@ from jaxserve.executor import sharding
 from jaxserve.executor.batch_plan import SeqChunk, make_plan
 from jaxserve.config import ModelConfig, ParallelConfig
 from jaxserve.errors import ConfigError
-from jaxserve.executor.models import llama
+from jaxserve.executor.models import decoder
 
 DEVICES = 8
 _CHILD = "JAXSERVE_SHARDING_CHILD"
@@ -64,13 +64,13 @@ def test_mesh_needs_enough_devices():
 
 @functools.partial(jax.jit, static_argnums=1, donate_argnums=2)
 def _step(params, config, kv_cache, batch):
-    hidden, kv_cache = llama.forward(params, config, kv_cache, batch)
-    return llama.compute_logits(params, config, hidden[batch.logits_indices]), kv_cache
+    hidden, kv_cache = decoder.forward(params, config, kv_cache, batch)
+    return decoder.compute_logits(params, config, hidden[batch.logits_indices]), kv_cache
 
 
 def _logits(params, config, mesh, prompts) -> np.ndarray:
     """Prefill then one decode step for each prompt; logits of both steps."""
-    cache = llama.init_kv_cache(config, NUM_PAGES, PAGE_SIZE)
+    cache = decoder.init_kv_cache(config, NUM_PAGES, PAGE_SIZE)
     if mesh is not None:
         cache = jax.device_put(cache, sharding.kv_cache_sharding(config, mesh, NUM_PAGES, PAGE_SIZE))
     tables = [list(range(1 + i * PAGES_PER_SEQ, 1 + (i + 1) * PAGES_PER_SEQ))
@@ -89,11 +89,11 @@ def _logits(params, config, mesh, prompts) -> np.ndarray:
 @needs_8
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_tiny_model_tp_equals_tp1(tp):
-    params = llama.init_params(TINY, jax.random.key(0))
+    params = decoder.init_params(TINY, jax.random.key(0))
     prompts = [[3, 14, 15, 92, 65], list(range(20, 33))]
     expected = _logits(params, TINY, None, prompts)
     mesh = sharding.make_mesh(ParallelConfig(tensor_parallel_size=tp))
-    shardings = llama.param_shardings(TINY, mesh)
+    shardings = decoder.param_shardings(TINY, mesh)
     sharded = jax.device_put(params, shardings)
     # Heads, MLP and vocab are split; 2 KV heads split only where TP divides them.
     assert sharded["layers"]["q_proj"].sharding.spec == P(None, None, "model", None)
@@ -130,11 +130,11 @@ def test_orbax_checkpoint_restores_straight_into_the_mesh(tmp_path):
     from jaxserve.weights import load_model
     from jaxserve.weights.checkpoint import save_checkpoint
 
-    params = jax.tree.map(np.asarray, llama.init_params(TINY, jax.random.key(3)))
+    params = jax.tree.map(np.asarray, decoder.init_params(TINY, jax.random.key(3)))
     save_checkpoint(tmp_path / "ckpt", TINY, params, tokenizer_source=None)
     mesh = sharding.make_mesh(ParallelConfig(tensor_parallel_size=4, data_parallel_size=2))
     _, restored = load_model(ModelSpec("tiny", "orbax", tmp_path / "ckpt"), mesh=mesh)
-    expected = llama.param_shardings(TINY, mesh)
+    expected = decoder.param_shardings(TINY, mesh)
     for leaf, want, ref in zip(jax.tree.leaves(restored), jax.tree.leaves(expected),
                                jax.tree.leaves(params)):
         assert leaf.sharding == want
@@ -154,8 +154,8 @@ def test_sharded_step_never_gathers_the_kv_cache(tp, kv_heads):
 
     config = TINY.replace(num_kv_heads=kv_heads)
     mesh = sharding.replica_meshes(ParallelConfig(tensor_parallel_size=tp))[0]
-    params = jax.device_put(llama.init_params(config, jax.random.key(0)),
-                            llama.param_shardings(config, mesh))
+    params = jax.device_put(decoder.init_params(config, jax.random.key(0)),
+                            decoder.param_shardings(config, mesh))
     # A pool big enough that any gather of it would dwarf the step's activations.
     runner = ModelRunner(config, params, CacheConfig(page_size=PAGE_SIZE, num_pages=64),
                          SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,

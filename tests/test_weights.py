@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.errors import JaxServeError, WeightsError
 from jaxserve.model_registry import ModelSpec
-from jaxserve.executor.models import llama
+from jaxserve.executor.models import decoder
 from jaxserve.weights import load_model
 from jaxserve.weights.checkpoint import load_checkpoint, save_checkpoint
 from jaxserve.weights.gguf import load_gguf
@@ -38,7 +38,7 @@ MISTRAL = tiny(architecture="mistral", sliding_window=16, num_kv_heads=1)
 
 
 def random_params(config: ModelConfig, seed: int = 0) -> dict:
-    return jax.tree.map(np.asarray, llama.init_params(config, jax.random.key(seed)))
+    return jax.tree.map(np.asarray, decoder.init_params(config, jax.random.key(seed)))
 
 
 def to_hf(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:

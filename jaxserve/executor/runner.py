@@ -40,7 +40,7 @@ from jaxserve.executor import sampler
 from jaxserve.executor.batch_plan import BatchPlan, StepShapes, pages_for
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.errors import ConfigError
-from jaxserve.executor.models import llama
+from jaxserve.executor.models import decoder
 from jaxserve.kernels import paths
 from jaxserve.shapes import kv_cache_shape
 
@@ -129,8 +129,8 @@ class SampleInputs(NamedTuple):
 
 def _forward(params: dict, kv_cache: jax.Array, plan: BatchPlan, *, config: ModelConfig,
              mesh: jax.sharding.Mesh | None) -> tuple[jax.Array, jax.Array]:
-    hidden, kv_cache = llama.forward(params, config, kv_cache, plan, mesh)
-    return kv_cache, llama.compute_logits(params, config, hidden[plan.logits_indices])
+    hidden, kv_cache = decoder.forward(params, config, kv_cache, plan, mesh)
+    return kv_cache, decoder.compute_logits(params, config, hidden[plan.logits_indices])
 
 
 class ModelRunner:
@@ -175,7 +175,7 @@ class ModelRunner:
                                     out_shardings=kv_sharding)()
             self._forward_jit = jax.jit(
                 forward, donate_argnums=1,
-                in_shardings=(llama.param_shardings(config, mesh), kv_sharding,
+                in_shardings=(decoder.param_shardings(config, mesh), kv_sharding,
                               self._replicated),
                 out_shardings=(kv_sharding, self._replicated))
             self._sample_shardings = dict(in_shardings=self._replicated,
@@ -185,7 +185,7 @@ class ModelRunner:
         self.program_compile_seconds: dict[tuple, float] = {}  # per program key, filled by warmup
         self.num_serving_compiles = 0
         self._warm = False
-        log.info("%s", paths.summary(matmul_off=llama.why_matmul_off(config, mesh)))
+        log.info("%s", paths.summary(matmul_off=decoder.why_matmul_off(config, mesh)))
 
     @property
     def num_pages(self) -> int:

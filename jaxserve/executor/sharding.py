@@ -21,7 +21,7 @@ from jaxserve.errors import ConfigError
 
 DATA, MODEL = "data", "model"
 
-# Logical axis name (the models declare theirs, e.g. llama.param_logical_axes) -> mesh axis, or
+# Logical axis name (the models declare theirs, e.g. decoder.param_logical_axes) -> mesh axis, or
 # None for replicated.
 LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "layers": None,
@@ -89,7 +89,7 @@ def mesh_spec(logical: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> Par
 def named_shardings(logical_axes: dict, shapes: dict, mesh: Mesh) -> dict:
     """NamedSharding for every leaf of a tree of arrays, e.g. a model's params: `logical_axes`
     holds a PartitionSpec of logical names per leaf and `shapes` their shapes, as the model
-    declares them (llama.param_shardings passes its own)."""
+    declares them (decoder.param_shardings passes its own)."""
     return jax.tree.map(lambda spec, s: NamedSharding(mesh, mesh_spec(spec, s.shape, mesh)),
                         logical_axes, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
 

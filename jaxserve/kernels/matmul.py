@@ -4,7 +4,7 @@ C++ XLA FFI kernel (cpu/matmul.cc, in the CPU kernels' library: jaxserve.kernels
 The model's scan over the layers otherwise slices each layer's weights out of the stack, a copy
 XLA:CPU makes before the dots: in a decode step, whose matmuls have a row per sequence, that copy
 streams every weight from memory and then the dots run, one after the other. The kernel computes
-while it streams (see cpu/matmul.cc). jaxserve/executor/models/llama.py uses it for steps of
+while it streams (see cpu/matmul.cc). jaxserve/executor/models/decoder.py uses it for steps of
 MIN_ROWS to MAX_ROWS tokens: a decode step of one sequence is a matrix-vector product that XLA
 streams as fast (measured: benchmarks/RESULTS.md, "The layers' projections read in place"), and
 past MAX_ROWS the kernel, which rereads the rows for each column panel, was not measured.

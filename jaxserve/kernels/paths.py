@@ -19,7 +19,7 @@ from jaxserve.kernels import cpu
 
 def summary(matmul_off: str | None = None) -> str:
     """The line for this process; `matmul_off`: why the model keeps its projections on XLA
-    whatever the switch (llama.why_matmul_off), if it does. Builds the CPU kernels' library if
+    whatever the switch (decoder.why_matmul_off), if it does. Builds the CPU kernels' library if
     they are switched on and it is not built yet."""
     why = cpu.why_off()
     on = "cpu" if why is None else "xla"

@@ -1,5 +1,5 @@
 """Weight loading: every source format yields the same parameter tree (see
-jaxserve.executor.models.llama)."""
+jaxserve.executor.models.decoder)."""
 
 from __future__ import annotations
 
@@ -51,10 +51,10 @@ def param_bytes(config: ModelConfig) -> int:
     """Device bytes of the parameters (before any sharding)."""
     import numpy as np
 
-    from jaxserve.executor.models import llama
+    from jaxserve.executor.models import decoder
 
     return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
-               for s in jax.tree.leaves(llama.param_shapes(config)))
+               for s in jax.tree.leaves(decoder.param_shapes(config)))
 
 
 def load_model(spec: ModelSpec, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None,
@@ -62,7 +62,7 @@ def load_model(spec: ModelSpec, dtype: str | None = None, mesh: jax.sharding.Mes
     """(config, params on device). dtype None keeps the source's (f32 for GGUF / HF, as saved for
     orbax); with a mesh, params are sharded for tensor parallelism (jaxserve.executor.sharding).
     quantization "int8": the layers' projections stored as int8 groups (weights.quantize)."""
-    from jaxserve.executor.models import llama
+    from jaxserve.executor.models import decoder
 
     if quantization is not None and spec.format == "orbax":
         raise ConfigError(f"quantization {quantization!r} needs a GGUF or HF source, not an orbax "
@@ -73,7 +73,7 @@ def load_model(spec: ModelSpec, dtype: str | None = None, mesh: jax.sharding.Mes
         shardings = None
         if mesh is not None:
             config = config_from_dict(read_meta(spec.path)["config"])
-            shardings = llama.param_shardings(config.replace(dtype=dtype or config.dtype), mesh)
+            shardings = decoder.param_shardings(config.replace(dtype=dtype or config.dtype), mesh)
         return load_checkpoint(spec.path, dtype, shardings)
     config, params = load_host(spec, dtype or "float32")
     config = config.replace(quantization=quantization)
@@ -83,15 +83,15 @@ def load_model(spec: ModelSpec, dtype: str | None = None, mesh: jax.sharding.Mes
         params = quantize_int8(params)
     if mesh is None:
         return config, jax.device_put(params)
-    return config, jax.device_put(params, llama.param_shardings(config, mesh))
+    return config, jax.device_put(params, decoder.param_shardings(config, mesh))
 
 
 def load_model_replicas(spec: ModelSpec, dtype: str | None, meshes: list[jax.sharding.Mesh | None],
                         quantization: str | None = None) -> tuple[ModelConfig, list[dict]]:
     """The weights read once and placed on each mesh (one per data-parallel replica): the first
     from the source, the others copied device to device from it."""
-    from jaxserve.executor.models import llama
+    from jaxserve.executor.models import decoder
 
     config, first = load_model(spec, dtype, meshes[0], quantization)
-    return config, [first] + [jax.device_put(first, llama.param_shardings(config, mesh))
+    return config, [first] + [jax.device_put(first, decoder.param_shardings(config, mesh))
                               for mesh in meshes[1:]]

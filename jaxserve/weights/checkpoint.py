@@ -23,11 +23,15 @@ def config_to_dict(config: ModelConfig) -> dict:
     return dataclasses.asdict(config)
 
 
+def _tuples(d: dict) -> dict:
+    # JSON has no tuples: the frozen configs' tuple fields come back as lists.
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+
 def config_from_dict(d: dict) -> ModelConfig:
-    d = dict(d)
+    d = _tuples(d)
     if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["rope_scaling"] = RopeScaling(**_tuples(d["rope_scaling"]))
     return ModelConfig(**d)
 
 
@@ -58,13 +62,13 @@ def load_checkpoint(path: Path, dtype: str | None = None,
     jax.sharding.Sharding like the params; None: the default device)."""
     import orbax.checkpoint as ocp
 
-    from jaxserve.executor.models import llama
+    from jaxserve.executor.models import decoder
 
     path = Path(path).resolve()
     config = config_from_dict(read_meta(path)["config"])
     if dtype is not None:
         config = config.replace(dtype=dtype)
-    shapes = llama.param_shapes(config)
+    shapes = decoder.param_shapes(config)
     if shardings is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, shapes)

@@ -12,11 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.errors import WeightsError
+from jaxserve.errors import ConfigError, WeightsError
+from jaxserve.weights.architectures import config_from_hf, gguf_architectures
 from jaxserve.weights.hf_layout import params_from_hf
-
-# llama.cpp architectures this model covers. Mistral GGUFs are written as "llama".
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -29,20 +27,33 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Where llama.cpp's names mean another HF tensor: Gemma's ffn_norm is its pre-MLP norm (its
+# post_attention_norm the attention output's); Phi-3's ffn_up is the fused gate_up_proj.
+_ARCH_LAYER_NAMES = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -77,12 +88,24 @@ def _field(reader, key: str, default=None):
     return field.contents()
 
 
+def _tensor(reader, name: str) -> np.ndarray | None:
+    from gguf import quants
+
+    for t in reader.tensors:
+        if t.name == name:
+            return quants.dequantize(t.data, t.tensor_type).reshape(-1)
+    return None
+
+
 def config_from_gguf(reader, path: Path, dtype: str = "float32") -> ModelConfig:
+    """The metadata read as the config.json of the same model, then through the architectures'
+    registry like any HF directory (jaxserve.weights.architectures)."""
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    model_types = gguf_architectures()
+    if arch not in model_types:
         raise WeightsError(
             f"{path}: unsupported GGUF architecture {arch!r} (supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+            f"{', '.join(model_types)})")
     tensor_names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in tensor_names:
         # Llama 3.1+ GGUFs bake rope scaling into a tensor of per-frequency factors instead of
@@ -97,33 +120,59 @@ def config_from_gguf(reader, path: Path, dtype: str = "float32") -> ModelConfig:
             raise WeightsError(f"{path}: GGUF metadata {arch}.{key} is missing")
         return value
 
+    def meta(key: str, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(meta("attention.key_length", hidden // heads))
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
+    vocab = meta("vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None:
         raise WeightsError(f"{path}: GGUF metadata has neither {arch}.vocab_size nor a token list")
     eos = [_field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
-    window = _field(reader, f"{arch}.attention.sliding_window")
-    return ModelConfig(
-        name=str(_field(reader, "general.name", path.stem)),
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(need("context_length")),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        sliding_window=int(window) if window else None,
-        dtype=dtype,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-        architecture=arch,
-    )
+    window = meta("attention.sliding_window")
+    cfg = {
+        "model_type": model_types[arch],
+        "vocab_size": int(vocab), "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", heads)), "head_dim": head_dim,
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(need("context_length")),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(dict.fromkeys(int(e) for e in eos if e is not None)),
+        "sliding_window": int(window) if window else None,
+    }
+    if arch in ("gemma2", "gemma3"):
+        # llama.cpp does not store query_pre_attn_scalar: it uses head_dim, but hidden / heads
+        # for the 27B models (the only ones where they differ), and so does this.
+        scalar = hidden // heads if hidden in (4608, 5376) else head_dim
+        cfg.update(query_pre_attn_scalar=scalar,
+                   attn_logit_softcapping=meta("attn_logit_softcapping"),
+                   final_logit_softcapping=meta("final_logit_softcapping"))
+    if arch == "gemma3":
+        # llama.cpp's fixed base for the sliding layers; the global ones may be linearly scaled.
+        cfg["rope_local_base_freq"] = 10000.0
+        if meta("rope.scaling.type") == "linear":
+            cfg["rope_scaling"] = {"rope_type": "linear",
+                                   "factor": float(meta("rope.scaling.factor"))}
+    if arch == "phi3":
+        rotary = meta("rope.dimension_count")
+        if rotary is not None:
+            cfg["partial_rotary_factor"] = int(rotary) / head_dim
+        short, long = (_tensor(reader, f"rope_factors_{k}.weight") for k in ("short", "long"))
+        if short is not None:
+            cfg["original_max_position_embeddings"] = int(
+                meta("rope.scaling.original_context_length"))
+            cfg["rope_scaling"] = {"rope_type": "longrope", "short_factor": short.tolist(),
+                                   "long_factor": long.tolist(),
+                                   "attention_factor": meta("rope.scaling.attn_factor")}
+    try:
+        return config_from_hf(cfg, str(_field(reader, "general.name", path.stem)), dtype)
+    except ConfigError as e:
+        raise WeightsError(f"{path}: {e}") from None
 
 
 def read_gguf_config(path: Path, dtype: str = "float32") -> ModelConfig:
@@ -138,9 +187,10 @@ def load_gguf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
     path = Path(path)
     reader = _open(path)
     config = config_from_gguf(reader, path, dtype)
+    arch = _field(reader, "general.architecture")
     by_hf_name = {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is not None:
             by_hf_name[name] = t
     permute_heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
@@ -152,8 +202,10 @@ def load_gguf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
         except Exception as e:
             raise WeightsError(f"{path}: tensor {t.name} cannot be dequantized ({e})") from None
         proj = name.split(".")[-2]
-        if config.architecture == "llama" and proj in permute_heads:
+        if arch == "llama" and proj in permute_heads:
             w = _unpermute_rope(w, permute_heads[proj])
+        if config.norm_offset and name.endswith("norm.weight"):
+            w = w - config.norm_offset  # llama.cpp's Gemma converter stores (1 + w)
         return w
 
     return config, params_from_hf(config, get, str(path))

@@ -1,7 +1,7 @@
 """HF checkpoint names -> jaxserve's parameter tree; every source format goes through here.
 
 HF stores torch Linear weights as [out, in]; the model wants [in, out] with the head axes split out
-(see jaxserve.executor.models.llama). Loaders hand tensors by HF name, so GGUF only has to rename
+(see jaxserve.executor.models.decoder). Loaders hand tensors by HF name, so GGUF only has to rename
 its own.
 """
 
@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.errors import WeightsError
+from jaxserve.weights.architectures import architecture
 
 GetTensor = Callable[[str], np.ndarray]
 
@@ -21,17 +22,34 @@ def _layer(config: ModelConfig, get: GetTensor, i: int) -> dict[str, np.ndarray]
     H, Hq, Hkv, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
     pre = f"model.layers.{i}."
     attn, mlp = pre + "self_attn.", pre + "mlp."
+    if architecture(config.architecture).fused_projections:
+        # Phi-3: q, k, v stacked in qkv_proj's rows, gate then up in gate_up_proj's.
+        q, k, v = np.split(get(attn + "qkv_proj.weight"), [Hq * D, (Hq + Hkv) * D])
+        gate, up = np.split(get(mlp + "gate_up_proj.weight"), 2)
+    else:
+        q, k, v = (get(attn + f"{n}_proj.weight") for n in "qkv")
+        gate, up = get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")
     out = {
         "input_norm": get(pre + "input_layernorm.weight"),
-        "post_attention_norm": get(pre + "post_attention_layernorm.weight"),
-        "q_proj": get(attn + "q_proj.weight").T.reshape(H, Hq, D),
-        "k_proj": get(attn + "k_proj.weight").T.reshape(H, Hkv, D),
-        "v_proj": get(attn + "v_proj.weight").T.reshape(H, Hkv, D),
+        "q_proj": q.T.reshape(H, Hq, D),
+        "k_proj": k.T.reshape(H, Hkv, D),
+        "v_proj": v.T.reshape(H, Hkv, D),
         "o_proj": get(attn + "o_proj.weight").T.reshape(Hq, D, H),
-        "gate_proj": get(mlp + "gate_proj.weight").T,
-        "up_proj": get(mlp + "up_proj.weight").T,
+        "gate_proj": gate.T,
+        "up_proj": up.T,
         "down_proj": get(mlp + "down_proj.weight").T,
     }
+    if config.sandwich_norms:
+        # Gemma's post_attention_layernorm norms the attention's output; its pre-MLP norm is
+        # pre_feedforward_layernorm (the decoder's post_attention_norm, named after Llama's).
+        out["attn_output_norm"] = get(pre + "post_attention_layernorm.weight")
+        out["post_attention_norm"] = get(pre + "pre_feedforward_layernorm.weight")
+        out["mlp_output_norm"] = get(pre + "post_feedforward_layernorm.weight")
+    else:
+        out["post_attention_norm"] = get(pre + "post_attention_layernorm.weight")
+    if config.qk_norm:
+        out["q_norm"] = get(attn + "q_norm.weight")
+        out["k_norm"] = get(attn + "k_norm.weight")
     if config.attention_bias:
         out["q_bias"] = get(attn + "q_proj.bias").reshape(Hq, D)
         out["k_bias"] = get(attn + "k_proj.bias").reshape(Hkv, D)

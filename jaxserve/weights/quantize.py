@@ -1,6 +1,6 @@
 """int8 weight storage (ModelConfig.quantization "int8"), applied to loaded host weights.
 
-Each decoder projection (jaxserve.executor.models.llama.PROJECTIONS) becomes uint8 codes of its
+Each decoder projection (jaxserve.executor.models.decoder.PROJECTIONS) becomes uint8 codes of its
 shape and, per group of INT8_GROUP rows of its flattened contraction axes and per output channel, an
 f32 scale and minimum: w ~= code * scale + min, scale = (max - min) / 255 over the group. The model
 dequantizes a layer inside the step, so a decode step reads a quarter of the f32 bytes.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.config import INT8_GROUP
-from jaxserve.executor.models.llama import PROJECTIONS
+from jaxserve.executor.models.decoder import PROJECTIONS
 
 
 def quantize_int8(params: dict) -> dict:

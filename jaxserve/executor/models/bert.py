@@ -6,7 +6,7 @@ per-token states instead. Callers jit them per (B, L) bucket with `config` stati
 jaxserve.rag.embedder).
 
 Layout: one encoder block is a linen module; the blocks' parameters are stacked on a leading axis
-and run with `jax.lax.scan`, as in jaxserve.executor.models.llama, so compile time does not grow
+and run with `jax.lax.scan`, as in jaxserve.executor.models.decoder, so compile time does not grow
 with depth.
 The tree:
     word_embeddings [V, H], position_embeddings [P, H], token_type_embeddings [T, H],
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxserve.errors import ConfigError
 
-# float32 means float32 (see jaxserve.executor.models.llama): the golden cosine needs it on GPU/TPU.
+# float32 means float32 (see jaxserve.executor.models.decoder): the golden cosine needs it on GPU/TPU.
 _PRECISION = jax.lax.Precision.HIGHEST
 
 

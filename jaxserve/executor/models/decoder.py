@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a ragged token batch.
+"""The dense decoder of every supported family (Llama 2/3.x, Mistral, Qwen2/2.5/3, Gemma 2/3,
+Phi-3/3.5/4-mini, SmolLM2) over a ragged token batch: one definition, the families' differences
+are ModelConfig fields (see jaxserve.weights.architectures, which sets them per family).
 
 The model is a pure function of (params, kv_cache, batch): `forward` runs every layer over the flat
 tokens of one `BatchPlan` and returns the final-normed hidden states plus the updated KV cache;
@@ -11,7 +13,9 @@ Layout choices:
   the body once more to check broadcast invariants, which fails on Pallas GPU kernels with flax
   0.12.10 / JAX 0.11.) The parameter tree is flat and named after the HF checkpoint it comes from:
     embed_tokens [V, H], norm [H], lm_head [H, V] (only if untied),
-    layers/{input_norm, post_attention_norm} [L, H],
+    layers/{input_norm, post_attention_norm} [L, H] (before attention, before the MLP),
+    layers/{attn_output_norm, mlp_output_norm} [L, H] (Gemma's sandwich norms),
+    layers/{q_norm, k_norm} [L, D] (Qwen3, Gemma 3),
     layers/{q,k,v}_proj [L, H, heads, D], layers/{q,k,v}_bias [L, heads, D] (Qwen2),
     layers/o_proj [L, Hq, D, H], layers/{gate,up}_proj [L, H, I], layers/down_proj [L, I, H].
   With config.quantization "int8" the seven projections are uint8 codes of those shapes plus
@@ -27,6 +31,8 @@ Layout choices:
   layer `layer` of each stack in place, where the scan would copy each layer's slice out first
   (see `_projections_in_place`; `why_matmul_off` says why a model never does).
 - RoPE uses the HF "rotate half" convention; the GGUF loader undoes llama.cpp's interleaved layout.
+  Fused checkpoints (Phi-3's qkv_proj and gate_up_proj) are split by the loader, so tensor
+  parallelism shards them like any other family.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import numpy as np
 
 from jaxserve.executor import sharding
 from jaxserve.executor.batch_plan import BatchPlan
-from jaxserve.config import INT8_GROUP, ModelConfig
+from jaxserve.config import INT8_GROUP, ModelConfig, RopeScaling
 from jaxserve.kernels import attention as rpa
 from jaxserve.kernels import cpu as cpu_kernels
 from jaxserve.kernels import matmul as cpu_matmul
@@ -139,59 +145,103 @@ def _precision(config: ModelConfig) -> jax.lax.Precision:
     return (jax.lax.Precision.HIGHEST if config.dtype == "float32" else jax.lax.Precision.DEFAULT)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    # Normalise in f32 and cast back before the scale, as HF does, so bf16 matches its rounding.
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm scaled by (offset + scale). Llama-style (offset 0) casts back before the scale, as
+    HF does, so bf16 matches its rounding; Gemma's (1 + w) scales in f32 and casts after."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (xf * (offset + scale.astype(jnp.float32))).astype(x.dtype)
     return scale * xf.astype(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [D/2] (host constant), with Llama 3 or linear scaling applied."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    rs = config.rope_scaling
+def rope_frequencies(theta: float, scaling: RopeScaling | None, rotary_dim: int) -> np.ndarray:
+    """Inverse frequencies [2, rotary_dim / 2] (host constant): row 0 for positions below the
+    original context, row 1 past it. They differ only for longrope; every other scaling is one
+    set of frequencies for all positions."""
+    d = rotary_dim
+    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = scaling
     if rs is None:
-        return inv_freq.astype(np.float32)
-    if rs.rope_type == "linear":
-        return (inv_freq / rs.factor).astype(np.float32)
-    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    low_freq_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_freq_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq)
-    smooth = ((rs.original_max_position_embeddings / wavelen - rs.low_freq_factor)
-              / (rs.high_freq_factor - rs.low_freq_factor))
-    blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
-    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return np.where(medium, blended, scaled).astype(np.float32)
+        out = (inv_freq, inv_freq)
+    elif rs.rope_type == "linear":
+        out = (inv_freq / rs.factor,) * 2
+    elif rs.rope_type == "longrope":
+        out = (inv_freq / np.asarray(rs.short_factor), inv_freq / np.asarray(rs.long_factor))
+    else:
+        # Llama 3: long wavelengths slowed by `factor`, short ones kept, the band between blended.
+        low_freq_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_freq_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = ((rs.original_max_position_embeddings / wavelen - rs.low_freq_factor)
+                  / (rs.high_freq_factor - rs.low_freq_factor))
+        blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        out = (np.where(medium, blended, scaled),) * 2
+    return np.stack(out).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """x [T, heads, D] rotated by position, rotate-half convention, angles in f32."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    cos = jnp.cos(angles)[:, None, :].astype(x.dtype)
-    sin = jnp.sin(angles)[:, None, :].astype(x.dtype)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+def layer_rope_frequencies(config: ModelConfig) -> np.ndarray:
+    """[L, 2, rotary_dim / 2]: each layer's `rope_frequencies` (Gemma 3's sliding layers use
+    their own unscaled base)."""
+    c = config
+    rotary_dim = c.rotary_dim or c.head_dim
+    full = rope_frequencies(c.rope_theta, c.rope_scaling, rotary_dim)
+    local = (full if c.local_rope_theta is None
+             else rope_frequencies(c.local_rope_theta, None, rotary_dim))
+    return np.stack([full if w is None else local for w in c.layer_windows])
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
+               config: ModelConfig) -> jax.Array:
+    """x [T, heads, D] rotated by position (rotate-half convention, angles in f32) on its first
+    rotary_dim dims; inv_freq [2, rotary_dim / 2] as `rope_frequencies` gives it. Longrope picks
+    the row per token, so a cached key keeps the rotation it was written with (as HF's decode
+    does); its attention_factor scales cos and sin."""
+    rs = config.rope_scaling
+    freqs = inv_freq[0][None, :]
+    mscale = 1.0
+    if rs is not None and rs.rope_type == "longrope":
+        past = positions >= rs.original_max_position_embeddings
+        freqs = jnp.where(past[:, None], inv_freq[1][None, :], freqs)
+        mscale = rs.attention_factor
+    angles = positions.astype(jnp.float32)[:, None] * freqs
+    cos = (jnp.cos(angles) * mscale)[:, None, :].astype(x.dtype)
+    sin = (jnp.sin(angles) * mscale)[:, None, :].astype(x.dtype)
+    rot, rest = jnp.split(x, [2 * inv_freq.shape[-1]], axis=-1)
+    x1, x2 = jnp.split(rot, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
 def paged_attention(config: ModelConfig, mesh: jax.sharding.Mesh | None, q, k, v, kv_cache,
                     batch: BatchPlan, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Store this step's K/V in the layer's pages and attend over them: (out [T, Hq, D], cache).
 
+    The kernels take the sliding window as a static argument: where layers differ (Gemma's
+    alternation) the layer id picks one compiled call per distinct window (lax.switch), so only
+    the layer's own window runs.
     Under a mesh the kernels run per device (shard_map) on that device's KV heads: they are
     custom calls XLA cannot partition, and partitioned any other way the cache would be gathered.
     """
+    c = config
+    windows = c.layer_windows
+    distinct = sorted(set(windows), key=lambda w: -1 if w is None else w)
+    which = np.asarray([distinct.index(w) for w in windows], np.int32)
+    sm_scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
 
     def attend(q, k, v, kv_cache, batch, layer):
-        num_pages = kv_cache.shape[0] // config.num_layers
+        num_pages = kv_cache.shape[0] // c.num_layers
         page_size = kv_cache.shape[1]
         kv_cache = rpa.write_kv(kv_cache, k, v, batch.slot_mapping + layer * (num_pages * page_size))
-        out = rpa.ragged_paged_attention(
-            q, kv_cache, batch.kv_lens, batch.page_indices + layer * num_pages, batch.cu_q_lens,
-            batch.num_seqs, sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window)
-        return out, kv_cache
+        args = (q, kv_cache, batch.kv_lens, batch.page_indices + layer * num_pages,
+                batch.cu_q_lens, batch.num_seqs)
+        calls = [functools.partial(rpa.ragged_paged_attention, sm_scale=sm_scale,
+                                   sliding_window=w, soft_cap=c.attn_logit_softcap)
+                 for w in distinct]
+        if len(calls) == 1:
+            return calls[0](*args), kv_cache
+        return jax.lax.switch(jnp.asarray(which)[layer], calls, *args), kv_cache
 
     if mesh is None:
         return attend(q, k, v, kv_cache, batch, layer)
@@ -203,8 +253,13 @@ def paged_attention(config: ModelConfig, mesh: jax.sharding.Mesh | None, q, k, v
                          out_specs=(heads, cache), check_vma=False)(q, k, v, kv_cache, batch, layer)
 
 
+_ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class DecoderLayer(nn.Module):
-    """One pre-norm block: attention over the paged cache, then a SwiGLU MLP."""
+    """One pre-norm block: attention over the paged cache, then a gated MLP. Family differences
+    are config: q/k norms (Qwen3, Gemma 3), sandwich norms and (1 + w) norms (Gemma), the MLP's
+    activation, the attention's scale, window and soft cap."""
 
     config: ModelConfig
     mesh: jax.sharding.Mesh | None = None  # tensor parallel: attention runs per device
@@ -218,7 +273,6 @@ class DecoderLayer(nn.Module):
         c = self.config
         dt = jnp.dtype(c.dtype)
         H, Hq, Hkv, D, I = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
-        ones = nn.initializers.ones
 
         def weight(name, shape, axes, fan_in):
             if stacked_projections is not None:
@@ -229,7 +283,13 @@ class DecoderLayer(nn.Module):
             return _project(x, w, PROJECTIONS[name], layer, stacked_projections is not None,
                             _precision(c))
 
-        h = rms_norm(x, _param(self, "input_norm", (H,), ("embed",), dt, ones), c.rms_norm_eps)
+        def norm(name, x, size=H, axis="embed"):
+            # Stored as HF stores it: Gemma's (1 + w) norms start from w = 0.
+            init = nn.initializers.constant(1.0 - c.norm_offset)
+            return rms_norm(x, _param(self, name, (size,), (axis,), dt, init), c.rms_norm_eps,
+                            c.norm_offset)
+
+        h = norm("input_norm", x)
         wq = weight("q_proj", (H, Hq, D), ("embed", "heads", "head_dim"), H)
         wk = weight("k_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"), H)
         wv = weight("v_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"), H)
@@ -242,9 +302,12 @@ class DecoderLayer(nn.Module):
             q = q + _param(self, "q_bias", (Hq, D), ("heads", "head_dim"), dt, bias_init)
             k = k + _param(self, "k_bias", (Hkv, D), ("kv_heads", "head_dim"), dt, bias_init)
             v = v + _param(self, "v_bias", (Hkv, D), ("kv_heads", "head_dim"), dt, bias_init)
-        inv_freq = rope_inv_freq(c)
-        q = apply_rope(q, batch.positions, inv_freq)
-        k = apply_rope(k, batch.positions, inv_freq)
+        if c.qk_norm:
+            q = norm("q_norm", q, D, "head_dim")
+            k = norm("k_norm", k, D, "head_dim")
+        inv_freq = jnp.asarray(layer_rope_frequencies(c))[layer]
+        q = apply_rope(q, batch.positions, inv_freq, c)
+        k = apply_rope(k, batch.positions, inv_freq, c)
 
         if self.is_initializing():
             # Creating parameters needs only shapes: keep init (and eval_shape of the param tree)
@@ -253,15 +316,22 @@ class DecoderLayer(nn.Module):
         else:
             attn, kv_cache = paged_attention(c, self.mesh, q, k, v, kv_cache, batch, layer)
         wo = weight("o_proj", (Hq, D, H), ("heads", "head_dim", "embed"), Hq * D)
-        x = x + project(attn.astype(dt), wo, "o_proj")
+        h = project(attn.astype(dt), wo, "o_proj")
+        if c.sandwich_norms:
+            h = norm("attn_output_norm", h)
+        x = x + h
 
-        h = rms_norm(x, _param(self, "post_attention_norm", (H,), ("embed",), dt, ones),
-                     c.rms_norm_eps)
+        # Named after HF's Llama (post_attention_layernorm): the norm before the MLP.
+        h = norm("post_attention_norm", x)
         w_gate = weight("gate_proj", (H, I), ("embed", "mlp"), H)
         w_up = weight("up_proj", (H, I), ("embed", "mlp"), H)
         w_down = weight("down_proj", (I, H), ("mlp", "embed"), I)
-        mlp = nn.silu(project(h, w_gate, "gate_proj")) * project(h, w_up, "up_proj")
-        x = x + project(mlp, w_down, "down_proj")
+        mlp = _ACTIVATIONS[c.hidden_act](project(h, w_gate, "gate_proj")) * project(h, w_up,
+                                                                                    "up_proj")
+        h = project(mlp, w_down, "down_proj")
+        if c.sandwich_norms:
+            h = norm("mlp_output_norm", h)
+        x = x + h
         return (x, kv_cache), None
 
 
@@ -292,7 +362,8 @@ def _boxed_init(config: ModelConfig, rng: jax.Array) -> dict:
         "embed_tokens": nn.Partitioned(
             nn.initializers.normal(stddev=1.0)(k_embed, (c.vocab_size, c.hidden_size), dt),
             names=("vocab", "embed")),
-        "norm": nn.Partitioned(jnp.ones((c.hidden_size,), dt), names=("embed",)),
+        "norm": nn.Partitioned(jnp.full((c.hidden_size,), 1.0 - c.norm_offset, dt),
+                               names=("embed",)),
         "layers": nn.meta.add_axis(layers, 0, {nn.PARTITION_NAME: "layers"}),
     }
     if not c.tie_word_embeddings:
@@ -343,15 +414,22 @@ def forward(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: Batch
         return layer.apply({"params": layer_params}, carry, layer_id, batch, stacked)
 
     x = jnp.take(params["embed_tokens"], batch.token_ids, axis=0)
+    if config.embedding_multiplier != 1.0:
+        # In the activations' dtype, as HF rounds it (Gemma: sqrt(hidden) in bf16).
+        x = x * jnp.asarray(config.embedding_multiplier, x.dtype)
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
     (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layers, layer_ids))
-    return rms_norm(x, params["norm"], config.rms_norm_eps), kv_cache
+    return rms_norm(x, params["norm"], config.rms_norm_eps, config.norm_offset), kv_cache
 
 
 def compute_logits(params: dict, config: ModelConfig, hidden_rows: jax.Array) -> jax.Array:
-    """LM head on the rows that sample (hidden[batch.logits_indices]): f32 logits [N, vocab]."""
+    """LM head on the rows that sample (hidden[batch.logits_indices]): f32 logits [N, vocab],
+    soft-capped where the family does (Gemma 2)."""
     if config.tie_word_embeddings:
-        return jnp.einsum("nh,vh->nv", hidden_rows, params["embed_tokens"],
-                          precision=_precision(config), preferred_element_type=jnp.float32)
-    return jnp.einsum("nh,hv->nv", hidden_rows, params["lm_head"], precision=_precision(config),
-                      preferred_element_type=jnp.float32)
+        logits = jnp.einsum("nh,vh->nv", hidden_rows, params["embed_tokens"],
+                            precision=_precision(config), preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("nh,hv->nv", hidden_rows, params["lm_head"],
+                            precision=_precision(config), preferred_element_type=jnp.float32)
+    cap = config.final_logit_softcap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -1,0 +1,268 @@
+"""The registry of architectures: HF `model_type` -> how its config.json maps to ModelConfig.
+
+Every family runs the one decoder (jaxserve.executor.models.decoder); an entry here says which of
+its ModelConfig fields the family sets and which config.json keys it reads. Every key that changes
+the math is read in both spellings transformers has written (4.x: top-level `rope_theta`,
+`rope_scaling`, `rope_local_base_freq`, `partial_rotary_factor`; 5.x: `rope_parameters`, flat or per
+layer type), and a key no entry understands is refused (`_check_keys`) rather than ignored: a
+checkpoint that needs math jaxserve lacks fails to load instead of loading wrong. A new family
+(the mixture-of-experts ones of issue 36 too) is one more `Architecture` in ARCHITECTURES.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.errors import ConfigError
+
+# Keys that describe the checkpoint or training, never the forward pass.
+_METADATA_KEYS = frozenset({
+    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "use_cache",
+    "initializer_range", "pad_token_id", "attention_dropout", "embd_pdrop", "resid_pdrop",
+    "_name_or_path", "auto_map", "cache_implementation", "tokenizer_class", "output_attentions",
+    "output_hidden_states", "return_dict", "id2label", "label2id", "torchscript", "pruned_heads",
+    "chunk_size_feed_forward", "is_encoder_decoder", "task_specific_params", "problem_type",
+    "finetuning_task", "tie_encoder_decoder", "add_cross_attention", "tf_legacy_loss",
+    "use_bfloat16", "is_decoder", "bad_words_ids", "decoder_start_token_id", "sep_token_id",
+    "prefix", "cross_attention_hidden_size", "max_length", "min_length", "num_beams",
+    "temperature", "top_k", "top_p", "do_sample", "repetition_penalty", "length_penalty",
+    # Llama's tensor-parallel training split: HF's inference ignores it (the same matmul).
+    "pretraining_tp",
+    # Read only with a window (Qwen2/3: which layers slide), through layer_types.
+    "max_window_layers", "use_sliding_window", "sliding_window_pattern", "_sliding_window_pattern",
+})
+# Keys read by every family (the Llama shape).
+_COMMON_KEYS = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+    "rope_parameters", "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
+    "eos_token_id", "hidden_act", "attention_bias", "sliding_window", "layer_types",
+    "partial_rotary_factor",
+})
+# Keys whose only value jaxserve serves (anything else changes the math).
+_REQUIRED = {"mlp_bias": False, "lm_head_bias": False, "use_bidirectional_attention": False,
+             "full_attn_mod": 1, "interpolate_factor": 1}
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor",
+                        "high_freq_factor", "original_max_position_embeddings", "short_factor",
+                        "long_factor", "attention_factor", "partial_rotary_factor"})
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One family: its HF model_type, llama.cpp's name for it, and what it sets."""
+
+    model_type: str
+    gguf_name: str | None
+    # ModelConfig fields of this family from config.json (beyond the Llama shape's).
+    fields: Callable[[dict], dict] = lambda cfg: {}
+    keys: frozenset[str] = frozenset()  # config.json keys `fields` reads
+    default_rope_theta: float = 10000.0
+    fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint
+    attention_bias: bool = False  # Qwen2: q/k/v biases always
+    label: str = ""  # the families it covers, for messages and docs
+
+
+def _sliding_layers(cfg: dict, default: Callable[[int], bool]) -> dict:
+    """sliding_window and layer_types as HF builds them when the config has no layer_types."""
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if default(i) else "full_attention" for i in range(layers)]
+    window = cfg.get("sliding_window")
+    if window is None or "sliding_attention" not in types:
+        return {"sliding_window": None, "layer_types": ()}
+    # Every layer sliding (Mistral) is ModelConfig's default for a window: one canonical config.
+    return {"sliding_window": window,
+            "layer_types": () if "full_attention" not in types else tuple(types)}
+
+
+def _qwen(cfg: dict) -> dict:
+    # The window is off unless use_sliding_window; then layers from max_window_layers slide.
+    if not cfg.get("use_sliding_window", False):
+        return {"sliding_window": None, "layer_types": ()}
+    first = cfg.get("max_window_layers", 28)
+    return _sliding_layers(cfg, lambda i: i >= first)
+
+
+def _gemma(pattern: Callable[[dict], int], qk_norm: bool) -> Callable[[dict], dict]:
+    def fields(cfg: dict) -> dict:
+        every = pattern(cfg)
+        return {
+            **_sliding_layers(cfg, lambda i: bool((i + 1) % every)),
+            "norm_offset": 1.0, "sandwich_norms": True, "qk_norm": qk_norm,
+            "embedding_multiplier": cfg["hidden_size"] ** 0.5,
+            "hidden_act": _activation(cfg.get("hidden_activation") or "gelu_pytorch_tanh"),
+            "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar"),
+            "attn_logit_softcap": cfg.get("attn_logit_softcapping"),
+            "final_logit_softcap": cfg.get("final_logit_softcapping"),
+        }
+    return fields
+
+
+_GEMMA_KEYS = frozenset({"hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
+                         "final_logit_softcapping"})
+
+ARCHITECTURES = {a.model_type: a for a in (
+    Architecture("llama", "llama", label="Llama 2 / 3 / 3.1-3.3, SmolLM2"),
+    # llama.cpp writes Mistral as "llama" (a window in its metadata).
+    Architecture("mistral", None, fields=lambda cfg: _sliding_layers(cfg, lambda i: True),
+                 label="Mistral"),
+    Architecture("qwen2", "qwen2", fields=_qwen, attention_bias=True, label="Qwen2 / Qwen2.5"),
+    Architecture("qwen3", "qwen3", fields=lambda cfg: {**_qwen(cfg), "qk_norm": True},
+                 label="Qwen3"),
+    Architecture("gemma2", "gemma2", fields=_gemma(lambda cfg: 2, qk_norm=False),
+                 keys=_GEMMA_KEYS, label="Gemma 2"),
+    Architecture("gemma3_text", "gemma3",
+                 fields=_gemma(lambda cfg: (cfg.get("sliding_window_pattern")
+                                      or cfg.get("_sliding_window_pattern") or 6), qk_norm=True),
+                 keys=_GEMMA_KEYS | {"rope_local_base_freq"}, default_rope_theta=1_000_000.0,
+                 label="Gemma 3 (text)"),
+    Architecture("phi3", "phi3", fields=lambda cfg: _sliding_layers(cfg, lambda i: True),
+                 keys=frozenset({"original_max_position_embeddings"}), fused_projections=True,
+                 label="Phi-3 / 3.5 / 4-mini"),
+)}
+
+
+def supported() -> str:
+    return ", ".join(ARCHITECTURES)
+
+
+def gguf_architectures() -> dict[str, str]:
+    """llama.cpp's architecture name -> the HF model_type its GGUF files load as."""
+    return {a.gguf_name: a.model_type for a in ARCHITECTURES.values() if a.gguf_name}
+
+
+def architecture(model_type) -> Architecture:
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(f"unsupported model_type {model_type!r} in config.json (supported: "
+                          f"{supported()})")
+    return ARCHITECTURES[model_type]
+
+
+def _activation(name: str) -> str:
+    if name not in _ACTIVATIONS:
+        raise ConfigError(f"unsupported activation {name!r} (supported: "
+                          f"{', '.join(_ACTIVATIONS)})")
+    return _ACTIVATIONS[name]
+
+
+def _check_keys(cfg: dict, arch: Architecture) -> None:
+    known = _METADATA_KEYS | _COMMON_KEYS | arch.keys | set(_REQUIRED)
+    # A key set to null asks for nothing; one with a value jaxserve does not read may change the
+    # model's output, so the checkpoint is refused rather than served wrong.
+    unknown = sorted(k for k, v in cfg.items() if k not in known and v is not None)
+    if unknown:
+        raise ConfigError(f"config.json keys jaxserve does not implement for {arch.model_type}: "
+                          f"{', '.join(unknown)}")
+    for key, value in _REQUIRED.items():
+        if cfg.get(key) not in (None, value):
+            raise ConfigError(f"config.json {key}={cfg[key]!r} is not supported (only {value!r})")
+
+
+def _rope_dicts(cfg: dict, arch: Architecture) -> tuple[dict, dict | None]:
+    """(the rope of full-attention layers, that of sliding layers or None), each one flat dict in
+    rope_parameters' spelling, with the 4.x top-level keys filled in where 5.x puts them inside."""
+    params = cfg.get("rope_parameters")
+    if params is None:
+        main = dict(cfg.get("rope_scaling") or {})
+        local = ({"rope_theta": cfg["rope_local_base_freq"]}
+                 if cfg.get("rope_local_base_freq") is not None else None)
+    elif set(params) <= {"full_attention", "sliding_attention"}:
+        main, local = dict(params.get("full_attention") or {}), params.get("sliding_attention")
+    else:
+        main, local = dict(params), None
+    main.setdefault("rope_theta", cfg.get("rope_theta", arch.default_rope_theta))
+    if cfg.get("partial_rotary_factor") is not None:
+        main.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
+    if cfg.get("original_max_position_embeddings") is not None:
+        # Phi-3 keeps the pretraining context at the top level; HF gives it priority.
+        main["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    if local is None and arch.model_type == "gemma3_text":
+        local = {"rope_theta": 10000.0}
+    return main, local
+
+
+def _rope_type(rope: dict) -> str:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    return "longrope" if kind == "su" else kind
+
+
+def _rope_fields(cfg: dict, arch: Architecture, head_dim: int) -> dict:
+    main, local = _rope_dicts(cfg, arch)
+    for rope in (main, local or {}):
+        unknown = sorted(set(rope) - _ROPE_KEYS)
+        if unknown:
+            raise ConfigError(f"rope parameters jaxserve does not implement: {', '.join(unknown)}")
+    if local is not None and _rope_type(local) != "default":
+        raise ConfigError(f"rope scaling {_rope_type(local)!r} on sliding layers is not supported")
+    rotary_dim = int(head_dim * main.get("partial_rotary_factor", 1.0))
+    out = {"rope_theta": float(main["rope_theta"]),
+           "rotary_dim": None if rotary_dim == head_dim else rotary_dim,
+           "local_rope_theta": None if local is None else float(local["rope_theta"]),
+           "rope_scaling": None}
+    kind = _rope_type(main)
+    if kind == "default":
+        return out
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    original = main.get("original_max_position_embeddings", max_pos)
+    if kind == "linear":
+        scaling = RopeScaling(rope_type="linear", factor=main["factor"])
+    elif kind == "llama3":
+        scaling = RopeScaling(
+            rope_type="llama3", factor=main["factor"], low_freq_factor=main["low_freq_factor"],
+            high_freq_factor=main["high_freq_factor"], original_max_position_embeddings=original)
+    elif kind == "longrope":
+        factor = main.get("factor") or max_pos / original
+        attention_factor = main.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = (1.0 if factor <= 1.0 else
+                                math.sqrt(1 + math.log(factor) / math.log(original)))
+        scaling = RopeScaling(
+            rope_type="longrope", factor=factor, original_max_position_embeddings=original,
+            short_factor=tuple(main["short_factor"]), long_factor=tuple(main["long_factor"]),
+            attention_factor=attention_factor)
+    else:
+        scaling = RopeScaling(rope_type=kind)  # refuses the type, naming what is supported
+    return {**out, "rope_scaling": scaling}
+
+
+def config_from_hf(cfg: dict, name: str, dtype: str = "float32") -> ModelConfig:
+    """ModelConfig of an HF config.json (parsed), or a ConfigError naming what is not served."""
+    arch = architecture(cfg.get("model_type"))
+    _check_keys(cfg, arch)
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    if cfg.get("attention_bias") and not arch.attention_bias:
+        # Llama-style attention_bias also biases o_proj, which the decoder does not have.
+        raise ConfigError(f"attention_bias is not supported for {arch.model_type}")
+    eos = cfg.get("eos_token_id")
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    fields = {
+        "hidden_act": _activation(cfg.get("hidden_act") or "silu"),
+        **_rope_fields(cfg, arch, head_dim),
+        **_sliding_layers(cfg, lambda i: True),
+        **arch.fields(cfg),
+    }
+    return ModelConfig(
+        name=name,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings",
+                                    arch.model_type in ("gemma2", "gemma3_text")),
+        attention_bias=arch.attention_bias,
+        dtype=dtype,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos,
+        architecture=arch.model_type,
+        **fields,
+    )
