@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import grpc
 import pytest
@@ -55,6 +56,20 @@ match = "literal"
 pattern = "France"
 action = "flag"
 
+[classifier.words]
+class = "tests.audit_classifier.WordClassifier"
+args = { block = "forbidden", flag = "curious", slow = "slowly", delay_s = 3.0 }
+timeout_s = 1.0
+workers = 2
+
+[[pack.classified.rule]]
+name = "words-block"
+stage = "input"
+match = "classifier:words"
+label = "block"
+threshold = 0.5
+action = "block"
+
 [[pack.redacting.rule]]
 name = "sesame-anywhere"
 stage = "input"
@@ -82,6 +97,14 @@ audit_content = true
 [tenant.dave]
 api_keys = ["sk-dave"]
 policy = "redacting"
+
+[tenant.erin]
+api_keys = ["sk-erin"]
+policy = "classified"
+
+[tenant.frank]
+api_keys = ["sk-frank"]
+policy = "classified"
 """
 # SmolLM2's greedy answer (../shared/golden): "The capital of France is Paris."
 PARIS = {"model": SMOLLM2, "messages": [{"role": "user", "content": "What is the capital of "
@@ -273,6 +296,29 @@ def test_input_rules_screen_tools_and_past_tool_calls(server):
 
 
 @pytest.mark.slow
+def test_one_tenant_cannot_saturate_the_classifier(server):
+    """Review a70e490, M9: erin's slow calls (3 s against a 1 s timeout) took both workers, so
+    frank's call queued behind them, timed out and was blocked. Now erin has one call at a
+    time: her second waits for her first, then is a 429; frank's runs on the other worker."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    slow = {**PARIS, "max_tokens": 1, "messages": [{"role": "user", "content": "Answer slowly"}]}
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(post, f"{server.url}/v1/chat/completions", slow, "sk-erin")
+        time.sleep(0.2)
+        second = pool.submit(post, f"{server.url}/v1/chat/completions", slow, "sk-erin")
+        time.sleep(0.2)
+        frank = post(f"{server.url}/v1/chat/completions", {**PARIS, "max_tokens": 1},
+                     "sk-frank")
+        assert frank.status_code == 200, frank.text
+        assert first.result().status_code == 400  # timed out: on_error "block"
+        assert second.result().status_code == 429, second.result().text
+        assert "classifier" in second.result().json()["error"]["message"]
+    time.sleep(3)  # erin's slow call returns and gives back its worker
+    idle(server)
+
+
+@pytest.mark.slow
 def test_audit_log_of_the_mixed_run_verifies(server, capsys):
     """Last: the earlier tests' requests are the mixed run (blocked, filtered, redacted, batch)."""
     from jaxserve.entrypoints.cli import main
@@ -283,8 +329,9 @@ def test_audit_log_of_the_mixed_run_verifies(server, capsys):
     raw = b"".join(p.read_bytes() for p in sorted((server.dir / "audit").glob("audit-*.jsonl")))
     assert EMAIL.encode() not in raw and b"sk-alice" not in raw
     records = [json.loads(line) for line in raw.splitlines()]
-    # dave's requests (the H4 and M1 tests) are not part of this run's expected order
-    requests = [r for r in records if r["type"] == "request" and r["tenant"] != "dave"]
+    # dave's, erin's and frank's requests (H4, M1, M9) are not part of this run's expected order
+    requests = [r for r in records if r["type"] == "request"
+                and r["tenant"] not in ("dave", "erin", "frank")]
     by_status = [(r["route"], r["status_code"], r["finish_reasons"]) for r in requests]
     assert by_status[:4] == [
         ("/v1/chat/completions", 400, []),
