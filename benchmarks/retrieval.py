@@ -190,7 +190,7 @@ class Corpora:
                 self.chunks[name] = self.service.collection(name).info()["chunks"]
                 continue
             self.service.create_collection(name)
-            self.chunks[name] = self.service.upsert(name, documents)
+            self.chunks[name] = self.service.upsert(name, documents)[0]
         self.index_s = time.perf_counter() - t0
 
     def quality(self, mode: str = "hybrid", rerank: bool = False,

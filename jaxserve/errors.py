@@ -77,6 +77,14 @@ class RateLimitExceeded(JaxServeError):
         self.param = param
 
 
+class QuotaExceeded(RateLimitExceeded):
+    """What a tenant stores would pass its quota (HTTP 429 `insufficient_quota`, OpenAI's code
+    for a quota): no retry passes until something is deleted or the quota is raised."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message, None, param)
+
+
 class QueueTimeout(RateLimitExceeded):
     """The request waited its tenant's max_queue_time_s without starting; nothing was generated."""
 
@@ -176,6 +184,8 @@ _STATUS_TABLE: tuple[tuple[type[Exception], ErrorStatus], ...] = (
     (EngineOverloaded, ErrorStatus(503, "RESOURCE_EXHAUSTED", "server_error", "overloaded")),
     (EngineDead, ErrorStatus(503, "UNAVAILABLE", "server_error", "overloaded")),
     # the gateway's (QueueTimeout is a RateLimitExceeded), as their docstrings say
+    (QuotaExceeded, ErrorStatus(429, "RESOURCE_EXHAUSTED", "insufficient_quota",
+                                "insufficient_quota")),
     (RateLimitExceeded, ErrorStatus(429, "RESOURCE_EXHAUSTED", "rate_limit_error",
                                     "rate_limit_exceeded")),
     (DeadlineExceeded, ErrorStatus(504, "DEADLINE_EXCEEDED", "timeout_error",

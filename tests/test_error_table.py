@@ -9,14 +9,16 @@ import pytest
 
 from jaxserve.errors import (ContentPolicyViolation, DeadlineExceeded, EngineOverloaded, IdempotencyConflict,
                              InvalidRequest, MethodNotAllowed, NoChatTemplate, NotFound,
-                             QueueTimeout, RateLimitExceeded, RequestFailed, TokenizerError,
-                             Unauthenticated, error_reply, error_status, outcome, retry_after)
+                             QueueTimeout, QuotaExceeded, RateLimitExceeded, RequestFailed,
+                             TokenizerError, Unauthenticated, error_reply, error_status, outcome,
+                             retry_after)
 
 
 @pytest.mark.parametrize("error, http, grpc, code", [
     (Unauthenticated("no key"), 401, "UNAUTHENTICATED", "invalid_api_key"),
     (RateLimitExceeded("slow down", 2.5), 429, "RESOURCE_EXHAUSTED", "rate_limit_exceeded"),
     (QueueTimeout("waited", 1.0), 429, "RESOURCE_EXHAUSTED", "rate_limit_exceeded"),
+    (QuotaExceeded("full"), 429, "RESOURCE_EXHAUSTED", "insufficient_quota"),
     (EngineOverloaded("full", 1.0), 503, "RESOURCE_EXHAUSTED", "overloaded"),
     (DeadlineExceeded("late"), 504, "DEADLINE_EXCEEDED", "deadline_exceeded"),
     (IdempotencyConflict("running"), 409, "ABORTED", "idempotency_conflict"),

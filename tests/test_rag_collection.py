@@ -78,7 +78,7 @@ def test_chunks_carry_offsets_and_metadata(tmp_path):
     service = _service(tmp_path)
     service.create_collection("c")
     text = " ".join(f"sentence {i} about topic {i % 7}." for i in range(40))
-    chunks = service.upsert("c", [Document("long", text, {"lang": "en"})])
+    chunks, _ = service.upsert("c", [Document("long", text, {"lang": "en"})])
     assert chunks > 3
     results = service.search("c", "topic", 20, "bm25")
     assert {r.chunk_id for r in results} <= {f"long#{i}" for i in range(chunks)}

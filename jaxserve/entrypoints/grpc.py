@@ -7,7 +7,6 @@ a refusal that may pass later carries `retry-after` (seconds) in its trailing me
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from typing import TYPE_CHECKING
 
@@ -22,12 +21,20 @@ from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.entrypoints.serving.admission import CallContext
 from jaxserve.entrypoints.serving.calls import Call
+from jaxserve.entrypoints.serving.offload import run_held
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
 from jaxserve.entrypoints.serving.outcome import call_outcome
+from jaxserve.entrypoints.serving.request_models import EmbeddingRequest, embedding_texts
+from jaxserve.entrypoints.serving.validation import validate
 
 if TYPE_CHECKING:  # the RAG stack (FAISS, bm25s) loads only when a service is passed in
     from jaxserve.rag.service import RagService
 
+# Set explicitly (docs/grpc.md). A request: gRPC's usual 4 MiB, far above any prompt or
+# embedding batch (an Embed request is checked as HTTP's /v1/embeddings: 2048 strings at most).
+# A reply: an Embed answer of 2048 vectors of up to 1024 floats is ~8.4 MB.
+MAX_RECEIVE_MESSAGE_BYTES = 4 << 20
+MAX_SEND_MESSAGE_BYTES = 16 << 20
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # Proto3 `optional` scalars that map one-to-one onto OpenAI completion fields.
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p",
@@ -148,11 +155,13 @@ class GenerationService(pb_grpc.GenerationServicer):
             # with the tokens read when the call ends.
             hold = self.serving.gateway.admit_call(ctx.principal, tokens=True, holds_slot=True)
             self.rag.check_model(request.model)
-            if not request.input:
-                raise InvalidRequest("'input' must hold at least one string", param="input")
-            # The encoder blocks: run it off the event loop, as the HTTP routes do.
-            vectors, num_tokens = await asyncio.get_running_loop().run_in_executor(
-                None, self.rag.embed, list(request.input))
+            # The same checks as HTTP's /v1/embeddings: 1 to 2048 strings, none empty.
+            texts = embedding_texts(validate(EmbeddingRequest, {"model": request.model,
+                                                                "input": list(request.input)}))
+            # On retrieval's threads, as the HTTP routes: if the client leaves, the hold on
+            # the tenant's limits lasts until the encoder is done, and pays what it read.
+            vectors, num_tokens = await run_held(self.rag.executor, hold, self.rag.embed, texts,
+                                                 used_tokens=lambda result: result[1])
         except BaseException as e:  # JaxServeError, or the client left (cancelled)
             error = e
         finally:
@@ -212,7 +221,9 @@ async def start_grpc_server(engine, host: str, port: int, model_name: str,
 
     Health reports SERVING for the service and for "" once this returns, so call it after
     the engine has warmed up."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES)])
     if serving is None:
         serving = OpenAIServing(engine, model_name, max_queued_requests=max_queued_requests,
                                 limits=limits)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from jaxserve.config import RequestLimits, ServerConfig
 from jaxserve.errors import ConfigError, ModelNotFound
+from jaxserve.rag.config import RagQuotas
 from jaxserve.tool_calling.parsers import TOOL_PARSERS
 
 log = logging.getLogger("jaxserve.server")
@@ -51,6 +52,11 @@ _LIMIT_HELP = {
     "max_messages": "most messages in one chat request",
     "max_body_bytes": "largest request body, in bytes",
     "max_json_depth": "deepest nesting of arrays and objects in a request body",
+}
+_QUOTA_HELP = {
+    "max_collections": "most collections a tenant may have",
+    "max_documents": "most documents over all of a tenant's collections",
+    "max_bytes": "most bytes a tenant's collections may take on disk",
 }
 
 
@@ -118,6 +124,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="retrieval collections live here (default: the jaxserve cache's rag/)")
     parser.add_argument("--no-rag", action="store_true",
                         help="serve generation only: no embeddings, collections or chat 'rag'")
+    quotas = parser.add_argument_group("retrieval quotas, per tenant (an upsert or a collection "
+                                       "past one is a 429 insufficient_quota; docs/rag.md)")
+    for f in dataclasses.fields(RagQuotas):
+        quotas.add_argument(f"--rag-{f.name.replace('_', '-')}", type=int, default=f.default,
+                            metavar="BYTES" if f.name == "max_bytes" else "N",
+                            help=f"{_QUOTA_HELP[f.name]} (default: %(default)s)")
     add_policy_arguments(parser)
     parser.add_argument("--ssl-certfile", type=Path, default=None,
                         help="serve HTTPS and gRPC over TLS with this PEM certificate (chain)")
@@ -221,7 +233,8 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
     tls = TlsConfig.from_args(args.ssl_certfile, args.ssl_keyfile)
     scheme = "https" if tls else "http"
     app = build_app(config, model_name)
-    rag = None if args.no_rag else _rag_service(args.data_dir)
+    rag = None if args.no_rag else _rag_service(args.data_dir, RagQuotas(
+        **{f.name: getattr(args, f"rag_{f.name}") for f in dataclasses.fields(RagQuotas)}))
     if rag is not None:
         # Imported here: BM25, FAISS and the chunker take ~0.9 s to import, and --no-rag needs none.
         from jaxserve.entrypoints.http.rag_routes import add_rag_routes
@@ -389,11 +402,11 @@ def _fleet_times(fleet) -> tuple[float, float]:
             sum(v["compile_seconds"] for v in versions))
 
 
-def _rag_service(data_dir: Path | None):
+def _rag_service(data_dir: Path | None, quotas: RagQuotas):
     from jaxserve.rag.config import RagConfig, default_data_dir
     from jaxserve.rag.service import RagService
 
-    return RagService(RagConfig(data_dir or default_data_dir()))
+    return RagService(RagConfig(data_dir or default_data_dir(), quotas=quotas))
 
 
 def _warm_rag(rag) -> None:

@@ -28,7 +28,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Callable
+from concurrent.futures import Future
+from typing import Any, Callable
 
 from jaxserve.errors import RateLimitExceeded
 from jaxserve.gateway.tenants import Tenant
@@ -158,13 +159,40 @@ class Lease:
         self.tokens = tokens
         self.num_seqs = num_seqs
         self.settled = False
+        self._lock = threading.Lock()
+        self._work: Future | None = None  # executor work under way that the lease waits for
+        self._work_tokens: Callable[[Any], int] = lambda result: 0
+        self._ended: int | None = None  # the call's own settle, while its work still ran
+
+    def hold_for(self, work: Future, used_tokens: Callable[[Any], int]) -> None:
+        """Executor work the call started (one at a time; threads cannot be stopped): a settle
+        before it ends waits for it, then takes the larger of its own tokens and those the work
+        read (`used_tokens(result)`). So a client that leaves neither frees its slot nor skips
+        paying while its work runs on."""
+        with self._lock:
+            self._work, self._work_tokens = work, used_tokens
+        work.add_done_callback(self._work_done)
 
     def settle(self, used_tokens: int) -> None:
         """The request ended having used `used_tokens` (prompt + completion, all choices; the
         tokens an encoder read)."""
-        if not self.settled:
+        with self._lock:
+            if self.settled:
+                return
+            if self._work is not None:
+                self._ended = used_tokens
+                return
             self.settled = True
-            self._limiter._settle(self, used_tokens)
+        self._limiter._settle(self, used_tokens)
+
+    def _work_done(self, work: Future) -> None:
+        read = 0 if work.cancelled() or work.exception() else self._work_tokens(work.result())
+        with self._lock:
+            self._work = None
+            if self._ended is None or self.settled:  # the call goes on: its end settles
+                return
+            used, self.settled = max(self._ended, read), True
+        self._limiter._settle(self, used)
 
 
 def format_duration(seconds: float) -> str:

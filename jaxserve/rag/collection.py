@@ -70,7 +70,6 @@ class Collection:
         self.reranker = reranker
         self.config = config
         self._lock = threading.Lock()
-        directory.mkdir(parents=True, exist_ok=True)
         self._store = Store(directory / STORE_FILE)
         self._index = ShardedIndex(embedder.dim, config.index)
         self._unsaved = 0  # chunks added or removed since the index files were written
@@ -104,17 +103,24 @@ class Collection:
             self._store.close()
             self._index.close()
 
+    def new_documents(self, document_ids: list[str]) -> int:
+        """How many of these ids the collection does not hold yet."""
+        with self._lock:
+            return self._store.new_documents(document_ids)
+
     def info(self) -> dict:
         with self._lock:
             docs, chunks = self._store.counts()
             return {"name": self.name, "documents": docs, "chunks": chunks,
                     "index": self._index.kind}
 
-    def upsert(self, documents: list[Document]) -> int:
-        """Insert or replace documents by id; returns how many chunks were embedded."""
+    def upsert(self, documents: list[Document]) -> tuple[int, int]:
+        """Insert or replace documents by id; returns (chunks embedded, tokens the encoder
+        read)."""
         chunked = [(doc, chunk_document(doc.id, doc.text, self.embedder.token_spans,
                                         self.config.chunker, doc.metadata)) for doc in documents]
-        vectors, _ = self.embedder.embed([c.text for _, chunks in chunked for c in chunks])
+        vectors, num_tokens = self.embedder.embed([c.text for _, chunks in chunked
+                                                   for c in chunks])
         prepared, start = [], 0
         for doc, chunks in chunked:
             prepared.append(DocumentChunks(doc.id, doc.text, doc.metadata, chunks,
@@ -129,7 +135,7 @@ class Collection:
             if self._bm25 is not None:
                 self._bm25.remove([i for i, _ in removed])
                 self._bm25.add(added, [c.text for _, chunks in chunked for c in chunks])
-        return len(added)
+        return len(added), num_tokens
 
     def delete(self, document_id: str) -> None:
         with self._lock:

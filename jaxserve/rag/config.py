@@ -153,15 +153,41 @@ class RagPromptConfig:
 
 
 @dataclass(frozen=True)
+class RagQuotas:
+    """What one tenant's collections may hold (serve --rag-max-*): collections, documents over all
+    of them, and bytes on disk (SQLite, its WAL, the index files). Checked before each upsert,
+    which is refused whole (429 `insufficient_quota`) when it would pass one; the CLI and the
+    Python API (no tenant) have none. Bytes count the disk before the upsert plus the text it
+    adds, so concurrent upserts may pass max_bytes by their own size."""
+
+    max_collections: int = 100
+    max_documents: int = 100_000
+    max_bytes: int = 1 << 30
+
+    def __post_init__(self):
+        _positive(self, "max_collections", "max_documents", "max_bytes")
+
+
+@dataclass(frozen=True)
 class RagConfig:
+    """`max_open_collections`: collections kept open (each holds ~3 file descriptors: SQLite, its
+    WAL and shared memory, and its index in memory); the least recently used idle one is closed
+    past it. `workers`: the threads that run retrieval's blocking calls (the encoder, SQLite,
+    FAISS) for the HTTP routes, gRPC Embed and chat `rag`, apart from the event loop's default
+    executor."""
+
     data_dir: Path
     embedder: EmbedderConfig = field(default_factory=EmbedderConfig)
     chunker: ChunkerConfig = field(default_factory=ChunkerConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
     prompt: RagPromptConfig = field(default_factory=RagPromptConfig)
+    quotas: RagQuotas = field(default_factory=RagQuotas)
+    max_open_collections: int = 64
+    workers: int = 4
 
     def __post_init__(self):
+        _positive(self, "max_open_collections", "workers")
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
         if self.chunker.chunk_tokens > self.embedder.max_length - 2:
             raise ConfigError(f"chunk_tokens ({self.chunker.chunk_tokens}) must leave room for the "

@@ -32,6 +32,6 @@ def index_paths(service: RagService, name: str, paths: list[Path],
               desc=f"indexing into {name}") as bar:
         for start in range(0, len(documents), BATCH_DOCUMENTS):
             batch = documents[start:start + BATCH_DOCUMENTS]
-            chunks += collection.upsert(batch)
+            chunks += collection.upsert(batch)[0]
             bar.update(len(batch))
     return len(documents), chunks

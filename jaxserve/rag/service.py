@@ -13,18 +13,25 @@ another's is NotFound, word for word as a missing one, so its existence is not r
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import shutil
 import threading
+from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
-from jaxserve.errors import AlreadyExists, InvalidRequest, ModelNotFound, NotFound
-from jaxserve.rag.collection import Collection, SearchResult
+from jaxserve.errors import AlreadyExists, InvalidRequest, ModelNotFound, NotFound, QuotaExceeded
+from jaxserve.rag.collection import STORE_FILE, Collection, SearchResult
 from jaxserve.rag.config import RagConfig
 from jaxserve.rag.documents import Document
 from jaxserve.rag.embedder import Embedder
 from jaxserve.rag.rerank import LateInteractionReranker
+from jaxserve.rag.store import count_documents
 
 _OWNER_FILE = "owner"
 _LEGACY_OWNER = "default"
@@ -43,9 +50,15 @@ class RagService:
     def __init__(self, config: RagConfig, embedder: Embedder | None = None):
         self.config = config
         self._embedder = embedder
-        self._lock = threading.Lock()  # guards _embedder loading and the _open table
-        self._open: dict[str, Collection] = {}
+        self._lock = threading.Lock()  # guards _embedder loading and the open collections
+        # The open collections, least recently used first, and how many calls use each: an idle
+        # one is closed past config.max_open_collections (each holds file descriptors).
+        self._open: OrderedDict[str, Collection] = OrderedDict()
+        self._users: Counter[str] = Counter()
         self._root = config.data_dir / "collections"
+        # Retrieval's own threads, for async callers (HTTP routes, gRPC Embed, chat `rag`): its
+        # work never queues ahead of the loop's default executor's (grammar compiles).
+        self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="rag")
 
     @property
     def embedder(self) -> Embedder:
@@ -83,8 +96,15 @@ class RagService:
             # Taken by another tenant: a 409 too (names are one namespace), naming no owner.
             if (self._root / name).exists():
                 raise AlreadyExists(f"collection {name!r} exists already", param="name")
-            (self._root / name).mkdir(parents=True)
-            (self._root / name / _OWNER_FILE).write_text(tenant or _LEGACY_OWNER)
+            quota = self.config.quotas.max_collections
+            if tenant is not None and len(self.list_collections(tenant)) >= quota:
+                raise QuotaExceeded(f"this API key's tenant has {quota} collections, its quota: "
+                                    f"delete one first", param="name")
+            _private_directory(self._root)
+            _private_directory(self._root / name)
+            owner = os.open(self._root / name / _OWNER_FILE, os.O_WRONLY | os.O_CREAT, 0o600)
+            with os.fdopen(owner, "w") as f:
+                f.write(tenant or _LEGACY_OWNER)
         return self.collection(name, tenant)
 
     def owner(self, name: str) -> str:
@@ -109,14 +129,41 @@ class RagService:
         return directory
 
     def collection(self, name: str, tenant: str | None = None) -> Collection:
-        """An existing collection (opened on first use), or NotFound."""
+        """An existing collection (opened on first use), or NotFound. It stays open while the
+        open ones are few: a server calls the methods below, which keep it open while they run."""
+        with self._using(name, tenant) as collection:
+            return collection
+
+    @contextlib.contextmanager
+    def _using(self, name: str, tenant: str | None) -> Iterator[Collection]:
+        """The collection, open and not closed until the block ends."""
         embedder = self.embedder
         with self._lock:
             directory = self._directory(name, tenant)
             if name not in self._open:
                 self._open[name] = Collection(name, directory, embedder, self.config,
                                               LateInteractionReranker(embedder))
-            return self._open[name]
+            self._open.move_to_end(name)
+            self._users[name] += 1
+            collection = self._open[name]
+        try:
+            yield collection
+        finally:
+            with self._lock:
+                self._users[name] -= 1
+                if not self._users[name]:
+                    del self._users[name]
+                idle = [n for n in self._open if not self._users[n]]
+                for n in idle[:max(0, len(self._open) - self.config.max_open_collections)]:
+                    self._open.pop(n).close()
+
+    def info(self, name: str, tenant: str | None = None) -> dict:
+        with self._using(name, tenant) as collection:
+            return collection.info()
+
+    def collection_infos(self, tenant: str | None = None) -> list[dict]:
+        """info() of every collection `tenant` may see, by name."""
+        return [self.info(name, tenant) for name in self.list_collections(tenant)]
 
     def delete_collection(self, name: str, tenant: str | None = None) -> None:
         with self._lock:
@@ -126,22 +173,64 @@ class RagService:
                 opened.close(save=False)
             shutil.rmtree(directory)
 
-    def upsert(self, name: str, documents: list[Document], tenant: str | None = None) -> int:
-        return self.collection(name, tenant).upsert(documents)
+    def upsert(self, name: str, documents: list[Document], tenant: str | None = None
+               ) -> tuple[int, int]:
+        """(chunks embedded, tokens the encoder read); a tenant's quotas are checked first."""
+        with self._using(name, tenant) as collection:
+            if tenant is not None:
+                self._check_quotas(tenant, collection, documents)
+            return collection.upsert(documents)
+
+    def _check_quotas(self, tenant: str, collection: Collection,
+                      documents: list[Document]) -> None:
+        quotas = self.config.quotas
+        names = self.list_collections(tenant)
+        held = sum(self._documents(n) for n in names)
+        adding = collection.new_documents([d.id for d in documents])
+        if held + adding > quotas.max_documents:
+            raise QuotaExceeded(f"this API key's tenant holds {held} documents; {adding} more "
+                                f"would pass its quota of {quotas.max_documents}",
+                                param="documents")
+        used = sum(_disk_bytes(self._root / n) for n in names)
+        adding = sum(len(d.text.encode()) for d in documents)
+        if used + adding > quotas.max_bytes:
+            raise QuotaExceeded(f"this API key's tenant's collections take {used} bytes; "
+                                f"{adding} more would pass its quota of {quotas.max_bytes} bytes",
+                                param="documents")
+
+    def _documents(self, name: str) -> int:
+        with self._lock:
+            opened = self._open.get(name)
+        if opened is not None:
+            return opened.info()["documents"]
+        return count_documents(self._root / name / STORE_FILE)
 
     def delete_document(self, name: str, document_id: str, tenant: str | None = None) -> None:
-        self.collection(name, tenant).delete(document_id)
+        with self._using(name, tenant) as collection:
+            collection.delete(document_id)
 
     def search(self, name: str, query: str, top_k: int = 5, mode: str = "hybrid",
                rerank: bool = False, tenant: str | None = None) -> list[SearchResult]:
-        return self.collection(name, tenant).search(query, top_k, mode, rerank)
+        with self._using(name, tenant) as collection:
+            return collection.search(query, top_k, mode, rerank)
 
     def rerank(self, query: str, documents: list[str]) -> tuple[np.ndarray, int]:
         """(relevance score per document, tokens read): the reranker `search(rerank=True)` uses."""
         return LateInteractionReranker(self.embedder).score(query, documents)
 
     def close(self) -> None:
+        self.executor.shutdown(cancel_futures=True)
         with self._lock:
             for collection in self._open.values():
                 collection.close()
             self._open.clear()
+
+
+def _private_directory(path: Path) -> None:
+    """A directory only the server's user may enter (made before modes were kept: made so)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def _disk_bytes(directory: Path) -> int:
+    return sum(entry.stat().st_size for entry in os.scandir(directory) if entry.is_file())

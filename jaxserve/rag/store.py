@@ -8,6 +8,7 @@ blobs) so an index of any kind can be rebuilt without re-embedding.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,9 @@ CREATE INDEX IF NOT EXISTS chunks_by_document ON chunks(document_id);
 """
 
 
+_MAX_MARKS = 500  # SQLite's bound on a statement's parameters is 999 in old builds
+
+
 @dataclass(frozen=True)
 class StoredChunk:
     id: int
@@ -58,8 +62,23 @@ class DocumentChunks:
     vectors: np.ndarray
 
 
+def count_documents(path: Path) -> int:
+    """The documents of a store that is not open (read-only: nothing to write back)."""
+    if not path.exists():
+        return 0
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        (docs,), = db.execute("SELECT COUNT(*) FROM documents")
+        return docs
+    finally:
+        db.close()
+
+
 class Store:
     def __init__(self, path: Path):
+        # Private: SQLite gives its WAL and shared-memory files the database file's mode.
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        os.chmod(path, 0o600)
         # Used from executor threads, always under the owning collection's lock.
         self._db = sqlite3.connect(str(path), check_same_thread=False)
         self._db.executescript(_SCHEMA)
@@ -145,6 +164,15 @@ class Store:
     def all_texts(self) -> tuple[list[int], list[str]]:
         rows = self._db.execute("SELECT id, text FROM chunks ORDER BY id").fetchall()
         return [r[0] for r in rows], [r[1] for r in rows]
+
+    def new_documents(self, document_ids: list[str]) -> int:
+        """How many of these ids the store does not hold yet."""
+        known = set()
+        for start in range(0, len(document_ids), _MAX_MARKS):
+            part = document_ids[start:start + _MAX_MARKS]
+            known.update(r[0] for r in self._db.execute(
+                f"SELECT id FROM documents WHERE id IN ({','.join('?' * len(part))})", part))
+        return len(set(document_ids) - known)
 
     def counts(self) -> tuple[int, int]:
         """(documents, chunks)."""

@@ -164,6 +164,7 @@ class VectorIndex:
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
         faiss.write_index(self._cpu, str(tmp))
+        os.chmod(tmp, 0o600)  # a tenant's vectors: private, as its store
         os.replace(tmp, path)  # a crash mid-write leaves the previous index whole
 
     def load(self, path: Path, live_ids: set[int], all_vectors) -> int:

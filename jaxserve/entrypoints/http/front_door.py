@@ -72,6 +72,12 @@ def tenant_limited(*, tokens: bool = False, holds_slot: bool = True):
     return wrap
 
 
+def lease_of(request: web.Request) -> Lease | None:
+    """A `tenant_limited` call's hold on its tenant's limits (for work it runs off the loop,
+    which the hold waits for: serving.offload)."""
+    return request.get(_LEASE)
+
+
 def charge_tokens(request: web.Request, used_tokens: int) -> None:
     """A `tenant_limited(tokens=True)` call read `used_tokens` (its usage): its end settles with
     them (and its audit record's `prompt_tokens` names them)."""

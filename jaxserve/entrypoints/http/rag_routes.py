@@ -4,11 +4,14 @@ serves), and collections (documents, search).
 `add_rag_routes(app, service)` registers them on the app built by
 `jaxserve.entrypoints.http.app.build_app` (before the server starts), whose middleware maps typed
 errors to OpenAI error bodies: unknown collection or document 404, existing collection 409, bad
-arguments 400. Every call into the service (embedding, SQLite, FAISS) runs in the default executor
-so the event loop keeps serving other requests, token streams included.
+arguments 400, a tenant's quota 429 `insufficient_quota`. Every call into the service (embedding,
+SQLite, FAISS) runs on the service's own threads (RagService.executor), so the event loop keeps
+serving other requests, token streams included.
 
 Each tenant route is under its tenant's limits (`front_door.tenant_limited`): a request, a
-concurrency slot while it runs, and for embeddings and rerank the tokens the encoder read.
+concurrency slot while it runs, and for embeddings, rerank and upserts the tokens the encoder
+read. A client that leaves while the service works keeps its slot until the work ends, and pays
+its tokens (serving.offload).
 
 Collections belong to the caller's tenant (RagService): another tenant's is a 404, as if it did
 not exist, and `GET /v1/collections` lists only the caller's. The admin key (serve --admin-key)
@@ -17,9 +20,7 @@ lists, reads and searches every tenant's under /admin/v1/collections.
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import functools
 import uuid
 
 from aiohttp import web
@@ -30,19 +31,26 @@ from jaxserve.rag.documents import parse_documents
 from jaxserve.rag.service import RagService, check_collection_name
 from jaxserve.entrypoints.serving import response_models as out
 from jaxserve.entrypoints.http.admin_routes import admin_only
-from jaxserve.entrypoints.http.front_door import caller, charge_tokens, tenant_limited
+from jaxserve.entrypoints.http.front_door import caller, charge_tokens, lease_of, tenant_limited
 from jaxserve.entrypoints.http.json_body import parse_body
 from jaxserve.entrypoints.http.openapi import Route, add_routes
+from jaxserve.entrypoints.serving.offload import no_tokens, run_held
 from jaxserve.entrypoints.serving.request_models import (CreateCollectionRequest, EmbeddingRequest,
-                                            RerankRequest, SearchRequest, UpsertDocumentsRequest)
+                                                         RerankRequest, SearchRequest,
+                                                         UpsertDocumentsRequest, embedding_texts)
 
 RAG_KEY = web.AppKey("rag", RagService)
 
 
-async def _call(request: web.Request, method: str, *args, **kwargs):
+def _tokens_read(result: tuple) -> int:
+    return result[1]  # (vectors or scores or chunks, tokens the encoder read)
+
+
+async def _call(request: web.Request, method: str, *args, used_tokens=no_tokens, **kwargs):
+    """The service's `method` on its threads, under the call's hold (admin calls have none)."""
     service = request.app[RAG_KEY]
-    return await asyncio.get_running_loop().run_in_executor(
-        None, functools.partial(getattr(service, method), *args, **kwargs))
+    return await run_held(service.executor, lease_of(request), getattr(service, method), *args,
+                          used_tokens=used_tokens, **kwargs)
 
 
 def _tenant(request: web.Request) -> str:
@@ -54,10 +62,8 @@ async def embeddings(request: web.Request) -> web.Response:
     service = request.app[RAG_KEY]
     body = await parse_body(request, EmbeddingRequest)
     service.check_model(body.model)
-    texts = [body.input] if isinstance(body.input, str) else body.input
-    if any(not t for t in texts):
-        raise InvalidRequest("'input' strings must not be empty", param="input")
-    vectors, num_tokens = await _call(request, "embed", texts)
+    vectors, num_tokens = await _call(request, "embed", embedding_texts(body),
+                                      used_tokens=_tokens_read)
     charge_tokens(request, num_tokens)
     if body.dimensions is not None and body.dimensions != vectors.shape[1]:
         raise InvalidRequest(f"'dimensions' must be {vectors.shape[1]} for {service.model_name} "
@@ -88,7 +94,8 @@ async def rerank(request: web.Request) -> web.Response:
     if not 0 <= top_n <= len(documents):
         raise InvalidRequest(f"'top_n' must be an integer in [1, {len(documents)}] (the number "
                              f"of documents), or 0 for all, got {top_n!r}", param="top_n")
-    scores, num_tokens = await _call(request, "rerank", body.query, documents)
+    scores, num_tokens = await _call(request, "rerank", body.query, documents,
+                                     used_tokens=_tokens_read)
     charge_tokens(request, num_tokens)
     order = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n or len(documents)]
     results = [{"index": i, "relevance_score": float(scores[i]),
@@ -108,12 +115,7 @@ async def create_collection(request: web.Request) -> web.Response:
 
 @tenant_limited()
 async def list_collections(request: web.Request) -> web.Response:
-    tenant = _tenant(request)
-
-    def infos(service: RagService) -> list[dict]:
-        return [service.collection(name).info() for name in service.list_collections(tenant)]
-
-    data = await asyncio.get_running_loop().run_in_executor(None, infos, request.app[RAG_KEY])
+    data = await _call(request, "collection_infos", _tenant(request))
     return web.json_response({"object": "list", "data": data})
 
 
@@ -124,12 +126,14 @@ async def delete_collection(request: web.Request) -> web.Response:
     return web.json_response({"name": name, "deleted": True})
 
 
-@tenant_limited()
+@tenant_limited(tokens=True)
 async def upsert_documents(request: web.Request) -> web.Response:
     name = check_collection_name(request.match_info["name"])
     body = await parse_body(request, UpsertDocumentsRequest)
     docs = parse_documents([d.model_dump(exclude_none=True) for d in body.documents])
-    chunks = await _call(request, "upsert", name, docs, _tenant(request))
+    chunks, num_tokens = await _call(request, "upsert", name, docs, _tenant(request),
+                                     used_tokens=_tokens_read)
+    charge_tokens(request, num_tokens)
     return web.json_response({"collection": name, "documents": len(docs), "chunks": chunks})
 
 
@@ -161,23 +165,25 @@ async def _search(request: web.Request, tenant: str | None) -> web.Response:
 
 
 def _owned_info(service: RagService, name: str) -> dict:
-    return {**service.collection(name).info(), "owner": service.owner(name)}
+    return {**service.info(name), "owner": service.owner(name)}
+
+
+def _owned_infos(service: RagService) -> list[dict]:
+    return [_owned_info(service, name) for name in service.list_collections()]
 
 
 @admin_only
 async def admin_list_collections(request: web.Request) -> web.Response:
-    def infos(service: RagService) -> list[dict]:
-        return [_owned_info(service, name) for name in service.list_collections()]
-
-    data = await asyncio.get_running_loop().run_in_executor(None, infos, request.app[RAG_KEY])
+    data = await run_held(request.app[RAG_KEY].executor, None, _owned_infos,
+                          request.app[RAG_KEY])
     return web.json_response({"object": "list", "data": data})
 
 
 @admin_only
 async def admin_get_collection(request: web.Request) -> web.Response:
     name = check_collection_name(request.match_info["name"])
-    return web.json_response(await asyncio.get_running_loop().run_in_executor(
-        None, _owned_info, request.app[RAG_KEY], name))
+    return web.json_response(await run_held(request.app[RAG_KEY].executor, None, _owned_info,
+                                            request.app[RAG_KEY], name))
 
 
 @admin_only

@@ -129,7 +129,7 @@ class OpenAIServing:
 
             rag = parse_rag_request(parsed.rag, self.rag.config.search.max_top_k)
             messages, citations = await asyncio.get_running_loop().run_in_executor(
-                None, augment_chat, self.rag, parsed.prompts[0], rag, ctx.principal.tenant.name,
+                self.rag.executor, augment_chat, self.rag, parsed.prompts[0], rag, ctx.principal.tenant.name,
                 screening.screen_chunks if screening is not None else None)
             parsed = dataclasses.replace(parsed, prompts=[messages])
         parsed, tool_output = self._tools(parsed)

@@ -452,11 +452,18 @@ class DetokenizeRequest(Body):
 
 
 class EmbeddingRequest(Body):
+    """HTTP /v1/embeddings and gRPC Embed alike: 1 to 2048 strings, none empty."""
+
     model: str
-    input: str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    input: NonEmptyStr | Annotated[list[NonEmptyStr],
+                                   Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: Int | None = None
     user: str | None = None
+
+
+def embedding_texts(body: EmbeddingRequest) -> list[str]:
+    return [body.input] if isinstance(body.input, str) else body.input
 
 
 class CreateCollectionRequest(Body):
