@@ -13,12 +13,11 @@ original characters; the model is never shown the folded text.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import unicodedata
 from dataclasses import dataclass
 
-import regex
+import numpy as np
 
 # Invisible characters outside category Cf: the combining grapheme joiner, the Hangul fillers,
 # the Mongolian free variation selectors and the variation selectors.
@@ -30,18 +29,22 @@ _PLANES = (range(0x80, 0x30000), range(0xE0000, 0xE1000))
 
 
 def _fold_char(ch: str, ascii_of: dict[str, str]) -> str:
-    if ord(ch) in _INVISIBLE or unicodedata.category(ch) == "Cf":
+    category = unicodedata.category(ch)
+    if ord(ch) in _INVISIBLE or category == "Cf":
         return ""
-    bare = "".join(c for c in unicodedata.normalize("NFKD", ch)
-                   if not unicodedata.combining(c))
-    bare = unicodedata.normalize("NFKC", bare)
-    return "".join(ascii_of.get(c, c) for c in bare)
+    if category in ("Mn", "Me"):  # a combining mark on its own: what NFKD would drop
+        return ""
+    if unicodedata.decomposition(ch):
+        bare = "".join(c for c in unicodedata.normalize("NFKD", ch)
+                       if not unicodedata.combining(c))
+        ch = unicodedata.normalize("NFKC", bare)
+    return "".join(ascii_of.get(c, c) for c in ch)
 
 
 @functools.cache
-def _tables() -> tuple[dict[int, str], regex.Pattern | None]:
-    """(str.translate table of every character that folds to something else, a pattern of those
-    that fold to other than one character). Built once, on first use (about 0.1 s)."""
+def _tables() -> tuple[dict[int, str], np.ndarray]:
+    """(str.translate table of every character that folds to something else, the length of
+    each code point's fold). Built once (about a second): when a policy loads."""
     from confusable_homoglyphs.confusables import confusables_data  # a 2 MB table: on first use
 
     ascii_of = {}
@@ -52,31 +55,41 @@ def _tables() -> tuple[dict[int, str], regex.Pattern | None]:
                     ascii_of[ch] = alt["c"]
                     break
     table = {}
+    lengths = np.ones(0x110000, np.int64)
     for plane in _PLANES:
         for cp in plane:
             ch = chr(cp)
             folded = _fold_char(ch, ascii_of)
             if folded != ch:
                 table[cp] = folded
-    uneven = "".join(regex.escape(chr(cp)) for cp, f in table.items() if len(f) != 1)
-    return table, regex.compile(f"[{uneven}]") if uneven else None
+                lengths[cp] = len(folded)
+    return table, lengths
 
 
-@dataclass(frozen=True)
+def prepare() -> None:
+    """Build the tables now (at policy load) rather than in the first request."""
+    _tables()
+
+
+@dataclass(frozen=True, eq=False)
 class Folded:
-    """`text` folded, and where its characters came from: pieces alternate between one original
-    character folded to other than one character (even) and a run that maps one to one (odd)."""
+    """`text` folded, and where its characters came from. `_at[k]` is the original index of the
+    k-th character that folded to other than one character, `_from[k]` where its fold starts in
+    `text` and `_len[k]` its length; every other character maps one to one."""
 
     text: str
-    original_length: int
-    _starts: tuple[int, ...] = ()  # where each piece starts in `text`
-    _origins: tuple[int, ...] = ()  # and in the original
+    _at: np.ndarray | None = None
+    _from: np.ndarray | None = None
+    _len: np.ndarray | None = None
 
     def _origin(self, i: int) -> int:
-        k = bisect.bisect_right(self._starts, i) - 1
+        if self._at is None:
+            return i
+        k = int(np.searchsorted(self._from, i, side="right")) - 1
         if k < 0:
             return i
-        return self._origins[k] + (i - self._starts[k] if k % 2 else 0)
+        end = int(self._from[k] + self._len[k])
+        return int(self._at[k]) if i < end else int(self._at[k]) + 1 + (i - end)
 
     def span(self, start: int, end: int) -> tuple[int, int]:
         """The original text's span of text[start:end] (end > start)."""
@@ -84,21 +97,18 @@ class Folded:
 
 
 def fold(text: str) -> Folded:
+    """`text` folded (see the module). Linear, in C and numpy: no Python loop per character."""
     if text.isascii():
-        return Folded(text, len(text))
-    table, uneven = _tables()
+        return Folded(text)
+    table, lengths = _tables()
     folded = text.translate(table)
-    if uneven is None or (first := uneven.search(text)) is None:
-        return Folded(folded, len(text))
-    starts, origins, at = [], [], 0
-    last = 0  # where the original's current one-to-one run began
-    for m in uneven.finditer(text, first.start()):
-        i = m.start()
-        at += i - last
-        starts.append(at)
-        origins.append(i)
-        at += len(table[ord(text[i])])
-        starts.append(at)
-        origins.append(i + 1)
-        last = i + 1
-    return Folded(folded, len(text), tuple(starts), tuple(origins))
+    code_points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+    fold_lengths = lengths[code_points]
+    at = np.flatnonzero(fold_lengths != 1)
+    if not len(at):
+        return Folded(folded)
+    lens = fold_lengths[at]
+    # Where each of them starts in the folded text: its index, plus what those before it
+    # added or took away.
+    starts = at + np.concatenate(([0], np.cumsum(lens - 1)[:-1]))
+    return Folded(folded, at, starts, lens)

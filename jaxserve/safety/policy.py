@@ -42,6 +42,7 @@ import regex
 from jaxserve.errors import ConfigError
 from jaxserve.safety.classifier import ClassifierRunner
 from jaxserve.safety.normalize import fold
+from jaxserve.safety.normalize import prepare as prepare_folding
 from jaxserve.safety.pii import DETECTORS
 from jaxserve.safety.rules import ACTIONS, STAGES, Intervention, Rule
 from jaxserve.safety.text_filter import TextFilter
@@ -224,6 +225,8 @@ def load_policy(path: str | Path) -> PolicySet:
     packs = {name: dataclasses.replace(
         p, classifiers={r.classifier: runners[r.classifier] for r in p.rules if r.classifier})
         for name, p in packs.items()}
+    if any(p._text_rules("input") for p in packs.values()):
+        prepare_folding()  # its tables now, not in the first request
     return PolicySet(path, packs, runners)
 
 
