@@ -15,7 +15,7 @@ import pytest
 
 from jaxserve.core.async_engine import AsyncEngine
 from jaxserve.core.engine import EngineStats
-from jaxserve.errors import EngineOverloaded
+from jaxserve.errors import EngineDead, EngineOverloaded
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.preparation import PreparedRequest
 from jaxserve.core.sampling_params import SamplingParams
@@ -156,3 +156,64 @@ def test_preempted_sequences_do_not_fill_the_admission_queue():
             engine.admit(1, max_queued=2, priority=0)
     finally:
         assert engine.shutdown(10)
+
+
+class CountingEngine(ScriptedEngine):
+    """Each request runs `steps` steps, one token a step: a cumulative snapshot every step, the
+    last one finished (the output of every step, as LLMEngine's)."""
+
+    def __init__(self, steps: int):
+        super().__init__()
+        self.steps = steps
+        self.done: dict[str, int] = {}
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        for p in self.pending:
+            k = self.done[p.request_id] = self.done.get(p.request_id, 0) + 1
+            outputs.append(RequestOutput(p.request_id, None, [1],
+                                         [CompletionOutput(0, "x" * k, [7] * k,
+                                                           "length" if k == self.steps else None)],
+                                         finished=k == self.steps))
+        self.pending = [p for p in self.pending if self.done[p.request_id] < self.steps]
+        return outputs
+
+
+def test_a_caller_that_stops_reading_holds_one_snapshot_not_one_per_step():
+    """Review H1: outputs are cumulative, so a stream keeps only the latest. A caller that takes
+    nothing after its first output while the engine runs 500 steps then gets one more, the
+    finished one (which, like an error, is never replaced), not 499 queued copies."""
+    counting = CountingEngine(steps=500)
+    engine = AsyncEngine(counting, stall_timeout=None)
+
+    async def main():
+        stream = engine.generate([1], SamplingParams())
+        first = await stream.__anext__()
+        await until(lambda: not counting.has_unfinished())  # 499 more steps, none read
+        return first, [out async for out in stream]
+
+    try:
+        first, rest = asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        assert engine.shutdown(10)
+    outs = [first, *rest]  # the first may already be the last, had the engine run ahead
+    assert len(outs) <= 2 and outs[-1].finished and outs[-1].outputs[0].token_ids == [7] * 500
+
+
+def test_an_error_after_unread_outputs_is_delivered():
+    counting = CountingEngine(steps=10_000)
+    engine = AsyncEngine(counting, stall_timeout=None)
+
+    async def main():
+        stream = engine.generate([1], SamplingParams())
+        await stream.__anext__()
+        await until(lambda: sum(counting.done.values()) > 50)  # unread snapshots meanwhile
+        engine.fail(EngineDead("gone"))
+        with pytest.raises(EngineDead):
+            async for _ in stream:
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        engine.shutdown(10)

@@ -4,8 +4,8 @@ ServingEngine, jaxserve.core.serving_engine).
 The engine thread is the only one that touches engine state. Callers validate on their own thread
 (`LLMEngine.prepare` reads only configs and the tokenizer), then hand the engine commands (add,
 abort) through an inbox it drains before every step; outputs travel back to each request's
-asyncio queue with `call_soon_threadsafe`. Stats are a snapshot the thread publishes after each
-step, so a metrics scrape never reads state mid-update.
+stream, which keeps only the latest (they are cumulative: `_Stream`). Stats are a snapshot the
+thread publishes after each step, so a metrics scrape never reads state mid-update.
 
 `num_queued` (sequences accepted and never started) is what a server's admission limit reads:
 the scheduler's never-started waiting count of the last snapshot plus the sequences submitted
@@ -59,15 +59,40 @@ log = logging.getLogger(__name__)
 
 
 class _Stream:
+    """One request's outputs on their way to its caller. They are cumulative, so the stream keeps
+    only the latest: a caller that reads slower than the engine steps (a client that stopped
+    reading) skips snapshots instead of queueing one per step, which grew memory as n * T^2. The
+    last item (the finished output or an error) is never replaced, so it is never lost."""
+
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self._lock = threading.Lock()  # the engine thread puts, the caller's loop takes
+        self._item = None  # the latest item not yet taken
+        self._ready = asyncio.Event()
 
     def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            pass
+        with self._lock:
+            if self._item is not None and _is_last(self._item):
+                return
+            wake, self._item = self._item is None, item
+        if wake:  # otherwise a wake-up is already on its way
+            try:
+                self.loop.call_soon_threadsafe(self._ready.set)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+                pass
+
+    async def get(self):
+        while True:
+            await self._ready.wait()
+            with self._lock:
+                item, self._item = self._item, None
+                self._ready.clear()
+            if item is not None:
+                return item
+
+
+def _is_last(item) -> bool:
+    return isinstance(item, BaseException) or item.error is not None or item.finished
 
 
 class AsyncEngine:
@@ -207,7 +232,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

@@ -78,6 +78,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the name clients send as 'model' (default: --model)")
     parser.add_argument("--keepalive-seconds", type=float, default=5.0,
                         help="SSE comment sent when a stream is idle this long")
+    parser.add_argument("--stream-write-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="end a stream (abort its request, free its KV pages) whose client "
+                             "has read nothing for this long while a write waits")
     parser.add_argument("--log-prompts", action="store_true")
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="refuse new requests (HTTP 503, gRPC RESOURCE_EXHAUSTED) while this "
@@ -192,6 +195,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, grpc_port=args.grpc_port,
                         served_model_name=args.served_model_name,
                         keepalive_seconds=args.keepalive_seconds, log_prompts=args.log_prompts,
+                        stream_write_timeout_s=args.stream_write_timeout,
                         max_queued_requests=args.max_queued_requests, limits=limits,
                         engine_stall_timeout=args.engine_stall_timeout,
                         shutdown_timeout=args.shutdown_timeout,

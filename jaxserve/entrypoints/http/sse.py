@@ -10,8 +10,10 @@ from typing import Callable
 from aiohttp import web
 
 from jaxserve.gateway import idempotency
+from jaxserve.entrypoints.http.app_state import STATE_KEY
 from jaxserve.entrypoints.http.front_door import logged_error_reply
 from jaxserve.entrypoints.serving.generation import Generation
+from jaxserve.entrypoints.serving.streams import StreamStalled, write_within
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -37,14 +39,34 @@ async def stream_response(request: web.Request, gen: Generation, events, error_e
 
     The status line waits for the engine's first output (or the first keep-alive): a request
     refused while queued (deadline 504, shed 503, queue time 429) is then still a plain error
-    reply. After it, an error is one error event."""
+    reply. After it, an error is one error event.
+
+    A client that stops reading is dropped once one write has waited the server's
+    stream_write_timeout_s (StreamStalled, left in `gen.error`: the request is aborted, its
+    pages freed); the engine keeps only its latest output meanwhile."""
     resp = web.StreamResponse(headers=SSE_HEADERS)
+    try:
+        await _write_events(request, resp, gen, events, error_event, done, keep)
+    except StreamStalled as exc:
+        gen.error = exc
+        if request.transport is not None:
+            request.transport.abort()  # what it holds unsent is dropped with it
+    return resp
+
+
+async def _write_events(request: web.Request, resp: web.StreamResponse, gen: Generation, events,
+                        error_event, done: bool, keep: Keep | None) -> None:
     held: list[bytes] = []  # events before the engine answered (chat's role, echo, created)
     sent: list[bytes] = []  # what a replay sends (keep-alives left out)
+    timeout_s = request.app[STATE_KEY].config.stream_write_timeout_s
+
+    async def write(data: bytes) -> None:
+        # Drains the transport: each token leaves as it is produced, or the writer waits.
+        await write_within(resp.write(data), timeout_s)
 
     async def send(data: bytes) -> None:
         sent.append(data)
-        await resp.write(data)  # drains the transport: each token leaves as it is produced
+        await write(data)
 
     try:
         async for payload in events:
@@ -57,7 +79,7 @@ async def stream_response(request: web.Request, gen: Generation, events, error_e
                 for h in held:
                     await send(h)
             if data is None:
-                await resp.write(b": keep-alive\n\n")
+                await write(b": keep-alive\n\n")
             else:
                 await send(data)
     except ConnectionResetError:  # the client is gone: nobody to report to
@@ -65,7 +87,7 @@ async def stream_response(request: web.Request, gen: Generation, events, error_e
     except Exception as exc:  # noqa: BLE001 - reported below
         if not resp.prepared:
             raise  # nothing sent yet: a plain error reply
-        await resp.write(error_event(exc))
+        await write(error_event(exc))
         gen.error = exc
     if not resp.prepared:
         await resp.prepare(request)
@@ -77,6 +99,5 @@ async def stream_response(request: web.Request, gen: Generation, events, error_e
         keep(idempotency.StoredResponse(200, (("Content-Type", "text/event-stream"),),
                                         events=(*sent, *end), version=gen.version.name))
     for data in end:
-        await resp.write(data)
+        await write(data)
     await resp.write_eof()
-    return resp

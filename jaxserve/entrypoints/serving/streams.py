@@ -1,10 +1,25 @@
-"""Async stream helpers of the serving layer: one engine stream per prompt merged into one, and
-keep-alive markers while a stream is silent (queued, or a slow step)."""
+"""Async stream helpers of the serving layer: one engine stream per prompt merged into one,
+keep-alive markers while a stream is silent (queued, or a slow step), and the write timeout of a
+client that stopped reading."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
+
+
+class StreamStalled(ConnectionResetError):
+    """The client stopped reading: one write to it waited longer than the server's
+    stream_write_timeout_s. Its request ends as a client that left does (outcome
+    client_disconnected, engine requests aborted, pages freed) and its connection is dropped."""
+
+
+async def write_within(write: Awaitable, timeout_s: float) -> None:
+    """Await one write to a client, or raise StreamStalled after `timeout_s`."""
+    try:
+        await asyncio.wait_for(write, timeout_s)
+    except asyncio.TimeoutError:
+        raise StreamStalled(f"the client read nothing for {timeout_s:g} s") from None
 
 
 async def with_keepalive(agen: AsyncIterator, interval: float) -> AsyncIterator:
@@ -29,12 +44,15 @@ async def with_keepalive(agen: AsyncIterator, interval: float) -> AsyncIterator:
 
 
 async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave several engine streams as (stream index, output) in arrival order."""
+    """Interleave several engine streams as (stream index, output) in arrival order. A pump
+    waits for the reader before it pulls again, so a reader that stops (its client stopped
+    reading) leaves each engine stream holding only its latest output (AsyncEngine's
+    `_Stream`), not a copy per step here."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
     done = object()
 
     async def pump(i, s):
