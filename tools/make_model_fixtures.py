@@ -1,0 +1,181 @@
+"""Tiny random-weight models of each dense family, built and run by HF transformers itself.
+
+    /work/.venv-bench/bin/python tools/make_model_fixtures.py [--out tests/fixtures/models]
+
+For each family: the model from transformers' own class (`from_config`, fixed seed, an initializer
+range wide enough that greedy decoding is decisive), saved with `save_pretrained` (config.json as
+the installed transformers writes it: rope_parameters, layer_types) beside a tiny word-level
+tokenizer.json, plus expected.json: the prompts (token ids), HF's 32 greedy tokens for each
+(decoded step by step with HF's KV cache, as HF's generate does) and the smallest top-1 / top-2
+logit gap met on the way; and logits.npy, HF's f32 logits over the first prompt. The shapes make
+each family's distinctive math bind: windows shorter than the prompts, soft caps below the
+scores, rope scaling whose original context the prompt or the generation passes.
+tests/test_model_families.py compares jaxserve with these; the suite needs no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+VOCAB, STEPS = 128, 32
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# Prompt 1 shares prompt 0's first 16 tokens (prefix caching); all pass the 8-token windows.
+_rng = np.random.default_rng(0)
+_P0 = _rng.integers(3, VOCAB, 20).tolist()
+PROMPTS = [_P0, _P0[:16] + _rng.integers(3, VOCAB, 5).tolist(), _rng.integers(3, VOCAB, 13).tolist()]
+
+
+def families():
+    import transformers as tf
+
+    window = dict(sliding_window=8)
+    return {
+        # Llama 3.1 rope scaling, its original context (16) passed by every prompt.
+        "llama": (tf.LlamaConfig, dict(rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=16))),
+        "mistral": (tf.MistralConfig, dict(**window)),
+        "qwen2": (tf.Qwen2Config, dict(rope_parameters=dict(rope_type="default", rope_theta=1e6),
+                                       tie_word_embeddings=True)),
+        "qwen3": (tf.Qwen3Config, dict(rope_parameters=dict(rope_type="default", rope_theta=1e6),
+                                       tie_word_embeddings=True)),
+        # Soft caps well below the scores and logits of these weights, so both bind.
+        "gemma2": (tf.Gemma2Config, dict(**window, query_pre_attn_scalar=24,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=4.0)),
+        # Six layers: the 5 local : 1 global pattern; the global layers' rope linearly scaled.
+        "gemma3_text": (tf.Gemma3TextConfig, dict(
+            **window, num_hidden_layers=6, query_pre_attn_scalar=16, rope_parameters={
+                "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                "sliding_attention": dict(rope_type="default", rope_theta=10000.0)})),
+        # Phi-4-mini's shape: longrope past an original context of 24 (the generation crosses
+        # it), rope on 3/4 of each head.
+        # (Phi-3 derives head_dim from hidden_size / heads: 64 / 4.)
+        "phi3": (tf.Phi3Config, dict(
+            hidden_size=64, max_position_embeddings=96, original_max_position_embeddings=24,
+            rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                 partial_rotary_factor=0.75,
+                                 short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                 long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0]))),
+    }
+
+
+# Per family, HF config changes that switch its distinctive features off: the fixture records how
+# far each moves HF's logits over prompt 0 and its greedy tokens (the test wants > 1e-2), so the
+# comparison is known to exercise them.
+BINDING = {
+    "llama": {"llama3 rope scaling": dict(rope_parameters=dict(rope_type="default",
+                                                               rope_theta=500000.0))},
+    "mistral": {"sliding window": dict(sliding_window=None)},
+    "qwen2": {"rope theta 1e6": dict(rope_parameters=dict(rope_type="default",
+                                                          rope_theta=10000.0))},
+    "qwen3": {"rope theta 1e6": dict(rope_parameters=dict(rope_type="default",
+                                                          rope_theta=10000.0))},
+    "gemma2": {"attention soft cap": dict(attn_logit_softcapping=None),
+               "final soft cap": dict(final_logit_softcapping=None),
+               "sliding window": dict(sliding_window=64)},
+    "gemma3_text": {"sliding window": dict(sliding_window=64),
+                    "local rope base": dict(rope_parameters={
+                        "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                        "sliding_attention": dict(rope_type="default", rope_theta=1e6)}),
+                    "global rope scaling": dict(rope_parameters={
+                        "full_attention": dict(rope_type="default", rope_theta=1e6),
+                        "sliding_attention": dict(rope_type="default", rope_theta=10000.0)})},
+}
+
+
+def write_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over names t0..t127 (ids as prompts; text only for the server)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    vocab.update({"<pad>": 0, "<s>": 1, "</s>": 2})
+    del vocab["t0"], vocab["t1"], vocab["t2"]
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}))
+
+
+def greedy(model, prompt: list[int]) -> tuple[list[int], float]:
+    """32 greedy tokens decoded with HF's cache, and the smallest top-1 / top-2 gap."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    out, past, gap = [], None, np.inf
+    with torch.no_grad():
+        for _ in range(STEPS):
+            res = model(ids, past_key_values=past, use_cache=True)
+            past, logits = res.past_key_values, res.logits[0, -1].double().numpy()
+            top = np.sort(logits)[-2:]
+            gap = min(gap, float(top[1] - top[0]))
+            out.append(int(logits.argmax()))
+            ids = torch.tensor([[out[-1]]])
+    return out, gap
+
+
+def build(name: str, config_cls, changes: dict, out: Path, init_range: float) -> None:
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    shape = {k: v for k, v in SMALL.items() if not (name == "phi3" and k == "head_dim")}
+    config = config_cls(**{**shape, **changes}, initializer_range=init_range)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if name.startswith("gemma"):
+        # HF starts Gemma's (1 + w) norms at w = 0; random w makes a dropped offset visible.
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("norm.weight"):
+                    p.normal_(0.0, 0.3)
+    path = out / name
+    model.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPTS[0]])).logits[0].float().numpy()
+    np.save(path / "logits.npy", logits)
+    results = [greedy(model, p) for p in PROMPTS]
+    full = torch.tensor([PROMPTS[0] + results[0][0]])
+    binding = {}
+    changes_off = dict(BINDING.get(name, {}))
+    if name == "phi3":
+        rope = dict(changes["rope_parameters"], long_factor=changes["rope_parameters"]["short_factor"])
+        changes_off["longrope long factors"] = dict(rope_parameters=rope)
+    for feature, off in changes_off.items():
+        other = tf.AutoModelForCausalLM.from_config(
+            config_cls(**{**shape, **changes, **off}, initializer_range=init_range),
+            dtype=torch.float32).eval()
+        other.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            binding[feature] = float((other(full).logits - model(full).logits).abs().max())
+    expected = {"prompts": PROMPTS, "greedy": [r[0] for r in results], "binding": binding,
+                "min_top2_gap": min(r[1] for r in results),
+                "transformers": tf.__version__, "initializer_range": init_range}
+    (path / "expected.json").write_text(json.dumps(expected, indent=1))
+    print(f"{name}: min top-2 gap {expected['min_top2_gap']:.4f}, "
+          f"{sum(f.stat().st_size for f in path.iterdir()) / 1024:.0f} KiB")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+                                        / "models"))
+    p.add_argument("--families", default=None, help="comma-separated subset")
+    p.add_argument("--init-range", type=float, default=0.5)
+    args = p.parse_args()
+    chosen = families()
+    if args.families:
+        chosen = {k: chosen[k] for k in args.families.split(",")}
+    for name, (cls, changes) in chosen.items():
+        build(name, cls, changes, Path(args.out), args.init_range)
+
+
+if __name__ == "__main__":
+    main()
