@@ -7,10 +7,11 @@ Host-side only: nothing here imports JAX.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
@@ -229,6 +230,34 @@ def _compile_template(source: str) -> jinja2.Template:
         raise TokenizerError(f"the model's chat template does not compile: {e}") from None
 
 
+# What the renderer itself passes a template: a request's chat_template_kwargs may not replace it.
+_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
+                                 "eos_token", "raise_exception", "strftime_now"})
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_CHARS = 16_384
+_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def check_template_kwargs(value: dict, param: str = "chat_template_kwargs") -> dict:
+    """A request's extra chat-template variables (vLLM's `chat_template_kwargs`, such as Qwen3's
+    `enable_thinking`), bounded: at most 32 names that are identifiers, none of the variables the
+    renderer sets, JSON values of at most 16 KiB in all. InvalidRequest naming `param`."""
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise InvalidRequest(f"'{param}' takes at most {MAX_TEMPLATE_KWARGS} names, got "
+                             f"{len(value)}", param=param)
+    for name in value:
+        if not _KWARG_NAME.fullmatch(name):
+            raise InvalidRequest(f"'{param}': {name!r:.70} is not a template variable name "
+                                 f"(letters, digits and '_', at most 64)", param=param)
+        if name in _TEMPLATE_VARIABLES:
+            raise InvalidRequest(f"'{param}': {name!r} is set by the server and cannot be "
+                                 f"replaced", param=param)
+    if len(json.dumps(value, ensure_ascii=False)) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise InvalidRequest(f"'{param}' is longer than {MAX_TEMPLATE_KWARGS_CHARS} characters "
+                             f"of JSON", param=param)
+    return value
+
+
 # ---------------------------------------------------------------- Tokenizer
 
 
@@ -359,20 +388,24 @@ class Tokenizer:
         return self.chat_template is not None and template_uses_tools(self.chat_template)
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = True,
-                            tools: Sequence[FunctionTool] = ()) -> list[int] | str:
+                            tokenize: bool = True, tools: Sequence[FunctionTool] = (),
+                            template_kwargs: Mapping[str, Any] | None = None
+                            ) -> list[int] | str:
         """Render `messages` with the model's template; with `tokenize`, the ids (the template
         writes its own special tokens, so none are added). Tools, assistant tool calls and tool
         results go to the template when it handles them, else through the built-in fallback
-        (`jaxserve.tool_calling.prompt`)."""
+        (`jaxserve.tool_calling.prompt`). `template_kwargs`: more variables for the template
+        (checked by check_template_kwargs), such as `enable_thinking`."""
         template = self._template
         native = self.template_uses_tools
         messages = chat_messages(messages, tools, native=native)
-        extra = {"tools": [t.to_openai() for t in tools] or None} if native else {}
+        extra = dict(template_kwargs or {})
+        if native:
+            extra["tools"] = [t.to_openai() for t in tools] or None
         try:
-            text = template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                   **extra)
+            text = template.render(**extra, messages=messages,
+                                   add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except _TemplateRaised as e:
             raise InvalidRequest(f"the chat template rejected the messages: {e}",
                                  param="messages") from None

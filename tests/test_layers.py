@@ -31,7 +31,7 @@ LAYERS = (
     ("executor",),
     ("kernels",),
     ("tool_calling", "audit"),
-    ("structured", "safety", "telemetry"),
+    ("structured", "safety", "telemetry", "reasoning"),
     ("engine_settings",),  # the engine settings table: flags, deployment fields, EngineConfig
     ("model_registry", "config", "protos", "shapes"),
     ("errors",),
@@ -39,7 +39,7 @@ LAYERS = (
 # Host side: scheduling, bookkeeping and request handling, tested without a device.
 HOST_SIDE = ("core", "gateway", "fleet", "agents", "evals", "entrypoints.serving",
              "tokenizer", "model_registry", "engine_settings", "config", "shapes", "errors",
-             "structured", "tool_calling", "safety", "audit", "telemetry")
+             "structured", "tool_calling", "reasoning", "safety", "audit", "telemetry")
 DEVICE_LIBRARIES = ("jax", "jaxlib", "flax", "orbax")
 # The package's face (lazy `jaxserve.LLM`) and `python -m jaxserve` stand above every layer.
 FACES = ("jaxserve", "jaxserve.__main__")

@@ -179,12 +179,15 @@ def test_tool_choice_decides_prompt_tools_constraint_and_special_tokens():
     from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
     from jaxserve.entrypoints.serving.protocol import parse_chat_request
 
+    class Tokenizer:  # what choosing the parsers reads of a model's tokenizer
+        chat_template = None
+
     def prepared(parser, **fields):
         serving = OpenAIServing(None, "m", tool_call_parser=parser)  # _tools needs no engine
         parsed = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
                                      "tools": [{"type": "function", "function": {"name": "f"}}],
                                      **fields})
-        return serving._tools(parsed)
+        return serving._tools(parsed, Tokenizer())
 
     parsed, output = prepared("hermes", tool_choice="none")
     assert parsed.tools == () and output.parser is None
@@ -196,3 +199,27 @@ def test_tool_choice_decides_prompt_tools_constraint_and_special_tokens():
     assert parsed.sampling_params.skip_special_tokens
     parsed, _ = prepared("mistral")
     assert not parsed.sampling_params.skip_special_tokens  # [TOOL_CALLS] must stay in the text
+
+
+def test_reasoning_becomes_a_reasoning_item_first():
+    events = _events([_chunk({"role": "assistant", "content": ""}),
+                      _chunk({"reasoning_content": "Two plus "}),
+                      _chunk({"reasoning_content": "two."}), _chunk({"content": "4"}, "stop")])
+    kinds = [e["type"] for e in events]
+    assert kinds[2:] == [
+        "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed"]
+    reasoning, message = events[-1]["response"]["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Two plus two."}]
+    assert message["content"][0]["text"] == "4"
+    whole = ResponseObject(responses()).from_chat({
+        "choices": [{"message": {"role": "assistant", "content": "4",
+                                 "reasoning_content": "Two plus two."}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}})
+    assert [i["type"] for i in whole["output"]] == ["reasoning", "message"]
+    assert whole["output"][0]["content"][0]["text"] == "Two plus two."

@@ -36,6 +36,7 @@ from pathlib import Path
 from jaxserve.config import RequestLimits, ServerConfig
 from jaxserve.errors import ConfigError, ModelNotFound
 from jaxserve.rag.config import RagQuotas
+from jaxserve.reasoning.parsers import REASONING_PARSERS
 from jaxserve.tool_calling.parsers import TOOL_PARSERS
 
 log = logging.getLogger("jaxserve.server")
@@ -94,9 +95,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, in-flight requests get this many seconds to finish "
                              "before they are aborted (default: %(default)s)")
     parser.add_argument("--tool-call-parser", default=_DEFAULTS.tool_call_parser,
-                        choices=sorted(TOOL_PARSERS),
+                        choices=["auto", *sorted(TOOL_PARSERS)],
                         help="how a chat's output is read for tool calls: the model family's "
-                             "format (default: %(default)s, the built-in tool prompt's)")
+                             "format (default: %(default)s, from the chat template; "
+                             "docs/chat-formats.md)")
+    parser.add_argument("--reasoning-parser", default=_DEFAULTS.reasoning_parser,
+                        choices=["auto", "none", *sorted(REASONING_PARSERS)],
+                        help="how a chat's output is read for a thinking model's reasoning, "
+                             "returned as reasoning_content (default: %(default)s, from the "
+                             "chat template; docs/chat-formats.md)")
     limits = parser.add_argument_group("request limits (a request past one is a 400 naming the "
                                        "field)")
     for f in dataclasses.fields(RequestLimits):
@@ -200,6 +207,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         engine_stall_timeout=args.engine_stall_timeout,
                         shutdown_timeout=args.shutdown_timeout,
                         tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser,
                         tenants_file=str(args.tenants) if args.tenants else None,
                         idempotency_ttl_s=args.idempotency_ttl,
                         policy_file=str(args.policy) if args.policy else None,

@@ -8,6 +8,9 @@ One parser per model family, chosen by name (vLLM's `--tool-call-parser` names):
 - `mistral`: content, then `[TOOL_CALLS]` followed by a JSON array of `{"name", "arguments"}`
   objects, or (newer tokenizers) by `name[ARGS]{...}`, repeated. `[TOOL_CALLS]` is a special
   token in Mistral's vocabularies: the request must keep special tokens in its text.
+- `phi4_mini_json` (Phi-4-mini): content, then `functools[` and a JSON array of `{"name",
+  "arguments"}` objects.
+`detect` picks one from a chat template (`--tool-call-parser auto`).
 
 A call's `arguments` is the JSON text of the arguments object exactly as the model wrote it (so
 the streamed fragments join to the same string). When any call is malformed (bad JSON, no name,
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import string
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -198,6 +202,10 @@ class ToolParser:
     def _scan(self, text: str, final: bool) -> tuple[int, list[_Call]]:
         raise NotImplementedError
 
+    @staticmethod
+    def new_call_id() -> str:
+        return new_tool_call_id()
+
     def forced_grammar(self, call: str, parallel: bool) -> str:
         """A Lark grammar (llguidance's dialect) for output made only of calls in this format;
         `call` is the Lark expression of one call's JSON object (`{"name", <arguments_key>}`).
@@ -209,7 +217,8 @@ class ToolParser:
         a last call still being written is returned as far as it goes, its name known and its
         arguments unfinished JSON text, as a stream announced it."""
         content_end, found = self._scan(text, final=True)
-        calls = [_finished_call(text, c) if c.complete or not cut else _cut_call(text, c)
+        calls = [(_finished_call if c.complete or not cut else _cut_call)(text, c,
+                                                                          self.new_call_id)
                  for c in found]
         if not found or any(c is None for c in calls):
             return ParsedToolCalls(text, [])
@@ -231,14 +240,14 @@ def _arguments(text: str, call: _Call, final: bool) -> str:
     return raw
 
 
-def _cut_call(text: str, call: _Call) -> ToolCall | None:
+def _cut_call(text: str, call: _Call, new_call_id) -> ToolCall | None:
     """An unfinished call whose name is complete, with its arguments as far as they go."""
     if not (call.ok and isinstance(call.name, str) and call.name.strip()):
         return None
-    return ToolCall(call.name.strip(), _arguments(text, call, final=False))
+    return ToolCall(call.name.strip(), _arguments(text, call, final=False), new_call_id())
 
 
-def _finished_call(text: str, call: _Call) -> ToolCall | None:
+def _finished_call(text: str, call: _Call, new_call_id) -> ToolCall | None:
     if not (call.ok and call.complete and isinstance(call.name, str) and call.name.strip()):
         return None
     try:
@@ -249,7 +258,7 @@ def _finished_call(text: str, call: _Call) -> ToolCall | None:
             return None
     except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
         return None
-    return ToolCall(call.name.strip(), arguments)
+    return ToolCall(call.name.strip(), arguments, new_call_id())
 
 
 class HermesToolParser(ToolParser):
@@ -316,6 +325,11 @@ class MistralToolParser(ToolParser):
     TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
     needs_special_tokens = True
 
+    @staticmethod
+    def new_call_id() -> str:
+        """9 letters and digits: Mistral's chat templates refuse any other tool call id."""
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
     def _scan(self, text: str, final: bool) -> tuple[int, list[_Call]]:
         first = text.find(self.TOOL_CALLS)
         if first < 0:
@@ -325,7 +339,7 @@ class MistralToolParser(ToolParser):
         if pos >= len(text):
             return content_end, []
         if text[pos] == "[":
-            return content_end, self._array(text, pos)
+            return content_end, _json_array(text, pos)
         calls = []
         while pos >= 0:
             call = self._named(text, pos)
@@ -335,24 +349,6 @@ class MistralToolParser(ToolParser):
             pos = text.find(self.TOOL_CALLS, call.args[1])
             pos = pos if pos < 0 else _skip_ws(text, pos + len(self.TOOL_CALLS))
         return content_end, calls
-
-    def _array(self, text: str, pos: int) -> list[_Call]:
-        """`[{...}, {...}]`"""
-        calls = []
-        pos = _skip_ws(text, pos + 1)
-        while pos < len(text):
-            call = _json_call(text, pos, "name", ("arguments",))
-            calls.append(call)
-            if not call.complete or not call.ok:
-                break
-            pos = _skip_ws(text, call.span[1])
-            if pos < len(text) and text[pos] == "]":
-                break
-            if pos < len(text) and text[pos] != ",":
-                calls.append(_BAD)
-                break
-            pos = _skip_ws(text, pos + 1)
-        return calls
 
     def _named(self, text: str, pos: int) -> _Call:
         """`name[ARGS]{...}`"""
@@ -373,13 +369,61 @@ class MistralToolParser(ToolParser):
 
 
 
+class Phi4MiniJsonToolParser(ToolParser):
+    """Phi-4-mini's `functools[{"name": ..., "arguments": {...}}, ...]` after any content."""
+
+    name = "phi4_mini_json"
+    MARKER = "functools"
+
+    def _scan(self, text: str, final: bool) -> tuple[int, list[_Call]]:
+        first = text.find(self.MARKER + "[")
+        if first < 0:
+            return _content_end(text, self.MARKER + "[", final), []
+        return len(text[:first].rstrip()), _json_array(text, first + len(self.MARKER))
+
+    def forced_grammar(self, call: str, parallel: bool) -> str:
+        more = ' (", " call)*' if parallel else ""
+        return f'start: "{self.MARKER}[" call{more} "]"\ncall: {call}\n'
+
+
+def _json_array(text: str, pos: int) -> list[_Call]:
+    """Calls written as a JSON array at text[pos] ('['): `[{...}, {...}]`."""
+    calls = []
+    pos = _skip_ws(text, pos + 1)
+    while pos < len(text):
+        call = _json_call(text, pos, "name", ("arguments",))
+        calls.append(call)
+        if not call.complete or not call.ok:
+            break
+        pos = _skip_ws(text, call.span[1])
+        if pos < len(text) and text[pos] == "]":
+            break
+        if pos < len(text) and text[pos] != ",":
+            calls.append(_BAD)
+            break
+        pos = _skip_ws(text, pos + 1)
+    return calls
+
+
 def _lark(literal: str) -> str:
     """A literal's body inside a Lark double-quoted string."""
     return json.dumps(literal)[1:-1]
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
+    cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+                              Phi4MiniJsonToolParser)}
+
+
+def detect(chat_template: str | None) -> str:
+    """The tool-call parser a chat template implies: the call format it writes or teaches (a
+    template that renders no tools gets jaxserve's fallback prompt, whose format is hermes)."""
+    template = chat_template or ""
+    for marker, name in (("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"),
+                         ("functools[", "phi4_mini_json"), ("<tool_call>", "hermes")):
+        if marker in template:
+            return name
+    return HermesToolParser.name
 
 
 def get_tool_parser(name: str) -> ToolParser:
@@ -439,7 +483,7 @@ class ToolCallStream:
             if index == len(self._calls):
                 if call.name is None:
                     break  # later calls wait for this one's name
-                sent = _SentCall(new_tool_call_id())
+                sent = _SentCall(self._parser.new_call_id())
                 self._calls.append(sent)
                 entry.update(id=sent.id, type="function",
                              function={"name": call.name.strip(), "arguments": ""})

@@ -53,7 +53,8 @@ class AppState:
         self.serving = OpenAIServing(engine, self.model_name, self.metrics, rag,
                                      self.config.max_queued_requests, self.config.limits,
                                      self.config.tool_call_parser, self.gateway, pricing, fleet,
-                                     self.policy, self.sinks)
+                                     self.policy, self.sinks,
+                                     reasoning_parser=self.config.reasoning_parser)
 
     def require_serving(self) -> OpenAIServing:
         if self.serving is None:

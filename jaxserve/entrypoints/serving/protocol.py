@@ -47,6 +47,7 @@ class ParsedRequest:
     parallel_tool_calls: bool = True
     continuous_usage: bool = False  # usage on every streamed chunk (vLLM's extension)
     user: str | None = None  # OpenAI's end-user id: the key of a route with sticky = "user"
+    chat_template_kwargs: dict | None = None  # chat only: more chat-template variables
 
 
 def _sampling_params(body, **fields) -> SamplingParams:
@@ -84,12 +85,12 @@ def parse_chat_request(body: Any, limits: RequestLimits = _DEFAULT_LIMITS) -> Pa
     return ParsedRequest("chat", req.model, [flatten_messages(req.messages)], params,
                          bool(req.stream), _include_usage(req), False, logprobs,
                          max_tokens is not None, rag, tools, tool_choice, parallel,
-                         _continuous_usage(req), req.user)
+                         _continuous_usage(req), req.user, req.chat_template_kwargs)
 
 
 def flatten_messages(messages) -> list[dict]:
     """Validated ChatMessages as the chat template takes them: text parts joined, an assistant's
-    tool_calls and a tool message's tool_call_id kept
+    tool_calls and reasoning_content and a tool message's tool_call_id kept
     (jaxserve.tool_calling.prompt renders them)."""
     out = []
     for m in messages:
@@ -103,6 +104,8 @@ def flatten_messages(messages) -> list[dict]:
             message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            message["reasoning_content"] = m.reasoning_content
         out.append(message)
     return out
 
@@ -129,8 +132,9 @@ def prompt_ids(tokenizer, parsed: ParsedRequest, prompt) -> list[int]:
     runs it (a shadow copy's by its own); the engine's `prepare` checks the ids (empty,
     vocabulary, context)."""
     if parsed.kind == "chat":
-        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
-                                                  tools=parsed.tools))
+        return list(tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tools=parsed.tools,
+            template_kwargs=parsed.chat_template_kwargs))
     return list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
 
 

@@ -27,6 +27,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
 from jaxserve.config import RequestLimits, SpeculativeConfig
 from jaxserve.errors import InvalidRequest
 from jaxserve.rag.config import SEARCH_MODES
+from jaxserve.tokenizer import check_template_kwargs
 from jaxserve.tool_calling.functions import MAX_TOOLS
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
@@ -83,12 +84,16 @@ class ChatMessage(Body):
     tool_calls: list[MessageToolCall] | None = Field(
         None, description="An assistant message's calls (earlier turns of an agent loop).")
     tool_call_id: str | None = Field(None, description="A `tool` message: the call it answers.")
+    reasoning_content: str | None = Field(
+        None, description="An assistant message's reasoning, as a thinking model's earlier "
+                          "answer returned it (its chat template decides whether it is shown).")
 
     @model_validator(mode="after")
     def _shape(self):
-        if self.tool_calls is not None and self.role != "assistant":
-            raise InvalidRequest("'tool_calls' is only allowed on assistant messages",
-                                 param="messages")
+        for name in ("tool_calls", "reasoning_content"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise InvalidRequest(f"'{name}' is only allowed on assistant messages",
+                                     param="messages")
         if (self.tool_call_id is None) != (self.role != "tool"):
             raise InvalidRequest("a 'tool' message needs 'tool_call_id' (and only it may have "
                                  "one)", param="messages")
@@ -373,12 +378,18 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
         tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
         parallel_tool_calls: bool | None = Field(
             None, description="With tool_choice 'required': one or more calls (default true).")
+        chat_template_kwargs: dict[str, Any] | None = Field(
+            None, description="vLLM's extension: more variables for the model's chat template, "
+                              "such as Qwen3's `enable_thinking` (at most 32, identifiers, 16 KiB "
+                              "of JSON; not the ones the server sets).")
 
         @model_validator(mode="after")
         def _top_logprobs(self):
             if self.top_logprobs is not None and not self.logprobs:
                 raise InvalidRequest("'top_logprobs' requires 'logprobs': true",
                                      param="top_logprobs")
+            if self.chat_template_kwargs is not None:
+                check_template_kwargs(self.chat_template_kwargs)
             return self
 
     class CompletionRequest(_Generation):

@@ -7,7 +7,8 @@ consecutive `function_call` items one assistant message with those `tool_calls`,
 `tools`, `tool_choice`, `parallel_tool_calls` and `text.format` (json_schema / json_object) their
 chat equivalents. The chat path then does everything else (prompt, tools, constraints, limits),
 and its answer, whole or streamed, is turned back into a `response` object or the Responses
-event stream (`ResponseEvents`). An error the chat path raises names the Responses field
+event stream (`ResponseEvents`): a thinking model's `reasoning_content` becomes a `reasoning`
+item (its text a `reasoning_text` part) before the message and calls. An error the chat path raises names the Responses field
 (`rename_param`). Nothing is stored: ids are fresh, `store: true` and `previous_response_id` were
 refused by the request model.
 
@@ -103,6 +104,11 @@ def _message_item(item_id: str, text: str, status: str) -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}
@@ -145,6 +151,8 @@ class ResponseObject:
         message, finish = choice["message"], choice["finish_reason"]
         status = "completed" if finish in ("stop", "tool_calls") else "incomplete"
         output = []
+        if message.get("reasoning_content") is not None:
+            output.append(_reasoning_item(_id("rs"), message["reasoning_content"], status))
         if message.get("content"):
             output.append(_message_item(_id("msg"), message["content"], status))
         for call in message.get("tool_calls") or ():
@@ -157,13 +165,16 @@ class ResponseEvents:
     """The chat path's streamed chunks -> the Responses event stream: response.created and
     .in_progress; per output item .output_item.added, its deltas (output_text.delta, or
     function_call_arguments.delta), their .done events and .output_item.done; then
-    response.completed (or response.incomplete when max_output_tokens cut it), with usage."""
+    response.completed (or response.incomplete when max_output_tokens cut it), with usage. A
+    thinking model's reasoning is an item of its own, first: .output_item.added, its
+    reasoning_text.delta events, .reasoning_text.done, .output_item.done."""
 
     def __init__(self, response: ResponseObject):
         self.response = response
         self.sequence = 0
         self.output: list[dict] = []  # the items, as they stand
         self.open_message: int | None = None  # output index of the message being written
+        self.open_reasoning: int | None = None  # output index of the reasoning being written
         self.calls: dict[int, int] = {}  # tool-call index -> output index
         self.open: list[int] = []  # output indexes not yet done
 
@@ -191,6 +202,9 @@ class ResponseEvents:
                 usage = chunk["usage"]
             for choice in chunk["choices"]:
                 delta = choice["delta"]
+                if delta.get("reasoning_content"):
+                    for event in self._reasoning(delta["reasoning_content"]):
+                        yield event
                 if delta.get("content"):
                     for event in self._text(delta["content"]):
                         yield event
@@ -210,10 +224,26 @@ class ResponseEvents:
         self.output.append(item)
         self.open.append(index)
         return index, self._event("response.output_item.added", output_index=index,
-                                  item={**item, "content": []} if item["type"] == "message"
-                                  else dict(item))
+                                  item={**item, "content": []}
+                                  if item["type"] in ("message", "reasoning") else dict(item))
+
+    def _reasoning(self, text: str):
+        if self.open_reasoning is None:
+            index, added = self._add(_reasoning_item(_id("rs"), "", "in_progress"))
+            self.open_reasoning = index
+            yield added
+            yield self._event("response.content_part.added", item_id=self.output[index]["id"],
+                              output_index=index, content_index=0,
+                              part={"type": "reasoning_text", "text": ""})
+        index = self.open_reasoning
+        item = self.output[index]
+        item["content"][0]["text"] += text
+        yield self._event("response.reasoning_text.delta", item_id=item["id"],
+                          output_index=index, content_index=0, delta=text)
 
     def _text(self, text: str):
+        if self.open_reasoning is not None:  # the reasoning before the answer is complete
+            yield from self._close(self.open_reasoning, "completed")
         if self.open_message is None:
             index, added = self._add(_message_item(_id("msg"), "", "in_progress"))
             self.open_message = index
@@ -229,8 +259,9 @@ class ResponseEvents:
 
     def _call(self, call: dict):
         if call["index"] not in self.calls:
-            if self.open_message is not None:  # the text before the calls is complete
-                yield from self._close(self.open_message, "completed")
+            for index in (self.open_reasoning, self.open_message):  # complete before the calls
+                if index is not None:
+                    yield from self._close(index, "completed")
             index, added = self._add(_call_item(_id("fc"), call["id"],
                                                 call["function"]["name"], "", "in_progress"))
             self.calls[call["index"]] = index
@@ -247,7 +278,14 @@ class ResponseEvents:
         self.open.remove(index)
         item = self.output[index]
         item["status"] = status
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            self.open_reasoning = None
+            part = item["content"][0]
+            yield self._event("response.reasoning_text.done", item_id=item["id"],
+                              output_index=index, content_index=0, text=part["text"])
+            yield self._event("response.content_part.done", item_id=item["id"],
+                              output_index=index, content_index=0, part=part)
+        elif item["type"] == "message":
             self.open_message = None
             part = item["content"][0]
             yield self._event("response.output_text.done", item_id=item["id"],

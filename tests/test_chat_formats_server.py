@@ -1,0 +1,84 @@
+"""Chat formats through a real server on a tiny random model whose GGUF carries a thinking
+template (Qwen3-Thinking style: the generation prompt opens `<think>`, `enable_thinking: false`
+closes it): the output is returned as `reasoning_content` (whole, streamed, and as a Responses
+reasoning item) unless `chat_template_kwargs` turns thinking off; and a forced tool call cut by
+max_tokens comes back with finish_reason "length" and its arguments so far."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from jaxserve.core.async_engine import AsyncEngine
+from jaxserve.core.engine_factory import build_engine
+from tests.test_cli import tiny_gguf
+from tests.test_server import ServerThread
+
+THINKING = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+    "enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
+ASK = [{"role": "user", "content": "What is 2 + 2?"}]
+GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory, smollm2_tokenizer_fields):
+    path = tiny_gguf(tmp_path_factory.mktemp("thinking") / "tiny.gguf",
+                     {**smollm2_tokenizer_fields, "tokenizer.chat_template": THINKING},
+                     max_position_embeddings=512)
+    engine = AsyncEngine(build_engine(str(path), num_pages=24, max_num_seqs=2,
+                                      max_num_batched_tokens=32, max_model_len=384,
+                                      min_token_bucket=16, strict_compile=True, progress=False))
+    srv = ServerThread("tiny")  # --tool-call-parser / --reasoning-parser auto
+    try:
+        srv.attach(engine)
+        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+    finally:
+        srv.stop()
+        engine.shutdown()
+
+
+def test_reasoning_content_whole_streamed_and_switched_off(client):
+    whole = client.chat.completions.create(model="tiny", messages=ASK, **GREEDY)
+    message = whole.choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert reasoning and message.content is None  # cut inside the block the prompt opened
+    assert whole.choices[0].finish_reason == "length"
+    streamed = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(model="tiny", messages=ASK, stream=True,
+                                                **GREEDY):
+        for choice in chunk.choices:
+            for key in streamed:
+                streamed[key] += (choice.delta.model_extra.get(key) if key != "content"
+                                  else choice.delta.content) or ""
+    assert streamed == {"reasoning_content": reasoning, "content": ""}
+    off = client.chat.completions.create(
+        model="tiny", messages=ASK,
+        **{**GREEDY, "extra_body": {"ignore_eos": True,
+                                    "chat_template_kwargs": {"enable_thinking": False}}})
+    assert off.choices[0].message.content
+    assert "reasoning_content" not in off.choices[0].message.model_extra
+    assert off.usage.prompt_tokens > whole.usage.prompt_tokens  # the closed block is prompt
+    r = client.responses.create(model="tiny", input="What is 2 + 2?", temperature=0,
+                                max_output_tokens=8)
+    assert [item.type for item in r.output] == ["reasoning"]
+    assert r.output[0].content[0].text and r.status == "incomplete"
+
+
+def test_forced_call_cut_by_max_tokens_is_returned_with_length(client):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "minLength": 200}},
+        "required": ["city"]}}}
+    r = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=[tool], temperature=0, max_tokens=40,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert call.function.arguments.startswith('{"city": "')
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)  # cut: the arguments as far as they went

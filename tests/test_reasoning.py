@@ -1,0 +1,113 @@
+"""Reasoning parsers on fixed texts (whole and streamed in pieces, which must agree), the choice
+of parser from a chat template, and the chat message / deltas with reasoning and tool calls."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.entrypoints.serving.tool_output import ParserChoice, ToolCallOutput
+from jaxserve.errors import ConfigError
+from jaxserve.reasoning.parsers import detect, get_reasoning_parser
+from jaxserve.tool_calling.parsers import get_tool_parser
+
+# (parser, prompt left the block open, generated text, reasoning, content)
+CASES = [
+    ("qwen3", False, "<think>\nThe user wants Paris.\n</think>\n\nParis.",
+     "The user wants Paris.", "Paris."),
+    ("qwen3", False, "Paris.", None, "Paris."),  # enable_thinking false: no block
+    ("qwen3", False, "  <think>\n\n</think>\n\nHi", "", "Hi"),  # an empty block
+    ("qwen3", False, "Use <think> tags.", None, "Use <think> tags."),  # only at the start
+    ("qwen3", False, "<thinking>x</thinking>", None, "<thinking>x</thinking>"),
+    ("qwen3", True, "Hmm, 2 + 2.\n</think>\n\n4", "Hmm, 2 + 2.", "4"),  # opened by the prompt
+    ("qwen3", False, "<think>\nStill thinking when max_tokens", "Still thinking when max_tokens",
+     ""),
+    ("deepseek_r1", False, "Okay, so <b>.\n</think>\n\nAnswer: 4", "Okay, so <b>.", "Answer: 4"),
+    ("deepseek_r1", False, "<think>\nA</think>B", "A", "B"),
+    ("deepseek_r1", False, "never closed", "never closed", ""),
+]
+
+
+@pytest.mark.parametrize("name,opened,text,reasoning,content", CASES)
+def test_split_and_stream_agree(name, opened, text, reasoning, content):
+    parser = get_reasoning_parser(name)
+    split = parser.split(text, in_reasoning=opened)
+    assert (split.reasoning, split.content) == (reasoning, content)
+    for step in (1, 2, 3, 5, len(text)):
+        stream = parser.stream(in_reasoning=opened)
+        deltas = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)]
+        deltas.append(stream.finish())
+        assert "".join(d.reasoning for d in deltas) == (reasoning or "")
+        assert "".join(d.content for d in deltas) == content
+        assert stream.reasoning_started == (reasoning is not None)
+
+
+def test_streamed_reasoning_holds_back_only_a_possible_marker():
+    stream = get_reasoning_parser("qwen3").stream()
+    assert stream.feed("<thi") == stream.feed("nk>\n")  # undecided, then only the newline
+    d = stream.feed("Paris is the capital.\n</th")
+    assert (d.reasoning, d.content) == ("Paris is the capital.", "")
+    d = stream.feed("ink>\n\nParis")
+    assert (d.reasoning, d.content) == ("", "Paris")
+
+
+def test_prompt_decides_where_the_output_starts():
+    qwen3 = get_reasoning_parser("qwen3")
+    assert qwen3.starts_in_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not qwen3.starts_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not qwen3.starts_in_reasoning("<|im_start|>assistant\n")
+    assert get_reasoning_parser("deepseek_r1").starts_in_reasoning("")
+    with pytest.raises(ConfigError, match="qwen3"):
+        get_reasoning_parser("nope")
+
+
+def test_auto_choice_from_the_chat_template():
+    class Tok:
+        def __init__(self, template):
+            self.chat_template = template
+            self.all_special_ids = ()
+
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    think = "{{ '<think>\\n' + r + '\\n</think>\\n\\n' }}<tool_call>"
+    assert detect(think) == "qwen3" and detect("{{ messages }}") is None and detect(None) is None
+    auto = ParserChoice().for_tokenizer(Tok(think))
+    assert auto.reasoning.name == "qwen3" and auto.tool.name == "hermes"
+    assert not auto.reasoning_needs_special_tokens
+    plain = ParserChoice().for_tokenizer(Tok("{{ '<|python_tag|>' }}"))
+    assert plain.reasoning is None and plain.tool.name == "llama3_json"
+    assert ParserChoice("mistral", "none").for_tokenizer(Tok(think)).reasoning is None
+    with pytest.raises(ConfigError):
+        ParserChoice("auto", "nope")
+
+
+THOUGHT_AND_CALL = ('<think>\nI should call get_weather.\n</think>\n\n<tool_call>\n'
+                    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("tools", [True, False])
+def test_message_and_deltas_carry_reasoning_content(tools):
+    parser = get_tool_parser("hermes") if tools else None
+    output = ToolCallOutput(parser, get_reasoning_parser("qwen3"))
+    message, finish = output.message(THOUGHT_AND_CALL, "stop")
+    assert message["reasoning_content"] == "I should call get_weather."
+    if tools:
+        assert finish == "tool_calls" and message["content"] is None
+        assert message["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                        "arguments": '{"city": "Paris"}'}
+    else:
+        assert finish == "stop" and message["content"].startswith("<tool_call>")
+    streamed = ToolCallOutput(parser, get_reasoning_parser("qwen3"))
+    got = {"reasoning_content": "", "content": "", "arguments": ""}
+    pieces = [THOUGHT_AND_CALL[i:i + 4] for i in range(0, len(THOUGHT_AND_CALL), 4)]
+    for i, piece in enumerate(pieces):
+        delta, last = streamed.delta(0, piece, "stop" if i == len(pieces) - 1 else None)
+        got["reasoning_content"] += delta.get("reasoning_content", "")
+        got["content"] += delta.get("content", "")
+        got["arguments"] += "".join(c.get("function", {}).get("arguments", "")
+                                    for c in delta.get("tool_calls", ()))
+    assert last == finish
+    assert got["reasoning_content"] == message["reasoning_content"]
+    assert got["content"] == (message["content"] or "")
+    assert got["arguments"] == "".join(c["function"]["arguments"]
+                                       for c in message.get("tool_calls", ()))
