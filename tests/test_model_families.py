@@ -201,25 +201,15 @@ def write_gguf_like_llama_cpp(family: str, path: Path) -> Path:
     from safetensors.numpy import load_file
 
     from jaxserve.weights.architectures import ARCHITECTURES, config_from_hf
+    from tests.test_weights import add_shape_metadata
 
     cfg = json.loads((FIXTURES / family / "config.json").read_text())
     c = config_from_hf(cfg, family)
     arch = ARCHITECTURES[family].gguf_name
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(family)
-    w.add_block_count(c.num_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_heads)
-    w.add_head_count_kv(c.num_kv_heads)
+    add_shape_metadata(w, c)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_vocab_size(c.vocab_size)
-    w.add_bos_token_id(c.bos_token_id)
-    w.add_eos_token_id(c.eos_token_ids[0])
     if c.sliding_window:
         w.add_sliding_window(c.sliding_window)
     if c.attn_logit_softcap:

@@ -98,13 +98,8 @@ def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return halves.swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, config: ModelConfig, params: dict, *, arch: str | None = None,
-               add_metadata=None) -> Path:
-    """A GGUF as llama.cpp's converter writes it; `add_metadata(writer)` adds more keys."""
-    arch = arch or ("qwen2" if config.architecture == "qwen2" else "llama")
-    w = GGUFWriter(str(path), arch)
-    if add_metadata is not None:
-        add_metadata(w)
+def add_shape_metadata(w: GGUFWriter, config: ModelConfig) -> None:
+    """The metadata every llama.cpp architecture has: the Llama shape's."""
     w.add_name(config.name)
     w.add_block_count(config.num_layers)
     w.add_context_length(config.max_position_embeddings)
@@ -117,6 +112,16 @@ def write_gguf(path: Path, config: ModelConfig, params: dict, *, arch: str | Non
     w.add_vocab_size(config.vocab_size)
     w.add_bos_token_id(config.bos_token_id)
     w.add_eos_token_id(config.eos_token_ids[0])
+
+
+def write_gguf(path: Path, config: ModelConfig, params: dict, *, arch: str | None = None,
+               add_metadata=None) -> Path:
+    """A GGUF as llama.cpp's converter writes it; `add_metadata(writer)` adds more keys."""
+    arch = arch or ("qwen2" if config.architecture == "qwen2" else "llama")
+    w = GGUFWriter(str(path), arch)
+    if add_metadata is not None:
+        add_metadata(w)
+    add_shape_metadata(w, config)
     gguf_names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                   "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                   "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
