@@ -282,3 +282,31 @@ def test_convert_to_orbax_keeps_each_family_s_config_and_weights(tmp_path, capsy
         assert config == want_config
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(a), b)
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, prefix):
+    """Gemma 3 4B+ ship as Gemma3ForConditionalGeneration: a text_config that transformers 4.x
+    wrote sparse (defaults left out) and text tensors under a prefix (4.x / 5.x spelling)."""
+    from safetensors.numpy import load_file, save_file
+
+    from jaxserve.weights import load_host
+
+    text = json.loads((FIXTURES / "gemma3_text" / "config.json").read_text())
+    sparse = {k: v for k, v in text.items()
+              if k not in ("hidden_activation", "rms_norm_eps", "model_type", "eos_token_id")}
+    cfg = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+           "text_config": sparse, "vision_config": {"model_type": "siglip_vision_model"},
+           "mm_tokens_per_image": 256, "image_token_index": 262144, "eos_token_id": [2, 106]}
+    path = tmp_path / "gemma-3-mm"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    tensors = {prefix + k.removeprefix("model."): v
+               for k, v in load_file(str(FIXTURES / "gemma3_text" / "model.safetensors")).items()}
+    tensors["vision_tower.vision_model.post_layernorm.weight"] = np.ones(4, np.float32)
+    save_file(tensors, str(path / "model.safetensors"))
+    got_config, got = load_host(ModelSpec("mm", "hf", path))
+    want_config, want = load_host(ModelSpec("mm", "hf", FIXTURES / "gemma3_text"))
+    assert got_config == want_config.replace(name="gemma-3-mm", eos_token_ids=(2, 106))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)

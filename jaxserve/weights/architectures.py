@@ -126,8 +126,64 @@ ARCHITECTURES = {a.model_type: a for a in (
 )}
 
 
+@dataclass(frozen=True)
+class TextOf:
+    """A multimodal checkpoint served as its text model (images are not served): where its text
+    config and tensors are."""
+
+    text_model_type: str
+    # The text config class's defaults: transformers 4.x wrote only the values that differ.
+    text_defaults: dict
+    # Prefixes that stand for the text model's "model." / "lm_head." in tensor names (4.x, 5.x).
+    tensor_prefixes: dict[str, str]
+    keys: frozenset[str]  # the wrapper's own keys: the vision side, not the text model's math
+
+
+MULTIMODAL = {
+    "gemma3": TextOf(
+        "gemma3_text",
+        text_defaults=dict(
+            vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+            num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+            hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+            rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=4096,
+            rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, bos_token_id=2,
+            eos_token_id=1),
+        tensor_prefixes={"language_model.model.": "model.", "model.language_model.": "model.",
+                         "language_model.lm_head.": "lm_head."},
+        keys=frozenset({"text_config", "vision_config", "mm_tokens_per_image", "boi_token_index",
+                        "eoi_token_index", "image_token_index", "image_token_id",
+                        "boi_token_id", "eoi_token_id"})),
+}
+
+
 def supported() -> str:
-    return ", ".join(ARCHITECTURES)
+    return ", ".join([*ARCHITECTURES, *MULTIMODAL])
+
+
+def text_config(cfg: dict) -> dict:
+    """config.json of a MULTIMODAL checkpoint -> that of its text model (others unchanged)."""
+    wrapper = MULTIMODAL.get(cfg.get("model_type"))
+    if wrapper is None:
+        return cfg
+    unknown = sorted(k for k, v in cfg.items()
+                     if k not in wrapper.keys | _METADATA_KEYS | _COMMON_KEYS and v is not None)
+    if unknown:
+        raise ConfigError(f"config.json keys jaxserve does not implement for "
+                          f"{cfg['model_type']}: {', '.join(unknown)}")
+    inherited = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings")
+                 if cfg.get(k) is not None}
+    return {**wrapper.text_defaults, **inherited, **(cfg.get("text_config") or {}),
+            "model_type": wrapper.text_model_type}
+
+
+def text_tensor_name(name: str, model_type: str) -> str:
+    """A MULTIMODAL checkpoint's tensor name as its text model's (others unchanged)."""
+    wrapper = MULTIMODAL.get(model_type)
+    for prefix, text in (wrapper.tensor_prefixes.items() if wrapper else ()):
+        if name.startswith(prefix):
+            return text + name[len(prefix):]
+    return name
 
 
 def gguf_architectures() -> dict[str, str]:
@@ -136,7 +192,7 @@ def gguf_architectures() -> dict[str, str]:
 
 
 def architecture(model_type) -> Architecture:
-    if model_type not in ARCHITECTURES:
+    if model_type not in ARCHITECTURES:  # (MULTIMODAL ones arrive as their text model)
         raise ConfigError(f"unsupported model_type {model_type!r} in config.json (supported: "
                           f"{supported()})")
     return ARCHITECTURES[model_type]
@@ -231,6 +287,7 @@ def _rope_fields(cfg: dict, arch: Architecture, head_dim: int) -> dict:
 
 def config_from_hf(cfg: dict, name: str, dtype: str = "float32") -> ModelConfig:
     """ModelConfig of an HF config.json (parsed), or a ConfigError naming what is not served."""
+    cfg = text_config(cfg)
     arch = architecture(cfg.get("model_type"))
     _check_keys(cfg, arch)
     heads = cfg["num_attention_heads"]

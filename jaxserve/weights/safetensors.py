@@ -10,14 +10,14 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError, WeightsError
-from jaxserve.weights.architectures import config_from_hf
+from jaxserve.weights.architectures import config_from_hf, text_tensor_name
 from jaxserve.weights.hf_layout import params_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> the .safetensors file holding it."""
+    """Tensor name (as stored) -> the .safetensors file holding it."""
     from safetensors import safe_open
 
     index = path / INDEX_FILE
@@ -57,7 +57,11 @@ def load_hf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
     except (OSError, SafetensorError, ValueError, KeyError) as e:
         raise WeightsError(f"{path}: unreadable safetensors ({e}); download it again") from None
 
+    # A multimodal checkpoint's text tensors under the text model's names (the rest unread).
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    stored = {text_tensor_name(name, model_type): name for name in files}
+
     def get(name: str) -> np.ndarray:
-        return handles[files[name]].get_tensor(name)
+        return handles[files[stored[name]]].get_tensor(stored[name])
 
     return config, params_from_hf(config, get, str(path))
