@@ -4,16 +4,15 @@ names; a schema that says additionalProperties keeps what it says."""
 
 from __future__ import annotations
 
-import pytest
-
 from jaxserve.entrypoints.serving.protocol import parse_chat_request
 from jaxserve.structured import StructuredOutputsParams as SO
-from jaxserve.structured.grammar import GrammarViolation
 from jaxserve.structured.strict import close_objects
-from jaxserve.tokenizer import Tokenizer
 from jaxserve.tool_calling.choice import forced_tool_call
 from jaxserve.tool_calling.functions import parse_tool_choice, parse_tools
 from jaxserve.tool_calling.parsers import get_tool_parser
+# test_tool_calling's fixtures (SmolLM2's tokenizer and its grammar compiler) and matcher helper:
+# ruff: noqa: F811
+from tests.test_tool_calling import grammar_accepts, smollm2_grammars, smollm2_tok  # noqa: F401
 
 COUNTRY = {"type": "object", "properties": {
     "name": {"type": "string"},
@@ -44,25 +43,6 @@ def test_close_objects_closes_every_object_that_does_not_say():
     assert parts["allOf"][0]["properties"]["a"]["additionalProperties"] is False
 
 
-@pytest.fixture(scope="module")
-def grammars(smollm2_path):
-    from jaxserve.structured.grammar import GrammarCompiler
-
-    tok = Tokenizer.from_gguf(smollm2_path)
-    return tok, GrammarCompiler(tok, vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids)
-
-
-def _accepts(grammars, constraint: SO, text: str) -> bool:
-    tok, compiler = grammars
-    matcher = compiler.compile(constraint).matcher(constraint.param)
-    try:
-        for t in tok.encode(text, add_special_tokens=False):
-            matcher.accept(t)
-    except GrammarViolation:
-        return False
-    return matcher.is_accepting
-
-
 def _response_format(strict: bool | None) -> SO:
     fmt = {"type": "json_schema", "json_schema": {"name": "country", "schema": COUNTRY}}
     if strict is not None:
@@ -71,19 +51,19 @@ def _response_format(strict: bool | None) -> SO:
                                "response_format": fmt}).sampling_params.structured_outputs
 
 
-def test_strict_response_format_refuses_unnamed_properties(grammars):
+def test_strict_response_format_refuses_unnamed_properties(smollm2_grammars):
     good = '{"name": "France", "capital": {"city": "Paris"}}'
     extra = '{"name": "France", "official_language": "French"}'
     nested = '{"name": "France", "capital": {"city": "Paris", "mayor": "x"}}'
     strict = _response_format(True)
-    assert _accepts(grammars, strict, good)
-    assert not _accepts(grammars, strict, extra) and not _accepts(grammars, strict, nested)
-    assert _accepts(grammars, strict, '{"name": "France", "extra": {"k": 1}}')
+    assert grammar_accepts(smollm2_grammars, strict, good)
+    assert not grammar_accepts(smollm2_grammars, strict, extra) and not grammar_accepts(smollm2_grammars, strict, nested)
+    assert grammar_accepts(smollm2_grammars, strict, '{"name": "France", "extra": {"k": 1}}')
     for loose in (_response_format(False), _response_format(None)):  # JSON Schema's own rule
-        assert _accepts(grammars, loose, extra) and _accepts(grammars, loose, nested)
+        assert grammar_accepts(smollm2_grammars, loose, extra) and grammar_accepts(smollm2_grammars, loose, nested)
 
 
-def test_strict_tool_closes_forced_call_arguments(grammars):
+def test_strict_tool_closes_forced_call_arguments(smollm2_grammars):
     params = {"type": "object", "properties": {"city": {"type": "string"}},
               "required": ["city"]}
     parser = get_tool_parser("hermes")
@@ -93,6 +73,6 @@ def test_strict_tool_closes_forced_call_arguments(grammars):
             "name": "get_weather", "parameters": params, "strict": strict}}])
         forced = forced_tool_call(tools, parse_tool_choice("required", tools), parser,
                                   parallel_tool_calls=False)
-        assert _accepts(grammars, forced, call.format(a='{"city": "Paris"}'))
-        assert _accepts(grammars, forced, call.format(a='{"city": "Paris", "day": "Monday"}')) \
+        assert grammar_accepts(smollm2_grammars, forced, call.format(a='{"city": "Paris"}'))
+        assert grammar_accepts(smollm2_grammars, forced, call.format(a='{"city": "Paris", "day": "Monday"}')) \
             is not strict

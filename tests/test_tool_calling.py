@@ -211,6 +211,18 @@ def smollm2_grammars(smollm2_tok):
     return tok, GrammarCompiler(tok, vocab_size=tok.vocab_size, eos_token_ids=tok.eos_token_ids)
 
 
+def grammar_accepts(tok_and_grammars, constraint, text: str) -> bool:
+    """Whether `text`, tokenized, is a complete match of `constraint` compiled for `tok`."""
+    tok, grammars = tok_and_grammars
+    matcher = grammars.compile(constraint).matcher(constraint.param)
+    try:
+        for t in tok.encode(text, add_special_tokens=False):
+            matcher.accept(t)
+    except GrammarViolation:
+        return False
+    return matcher.is_accepting
+
+
 @pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
 def test_forced_call_grammar_accepts_exactly_valid_calls(parser, smollm2_grammars):
     """The forced-call constraint, compiled for SmolLM2's tokenizer: a valid call in the parser's
@@ -234,13 +246,7 @@ def test_forced_call_grammar_accepts_exactly_valid_calls(parser, smollm2_grammar
     bad_args = one.format(n="get_weather", k=key, a='{"town": "Paris"}')
 
     def accepts(constraint, text):
-        matcher = grammars.compile(constraint).matcher(constraint.param)
-        try:
-            for t in tok.encode(text, add_special_tokens=False):
-                matcher.accept(t)
-        except GrammarViolation:
-            return False
-        return matcher.is_accepting
+        return grammar_accepts(smollm2_grammars, constraint, text)
 
     assert accepts(named, add) and not accepts(named, weather)
     assert accepts(required, add) and accepts(required, weather)
