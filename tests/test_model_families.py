@@ -201,7 +201,7 @@ def write_gguf_like_llama_cpp(family: str, path: Path) -> Path:
     from safetensors.numpy import load_file
 
     from jaxserve.weights.architectures import ARCHITECTURES, config_from_hf
-    from tests.test_weights import add_shape_metadata
+    from tests.test_weights import _llama_cpp_permute, add_shape_metadata
 
     cfg = json.loads((FIXTURES / family / "config.json").read_text())
     c = config_from_hf(cfg, family)
@@ -216,6 +216,8 @@ def write_gguf_like_llama_cpp(family: str, path: Path) -> Path:
         w.add_attn_logit_softcapping(c.attn_logit_softcap)
         w.add_final_logit_softcapping(c.final_logit_softcap)
     rs = c.rope_scaling
+    if rs is not None and rs.rope_type == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(c))
     if rs is not None and rs.rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rs.factor)
@@ -229,6 +231,8 @@ def write_gguf_like_llama_cpp(family: str, path: Path) -> Path:
     for name, t in load_file(str(FIXTURES / family / "model.safetensors")).items():
         if family.startswith("gemma") and name.endswith("norm.weight"):
             t = t + 1
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            t = _llama_cpp_permute(t, c.num_heads if "q_proj" in name else c.num_kv_heads)
         w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -237,7 +241,28 @@ def write_gguf_like_llama_cpp(family: str, path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3_text", "phi3"])
+def _llama_cpp_rope_freqs(c) -> np.ndarray:
+    """llama.cpp's converter's rope_freqs for llama3 scaling (written from its description): per
+    frequency, 1 below the high-frequency wavelength, `factor` past the low one, blended between."""
+    import math
+
+    rs = c.rope_scaling
+    freqs = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float32) / c.head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < rs.original_max_position_embeddings / rs.high_freq_factor:
+            out.append(1.0)
+        elif wavelen > rs.original_max_position_embeddings / rs.low_freq_factor:
+            out.append(rs.factor)
+        else:
+            smooth = ((rs.original_max_position_embeddings / wavelen - rs.low_freq_factor)
+                      / (rs.high_freq_factor - rs.low_freq_factor))
+            out.append(1 / ((1 - smooth) / rs.factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3_text", "phi3"])
 def test_gguf_gives_the_hf_directory_s_model(tmp_path, family):
     from jaxserve.weights import load_host
 
@@ -249,6 +274,11 @@ def test_gguf_gives_the_hf_directory_s_model(tmp_path, family):
     changes = dict(name=family, rms_norm_eps=got_config.rms_norm_eps)
     if family == "gemma2":
         changes["query_pre_attn_scalar"] = want_config.head_dim
+    if family == "llama":  # llama3 scaling as rope_freqs: the same frequencies
+        np.testing.assert_allclose(
+            *(decoder.rope_frequencies(x.rope_theta, x.rope_scaling, x.head_dim)
+              for x in (got_config, want_config)), rtol=1e-6)
+        changes["rope_scaling"] = got_config.rope_scaling
     if family == "phi3":  # the longrope factors, float32 in GGUF too
         g, h = got_config.rope_scaling, want_config.rope_scaling
         for f in ("short_factor", "long_factor", "attention_factor"):

@@ -107,12 +107,6 @@ def config_from_gguf(reader, path: Path, dtype: str = "float32") -> ModelConfig:
             f"{path}: unsupported GGUF architecture {arch!r} (supported: "
             f"{', '.join(model_types)})")
     tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        # Llama 3.1+ GGUFs bake rope scaling into a tensor of per-frequency factors instead of
-        # metadata; load those models from their HF directory, whose config.json has the scaling.
-        raise WeightsError(
-            f"{path}: rope scaling stored as a rope_freqs tensor is not supported; load the HF "
-            f"directory of this model instead")
 
     def need(key: str):
         value = _field(reader, f"{arch}.{key}")
@@ -158,6 +152,14 @@ def config_from_gguf(reader, path: Path, dtype: str = "float32") -> ModelConfig:
         if meta("rope.scaling.type") == "linear":
             cfg["rope_scaling"] = {"rope_type": "linear",
                                    "factor": float(meta("rope.scaling.factor"))}
+    rope_freqs = _tensor(reader, "rope_freqs.weight")
+    if rope_freqs is not None:
+        # Llama 3.1+: llama.cpp bakes the llama3 scaling into per-frequency divisors, as it
+        # stores Phi-3's longrope factors; the same factors for every position are longrope's
+        # math with one set of factors and no attention factor.
+        cfg["rope_scaling"] = {"rope_type": "longrope", "short_factor": rope_freqs.tolist(),
+                               "long_factor": rope_freqs.tolist(), "attention_factor": 1.0,
+                               "original_max_position_embeddings": cfg["max_position_embeddings"]}
     if arch == "phi3":
         rotary = meta("rope.dimension_count")
         if rotary is not None:
