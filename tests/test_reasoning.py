@@ -111,3 +111,17 @@ def test_message_and_deltas_carry_reasoning_content(tools):
     assert got["content"] == (message["content"] or "")
     assert got["arguments"] == "".join(c["function"]["arguments"]
                                        for c in message.get("tool_calls", ()))
+
+
+def test_flags_reach_the_server_config():
+    from jaxserve.entrypoints.cli import build_parser
+    from jaxserve.entrypoints.launcher import server_config
+
+    def config(*flags):
+        return server_config(build_parser().parse_args(["serve", "--model", "m", *flags]))
+
+    assert (config().tool_call_parser, config().reasoning_parser) == ("auto", "auto")
+    chosen = config("--tool-call-parser", "phi4_mini_json", "--reasoning-parser", "none")
+    assert (chosen.tool_call_parser, chosen.reasoning_parser) == ("phi4_mini_json", "none")
+    with pytest.raises(SystemExit):
+        config("--reasoning-parser", "nope")
