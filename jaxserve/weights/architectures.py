@@ -31,6 +31,7 @@ _METADATA_KEYS = frozenset({
     "temperature", "top_k", "top_p", "do_sample", "repetition_penalty", "length_penalty",
     # Llama's tensor-parallel training split: HF's inference ignores it (the same matmul).
     "pretraining_tp",
+    "is_llama_config",  # SmolLM2's configs (nanotron): a marker
     # Read only with a window (Qwen2/3: which layers slide), through layer_types.
     "max_window_layers", "use_sliding_window", "sliding_window_pattern", "_sliding_window_pattern",
 })
@@ -44,7 +45,8 @@ _COMMON_KEYS = frozenset({
 })
 # Keys whose only value jaxserve serves (anything else changes the math).
 _REQUIRED = {"mlp_bias": False, "lm_head_bias": False, "use_bidirectional_attention": False,
-             "full_attn_mod": 1, "interpolate_factor": 1}
+             "full_attn_mod": 1, "interpolate_factor": 1,
+             "rope_interleaved": False}  # SmolLM2's: False is HF's rotate-half
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor",
                         "high_freq_factor", "original_max_position_embeddings", "short_factor",
