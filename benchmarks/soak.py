@@ -12,6 +12,12 @@ twice, none failed.
     python benchmarks/soak.py --num-requests 2000 --concurrency 32     # starts jaxserve itself
     python benchmarks/soak.py --base-url http://127.0.0.1:8000/v1 --max-body-bytes 16777216
 
+With a gRPC target (--grpc-target; the server it starts has one) it also sends hostile Embed
+calls that must be refused without the server running out of memory (review a70e490, H2): 1.5M
+empty strings in one message (INVALID_ARGUMENT), and a message over the 4 MiB receive limit
+(RESOURCE_EXHAUSTED); a server without retrieval answers the first UNIMPLEMENTED (start it with
+--rag to reach the encoder's checks).
+
 Exit status 0 when it passes; the last stdout line is the JSON report.
 """
 
@@ -88,6 +94,36 @@ def hostile_body(kind: str, model: str, rng: random.Random, max_body_bytes: int)
         return json.dumps({**chat, "messages": [{"role": "user",
                                                  "content": "x" * (max_body_bytes + 1)}]}).encode()
     return json.dumps(bodies[kind]()).encode()
+
+
+async def hostile_embeds(target: str, calls: int) -> list[Outcome]:
+    """gRPC Embed calls that must be refused, half `embed_many` (1.5M empty strings, ~3 MB: within
+    the receive limit, past the 2,048 inputs allowed), half `embed_oversize` (a 5 MiB string)."""
+    import grpc
+
+    from jaxserve.protos import generation_pb2 as pb
+    from jaxserve.protos import generation_pb2_grpc as pb_grpc
+    from jaxserve.rag.config import EMBEDDING_MODEL
+
+    refused = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+               grpc.StatusCode.UNIMPLEMENTED}
+    inputs = {"embed_many": [""] * 1_500_000, "embed_oversize": ["x" * (5 << 20)]}
+
+    async def one_embed(stub, kind: str) -> Outcome:
+        try:
+            await stub.Embed(pb.EmbedRequest(model=EMBEDDING_MODEL, input=inputs[kind]),
+                             timeout=_TIMEOUT_S)
+            return Outcome(kind, "answer", 200, "a hostile Embed was answered")
+        except grpc.aio.AioRpcError as e:
+            end = ("4xx" if e.code() in refused else
+                   "hung" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "5xx")
+            return Outcome(kind, end, None, f"{e.code().name}: {e.details()}"[:200])
+
+    async with grpc.aio.insecure_channel(target, options=[
+            ("grpc.max_send_message_length", 64 << 20)]) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        return list(await asyncio.gather(*(one_embed(stub, kind) for kind in
+                                           ("embed_many", "embed_oversize") * (calls // 2))))
 
 
 def _error_event(raw: bytes) -> str | None:
@@ -275,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-flags", default="--max-model-len 512 --num-pages 512 "
                    "--max-num-seqs 16 --max-num-batched-tokens 128",
                    help="engine flags for the server this starts")
+    p.add_argument("--grpc-target", help="the server's gRPC HOST:PORT, for the hostile Embed "
+                   "calls (set when this starts the server)")
+    p.add_argument("--embed-calls", type=int, default=4, help="hostile gRPC Embed calls")
+    p.add_argument("--rag", action="store_true",
+                   help="the server this starts serves retrieval (fetches all-minilm-l6-v2)")
     p.add_argument("--result-json", type=Path)
     args = p.parse_args(argv)
 
@@ -287,15 +328,20 @@ def main(argv: list[str] | None = None) -> int:
                                           delete=False)
         log_path = Path(log.name)
         print(f"starting jaxserve serve (log: {log.name})", file=sys.stderr, flush=True)
-        server = ServerProcess(["--model", args.model, "--port", "0", "--no-rag",
+        server = ServerProcess(["--model", args.model, "--port", "0", "--grpc-port", "0",
+                                *([] if args.rag else ["--no-rag"]),
                                 "--max-body-bytes", str(args.max_body_bytes),
                                 *args.serve_flags.split()], log, cwd=ROOT)
         url = server.url
+        args.grpc_target = next(line.split(" on ", 1)[1].strip() for line in server.startup_lines
+                                if line.startswith("jaxserve: gRPC on "))
     base = url.removesuffix("/v1")
     try:
         before = _metrics(base).get("jaxserve:e2e_request_latency_seconds_count", 0.0)
         outcomes, seconds = asyncio.run(run(url, args.model, args.num_requests, args.concurrency,
                                             args.seed, args.max_body_bytes))
+        if args.grpc_target and args.embed_calls:
+            outcomes += asyncio.run(hostile_embeds(args.grpc_target, args.embed_calls))
         idle = settle(base)
         final_status = still_answers(url, args.model)
         # (counted after that last chat, which the server's log holds too)

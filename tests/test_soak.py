@@ -71,7 +71,8 @@ def test_a_short_soak_ends_every_request_once_and_leaves_the_server_idle(server)
     proc = subprocess.run(
         [sys.executable, "benchmarks/soak.py", "--base-url", server.url, "--model", TINY,
          "--num-requests", "160", "--concurrency", "16", "--seed", "3",
-         "--max-body-bytes", str(MAX_BODY), "--server-log", str(server.log_path)],
+         "--max-body-bytes", str(MAX_BODY), "--server-log", str(server.log_path),
+         "--grpc-target", server.grpc_target, "--embed-calls", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 0 and report["passed"], (report["problems"], proc.stderr[-3000:])
@@ -80,6 +81,8 @@ def test_a_short_soak_ends_every_request_once_and_leaves_the_server_idle(server)
                                       "deep_json", "surrogate"}
     for kind in ("n_huge", "deep_json", "surrogate"):
         assert report["http_statuses"][kind] == {"400": report["by_kind"][kind]["4xx"]}
+    # Hostile gRPC Embed calls (--no-rag here: UNIMPLEMENTED, and the oversized message refused).
+    assert report["by_kind"]["embed_many"] == report["by_kind"]["embed_oversize"] == {"4xx": 1}
     assert report["ends"].get("answer", 0) > 0 and report["server_log"]["lines"] > 0
     assert report["idle_after"] == {"num_requests_running": 0, "num_requests_waiting": 0,
                                     "kv_cache_usage_perc": 0}
