@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as Backend
 
 from jaxserve.errors import InvalidRequest, ModelNotFound, NoChatTemplate, TokenizerError
 from jaxserve.tool_calling.functions import FunctionTool
-from jaxserve.tool_calling.prompt import chat_messages, template_uses_tools
+from jaxserve.tool_calling.prompt import chat_messages, fallback_adds_system, template_uses_tools
 
 # ---------------------------------------------------------------- GGUF pre-tokenizers
 
@@ -396,26 +396,36 @@ class Tokenizer:
         results go to the template when it handles them, else through the built-in fallback
         (`jaxserve.tool_calling.prompt`). `template_kwargs`: more variables for the template
         (checked by check_template_kwargs), such as `enable_thinking`."""
-        template = self._template
         native = self.template_uses_tools
-        messages = chat_messages(messages, tools, native=native)
         extra = dict(template_kwargs or {})
         if native:
             extra["tools"] = [t.to_openai() for t in tools] or None
         try:
-            text = template.render(**extra, messages=messages,
-                                   add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            text = self._render(chat_messages(messages, tools, native=native),
+                                add_generation_prompt, extra)
         except _TemplateRaised as e:
-            raise InvalidRequest(f"the chat template rejected the messages: {e}",
-                                 param="messages") from None
+            if native or not fallback_adds_system(messages, tools):
+                raise InvalidRequest(f"the chat template rejected the messages: {e}",
+                                     param="messages") from None
+            # A template that refuses the system role (Gemma 2) gets the tools in the first
+            # user message instead.
+            text = self.apply_chat_template(
+                chat_messages(messages, tools, native=False, tools_in_user=True),
+                add_generation_prompt, tokenize=False, template_kwargs=template_kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, extra: dict) -> str:
+        try:
+            return self._template.render(**extra, messages=messages,
+                                         add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "",
+                                         eos_token=self.eos_token or "")
         except SecurityError as e:  # the template's fault, whatever the messages
             raise TokenizerError(f"the model's chat template was stopped by the sandbox: {e}") \
                 from None
         except jinja2.TemplateError as e:
             raise InvalidRequest(f"the chat template failed on these messages: {e}",
                                  param="messages") from None
-        return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
 # ---------------------------------------------------------------- streaming

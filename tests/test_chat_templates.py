@@ -78,7 +78,7 @@ def test_qwen3_thinking_switch_tools_and_reasoning():
     assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
 
 
-def test_gemma2_refuses_system_messages_and_renders_turns():
+def test_gemma2_refuses_system_messages_and_takes_tools_in_the_first_user_turn():
     tok = _tokenizer("gemma2", bos="<bos>", eos="<eos>")
     assert not tok.template_uses_tools and _parsers(tok) == ("hermes", None)
     with pytest.raises(InvalidRequest, match="System role not supported") as err:
@@ -90,6 +90,12 @@ def test_gemma2_refuses_system_messages_and_renders_turns():
     assert text == ("<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\nHello."
                     "<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n"
                     "<start_of_turn>model\n")
+    # The fallback's tools go to the first user turn, as the template takes no system message.
+    text = tok.apply_chat_template(_history("call_1"), tokenize=False, tools=WEATHER)
+    assert text.startswith("<bos><start_of_turn>user\n# Tools\n")
+    assert "</tool_call>\n\nWeather in Paris?<end_of_turn>\n<start_of_turn>model\n<tool_call>" \
+        in text
+    assert "<start_of_turn>user\n<tool_response>\n18C\n</tool_response><end_of_turn>" in text
 
 
 def test_gemma3_folds_the_system_message_and_the_fallback_tools_into_the_first_turn():

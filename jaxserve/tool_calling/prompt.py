@@ -6,8 +6,10 @@ object, not OpenAI's JSON string). Any other template gets jaxserve's built-in f
 Hermes style that the `hermes` tool parser reads:
 
 - the tools are listed in the system message (appended to the first system/developer message, or
-  a new one in front), one JSON object per line inside `<tools></tools>`, followed by how to call
-  them: one `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block per call;
+  a new one in front; at the start of the first user message for a template that refuses the
+  system role, such as Gemma 2's), one JSON object per line inside `<tools></tools>`, followed
+  by how to call them: one `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block per
+  call;
 - an assistant message's `tool_calls` become such blocks after its content;
 - `tool` messages become a user message of `<tool_response>...</tool_response>` blocks (adjacent
   ones merged), which any template can render.
@@ -47,10 +49,17 @@ def template_uses_tools(source: str) -> bool:
         return False  # compiling the template reports its error
 
 
+def fallback_adds_system(messages: Sequence[dict], tools: Sequence[FunctionTool]) -> bool:
+    """Whether the fallback puts its tool prompt in a system message of its own."""
+    return bool(tools) and not (messages and messages[0].get("role") in ("system", "developer"))
+
+
 def chat_messages(messages: Sequence[dict], tools: Sequence[FunctionTool], *,
-                  native: bool) -> list[dict]:
+                  native: bool, tools_in_user: bool = False) -> list[dict]:
     """The messages to render: for a template that handles tools (`native`) with tool-call
-    arguments as objects; else with tools and tool calls written out in the fallback format."""
+    arguments as objects; else with tools and tool calls written out in the fallback format.
+    `tools_in_user`: with no system message, the tool prompt opens the first user message
+    instead of a system message of its own (for templates that refuse the system role)."""
     if native:
         return [_native(m, i) for i, m in enumerate(messages)]
     out: list[dict] = []
@@ -77,6 +86,8 @@ def chat_messages(messages: Sequence[dict], tools: Sequence[FunctionTool], *,
             json.dumps(t.to_openai(), ensure_ascii=False) for t in tools))
         if out and out[0].get("role") in ("system", "developer"):
             out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}".lstrip()}
+        elif tools_in_user and out and out[0].get("role") == "user":
+            out[0] = {**out[0], "content": f"{prompt}\n\n{out[0].get('content') or ''}"}
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
