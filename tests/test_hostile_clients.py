@@ -1,24 +1,30 @@
-"""Clients that misbehave, against a real server (review a70e490: H1): a stream the client stops
-reading.
+"""Clients that misbehave, against a real server (review a70e490: H1, H3, M8): a stream the
+client stops reading, a client that leaves while its grammar compiles, and refused requests
+that used to cost nothing and ran their heavy preparation on the event loop.
 
 One module-scoped server over a tiny random model with SmolLM2's tokenizer, a tenants file and a
-one-second stream write timeout."""
+one-second stream write timeout. The compile and the prompt preparation can be held on an event
+(`gate_prepare`), so the windows these bugs lived in are made deterministic."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import socket
+import threading
+import time
+import urllib.request
 
 import pytest
 
 from jaxserve.core.async_engine import AsyncEngine
 from jaxserve.core.engine_factory import build_engine
+from jaxserve.entrypoints.serving import protocol
 from jaxserve.entrypoints.serving.streams import merge_streams
 from tests.test_cli import tiny_gguf
 from tests.test_engine import assert_no_leaks
 from tests.test_server import ServerThread, wait_for
-from tests.test_tenancy_server import metric_values
+from tests.test_tenancy_server import metric_values, post
 
 TENANTS = """
 [tenant.alice]
@@ -88,6 +94,34 @@ def raw_post(url: str, path: str, body: dict, key: str, rcvbuf: int | None = Non
     return sock
 
 
+@pytest.fixture
+def gate_prepare(server, monkeypatch):
+    """Hold `protocol.prompt_ids` (template render + tokenize) and the engine's `prepare` (the
+    grammar compile) of requests whose user text starts with "HOLD" until `release` is set."""
+    gate = type("Gate", (), {})()
+    gate.started, gate.release, gate.finished = (threading.Event(), threading.Event(),
+                                                 threading.Event())
+    prompt_ids, prepare = protocol.prompt_ids, server.engine.prepare
+
+    def held_prompt_ids(tokenizer, parsed, prompt):
+        if parsed.kind == "chat" and str(prompt[-1]["content"]).startswith("HOLD"):
+            gate.started.set()
+            assert gate.release.wait(30)
+        return prompt_ids(tokenizer, parsed, prompt)
+
+    def held_prepare(request_id, prompt, params=None, *args, **kwargs):
+        try:
+            return prepare(request_id, prompt, params, *args, **kwargs)
+        finally:
+            if params is not None and params.structured_outputs is not None:
+                gate.finished.set()
+
+    monkeypatch.setattr(protocol, "prompt_ids", held_prompt_ids)
+    monkeypatch.setattr(server.engine, "prepare", held_prepare)
+    yield gate
+    gate.release.set()
+
+
 def test_merged_streams_pull_no_further_than_their_reader():
     """n prompts' streams merged into one: a reader that stops makes the pumps stop too (they
     used to drain every engine stream into an unbounded queue)."""
@@ -137,3 +171,61 @@ def test_a_stream_nobody_reads_is_ended_and_its_pages_freed(server):
     finally:
         sock.close()
     assert_no_leaks(server.llm)
+
+
+def test_leaving_while_the_grammar_compiles_takes_nothing_from_the_tenant(server, gate_prepare):
+    """Review H3: solo may run one sequence at a time. It sends a constrained request and leaves
+    while the request is being prepared; once the preparation ends anyway, its next request must
+    still be admitted (the orphaned preparation used to take the tenant's slot for good)."""
+    url = server.url
+    schema = {"type": "object", "properties": {"held": {"type": "integer"}}}
+    body = {"model": "tiny", "max_tokens": 4,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "x", "schema": schema}},
+            "messages": [{"role": "user", "content": "HOLD and leave"}]}
+    before = requests_total(url, "solo", "client_disconnected")
+    sock = raw_post(url, "/v1/chat/completions", body, "sk-solo")
+    assert gate_prepare.started.wait(30)
+    sock.close()
+    wait_for(lambda: requests_total(url, "solo", "client_disconnected") > before,
+             "the server to see the client leave")
+    gate_prepare.release.set()
+    assert gate_prepare.finished.wait(30)
+    time.sleep(0.2)  # what the orphaned preparation did after its compile
+    r = post(f"{url}/v1/chat/completions",
+             {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+             "sk-solo")
+    assert r.status_code == 200, r.text
+    wait_for(lambda: idle(server), "the engine to go idle")
+
+
+def test_preparing_a_prompt_leaves_the_event_loop_free(server, gate_prepare):
+    """Review M8: the template render and tokenization of a large prompt run off the event loop:
+    while one is held, the server still answers."""
+    url = server.url
+    body = {"model": "tiny", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "HOLD " + "word " * 20_000}]}
+    sock = raw_post(url, "/v1/chat/completions", body, "sk-alice")
+    try:
+        assert gate_prepare.started.wait(30)
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+            assert resp.status == 200
+    finally:
+        gate_prepare.release.set()
+        sock.close()
+    wait_for(lambda: idle(server), "the engine to go idle")
+
+
+def test_refused_requests_count_against_the_request_rate(server):
+    """Review M8: rpm may send 2 requests a minute. Two refused ones (context length) use them
+    up: the third, valid, is refused by the rate limit before its prompt is tokenized."""
+    url = server.url
+    too_long = {"model": "tiny", "max_tokens": MAX_LEN + 1,
+                "messages": [{"role": "user", "content": "hi"}]}
+    for _ in range(2):
+        r = post(f"{url}/v1/chat/completions", too_long, "sk-rpm")
+        assert r.status_code == 400, r.text
+    r = post(f"{url}/v1/chat/completions",
+             {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+             "sk-rpm")
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text

@@ -44,6 +44,12 @@ class Gateway:
         principal.tenant.check_model(model)
         self._limiters[principal.tenant.name].check()
 
+    def refused(self, principal: Principal) -> None:
+        """A request of the tenant's was refused (400, 404, 429) after its body was read: it
+        costs one request of requests_per_minute as an admitted one does (review M8: refusals
+        were free, so a tenant could repeat expensive ones without end)."""
+        self._limiters[principal.tenant.name].refused()
+
     def admit(self, principal: Principal, prompt_tokens: Sequence[int], max_tokens: int,
               n: int = 1, timeout_s: float | None = None,
               arrival: float | None = None) -> Admission:

@@ -1,7 +1,7 @@
 """A tenant's limits: token buckets refilled continuously, and a concurrency limit.
 
 - requests_per_minute: a bucket of that many requests, refilled at limit/60 per second; each
-  admitted API request takes one.
+  admitted API request takes one, and so does each refused one (`refused`; never into debt).
 - tokens_per_minute: a bucket of that many tokens; admission reserves the request's prompt tokens
   plus max_tokens for each of its sequences (OpenAI counts the same way), and its end settles the
   reservation with the tokens really used (the unused part goes back; a use beyond the reservation
@@ -88,6 +88,14 @@ class TenantLimiter:
         nothing; `acquire` decides."""
         with self._lock:
             self._refusal(1, 1, self._clock())
+
+    def refused(self) -> None:
+        """A refused request takes one request from the bucket, as far as it holds one: the
+        bucket never goes into debt for refusals, which a refused tenant then waits out."""
+        with self._lock:
+            if self._requests is not None:
+                now = self._clock()
+                self._requests.take(min(1.0, max(0.0, self._requests.level(now))), now)
 
     def acquire(self, tokens: int, num_seqs: int) -> "Lease":
         """Admit a request that reserves `tokens` and runs `num_seqs` sequences, or raise

@@ -1,7 +1,8 @@
 """The one admission path every transport's requests take, after the body is parsed and tokenized
-once (openai_serving): the engine's checks of each prompt (`prepare`: empty, vocabulary),
-the tenant's limits (gateway: 429), the engine's queue (503, or a less important request shed in
-its place), then the QoS (class, share, deadlines) stamped on each prepared request.
+once (openai_serving): the engine's checks of each prompt (`prepare_requests`: empty,
+vocabulary, its grammar compiled), then, on the event loop, the tenant's limits (gateway: 429),
+the engine's queue (503, or a less important request shed in its place), and the QoS (class,
+share, deadlines) stamped on each prepared request (`admit`).
 
 `CallContext` is what a transport reads from its own framing once and hands over with the body:
 who calls (HTTP `Authorization`, gRPC metadata `authorization`, the batch runner's --tenant), the
@@ -44,21 +45,30 @@ def tenant_params(principal: Principal, params: SamplingParams,
     return params
 
 
-def admit(engine: ServingEngine, gateway: Gateway, ctx: CallContext,
-          request_ids: Sequence[str], prompt_ids: Sequence[list[int]], params: SamplingParams,
+def prepare_requests(engine: ServingEngine, request_ids: Sequence[str],
+                     prompt_ids: Sequence[list[int]], params: SamplingParams) -> list:
+    """One PreparedRequest per prompt: the engine's checks of each prompt, and its grammar
+    compiled (`prepare`), which may take a second, so a constrained request runs this off the
+    event loop. It takes nothing from the tenant or the engine's queue: a client that leaves
+    while it runs leaves nothing behind. `params` come from the engine's check_fits over all
+    the prompts, so no prompt is fitted again. Raises InvalidRequest (400)."""
+    return [engine.prepare(rid, {"prompt_token_ids": ids}, params, fitted=True)
+            for rid, ids in zip(request_ids, prompt_ids)]
+
+
+def admit(engine: ServingEngine, gateway: Gateway, ctx: CallContext, prepared: Sequence,
           max_queued: int | None) -> tuple[Admission, list]:
-    """(the tenant's Admission, one PreparedRequest per prompt carrying its QoS); `params` come
-    from the engine's check_fits over all the prompts, so no prompt is fitted again. Raises, having
-    taken nothing from the tenant's limits, InvalidRequest / ContextLengthExceeded (400),
-    RateLimitExceeded (429) or EngineOverloaded (503). The caller settles the Admission on every
-    terminal path."""
-    prepared = [engine.prepare(rid, {"prompt_token_ids": ids}, params, fitted=True)
-                for rid, ids in zip(request_ids, prompt_ids)]
-    admission = gateway.admit(ctx.principal, [len(ids) for ids in prompt_ids],
+    """(the tenant's Admission, the prepared requests carrying its QoS). Called on the event
+    loop with nothing awaited between it and the Generation that settles it (review H3: an
+    admission taken in an executor outlived a caller that left while it ran). Raises, having
+    taken nothing from the tenant's limits, RateLimitExceeded (429) or EngineOverloaded (503).
+    The caller settles the Admission on every terminal path."""
+    params = prepared[0].params  # the same for every prompt
+    admission = gateway.admit(ctx.principal, [len(p.prompt_token_ids) for p in prepared],
                               params.max_tokens, params.n, ctx.timeout_s, ctx.arrival)
     try:
         # Before a stream's headers go out, so a full queue is a 503, never an error in a 200.
-        engine.admit(len(prompt_ids) * params.n, max_queued, admission.qos.priority)
+        engine.admit(len(prepared) * params.n, max_queued, admission.qos.priority)
     except BaseException:
         admission.settle(0)
         raise

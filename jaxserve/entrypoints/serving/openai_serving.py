@@ -6,11 +6,11 @@ A request is parsed and tokenized once here and admitted on one path (admission.
 becomes is a `Generation` (generation.py): its engine requests, deltas, response or chunks,
 and its one end. A request refused here ends its call here (calls.py).
 
-A chat with tools gets them in its prompt and its output parsed into `tool_calls`, and a thinking
-model's reasoning into `reasoning_content` (entrypoints/serving/tool_output.py, parsers chosen per
-model by its chat template or the flags); a forced tool_choice becomes a grammar constraint. Every
+A chat with tools gets them in its prompt and its output parsed into `tool_calls`
+(entrypoints/serving/tool_output.py); a forced tool_choice becomes a grammar constraint. Every
 request is prepared for the engine up front (its grammar compiled, a 400 before any stream starts),
-a constrained one in an executor so a slow compile never blocks the event loop.
+in an executor so a long prompt or a slow compile never blocks the event loop; its admission is
+taken on the loop after that.
 
 Every request's model version is chosen through the fleet (`fleet.select`: a route's weights,
 stickiness and shadow copies, or a version named directly); the version's engine, tokenizer,
@@ -26,19 +26,22 @@ from typing import Any
 
 from jaxserve.config import RequestLimits
 from jaxserve.core.serving_engine import ServingEngine
-from jaxserve.errors import ContextLengthExceeded, EngineDead, EngineOverloaded, InvalidRequest
+from jaxserve.errors import (ContextLengthExceeded, EngineDead, EngineOverloaded, InvalidRequest,
+                             error_status)
 from jaxserve.fleet.fleet import Fleet
 from jaxserve.fleet.versions import Lease
 from jaxserve.gateway import Gateway
 from jaxserve.gateway.pricing import Pricing
 from jaxserve.entrypoints.serving import protocol
-from jaxserve.entrypoints.serving.admission import CallContext, admit, tenant_params
+from jaxserve.entrypoints.serving.admission import (CallContext, admit, prepare_requests,
+                                                    tenant_params)
 from jaxserve.entrypoints.serving.calls import Call, Sinks
 from jaxserve.entrypoints.serving.generation import Generation
 from jaxserve.entrypoints.serving.generation_defaults import with_defaults
 from jaxserve.entrypoints.serving.outcome import Outcome
-from jaxserve.entrypoints.serving.tool_output import ParserChoice, ToolCallOutput
+from jaxserve.entrypoints.serving.tool_output import ToolCallOutput
 from jaxserve.tool_calling.choice import forced_tool_call
+from jaxserve.tool_calling.parsers import get_tool_parser
 
 
 class OpenAIServing:
@@ -52,17 +55,16 @@ class OpenAIServing:
 
     def __init__(self, engine: ServingEngine | None, model_name: str, metrics=None, rag=None,
                  max_queued_requests: int | None = None,
-                 limits: RequestLimits = RequestLimits(), tool_call_parser: str = "auto",
+                 limits: RequestLimits = RequestLimits(), tool_call_parser: str = "hermes",
                  gateway: Gateway | None = None, pricing: Pricing | None = None,
-                 fleet: Fleet | None = None, policy=None, sinks: Sinks | None = None,
-                 reasoning_parser: str = "auto"):
+                 fleet: Fleet | None = None, policy=None, sinks: Sinks | None = None):
         if fleet is None:
             fleet = (Fleet.of_engine(model_name, engine, pricing=pricing) if engine is not None
                      else Fleet.empty())
         self.fleet = fleet
         self.engine = engine  # the one engine of a --model server; None with a deployment
-        # ConfigError at start for an unknown name; "auto": each version's chat template decides.
-        self.parsers = ParserChoice(tool_call_parser, reasoning_parser)
+        # ConfigError at start for an unknown name; "hermes" matches the built-in tool prompt.
+        self.tool_parser = get_tool_parser(tool_call_parser)
         self.policy = policy  # a request_policy.RequestPolicy, or None: no policy, no audit
         self.model_name = model_name
         self.metrics = metrics
@@ -93,8 +95,9 @@ class OpenAIServing:
     async def prepare_async(self, kind: str, body: Any, ctx: CallContext,
                             call: Call) -> Generation:
         """Everything that can fail before generation starts: a failure here is the client's
-        4xx (or 503 when the engine cannot take it), takes nothing from its tenant, and ends
-        `call` here, naming the version chosen if it got that far. The tenant's input rules
+        4xx (or 503 when the engine cannot take it), costs its tenant one request of its rate
+        when it is a 4xx (nothing else is taken), and ends `call` here, naming the version
+        chosen if it got that far. The tenant's input rules
         run first (a classifier in its executor). A chat with "rag" has its collection
         searched for the last user message (in an executor: embedding and search block) and
         the results put into the prompt; the response then carries "citations". An admitted
@@ -106,6 +109,8 @@ class OpenAIServing:
                                       api_key=ctx.principal.key_id)
             return await self._prepare(kind, body, parsed, ctx, lease, call)
         except BaseException as e:  # refused, or its caller left meanwhile
+            if ctx.principal is not None and 400 <= error_status(e).http < 500:
+                self.gateway.refused(ctx.principal)  # the client's fault costs a request
             call.end(Outcome(protocol.new_id("req"), ctx, e, kind=kind,
                              model=parsed.model if parsed is not None else None,
                              version=lease.version.name if lease is not None else None),
@@ -133,11 +138,25 @@ class OpenAIServing:
                 self.rag.executor, augment_chat, self.rag, parsed.prompts[0], rag, ctx.principal.tenant.name,
                 screening.screen_chunks if screening is not None else None)
             parsed = dataclasses.replace(parsed, prompts=[messages])
-        parsed, tool_output = self._tools(parsed, lease.version.engine.tokenizer)
-        if parsed.sampling_params.structured_outputs is not None:  # its grammar compiles
-            return await asyncio.get_running_loop().run_in_executor(
-                None, self._start, parsed, ctx, lease, call, citations, tool_output, screening)
-        return self._start(parsed, ctx, lease, call, citations, tool_output, screening)
+        parsed, tool_output = self._tools(parsed)
+        engine = lease.version.engine
+        gen_id = protocol.new_id("chatcmpl" if parsed.kind == "chat" else "cmpl")
+        # What grows with the body (template render, tokenization, a grammar compile) runs off
+        # the event loop, so a large or constrained prompt never stalls every stream (review
+        # M8). The tenant's admission is taken after it, here on the loop: taken in the
+        # executor, it outlived a caller that left meanwhile and was never settled (review H3).
+        prepared, tool_output = await asyncio.get_running_loop().run_in_executor(
+            None, self._prepare_prompts, parsed, ctx, engine, gen_id, tool_output)
+        if not engine.is_running:
+            raise EngineDead("the engine is not running; the server cannot generate")
+        if engine.is_stalled:  # a request now would only wait for nothing
+            raise EngineOverloaded("the engine has made no progress for a while (see GET "
+                                   "/ready); retry later")
+        admission, prepared = admit(engine, self.gateway, ctx, prepared,
+                                    self.max_queued_requests)
+        return Generation(gen_id, parsed, prepared, admission, ctx, lease, call,
+                          metrics=self.metrics, max_queued=self.max_queued_requests,
+                          citations=citations, tool_output=tool_output, screening=screening)
 
     def _parse_body(self, kind: str, body: Any) -> protocol.ParsedRequest:
         parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
@@ -150,56 +169,38 @@ class OpenAIServing:
         self.gateway.check(ctx.principal, parsed.model)
         return parsed
 
-    def _start(self, parsed: protocol.ParsedRequest, ctx: CallContext, lease: Lease, call: Call,
-               citations: list[dict] | None, tool_output: ToolCallOutput,
-               screening=None) -> Generation:
-        engine = lease.version.engine
+    def _prepare_prompts(self, parsed: protocol.ParsedRequest, ctx: CallContext,
+                         engine: ServingEngine, gen_id: str, tool_output: ToolCallOutput
+                         ) -> tuple[list, ToolCallOutput]:
+        """The engine requests of `parsed` (on any thread; takes nothing from anyone):
+        tokenized once, checked against the context and the KV pool, grammars compiled."""
         prompt_ids = [protocol.prompt_ids(engine.tokenizer, parsed, p) for p in parsed.prompts]
         params = self._fit_context(engine, parsed, prompt_ids)
-        if not engine.is_running:
-            raise EngineDead("the engine is not running; the server cannot generate")
-        if engine.is_stalled:  # a request now would only wait for nothing
-            raise EngineOverloaded("the engine has made no progress for a while (see GET "
-                                   "/ready); retry later")
         # The whole request against the context and the KV pool, once, before a stream's headers
         # go out, so it is still a 400 and not an error inside a 200 stream.
         params = engine.check_fits([len(p) for p in prompt_ids], params)
         params = tenant_params(ctx.principal, params, parsed.max_tokens_given)
-        gen_id = protocol.new_id("chatcmpl" if parsed.kind == "chat" else "cmpl")
-        tool_output = tool_output.after_prompt(engine.tokenizer, prompt_ids[0])
-        admission, prepared = admit(engine, self.gateway, ctx,
-                                    [f"{gen_id}-{i}" for i in range(len(prompt_ids))],
-                                    prompt_ids, params, self.max_queued_requests)
-        return Generation(gen_id, parsed, prepared, admission, ctx, lease, call,
-                          metrics=self.metrics, max_queued=self.max_queued_requests,
-                          citations=citations, tool_output=tool_output, screening=screening)
+        return prepare_requests(engine, [f"{gen_id}-{i}" for i in range(len(prompt_ids))],
+                                prompt_ids, params), tool_output
 
-    def _tools(self, parsed: protocol.ParsedRequest, tokenizer
+    def _tools(self, parsed: protocol.ParsedRequest
                ) -> tuple[protocol.ParsedRequest, ToolCallOutput]:
         """tool_choice "none" (or no tools): the tools stay out of the prompt and the output is
         content. "auto": the model may call, its text is parsed. "required" / named: a grammar
-        constraint makes it call (protocol refused it beside another constraint). A chat's
-        reasoning is parsed unless a constraint writes its output from the first token."""
-        if parsed.kind != "chat":
-            return parsed, ToolCallOutput(None)
-        parsers = self.parsers.for_tokenizer(tokenizer)
-        tool = parsers.tool if parsed.tool_choice.mode != "none" else None
-        if tool is None:
-            parsed = dataclasses.replace(parsed, tools=())
+        constraint makes it call (protocol refused it beside another constraint)."""
+        if parsed.tool_choice.mode == "none":
+            return dataclasses.replace(parsed, tools=()), ToolCallOutput(None)
         changes = {}
-        forced = tool and forced_tool_call(parsed.tools, parsed.tool_choice, tool,
-                                           parallel_tool_calls=parsed.parallel_tool_calls)
+        forced = forced_tool_call(parsed.tools, parsed.tool_choice, self.tool_parser,
+                                  parallel_tool_calls=parsed.parallel_tool_calls)
         if forced is not None:
             changes["structured_outputs"] = forced
-        constrained = forced is not None or parsed.sampling_params.structured_outputs is not None
-        reasoning = None if constrained else parsers.reasoning
-        if (tool is not None and tool.needs_special_tokens) or (
-                reasoning is not None and parsers.reasoning_needs_special_tokens):
-            changes["skip_special_tokens"] = False  # the markers must stay in the text
+        if self.tool_parser.needs_special_tokens:  # as vLLM's mistral parser does
+            changes["skip_special_tokens"] = False
         if changes:
             parsed = dataclasses.replace(
                 parsed, sampling_params=parsed.sampling_params.replace(**changes))
-        return parsed, ToolCallOutput(tool, reasoning)
+        return parsed, ToolCallOutput(self.tool_parser)
 
     @staticmethod
     def _fit_context(engine: ServingEngine, parsed: protocol.ParsedRequest,
