@@ -6,8 +6,9 @@ A request is parsed and tokenized once here and admitted on one path (admission.
 becomes is a `Generation` (generation.py): its engine requests, deltas, response or chunks,
 and its one end. A request refused here ends its call here (calls.py).
 
-A chat with tools gets them in its prompt and its output parsed into `tool_calls`
-(entrypoints/serving/tool_output.py); a forced tool_choice becomes a grammar constraint. Every
+A chat with tools gets them in its prompt and its output parsed into `tool_calls`, and a thinking
+model's reasoning into `reasoning_content` (entrypoints/serving/tool_output.py, parsers chosen per
+model by its chat template or the flags); a forced tool_choice becomes a grammar constraint. Every
 request is prepared for the engine up front (its grammar compiled, a 400 before any stream starts),
 in an executor so a long prompt or a slow compile never blocks the event loop; its admission is
 taken on the loop after that.
@@ -39,9 +40,8 @@ from jaxserve.entrypoints.serving.calls import Call, Sinks
 from jaxserve.entrypoints.serving.generation import Generation
 from jaxserve.entrypoints.serving.generation_defaults import with_defaults
 from jaxserve.entrypoints.serving.outcome import Outcome
-from jaxserve.entrypoints.serving.tool_output import ToolCallOutput
+from jaxserve.entrypoints.serving.tool_output import ParserChoice, ToolCallOutput
 from jaxserve.tool_calling.choice import forced_tool_call
-from jaxserve.tool_calling.parsers import get_tool_parser
 
 
 class OpenAIServing:
@@ -55,16 +55,17 @@ class OpenAIServing:
 
     def __init__(self, engine: ServingEngine | None, model_name: str, metrics=None, rag=None,
                  max_queued_requests: int | None = None,
-                 limits: RequestLimits = RequestLimits(), tool_call_parser: str = "hermes",
+                 limits: RequestLimits = RequestLimits(), tool_call_parser: str = "auto",
                  gateway: Gateway | None = None, pricing: Pricing | None = None,
-                 fleet: Fleet | None = None, policy=None, sinks: Sinks | None = None):
+                 fleet: Fleet | None = None, policy=None, sinks: Sinks | None = None,
+                 reasoning_parser: str = "auto"):
         if fleet is None:
             fleet = (Fleet.of_engine(model_name, engine, pricing=pricing) if engine is not None
                      else Fleet.empty())
         self.fleet = fleet
         self.engine = engine  # the one engine of a --model server; None with a deployment
-        # ConfigError at start for an unknown name; "hermes" matches the built-in tool prompt.
-        self.tool_parser = get_tool_parser(tool_call_parser)
+        # ConfigError at start for an unknown name; "auto": each version's chat template decides.
+        self.parsers = ParserChoice(tool_call_parser, reasoning_parser)
         self.policy = policy  # a request_policy.RequestPolicy, or None: no policy, no audit
         self.model_name = model_name
         self.metrics = metrics
@@ -138,7 +139,7 @@ class OpenAIServing:
                 self.rag.executor, augment_chat, self.rag, parsed.prompts[0], rag, ctx.principal.tenant.name,
                 screening.screen_chunks if screening is not None else None)
             parsed = dataclasses.replace(parsed, prompts=[messages])
-        parsed, tool_output = self._tools(parsed)
+        parsed, tool_output = self._tools(parsed, lease.version.engine.tokenizer)
         engine = lease.version.engine
         gen_id = protocol.new_id("chatcmpl" if parsed.kind == "chat" else "cmpl")
         # What grows with the body (template render, tokenization, a grammar compile) runs off
@@ -180,27 +181,36 @@ class OpenAIServing:
         # go out, so it is still a 400 and not an error inside a 200 stream.
         params = engine.check_fits([len(p) for p in prompt_ids], params)
         params = tenant_params(ctx.principal, params, parsed.max_tokens_given)
+        tool_output = tool_output.after_prompt(engine.tokenizer, prompt_ids[0])
         return prepare_requests(engine, [f"{gen_id}-{i}" for i in range(len(prompt_ids))],
                                 prompt_ids, params), tool_output
 
-    def _tools(self, parsed: protocol.ParsedRequest
+    def _tools(self, parsed: protocol.ParsedRequest, tokenizer
                ) -> tuple[protocol.ParsedRequest, ToolCallOutput]:
         """tool_choice "none" (or no tools): the tools stay out of the prompt and the output is
         content. "auto": the model may call, its text is parsed. "required" / named: a grammar
-        constraint makes it call (protocol refused it beside another constraint)."""
-        if parsed.tool_choice.mode == "none":
-            return dataclasses.replace(parsed, tools=()), ToolCallOutput(None)
+        constraint makes it call (protocol refused it beside another constraint). A chat's
+        reasoning is parsed unless a constraint writes its output from the first token."""
+        if parsed.kind != "chat":
+            return parsed, ToolCallOutput(None)
+        parsers = self.parsers.for_tokenizer(tokenizer)
+        tool = parsers.tool if parsed.tool_choice.mode != "none" else None
+        if tool is None:
+            parsed = dataclasses.replace(parsed, tools=())
         changes = {}
-        forced = forced_tool_call(parsed.tools, parsed.tool_choice, self.tool_parser,
-                                  parallel_tool_calls=parsed.parallel_tool_calls)
+        forced = tool and forced_tool_call(parsed.tools, parsed.tool_choice, tool,
+                                           parallel_tool_calls=parsed.parallel_tool_calls)
         if forced is not None:
             changes["structured_outputs"] = forced
-        if self.tool_parser.needs_special_tokens:  # as vLLM's mistral parser does
-            changes["skip_special_tokens"] = False
+        constrained = forced is not None or parsed.sampling_params.structured_outputs is not None
+        reasoning = None if constrained else parsers.reasoning
+        if (tool is not None and tool.needs_special_tokens) or (
+                reasoning is not None and parsers.reasoning_needs_special_tokens):
+            changes["skip_special_tokens"] = False  # the markers must stay in the text
         if changes:
             parsed = dataclasses.replace(
                 parsed, sampling_params=parsed.sampling_params.replace(**changes))
-        return parsed, ToolCallOutput(self.tool_parser)
+        return parsed, ToolCallOutput(tool, reasoning)
 
     @staticmethod
     def _fit_context(engine: ServingEngine, parsed: protocol.ParsedRequest,
