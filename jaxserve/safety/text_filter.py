@@ -92,19 +92,27 @@ class TextFilter:
                 self._hits[i] += 1
                 self.blocked = Intervention(self._rules[i].name, "block", self._stage)
                 return FilterResult("", self.blocked)
-        events, growing = [], {}
+        events, growing, pos = [], [], self._pos
         for i, rule in enumerate(self._rules):
-            start = self._open.get(i, max(self._rule_pos[i], self._pos))
-            spans, growing[i] = _scan(rule, text, start, final)
-            events.extend((s, ACTION_ORDER[rule.action], -e, i) for s, e in spans)
+            start = self._open.get(i) if self._open else None
+            if start is None:
+                start = max(self._rule_pos[i], pos)
+            spans, g = _scan(rule, text, start, final)
+            growing.append(g)
+            if spans:
+                order = ACTION_ORDER[rule.action]
+                events.extend((s, order, -e, i) for s, e in spans)
         # A pattern that can keep growing (`a.*b`) must not hold the stream forever: past the
         # cap, a match still forming is released under its rule's action (H5), so a secret
         # longer than the hold-back is redacted (or blocks) all the same.
-        release = max(min(growing.values(), default=n), n - self._max_holdback, self._pos)
-        for i, g in growing.items():
-            if g < release:
-                events.append((g, ACTION_ORDER[self._rules[i].action], -release, i))
-        self._open = {i: g for i, g in growing.items() if g < release}
+        first = min(growing, default=n)
+        release = max(first, n - self._max_holdback, pos)
+        self._open = {}
+        if first < release:
+            for i, g in enumerate(growing):
+                if g < release:
+                    events.append((g, ACTION_ORDER[self._rules[i].action], -release, i))
+                    self._open[i] = g
         events.sort()
         block = next((ev for ev in events if self._rules[ev[3]].action == "block"), None)
         limit = block[0] if block is not None else release
