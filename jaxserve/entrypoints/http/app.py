@@ -52,11 +52,13 @@ async def models_route(request: web.Request) -> web.Response:
 
 
 def _engine_for(request: web.Request, serving: OpenAIServing, model: str | None):
-    """The engine whose tokenizer a tokenize / detokenize request means."""
+    """The engine whose tokenizer a tokenize / detokenize request means (one the tenant may
+    use: without `model`, the served model)."""
     if model is None:
         if serving.engine is None:
             raise InvalidRequest("'model' is required: this server serves several models",
                                  param="model")
+        caller(request).tenant.check_model(request.app[STATE_KEY].model_name)
         return serving.engine
     caller(request).tenant.check_model(model)
     return serving.engine_for(model)

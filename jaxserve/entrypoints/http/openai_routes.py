@@ -11,6 +11,7 @@ requests, so their KV pages return at once."""
 from __future__ import annotations
 
 import functools
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
@@ -34,22 +35,31 @@ from jaxserve.entrypoints.serving.validation import validate
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state: AppState = request.app[STATE_KEY]
     ctx = call_context(request)
-    key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
     serving = state.require_serving()
     body = await read_json(request)
+    return await _keyed(request, ctx, kind, body.get("model"),
+                        lambda keep: _run(request, serving, kind, body, ctx, keep))
+
+
+async def _keyed(request: web.Request, ctx: CallContext, kind: str, model,
+                 answer: Callable[[Keep | None], Awaitable[web.StreamResponse]]
+                 ) -> web.StreamResponse:
+    """`answer(keep)`, or with an Idempotency-Key the stored answer of its earlier run: `keep`
+    stores what this run answers in full, for a retry to replay."""
+    state: AppState = request.app[STATE_KEY]
+    key = idempotency.parse_key(request.headers.get(idempotency.HEADER))
     if key is None:
-        return await _run(request, serving, kind, body, ctx, None)
+        return await answer(None)
     tenant = ctx.principal.tenant.name
     fingerprint = idempotency.fingerprint(request.path.encode() + b"\n" + await request.read())
     stored = state.idempotency.begin(tenant, key, fingerprint)
     if stored is not None:  # the model does not run again
-        call_of(request).end(Outcome(protocol.new_id("replay"), ctx, kind=kind,
-                                     model=body.get("model"), version=stored.version,
-                                     idempotent_replay=True))
+        call_of(request).end(Outcome(protocol.new_id("replay"), ctx, kind=kind, model=model,
+                                     version=stored.version, idempotent_replay=True))
         return await _replay(request, stored)
     try:
-        return await _run(request, serving, kind, body, ctx, functools.partial(
-            state.idempotency.complete, tenant, key, fingerprint))
+        return await answer(functools.partial(state.idempotency.complete, tenant, key,
+                                              fingerprint))
     finally:
         state.idempotency.abandon(tenant, key)  # unless completed: a retry then runs again
 
@@ -104,9 +114,16 @@ async def responses(request: web.Request) -> web.StreamResponse:
     state: AppState = request.app[STATE_KEY]
     serving = state.require_serving()
     req = validate(request_models(state.config.limits).responses, await read_json(request))
+    ctx = call_context(request)
+    return await _keyed(request, ctx, "chat", req.model,
+                        lambda keep: _respond_responses(request, serving, req, ctx, keep))
+
+
+async def _respond_responses(request: web.Request, serving: OpenAIServing, req,
+                             ctx: CallContext, keep: Keep | None) -> web.StreamResponse:
+    state: AppState = request.app[STATE_KEY]
     try:
-        gen = await serving.prepare_async("chat", chat_body(req), call_context(request),
-                                          call_of(request))
+        gen = await serving.prepare_async("chat", chat_body(req), ctx, call_of(request))
     except InvalidRequest as exc:
         raise rename_param(exc) from None
     response = ResponseObject(req)
@@ -122,4 +139,4 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
     return await _respond(gen, whole, lambda: stream_response(
         request, gen, events.events(gen.chunks(state.config.keepalive_seconds)), error_event,
-        done=False))
+        done=False, keep=keep), keep)
