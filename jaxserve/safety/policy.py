@@ -35,7 +35,7 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import regex
 
@@ -45,7 +45,7 @@ from jaxserve.safety.normalize import fold
 from jaxserve.safety.normalize import prepare as prepare_folding
 from jaxserve.safety.pii import DETECTORS
 from jaxserve.safety.rules import ACTIONS, STAGES, Intervention, Rule
-from jaxserve.safety.text_filter import TextFilter
+from jaxserve.safety.text_filter import TextFilter, scan
 
 DEFAULT_MAX_HOLDBACK_CHARS = 256
 _PACK_KEYS = {"rule", "max_prompt_chars", "max_holdback_chars"}
@@ -84,16 +84,9 @@ class Pack:
         """A filter for one choice's streamed output (one per choice)."""
         return TextFilter(self._text_rules("output"), "output", self.max_holdback_chars)
 
-    def completes_term(self, before: str, token: str) -> bool:
-        """Whether `token` written after `before` would complete a match of an output rule that
-        blocks or redacts: a top-logprob alternative naming what the output may not show."""
-        text = before + token
-        for r in self._text_rules("output"):
-            if r.action != "flag" and any(
-                    m.end() > len(before) and (r.check is None or r.check(m.group()))
-                    for m in r.pattern.finditer(text)):
-                return True
-        return False
+    def term_test(self) -> "TermTest":
+        """For one choice's output: what its top-logprob alternatives may not name."""
+        return TermTest([r for r in self._text_rules("output") if r.action != "flag"])
 
     def check_text(self, text: str) -> tuple[str, list[Intervention], Intervention | None]:
         """The input text rules on one text, at once (no classifier): (redacted text,
@@ -153,6 +146,38 @@ class Pack:
                 if r.action == "block" and blocked is None:
                     blocked = found[-1]
         return blocked
+
+
+class TermTest:
+    """Whether a token written at some point of a growing text would complete a match of an
+    output rule that blocks or redacts: what a top-logprob alternative there may not name. The
+    text is scanned once as it grows, as the output filter does: a match a token completes
+    starts no earlier than where the text before it could still become one."""
+
+    _CONTEXT = 16  # characters kept before that point, for lookbehinds
+
+    def __init__(self, rules: Sequence[Rule]):
+        self._rules = tuple(rules)
+        self._starts = [0] * len(self._rules)
+
+    def at(self, text: str, end: int) -> Callable[[str], bool]:
+        """The test for a token written after text[:end] (`end` never goes back)."""
+        self._starts = [scan(r, text, start, False, end)[1] if start < end else start
+                        for r, start in zip(self._rules, self._starts)]
+        lead = max(0, min(self._starts, default=end) - self._CONTEXT)
+        before = text[lead:end]
+        cut = end - lead
+        scans = [(r.pattern.finditer, start - lead, r.check)
+                 for r, start in zip(self._rules, self._starts)]
+
+        def completes(token: str) -> bool:
+            candidate = before + token
+            for finditer, start, check in scans:
+                for m in finditer(candidate, start):
+                    if m.end() > cut and (check is None or check(m.group())):
+                        return True
+            return False
+        return completes
 
 
 def _merge(interventions: list[Intervention]) -> tuple[Intervention, ...]:

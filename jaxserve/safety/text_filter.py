@@ -44,12 +44,13 @@ class FilterResult:
     blocked: Intervention | None = None
 
 
-def _scan(rule: Rule, text: str, pos: int, final: bool) -> tuple[list[tuple[int, int]], int]:
-    """The sure matches of `rule` starting at or after `pos`, and where text must be held back
-    from (len(text) when nothing is pending)."""
-    n = len(text)
+def scan(rule: Rule, text: str, pos: int, final: bool,
+         end: int | None = None) -> tuple[list[tuple[int, int]], int]:
+    """The sure matches of `rule` in text[:end] starting at or after `pos`, and where text must
+    be held back from (`end`, by default len(text), when nothing is pending)."""
+    n = len(text) if end is None else end
     spans = []
-    for m in rule.pattern.finditer(text, pos, partial=not final):
+    for m in rule.pattern.finditer(text, pos, n, partial=not final):
         start, end = m.span()
         if end == start:  # an empty partial match at the end: nothing pending
             continue
@@ -97,7 +98,7 @@ class TextFilter:
             start = self._open.get(i) if self._open else None
             if start is None:
                 start = max(self._rule_pos[i], pos)
-            spans, g = _scan(rule, text, start, final)
+            spans, g = scan(rule, text, start, final)
             growing.append(g)
             if spans:
                 order = ACTION_ORDER[rule.action]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import json
 from typing import Callable, Sequence
 
@@ -124,7 +125,9 @@ class Screening:
         # Per choice: the token ids (and logprobs) not sent yet, in groups of those that came
         # with one text delta: [text start, text end, ids, logprobs].
         self._held: dict[int, list[list]] = {}
-        self._token_text = token_text  # one id's text: what a top-logprob alternative says
+        # One id's text: what a top-logprob alternative says (the same ids come back often).
+        self._token_text = functools.lru_cache(4096)(token_text) if token_text else None
+        self._terms: dict = {}  # per choice: its safety.policy.TermTest
         self.outputs: dict[int, list[str]] | None = {} if keep_content else None
 
     def output(self, choice: int, text_so_far: str, new_text: str, ids: list, logprobs,
@@ -171,22 +174,25 @@ class Screening:
                 continue
             out_ids.extend(group_ids)
             if group_lps:
-                before = text[max(0, start - self.pack.max_holdback_chars):start]
-                out_lps.extend(self._alternatives(before, group_ids, group_lps))
+                out_lps.extend(self._alternatives(choice, text, start, stop, group_ids,
+                                                  group_lps))
         return out_ids, None if logprobs is None else out_lps
 
-    def _alternatives(self, before: str, ids: list, logprobs: list) -> list:
-        """The logprobs with each top alternative that would complete a term an output rule
-        blocks or redacts left out (`before`: the text in front of the first id)."""
+    def _alternatives(self, choice: int, text: str, start: int, stop: int, ids: list,
+                      logprobs: list) -> list:
+        """The logprobs of the ids whose text is text[start:stop], with each top alternative
+        that would complete a term an output rule blocks or redacts left out."""
         if self._token_text is None or not any(lp.top for lp in logprobs):
             return logprobs
+        terms = self._terms.get(choice)
+        if terms is None:
+            terms = self._terms[choice] = self.pack.term_test()
         out = []
         for tid, lp in zip(ids, logprobs):
-            tail = before[-self.pack.max_holdback_chars:]
+            completes = terms.at(text, start)
             out.append(lp._replace(top=[(alt, v) for alt, v in lp.top
-                                        if not self.pack.completes_term(
-                                            tail, self._token_text(alt))]))
-            before += self._token_text(tid)
+                                        if not completes(self._token_text(alt))]))
+            start = min(stop, start + len(self._token_text(tid)))
         return out
 
     def screen_chunks(self, results: list) -> list:
