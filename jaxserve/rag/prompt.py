@@ -60,6 +60,11 @@ def _quote(text: str, config: RagPromptConfig) -> str:
     return text
 
 
+def _quote_id(text: str, config: RagPromptConfig) -> str:
+    # An id is the client's text too (upsert): on one line, and without the markers.
+    return _quote(" ".join(text.split()), config)
+
+
 def build_rag_messages(messages: Sequence[dict], results: Sequence[SearchResult],
                        config: RagPromptConfig = RagPromptConfig()
                        ) -> tuple[list[dict], list[dict]]:
@@ -71,8 +76,9 @@ def build_rag_messages(messages: Sequence[dict], results: Sequence[SearchResult]
     messages = [dict(m) for m in messages]
     if not results:
         return messages, []
-    chunks = [config.chunk_template.format(n=n, document_id=r.document_id, chunk_id=r.chunk_id,
-                                           score=r.score, text=_quote(r.text, config))
+    chunks = [config.chunk_template.format(n=n, document_id=_quote_id(r.document_id, config),
+                                           chunk_id=_quote_id(r.chunk_id, config), score=r.score,
+                                           text=_quote(r.text, config))
               for n, r in enumerate(results, start=1)]
     context = "\n".join([config.begin_marker, "\n\n".join(chunks), config.end_marker])
     instructions = config.instructions.format(context=context)
