@@ -138,7 +138,8 @@ def test_tools_and_past_tool_calls_pass_the_input_rules(policy):
     called = {"role": "assistant", "content": "", "tool_calls": [{
         "id": "c1", "type": "function",
         "function": {"name": "t", "arguments": '{"say": "\\u006fpen sesame"}'}}]}
-    for request in (chat(user, tools=[tool("open sesame")]),
+    answer = {"role": "tool", "tool_call_id": "open sesame", "content": "ok"}
+    for request in (chat(user, tools=[tool("open sesame")]), chat(user, answer),
                     chat(user, tools=[tool(schema={"type": "object", "properties": {
                         "x": {"type": "string", "description": "OPEN SESAME"}}})]),
                     chat(user, called)):

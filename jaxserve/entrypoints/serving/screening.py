@@ -34,9 +34,10 @@ def _redacted(redactions: list[tuple[int, int, str]], start: int, end: int) -> b
 def prompt_texts(parsed, decode: Callable[[list[int]], str]) -> list[str]:
     """Every text of a request that its prompt renders, for the input rules (review a70e490,
     M1): a completion's prompts (token ids as their text); a chat's message contents, each
-    assistant tool call (its name and arguments, as the tool prompt writes them: JSON escapes
-    decoded) and each tool (name, description, parameters schema). So a rule is not passed by
-    moving its text into a tool's description or a past call's arguments (a /v1/responses
+    assistant tool call (its id, name and arguments, as the tool prompt writes them: JSON
+    escapes decoded), each tool message's tool_call_id (templates that handle tools may write
+    ids) and each tool (name, description, parameters schema). So a rule is not passed by moving
+    its text into a tool's description or a past call's arguments (a /v1/responses
     function_call item is such a call)."""
     if parsed.kind != "chat":
         return [p if isinstance(p, str) else decode(p) for p in parsed.prompts]
@@ -44,6 +45,8 @@ def prompt_texts(parsed, decode: Callable[[list[int]], str]) -> list[str]:
     for m in parsed.prompts[0]:
         if isinstance(m.get("content"), str):
             texts.append(m["content"])
+        if isinstance(m.get("tool_call_id"), str):
+            texts.append(m["tool_call_id"])
         texts.extend(_call_text(call) for call in m.get("tool_calls") or ())
     texts.extend(json.dumps(t.to_openai(), ensure_ascii=False) for t in parsed.tools)
     return texts
@@ -64,6 +67,8 @@ def with_prompt_texts(parsed, before: Sequence[str], after: Sequence[str]):
         m = dict(m)
         if isinstance(m.get("content"), str):
             m["content"] = next(pairs)[1]
+        if isinstance(m.get("tool_call_id"), str):
+            m["tool_call_id"] = next(pairs)[1]
         if m.get("tool_calls"):
             m["tool_calls"] = [_with_call_text(call, *next(pairs)) for call in m["tool_calls"]]
         messages.append(m)
@@ -83,7 +88,7 @@ def _call_text(call) -> str:
     if not isinstance(fn, dict):  # the tool prompt refuses it (400)
         return json.dumps(call, ensure_ascii=False, default=str)
     args = fn.get("arguments")
-    return json.dumps({"name": fn.get("name"),
+    return json.dumps({"id": call.get("id"), "name": fn.get("name"),
                        "arguments": _json(args) if isinstance(args, str) else args},
                       ensure_ascii=False)
 
@@ -92,12 +97,12 @@ def _with_call_text(call: dict, before: str, after: str) -> dict:
     if before == after:
         return call
     redacted = _json(after)
-    if not isinstance(redacted, dict) or not {"name", "arguments"} <= redacted.keys():
+    if not isinstance(redacted, dict) or not {"id", "name", "arguments"} <= redacted.keys():
         raise ValueError("a redaction broke a tool call")
     args = redacted["arguments"]
-    return {**call, "function": {**call["function"], "name": redacted["name"], "arguments":
-                                 args if isinstance(args, str) else
-                                 json.dumps(args, ensure_ascii=False)}}
+    return {**call, "id": redacted["id"],
+            "function": {**call["function"], "name": redacted["name"], "arguments":
+                         args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
 
 
 def _tool(text: str) -> FunctionTool:
