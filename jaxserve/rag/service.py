@@ -100,8 +100,8 @@ class RagService:
             if tenant is not None and len(self.list_collections(tenant)) >= quota:
                 raise QuotaExceeded(f"this API key's tenant has {quota} collections, its quota: "
                                     f"delete one first", param="name")
-            _private_directory(self._root)
-            _private_directory(self._root / name)
+            self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            (self._root / name).mkdir(mode=0o700)
             owner = os.open(self._root / name / _OWNER_FILE, os.O_WRONLY | os.O_CREAT, 0o600)
             with os.fdopen(owner, "w") as f:
                 f.write(tenant or _LEGACY_OWNER)
@@ -141,6 +141,8 @@ class RagService:
         with self._lock:
             directory = self._directory(name, tenant)
             if name not in self._open:
+                for made in (self._root, directory):  # ones made before modes were kept too
+                    os.chmod(made, 0o700)
                 self._open[name] = Collection(name, directory, embedder, self.config,
                                               LateInteractionReranker(embedder))
             self._open.move_to_end(name)
@@ -224,12 +226,6 @@ class RagService:
             for collection in self._open.values():
                 collection.close()
             self._open.clear()
-
-
-def _private_directory(path: Path) -> None:
-    """A directory only the server's user may enter (made before modes were kept: made so)."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
 
 
 def _disk_bytes(directory: Path) -> int:
