@@ -9,7 +9,7 @@ PORT   ?= 8000
 # Tests run on a 2-core CPU machine; keep XLA from oversubscribing it.
 PYTEST_ARGS ?= -q
 
-.PHONY: install install-dev fetch-models serve test generate bench-kernels clean protos
+.PHONY: install install-dev fetch-models serve test generate bench-kernels clean protos accelerator-bundle
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,13 @@ test: install-dev fetch-models
 
 bench-kernels: install
 	$(PY) benchmarks/kernels.py
+
+# The wheels benchmarks/accelerator_check.py needs on a GPU machine that has JAX and PyTorch but
+# not our other dependencies, for Python 3.12 on x86_64 Linux, into .whl/ (it travels with the tree).
+accelerator-bundle:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl -r benchmarks/accelerator_wheels.txt
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -2,7 +2,7 @@
 
 For each model, a ModelRunner (the engine's own compiled programs: forward over a ragged batch
 plan, then the greedy sampler) times:
-- decode: N one-token queries, each at --context tokens of context (N = 1 and 64);
+- decode: N one-token queries, each at --context tokens of context (N in --batches: 1 and 64);
 - prefill: --prefill-seqs chunks of --prefill-tokens new tokens each, from position 0.
 Two times per batch, each the best of --repeats: `step` is one synchronous engine step (plan to
 the device, forward, sampler, tokens back to the host), as serving runs it; `queued` is the
@@ -100,7 +100,7 @@ def run_model(name: str, args, bw: float, peak: float) -> list[dict]:
     rng = np.random.default_rng(0)
     rows = []
     max_tokens = max(64, args.prefill_seqs * args.prefill_tokens)
-    runner = make_runner(config, params, args, num_seqs=64, max_tokens=max_tokens)
+    runner = make_runner(config, params, args, num_seqs=max(args.batches), max_tokens=max_tokens)
 
     def measure(batch: str, token_lists, starts):
         plan = step_plan(runner.shapes, token_lists, starts)
@@ -117,7 +117,7 @@ def run_model(name: str, args, bw: float, peak: float) -> list[dict]:
                          queued_ms=queued * 1e3, floor_ms=floor * 1e3,
                          bound="compute" if flops / peak >= nbytes / bw else "memory"))
 
-    for n in (1, 64):
+    for n in args.batches:
         measure(f"decode {n} x {args.context} ctx",
                 [[int(t)] for t in rng.integers(1, c.vocab_size, n)], [args.context] * n)
     S, P = args.prefill_seqs, args.prefill_tokens
@@ -142,6 +142,8 @@ def main() -> None:
     p.add_argument("--models", default="smollm2,llama-1b")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on an accelerator, else float32")
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--batches", type=lambda s: [int(n) for n in s.split(",")], default=[1, 64],
+                   help="decode batch sizes, comma-separated")
     p.add_argument("--prefill-seqs", type=int, default=4)
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
