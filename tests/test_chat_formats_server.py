@@ -1,8 +1,9 @@
 """Chat formats through a real server on a tiny random model whose GGUF carries a thinking
 template (Qwen3-Thinking style: the generation prompt opens `<think>`, `enable_thinking: false`
 closes it): the output is returned as `reasoning_content` (whole, streamed, and as a Responses
-reasoning item) unless `chat_template_kwargs` turns thinking off; and a forced tool call cut by
-max_tokens comes back with finish_reason "length" and its arguments so far."""
+reasoning item) unless `chat_template_kwargs` turns thinking off, and a JSON response format
+holds only after the block; a forced tool call cut by max_tokens comes back with finish_reason
+"length" and its arguments so far."""
 
 from __future__ import annotations
 
@@ -62,6 +63,12 @@ def test_reasoning_content_whole_streamed_and_switched_off(client):
     assert off.choices[0].message.content
     assert "reasoning_content" not in off.choices[0].message.model_extra
     assert off.usage.prompt_tokens > whole.usage.prompt_tokens  # the closed block is prompt
+    # A JSON response format holds after the block: the model thinks freely first.
+    constrained = client.chat.completions.create(
+        model="tiny", messages=ASK, temperature=0, max_tokens=8,
+        response_format={"type": "json_object"})
+    assert constrained.choices[0].message.model_extra["reasoning_content"]
+    assert constrained.choices[0].message.content is None
     r = client.responses.create(model="tiny", input="What is 2 + 2?", temperature=0,
                                 max_output_tokens=8)
     assert [item.type for item in r.output] == ["reasoning"]

@@ -1,5 +1,6 @@
 """Reasoning parsers on fixed texts (whole and streamed in pieces, which must agree), the choice
-of parser from a chat template, and the chat message / deltas with reasoning and tool calls."""
+of parser from a chat template, the chat message / deltas with reasoning and tool calls, and a
+JSON constraint that holds after the reasoning block."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from jaxserve.entrypoints.serving.tool_output import ParserChoice, ToolCallOutpu
 from jaxserve.errors import ConfigError
 from jaxserve.reasoning.parsers import detect, get_reasoning_parser
 from jaxserve.tool_calling.parsers import get_tool_parser
+# test_tool_calling's fixtures (SmolLM2's tokenizer and its grammar compiler) and matcher helper:
+# ruff: noqa: F811
+from tests.test_tool_calling import grammar_accepts, smollm2_grammars, smollm2_tok  # noqa: F401
 
 # (parser, prompt left the block open, generated text, reasoning, content)
 CASES = [
@@ -125,3 +129,39 @@ def test_flags_reach_the_server_config():
     assert (chosen.tool_call_parser, chosen.reasoning_parser) == ("phi4_mini_json", "none")
     with pytest.raises(SystemExit):
         config("--reasoning-parser", "nope")
+
+
+def test_a_json_constraint_holds_after_the_reasoning_block(smollm2_grammars):
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.structured import StructuredOutputsParams as SO
+
+    schema = SO(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                      "required": ["a"], "additionalProperties": False}, param="response_format")
+    qwen3 = get_reasoning_parser("qwen3")
+
+    class Tok:  # the rendered prompt's end, as decode gives it
+        def __init__(self, tail):
+            self.tail = tail
+
+        def decode(self, ids, skip_special_tokens=True):
+            return self.tail
+
+    output = ToolCallOutput(None, qwen3)
+    cases = {"<|im_start|>assistant\n<think>\n": True, "<|im_start|>assistant\n": False}
+    for tail, opened in cases.items():
+        out, params = output.after_prompt(Tok(tail), [1], SamplingParams(structured_outputs=schema))
+        constraint = params.structured_outputs
+        assert out.in_reasoning is opened and constraint.reasoning == ("<think>", "</think>",
+                                                                       opened)
+        assert constraint.param == "response_format"
+
+        def accepts(text):
+            return grammar_accepts(smollm2_grammars, constraint, text)
+
+        # free text inside the block, even JSON-like; then the schema, after any whitespace
+        assert accepts('<think>\nSay {"b": 2}?\n</think>\n\n{"a": 1}')
+        assert accepts('Hmm.\n</think>\n\n{"a": 1}') is opened  # the prompt opened the block
+        assert accepts('{"a": 1}') is not opened  # no block: only where the model opens it
+        assert not accepts('<think>\nx\n</think>\n\n{"b": 1}') and not accepts("Paris")
+    regex = SO(regex="[0-9]+")  # other kinds still hold from the first token
+    assert regex.after_reasoning("<think>", "</think>", True) is regex

@@ -50,6 +50,8 @@ def grammar_text(constraint: StructuredOutputsParams) -> str:
     import llguidance  # here, not at the top: the engine's import path stays light (issue 41)
 
     kind = constraint.kind
+    if constraint.reasoning is not None:
+        return _after_reasoning(constraint)
     try:
         if kind in ("json", "json_object"):
             return llguidance.LLMatcher.grammar_from_json_schema(
@@ -60,6 +62,19 @@ def grammar_text(constraint: StructuredOutputsParams) -> str:
         return llguidance.grammar_from(kind, getattr(constraint, kind))
     except ValueError as e:
         raise _invalid(constraint, str(e)) from None
+
+
+def _after_reasoning(constraint: StructuredOutputsParams) -> str:
+    """Lark: a reasoning block of free text (opened by the prompt, or optional and opened by the
+    model), whitespace, then the JSON. The block is a lazy lexeme ended by its end marker, so
+    its text is anything up to the first end marker."""
+    start, end, opened = constraint.reasoning
+    schema = constraint.schema() if constraint.kind == "json" else {"type": "object"}
+    block = "thought WS?" if opened else f"({json.dumps(start)} thought WS?)?"
+    return (f"start: {block} body\n"
+            f"thought[suffix={json.dumps(end)}]: /(.|\\n)*/\n"
+            f"WS: /[ \\t\\r\\n]+/\n"
+            f"body: {lark_json(schema)}\n")
 
 
 def _invalid(constraint: StructuredOutputsParams, error: str) -> InvalidRequest:

@@ -13,6 +13,7 @@ A constraint is hashable and compares by what it constrains (its kind and canoni
 
 from __future__ import annotations
 
+import dataclasses
 import json as _json
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ MAX_SPEC_CHARS = 65_536
 MAX_CHOICES = 256
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+REASONING_KINDS = ("json", "json_object")  # kinds that may follow a reasoning block
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     param: str = field(default="structured_outputs", compare=False)
+    # A thinking model's reasoning block first, free text: (its start marker, its end marker,
+    # whether the prompt opened it). The constraint holds after the block (`after_reasoning`).
+    reasoning: tuple[str, str, bool] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.json_object, bool):
@@ -55,6 +60,13 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", self._choices(self.choice))
         if self.grammar is not None:
             self._text("grammar", self.grammar)
+
+    def after_reasoning(self, start: str, end: str, opened: bool) -> StructuredOutputsParams:
+        """This constraint after a reasoning block (json and json_object; any other kind is
+        returned as it is, constraining from the first token)."""
+        if self.kind not in REASONING_KINDS:
+            return self
+        return dataclasses.replace(self, reasoning=(start, end, opened))
 
     @property
     def kind(self) -> str:

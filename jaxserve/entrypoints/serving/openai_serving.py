@@ -41,6 +41,7 @@ from jaxserve.entrypoints.serving.generation import Generation
 from jaxserve.entrypoints.serving.generation_defaults import with_defaults
 from jaxserve.entrypoints.serving.outcome import Outcome
 from jaxserve.entrypoints.serving.tool_output import ParserChoice, ToolCallOutput
+from jaxserve.structured.params import REASONING_KINDS
 from jaxserve.tool_calling.choice import forced_tool_call
 
 
@@ -181,7 +182,7 @@ class OpenAIServing:
         # go out, so it is still a 400 and not an error inside a 200 stream.
         params = engine.check_fits([len(p) for p in prompt_ids], params)
         params = tenant_params(ctx.principal, params, parsed.max_tokens_given)
-        tool_output = tool_output.after_prompt(engine.tokenizer, prompt_ids[0])
+        tool_output, params = tool_output.after_prompt(engine.tokenizer, prompt_ids[0], params)
         return prepare_requests(engine, [f"{gen_id}-{i}" for i in range(len(prompt_ids))],
                                 prompt_ids, params), tool_output
 
@@ -190,7 +191,8 @@ class OpenAIServing:
         """tool_choice "none" (or no tools): the tools stay out of the prompt and the output is
         content. "auto": the model may call, its text is parsed. "required" / named: a grammar
         constraint makes it call (protocol refused it beside another constraint). A chat's
-        reasoning is parsed unless a constraint writes its output from the first token."""
+        reasoning is parsed, and a JSON constraint holds after it; a forced call or another
+        kind of constraint writes the output from the first token, with no reasoning."""
         if parsed.kind != "chat":
             return parsed, ToolCallOutput(None)
         parsers = self.parsers.for_tokenizer(tokenizer)
@@ -202,8 +204,9 @@ class OpenAIServing:
                                            parallel_tool_calls=parsed.parallel_tool_calls)
         if forced is not None:
             changes["structured_outputs"] = forced
-        constrained = forced is not None or parsed.sampling_params.structured_outputs is not None
-        reasoning = None if constrained else parsers.reasoning
+        constraint = parsed.sampling_params.structured_outputs
+        thinks = forced is None and (constraint is None or constraint.kind in REASONING_KINDS)
+        reasoning = parsers.reasoning if thinks else None
         if (tool is not None and tool.needs_special_tokens) or (
                 reasoning is not None and parsers.reasoning_needs_special_tokens):
             changes["skip_special_tokens"] = False  # the markers must stay in the text

@@ -15,6 +15,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.reasoning import parsers as reasoning_parsers
 from jaxserve.reasoning.parsers import ReasoningParser, ReasoningStream
 from jaxserve.tool_calling import parsers as tool_parsers
@@ -94,14 +95,21 @@ class ToolCallOutput:
         self._streams: dict[int, ToolCallStream] = {}
         self._reasoning_streams: dict[int, ReasoningStream] = {}
 
-    def after_prompt(self, tokenizer, prompt_ids) -> ToolCallOutput:
-        """This output for a chat whose prompt is `prompt_ids`: whether the template left the
-        model inside a reasoning block is read from the prompt's last tokens."""
+    def after_prompt(self, tokenizer, prompt_ids, params: SamplingParams
+                     ) -> tuple[ToolCallOutput, SamplingParams]:
+        """This output and the sampling params for a chat whose prompt is `prompt_ids`: whether
+        the template left the model inside a reasoning block is read from the prompt's last
+        tokens, and a structured-output constraint then holds after the block, as in vLLM
+        (the model thinks freely first; StructuredOutputsParams.after_reasoning)."""
         if self.reasoning is None:
-            return self
+            return self, params
         tail = tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-        return ToolCallOutput(self.parser, self.reasoning,
-                              self.reasoning.starts_in_reasoning(tail))
+        opened = self.reasoning.starts_in_reasoning(tail)
+        constraint = params.structured_outputs
+        if constraint is not None:
+            params = params.replace(structured_outputs=constraint.after_reasoning(
+                self.reasoning.START, self.reasoning.END, opened))
+        return ToolCallOutput(self.parser, self.reasoning, opened), params
 
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """(the assistant message, the finish_reason) of a finished choice."""
