@@ -2,8 +2,9 @@
 
 tests/fixtures/models/<family>/ holds a tiny random model saved by transformers (see
 tools/make_model_fixtures.py, which also records HF's logits and greedy tokens). Here jaxserve
-loads each directory as a user would and must give HF's logits within 1e-4 (f32) and HF's 32
-greedy tokens for every prompt, through one engine whose shape forces chunked prefill (8-token
+loads each directory as a user would and must give HF's logits within 1e-4 (f32, every position
+of a prompt, through the serving step's own program) and HF's 32 greedy tokens for every prompt,
+through one engine whose shape forces chunked prefill (8-token
 steps), prefix caching (a prompt sharing 16 tokens with an earlier one) and preemption (a pool too
 small for two sequences), and again with tensor parallelism over 2 virtual CPU devices (in a child
 process: XLA fixes the device count at start). Also: config.json in both spellings and what is
@@ -12,7 +13,6 @@ refused, GGUF files as llama.cpp writes them, and `jaxserve convert` to orbax.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -28,7 +27,6 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.executor.batch_plan import SeqChunk, make_plan
 from jaxserve.executor.models import decoder
 from jaxserve.model_registry import ModelSpec
-from jaxserve.weights import load_model
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "models"
 FAMILIES = sorted(p.name for p in FIXTURES.iterdir())
@@ -43,9 +41,10 @@ def expected(family: str) -> dict:
 
 def engine_args(**changes) -> dict:
     # 8-token steps chunk the 13-21 token prompts; 15 usable pages of 4 cannot hold two of the
-    # 45-53 token sequences, so the second call preempts.
+    # 45-53 token sequences, so the second call preempts. 8 sequences: 8 logits rows per step,
+    # so the logits check reads every position through the same program.
     args = dict(page_size=4, num_pages=16, max_num_batched_tokens=8, min_token_bucket=8,
-                max_num_seqs=2, max_model_len=64, enable_prefix_caching=True, warmup=False,
+                max_num_seqs=8, max_model_len=64, enable_prefix_caching=True, warmup=False,
                 progress=False)
     return {**args, **changes}
 
@@ -60,25 +59,22 @@ def test_fixtures_cover_every_family_and_their_features_bind():
             assert diff > 1e-2, (family, feature, diff)
 
 
-@in_parent
-@pytest.mark.parametrize("family", FAMILIES)
-def test_logits_match_hf(family):
-    config, params = load_model(ModelSpec(family, "hf", FIXTURES / family))
-    prompt = expected(family)["prompts"][0]
-    page_size, pages = 4, 8
-    cache = decoder.init_kv_cache(config, pages, page_size)
-    plan = make_plan([SeqChunk(prompt, 0, list(range(1, pages)))], num_tokens_padded=32,
-                     num_seqs_padded=1, pages_per_seq=pages - 1, page_size=page_size)
-    plan = plan._replace(logits_indices=np.arange(len(prompt), dtype=np.int32))
-    logits = np.asarray(_logits(params, config, cache, jax.tree.map(jnp.asarray, plan)))
-    want = np.load(FIXTURES / family / "logits.npy")
-    np.testing.assert_allclose(logits[:len(prompt)], want, atol=1e-4, rtol=0)
+def _prompt_logits(engine, prompt: list[int]) -> np.ndarray:
+    """Logits at every prompt position through the program serving runs (the engine's one
+    8-token bucket, all 8 rows sampled), the prompt in chunks, in pages no request holds yet."""
+    from jaxserve.shapes import cdiv
 
-
-@functools.partial(jax.jit, static_argnums=1)
-def _logits(params, config, cache, batch):
-    hidden, _ = decoder.forward(params, config, cache, batch)
-    return decoder.compute_logits(params, config, hidden[batch.logits_indices])
+    runner, shapes = engine.runner, engine.runner.shapes
+    pages = list(range(1, 1 + cdiv(len(prompt), shapes.page_size)))
+    out = []
+    for start in range(0, len(prompt), 8):
+        chunk = prompt[start:start + 8]
+        plan = make_plan([SeqChunk(chunk, start, pages)], num_tokens_padded=8,
+                         num_seqs_padded=shapes.seq_bucket(8), pages_per_seq=shapes.pages_per_seq,
+                         page_size=shapes.page_size, num_rows_padded=8)
+        plan = plan._replace(logits_indices=np.arange(8, dtype=np.int32))
+        out.append(np.asarray(runner.run_forward(plan))[:len(chunk)])
+    return np.concatenate(out)
 
 
 def _greedy(llm, prompts) -> list[list[int]]:
@@ -92,6 +88,8 @@ def _check_engine(family: str, **changes) -> None:
 
     exp = expected(family)
     llm = LLM(str(FIXTURES / family), **engine_args(**changes))
+    np.testing.assert_allclose(_prompt_logits(llm.engine, exp["prompts"][0]),
+                               np.load(FIXTURES / family / "logits.npy"), atol=1e-4, rtol=0)
     # The first prompt alone, then the others together: the second shares its first 16 tokens
     # (4 cached pages) and the two cannot fit the pool at once.
     got = _greedy(llm, exp["prompts"][:1]) + _greedy(llm, exp["prompts"][1:])
@@ -102,7 +100,7 @@ def _check_engine(family: str, **changes) -> None:
 
 @in_parent
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tokens_match_hf_with_chunks_prefix_cache_and_preemption(family):
+def test_logits_and_greedy_tokens_match_hf_with_chunks_prefix_cache_and_preemption(family):
     _check_engine(family)
 
 
@@ -126,7 +124,7 @@ TP_FAMILIES = ["gemma3_text", "phi3"]
 
 @needs_2
 @pytest.mark.parametrize("family", TP_FAMILIES)
-def test_tp2_greedy_tokens_match_hf(family):
+def test_tp2_logits_and_greedy_tokens_match_hf(family):
     _check_engine(family, tensor_parallel_size=2)
 
 
