@@ -171,6 +171,42 @@ def test_frames_refuse_what_a_step_never_holds():
             multihost._recv(b, max_body=0)
 
 
+def test_the_leader_waits_briefly_on_a_silent_connection(monkeypatch):
+    """Review a70e490, L11: while the group forms, a connection that says nothing holds the
+    channel for the short hello time only, not the whole join timeout; a wrong token is
+    refused."""
+    import json
+    import threading
+    import time
+
+    store = {}
+    monkeypatch.setattr(multihost, "_kv_store", lambda: type("KV", (), {
+        "key_value_set": staticmethod(store.__setitem__)})())
+    monkeypatch.setattr(multihost, "_coordinator_host", lambda: "127.0.0.1")
+    monkeypatch.setattr(multihost.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost, "_HELLO_TIMEOUT_S", 0.2)
+    leader = []
+    thread = threading.Thread(target=lambda: leader.append(multihost.Leader(timeout_s=30)))
+    started = time.monotonic()
+    thread.start()
+    while not store:
+        time.sleep(0.01)
+    channel = json.loads(store[multihost._CHANNEL_KEY])
+    host, _, port = channel["address"].rpartition(":")
+    silent = socket.create_connection((host, int(port)))
+    wrong = socket.create_connection((host, int(port)))
+    wrong.sendall(multihost._frame({"type": "hello", "process_id": 1, "token": "0" * 32}))
+    follower = socket.create_connection((host, int(port)))
+    follower.sendall(multihost._frame({"type": "hello", "process_id": 1,
+                                       "token": channel["token"]}))
+    thread.join(20)
+    with silent, wrong, follower:
+        assert leader and set(leader[0].followers) == {1}
+        assert time.monotonic() - started < 10  # not the 30 s join timeout
+        assert wrong.recv(1) == b""  # refused: closed
+        leader[0].followers[1].close()
+
+
 # ---------------------------------------------------------------- invalid sizes: one clear error
 
 

@@ -20,6 +20,7 @@ follower whose leader disconnects exits with an error.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import math
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 _CHANNEL_KEY = "jaxserve/step_channel"
 _MAX_HEADER_BYTES = 1 << 20
 _MAX_BODY_BYTES = 1 << 30
+# A connection must say hello this soon: while the group forms, the leader reads one connection
+# at a time, so a silent one (a port scan, a stray client) must not hold the channel for long.
+_HELLO_TIMEOUT_S = 10.0
 # What a step carries (BatchPlan, SamplingMetadata and bitmask fields); anything else is refused.
 _DTYPES = {np.dtype(t).str for t in ("int32", "uint32", "float32")}
 
@@ -182,16 +186,19 @@ class Leader:
         try:
             while len(self.followers) < jax.process_count() - 1:
                 sock, _ = self._server.accept()
-                sock.settimeout(timeout_s)
+                sock.settimeout(min(timeout_s, _HELLO_TIMEOUT_S))
                 try:
                     hello, _ = _recv(sock, max_body=0)
                 except (OSError, ValueError):
                     hello = {}
-                pid = hello.get("process_id")
-                if hello.get("token") != token or pid in self.followers or not (
+                pid, given = hello.get("process_id"), hello.get("token")
+                ours = isinstance(given, str) and hmac.compare_digest(given.encode(),
+                                                                      token.encode())
+                if not ours or pid in self.followers or not (
                         isinstance(pid, int) and 0 < pid < jax.process_count()):
                     sock.close()  # not one of ours, or a duplicate
                     continue
+                sock.settimeout(timeout_s)
                 self.followers[pid] = sock
         except TimeoutError:
             missing = sorted(set(range(1, jax.process_count())) - set(self.followers))
