@@ -44,6 +44,13 @@ def tenants(tmp_path):
     return path
 
 
+@pytest.fixture
+def service(tmp_path):
+    service = _service(tmp_path)
+    yield service
+    service.close()
+
+
 class Blocked:
     """Stands in for a service method: its first call blocks until `release` (on the thread it
     runs on, named in `threads`), later calls run at once."""
@@ -58,6 +65,14 @@ class Blocked:
             self.started.set()
             self.release.wait(30)
         return self.real(*args)
+
+
+@pytest.fixture
+def blocked(service, monkeypatch) -> Blocked:
+    """The service's encoder, blocked on its first call."""
+    blocked = Blocked(service.embed)
+    monkeypatch.setattr(service, "embed", blocked)
+    return blocked
 
 
 async def _wait(event: threading.Event) -> None:
@@ -98,8 +113,7 @@ async def _until_admitted(url, key, body):
 # ---------------------------------------------------------------- H2: gRPC Embed's bounds
 
 
-def test_grpc_embed_is_bounded_as_http_embeddings(tmp_path, monkeypatch):
-    service = _service(tmp_path)
+def test_grpc_embed_is_bounded_as_http_embeddings(service, monkeypatch):
     calls = []
     real = service.embed
     monkeypatch.setattr(service, "embed", lambda texts: calls.append(len(texts)) or real(texts))
@@ -126,17 +140,12 @@ def test_grpc_embed_is_bounded_as_http_embeddings(tmp_path, monkeypatch):
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT,
                      grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert len(reply.embeddings) == 2 and calls == [2]  # the refused ones never reached it
-    service.close()
 
 
 # ------------------------------------ M6: a client that leaves keeps its hold until the work ends
 
 
-def test_http_embeddings_client_that_leaves_keeps_its_slot_and_pays(tmp_path, tenants,
-                                                                     monkeypatch):
-    service = _service(tmp_path)
-    blocked = Blocked(service.embed)
-    monkeypatch.setattr(service, "embed", blocked)
+def test_http_embeddings_client_that_leaves_keeps_its_slot_and_pays(service, blocked, tenants):
     body = {"model": MINILM, "input": [LONG] * 16}  # 16 x 64 tokens
 
     async def scenario(url):
@@ -156,14 +165,10 @@ def test_http_embeddings_client_that_leaves_keeps_its_slot_and_pays(tmp_path, te
     assert int(headers["x-ratelimit-remaining-tokens"]) < TPM - 700
     # On retrieval's own bounded threads, not the loop's default executor.
     assert blocked.threads and all(t.startswith("rag") for t in blocked.threads)
-    service.close()
 
 
-def test_grpc_embed_cancelled_keeps_its_slot_until_the_encoder_is_done(tmp_path, tenants,
-                                                                        monkeypatch):
-    service = _service(tmp_path)
-    blocked = Blocked(service.embed)
-    monkeypatch.setattr(service, "embed", blocked)
+def test_grpc_embed_cancelled_keeps_its_slot_until_the_encoder_is_done(service, blocked,
+                                                                        tenants):
     serving = OpenAIServing(None, "some-llm", gateway=Gateway(load_tenants(tenants)))
     key = [("authorization", "Bearer sk-a")]
     request = pb.EmbedRequest(model=MINILM, input=[LONG] * 16)
@@ -195,15 +200,12 @@ def test_grpc_embed_cancelled_keeps_its_slot_until_the_encoder_is_done(tmp_path,
 
     code, remaining = asyncio.run(main())
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and remaining < TPM - 700
-    service.close()
 
 
 # ------------------------------------------------ M7: ingest's tokens, quotas, files, descriptors
 
 
-def test_upsert_charges_the_tokens_the_encoder_read(tmp_path, tenants):
-    service = _service(tmp_path)
-
+def test_upsert_charges_the_tokens_the_encoder_read(service, tenants):
     async def scenario(url):
         assert (await _post(f"{url}/v1/collections", "sk-a", {"name": "kb"}))[0] == 201
         docs = [{"id": f"d{i}", "text": LONG} for i in range(8)]  # 16 chunks of <= 48 tokens
@@ -212,7 +214,6 @@ def test_upsert_charges_the_tokens_the_encoder_read(tmp_path, tenants):
     status, body, headers = _serve_http(service, tenants, scenario)
     assert status == 200 and body["chunks"] == 16
     assert int(headers["x-ratelimit-remaining-tokens"]) < TPM - 500
-    service.close()
 
 
 def test_each_tenant_has_quotas_on_collections_documents_and_bytes(tmp_path, tenants):
