@@ -1,7 +1,8 @@
 """Keyed routes beside chat and completions, on a real server over a tiny random model with a
 tenants file (review a70e490): /v1/responses honours Idempotency-Key as the other generation
 routes do (L10: a retry replays, the model does not run again); /tokenize and /detokenize
-without `model` still check that the tenant may use the served model (L14)."""
+without `model` still check that the tenant may use the served model (L14); a model that does not
+exist is a 404 that names no other model (L1)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,12 @@ def test_tokenize_without_model_checks_the_tenants_models(server):
         assert r.status_code == 404 and json.loads(r.text)["error"]["code"] == \
             "model_not_found", (path, r.text)
         assert _post(server, path, body).status_code == 200, path
+
+
+def test_an_unknown_model_names_no_other(server):
+    for key in ("sk-mallory", "sk-alice"):  # mallory may use public-* only
+        r = _post(server, "/v1/chat/completions", {
+            "model": "public-nope", "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 1}, key=key)
+        assert r.status_code == 404, r.text
+        assert "tiny" not in json.loads(r.text)["error"]["message"], key

@@ -301,10 +301,10 @@ class Fleet:
     def _addressed(self, name: str) -> Version:
         version = self._versions.get(name)
         if version is None or version.state in _GONE:
-            # OpenAI's wording, with what this server does serve.
-            raise ModelNotFound(f"The model '{name}' does not exist; routes: "
-                                f"{', '.join(sorted(self._routes)) or '(none)'}; versions: "
-                                f"{', '.join(self.ready_versions()) or '(none)'} (GET /v1/models)")
+            # OpenAI's wording. It names no model that does exist: the caller may be a tenant
+            # that may not use it (GET /v1/models lists the ones it may).
+            raise ModelNotFound(f"The model '{name}' does not exist (GET /v1/models lists the "
+                                f"models you may use)")
         if version.state is VersionState.LOADING:
             raise EngineOverloaded(f"version {name!r} is still loading")
         if version.state is VersionState.DRAINING:
