@@ -134,6 +134,17 @@ def test_keys_find_their_tenant_and_never_show(tmp_path, caplog):
     assert ACME_KEY not in caplog.text
 
 
+def test_a_short_key_is_warned_of_without_showing_it(tmp_path, caplog):
+    """Review a70e490, L15: key_id (in every log line and audit record) is a hash of the key, so
+    a short key can be found from the logs by trying candidates."""
+    caplog.set_level(logging.WARNING, logger="jaxserve.gateway")
+    load_tenants(write(tmp_path, '[tenant.acme]\napi_keys = ["sk-acme-1"]\n'))
+    assert "tenant.acme.api_keys[0]" in caplog.text and "sk-acme-1" not in caplog.text
+    caplog.clear()
+    load_tenants(write(tmp_path, '[tenant.acme]\napi_keys = ["sk-' + "k" * 30 + '"]\n'))
+    assert caplog.text == ""
+
+
 def test_an_open_server_admits_anyone_as_default():
     gateway = Gateway()
     for header in (None, "Bearer unused"):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import logging
 import math
 import re
 import tomllib
@@ -35,6 +36,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from jaxserve.errors import ConfigError, InvalidRequest, ModelNotFound
+
+log = logging.getLogger("jaxserve.gateway")
+MIN_KEY_CHARS = 24  # below this a key is warned of at load (review a70e490, L15)
 from jaxserve.core.request import ServiceClass
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # also a metrics label value
@@ -156,7 +160,15 @@ def _tenant(name: str, table: dict[str, Any], where: str) -> Tenant:
     if unknown:
         raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; known: "
                           f"{sorted(set(_FIELDS) | {'api_keys', 'api_key_sha256'})}")
-    digests = [hash_key(k) for k in _strings(table.get("api_keys", []), f"{where}.api_keys")]
+    keys = _strings(table.get("api_keys", []), f"{where}.api_keys")
+    for i, key in enumerate(keys):
+        if len(key) < MIN_KEY_CHARS:
+            # key_id, in every access-log line and audit record, is a hash of the key: a short
+            # key is found from the logs by hashing candidates.
+            log.warning("%s.api_keys[%d]: a key of %d characters can be guessed from its key_id "
+                        "in the logs; use %d or more random characters", where, i, len(key),
+                        MIN_KEY_CHARS)
+    digests = [hash_key(k) for k in keys]
     for i, h in enumerate(_strings(table.get("api_key_sha256", []),
                                    f"{where}.api_key_sha256")):
         if not _HEX_DIGEST.match(h):
