@@ -190,6 +190,13 @@ def test_hf_qwen2_ignores_disabled_sliding_window(tmp_path):
     assert load_hf(path)[0].sliding_window is None
 
 
+def test_hf_qwen2_window_slides_from_max_window_layers(tmp_path):
+    # HF: with use_sliding_window, layers from max_window_layers on slide, the earlier ones not.
+    path = write_hf_dir(tmp_path / "hf", QWEN2, random_params(QWEN2), extra_config={
+        "sliding_window": 32, "use_sliding_window": True, "max_window_layers": 1})
+    assert load_hf(path)[0].layer_windows == (None, 32)
+
+
 def test_hf_bad_inputs(tmp_path):
     params = random_params(LLAMA)
     path = write_hf_dir(tmp_path / "gpt2", LLAMA, params, extra_config={"model_type": "gpt2"})
