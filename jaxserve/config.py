@@ -228,6 +228,9 @@ class RequestLimits:
                               f"width), got {self.max_logprobs}")
 
 
+METRICS_TENANT_LABELS = ("names", "hashed")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -265,6 +268,8 @@ class ServerConfig:
     # /metrics needs `Authorization: Bearer <this>` (--metrics-token-file); None: open, except
     # on a server with tenants, where it answers loopback clients only.
     metrics_token: str | None = field(default=None, repr=False)
+    # The `tenant` label of /metrics: "names", or "hashed" (stable pseudonyms, t-<12 hex>).
+    metrics_tenant_labels: str = "names"
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -277,6 +282,9 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.metrics_token is not None and not self.metrics_token:
             raise ConfigError("the metrics token is empty")
+        if self.metrics_tenant_labels not in METRICS_TENANT_LABELS:
+            raise ConfigError(f"metrics_tenant_labels must be one of {METRICS_TENANT_LABELS}, "
+                              f"got {self.metrics_tenant_labels!r}")
 
 
 @dataclass(frozen=True)

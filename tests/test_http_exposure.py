@@ -13,6 +13,7 @@ without one):
 from __future__ import annotations
 
 import asyncio
+import re
 import logging
 from unittest import mock
 
@@ -206,3 +207,22 @@ def test_an_internal_error_is_a_generic_500(service, monkeypatch, caplog):  # no
     assert status == 500 and body["error"]["type"] == "server_error"
     assert "/srv" not in body["error"]["message"] and "OSError" not in body["error"]["message"]
     assert secret in caplog.text  # the log has it
+
+
+def test_hashed_tenant_labels(tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+
+    async def scenario(s, url, port):
+        await _status(s, "GET", f"{url}/v1/models",
+                      headers={"Authorization": "Bearer sk-alice-0123456789"})
+        await _status(s, "GET", f"{url}/v1/models", headers={"Authorization": "Bearer nope"})
+        async with s.get(f"{url}/metrics") as resp:
+            return await resp.text()
+    text = _serve(scenario, tenants_file=str(path), metrics_tenant_labels="hashed")
+    tenants = set(re.findall(r'tenant="([^"]*)"', text))
+    assert "alice" not in tenants and "none" in tenants  # no key matched: no tenant to hide
+    (alias,) = tenants - {"none"}
+    assert re.fullmatch(r"t-[0-9a-f]{12}", alias)
+    # the same alias after a restart (series continue), from the tenants' keys
+    assert alias in _serve(scenario, tenants_file=str(path), metrics_tenant_labels="hashed")

@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from jaxserve.config import RequestLimits, ServerConfig
+from jaxserve.config import METRICS_TENANT_LABELS, RequestLimits, ServerConfig
 from jaxserve.errors import ConfigError, ModelNotFound
 from jaxserve.rag.config import RagQuotas
 from jaxserve.reasoning.parsers import REASONING_PARSERS
@@ -126,6 +126,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="/metrics needs 'Authorization: Bearer TOKEN', TOKEN read from FILE "
                              f"(or from ${METRICS_TOKEN_ENV}); without one, a server with "
                              "--tenants answers /metrics to loopback clients only")
+    parser.add_argument("--metrics-tenant-labels", choices=METRICS_TENANT_LABELS,
+                        default=_DEFAULTS.metrics_tenant_labels,
+                        help="the tenant label of /metrics: names, or hashed (a stable "
+                             "pseudonym per tenant; docs/security.md) (default: %(default)s)")
     parser.add_argument("--idempotency-ttl", type=float, default=_DEFAULTS.idempotency_ttl_s,
                         metavar="SECONDS",
                         help="how long the response to an Idempotency-Key is kept for a retry "
@@ -213,7 +217,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         policy_file=str(args.policy) if args.policy else None,
                         audit_log_dir=str(args.audit_log) if args.audit_log else None,
                         allowed_hosts=args.allowed_hosts or (),
-                        metrics_token=_metrics_token(args.metrics_token_file))
+                        metrics_token=_metrics_token(args.metrics_token_file),
+                        metrics_tenant_labels=args.metrics_tenant_labels)
 
 
 def _exit_now(code: int) -> None:

@@ -13,6 +13,8 @@ token agreement, canary trips) are read at scrape time too.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from typing import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -111,13 +113,41 @@ class PolicyMetrics:
             self.interventions.labels(i.rule, i.action, i.stage).inc()
 
 
+def tenant_pseudonyms(key: bytes) -> Callable[[str], str]:
+    """A tenant name -> "t-" and 12 hex digits of HMAC-SHA256(key, name): the same series for a
+    tenant across restarts, and no name a reader of the metrics can try candidates against
+    without the key."""
+    def alias(name: str) -> str:
+        return "t-" + hmac.new(key, name.encode(), hashlib.sha256).hexdigest()[:12]
+    return alias
+
+
+class _Pseudonymous:
+    """The registry as scraped, each `tenant` label value replaced by its pseudonym ("none", no
+    key matched, is nobody's)."""
+
+    def __init__(self, registry: CollectorRegistry, alias: Callable[[str], str]):
+        self._registry, self._alias = registry, alias
+
+    def collect(self):
+        for family in self._registry.collect():
+            family.samples = [
+                s._replace(labels={**s.labels, "tenant": self._alias(s.labels["tenant"])})
+                if s.labels.get("tenant") not in (None, "none") else s for s in family.samples]
+            yield family
+
+
 class ServerMetrics:
     """One registry per server, so several servers (tests) never share counters."""
 
     def __init__(self, stats: Callable[[], Mapping[str, Sequence[object]]],
-                 counters: Callable[[], Mapping[tuple[str, str], object]] = dict):
-        """`stats`: version -> its replicas' EngineStats; `counters`: the fleet's."""
+                 counters: Callable[[], Mapping[tuple[str, str], object]] = dict,
+                 tenant_alias: Callable[[str], str] | None = None):
+        """`stats`: version -> its replicas' EngineStats; `counters`: the fleet's;
+        `tenant_alias`: tenants are shown by it (tenant_pseudonyms), not by name."""
         self.registry = CollectorRegistry(auto_describe=True)
+        self._view = (self.registry if tenant_alias is None
+                      else _Pseudonymous(self.registry, tenant_alias))
         self.registry.register(_EngineCollector(stats))
         self.registry.register(_FleetCollector(counters))
         labels = ["model_name", "route"]  # .labels(version, route)
@@ -160,4 +190,4 @@ class ServerMetrics:
         self.cost.labels(*labels).inc(cost)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._view)

@@ -5,6 +5,8 @@ file fails the start."""
 
 from __future__ import annotations
 
+import hashlib
+
 from aiohttp import web
 
 from jaxserve.config import ServerConfig
@@ -12,7 +14,7 @@ from jaxserve.errors import EngineOverloaded
 from jaxserve.gateway import Gateway, load_tenants
 from jaxserve.gateway.idempotency import IdempotencyStore
 from jaxserve.gateway.pricing import Pricing
-from jaxserve.telemetry.metrics import PolicyMetrics, ServerMetrics
+from jaxserve.telemetry.metrics import PolicyMetrics, ServerMetrics, tenant_pseudonyms
 from jaxserve.entrypoints.serving.calls import Sinks
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
 from jaxserve.entrypoints.serving.request_policy import RequestPolicy
@@ -30,7 +32,9 @@ class AppState:
                                else None)
         self.idempotency = IdempotencyStore(config.idempotency_ttl_s)
         self.serving: OpenAIServing | None = None
-        self.metrics = ServerMetrics(self._stats, self._counters)
+        self.metrics = ServerMetrics(self._stats, self._counters, tenant_alias=(
+            tenant_pseudonyms(self._pseudonym_key())
+            if config.metrics_tenant_labels == "hashed" else None))
         # Read at build time too: a bad policy file or audit directory fails the start.
         self.policy = RequestPolicy.open(config.policy_file, config.audit_log_dir,
                                          PolicyMetrics(self.metrics.registry),
@@ -39,6 +43,11 @@ class AppState:
         self.sinks = Sinks(self.metrics, self.policy, config.log_prompts)
         self.shutting_down = False  # set on SIGTERM: not ready while in-flight requests drain
         self.openapi: dict | None = None  # built on first request, once every route is added
+
+    def _pseudonym_key(self) -> bytes:
+        # From the tenants' key digests: stable while the keys are, and unknown to a reader of
+        # the metrics.
+        return hashlib.sha256(b"".join(sorted(self.gateway.tenants.by_digest))).digest()
 
     def _stats(self) -> dict:
         if self.serving is None:  # warming up: no engine numbers yet
