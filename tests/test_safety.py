@@ -217,10 +217,15 @@ def test_a_redaction_in_folded_text_replaces_the_original_characters(tmp_path):
     assert folded.text == "x1\u20442yz"
     assert [folded.span(i, i + 1) for i in range(len(folded.text))] == [
         (0, 1), (1, 2), (1, 2), (1, 2), (2, 3), (4, 5)]
-    # an output literal still matches as written (the output is not folded)
+    # output is not folded: a literal matches its look-alikes there itself, with what a fold
+    # drops allowed between its letters
     pack = policy(tmp_path, rule("literal", "block", stage="output", pattern="caf\u00e9")
+                  + rule("literal", "block", stage="output", pattern="open sesame")
                   ).pack("default")
     assert stream(pack, ["un caf", "\u00e9"])[1] is not None
+    assert stream(pack, ["un cafe", "\u0301"])[1] is not None
+    released, blocked, _ = stream(pack, ["say o", "p\u200be", "n\u00a0 s", "\u0435s", "ame!"])
+    assert (released, blocked) == ("say ", Intervention("default.rule[1]", "block", "output"))
 
 
 # ---------------------------------------------------------------- streamed output

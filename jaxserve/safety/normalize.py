@@ -66,6 +66,27 @@ def _tables() -> tuple[dict[int, str], np.ndarray]:
     return table, lengths
 
 
+@functools.cache
+def _sources() -> dict[str, str]:
+    """Per character: itself and every character that folds to it alone (its look-alikes)."""
+    table, _ = _tables()
+    sources: dict[str, str] = {}
+    for cp, folded in table.items():
+        if len(folded) == 1:
+            sources[folded] = sources.get(folded, folded) + chr(cp)
+    return sources
+
+
+def look_alikes(ch: str) -> str:
+    """`ch` and the characters that fold to it: what a literal's character matches in text
+    that is not folded (a model's output)."""
+    return _sources().get(ch, ch)
+
+
+# Characters a fold drops that may stand between a literal's letters in unfolded text.
+IGNORABLE = r"[\p{Cf}\p{Mn}\p{Me}\u034f\u115f\u1160\u3164\uffa0\u180b-\u180d\u180f]"
+
+
 def prepare() -> None:
     """Build the tables now (at policy load) rather than in the first request."""
     _tables()

@@ -41,7 +41,7 @@ import regex
 
 from jaxserve.errors import ConfigError
 from jaxserve.safety.classifier import ClassifierRunner
-from jaxserve.safety.normalize import fold
+from jaxserve.safety.normalize import IGNORABLE, fold, look_alikes
 from jaxserve.safety.normalize import prepare as prepare_folding
 from jaxserve.safety.pii import DETECTORS
 from jaxserve.safety.rules import ACTIONS, STAGES, Intervention, Rule
@@ -333,13 +333,19 @@ def _load_rule(path: Path, pack: str, index: int, data: dict, classifiers: dict)
 
 
 def _literal_source(pattern: str) -> str:
-    """A literal as a regex: its whitespace matches any run of whitespace, and it matches as
-    written (streamed output) or folded (input text, which the rules see folded)."""
-    def source(text: str) -> str:
-        return r"\s+".join(regex.escape(part) for part in regex.split(r"\s+", text))
-
-    written, folded = source(pattern), source(fold(pattern).text)
-    return written if written == folded else f"(?:{written}|{folded})"
+    """A literal as a regex that matches it in folded text (input) and in text as written
+    (output) alike: each character of its fold matches that character or a look-alike, with
+    what a fold drops (zero-width and format characters, combining marks) allowed after it;
+    its whitespace matches any run of whitespace."""
+    parts = []
+    for ch in fold(pattern).text:
+        if ch.isspace():
+            if not parts or parts[-1] != r"\s+":
+                parts.append(r"\s+")
+            continue
+        alikes = "".join(dict.fromkeys(look_alikes(ch.lower()) + look_alikes(ch.upper())))
+        parts.append(regex.escape(ch) if len(alikes) == 1 else f"[{regex.escape(alikes)}]")
+    return f"{IGNORABLE}*".join(parts)
 
 
 def _classifier_rule(fail, data, name, stage, match, action, classifiers, text_keys) -> Rule:
