@@ -196,6 +196,34 @@ def test_bitmask_path_matches_llguidance_on_random_schemas(grammars, tokenizer, 
         jsonschema.validate(json.loads(text), schema)
 
 
+def test_a_grammar_slower_than_the_mask_budget_ends_its_row(tokenizer):
+    """Review M11: an ambiguous grammar whose mask grows slower every token (its Earley sets
+    grow; llguidance's fuel limits do not stop it: 250 ms a step after 200 tokens) would slow
+    every tenant's steps. Once a step's masks pass the budget, the rows over it are ended:
+    their next token is refused with a 400 naming the field; the row beside it goes on."""
+    from jaxserve.structured.grammar import GrammarCompiler, GrammarViolation
+
+    budget = 0.01
+    grammars = GrammarCompiler(tokenizer, vocab_size=VOCAB, eos_token_ids=tokenizer.eos_token_ids,
+                               mask_budget_s=budget)
+    slow = grammars.compile(SO(grammar='start: x\nx: " a" | x x | x x x',
+                               param="guided_grammar")).matcher("guided_grammar")
+    fast = grammars.compile(SO(regex="( a)+", param="guided_regex")).matcher("guided_regex")
+    a = tokenizer.encode(" a")[-1]
+    bitmask = np.full((2, bitmask_width(VOCAB)), -1, np.int32)
+    accepted = 0
+    with pytest.raises(GrammarViolation, match="budget") as err:
+        for _ in range(400):
+            grammars.fill_bitmask([(slow, 0), (fast, 1)], bitmask)
+            fast.accept(a)
+            slow.accept(a)
+            accepted += 1
+    assert err.value.param == "guided_grammar"
+    # Ended at about 10 ms a step, long before llguidance's own row limit (~400 tokens, 250 ms).
+    assert accepted < 250
+    fast.accept(a)  # its neighbour is unaffected
+
+
 # ---------------------------------------------------------------- through the engine (tiny model)
 
 

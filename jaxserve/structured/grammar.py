@@ -19,6 +19,7 @@ import functools
 import json
 import re
 import threading
+import time
 from typing import Sequence
 
 import numpy as np
@@ -31,6 +32,16 @@ from jaxserve.structured.params import StructuredOutputsParams
 # read most. Anything a schema can express is still reachable.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANY_OBJECT = '{"type":"object"}'
+# llguidance's resource limits, tighter than its defaults (review a70e490, M11): the lexer work
+# of one row's mask about 3.5 ms instead of 14, Earley items per mask 20k instead of 50k, and
+# lexer states 20k instead of 250k (1-2 kB each: up to 40 MB a grammar, not 0.5 GB, with 128
+# grammars cached). A grammar that passes one ends its request with a 400.
+PARSER_LIMITS = {"step_lexer_fuel": 50_000, "step_max_items": 20_000, "max_lexer_states": 20_000}
+# Some grammars stay within those limits and still slow down with every token (an ambiguous
+# grammar's Earley sets grow). When a step's masks take longer than this, the next step times
+# each row's mask alone, and a row over it is ended: its next token is refused (a 400 naming
+# the field).
+MASK_BUDGET_S = 0.05
 
 
 def lark_json(schema: dict) -> str:
@@ -95,6 +106,7 @@ class GrammarMatcher:
     def __init__(self, matcher: llguidance.LLMatcher, param: str):
         self._matcher = matcher
         self._param = param  # the request field the constraint came from, for the 400
+        self._over_budget: str | None = None  # why its row is ended (GrammarCompiler's budget)
 
     def speculate(self, draft_token_ids: Sequence[int]) -> list[GrammarMatcher]:
         """The states a step verifying these drafts needs the masks of: this matcher, then a
@@ -112,6 +124,8 @@ class GrammarMatcher:
         return states
 
     def accept(self, token_id: int) -> None:
+        if self._over_budget is not None:
+            raise GrammarViolation(f"'{self._param}': {self._over_budget}", param=self._param)
         if not self._matcher.consume_token(int(token_id)):
             # llguidance's error spans lines (its state and grammar): the first says why.
             why = self._matcher.get_error().strip().split("\n", 1)[0][:300]
@@ -150,9 +164,11 @@ class GrammarCompiler:
     a 49k vocabulary), so engines that never see a constraint never pay for it."""
 
     def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: Sequence[int],
-                 cache_size: int = 128):
+                 cache_size: int = 128, mask_budget_s: float = MASK_BUDGET_S):
         self._tokenizer_source = tokenizer  # a jaxserve Tokenizer: read on first use
         self.vocab_size = vocab_size
+        self.mask_budget_s = mask_budget_s
+        self._time_rows = False  # the last step's masks passed the budget
         self._eos = sorted(set(eos_token_ids))
         self._lock = threading.Lock()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
@@ -180,7 +196,8 @@ class GrammarCompiler:
     def _compile(self, constraint: StructuredOutputsParams) -> CompiledGrammar:
         import llguidance
 
-        template = llguidance.LLMatcher(self._tokenizer(), grammar_text(constraint), log_level=0)
+        template = llguidance.LLMatcher(self._tokenizer(), grammar_text(constraint), log_level=0,
+                                        limits=llguidance.LLParserLimits(**PARSER_LIMITS))
         if template.is_error():
             raise _invalid(constraint, template.get_error())
         return CompiledGrammar(template)
@@ -188,9 +205,27 @@ class GrammarCompiler:
     def fill_bitmask(self, rows: Sequence[tuple[GrammarMatcher, int]],
                      bitmask: np.ndarray) -> None:
         """Write each matcher's allowed tokens into bitmask[row] (i32[R, ceil(V / 32)], C order);
-        other rows are left as they are. Runs the rows in parallel on llguidance's threads."""
-        if rows:
-            import llguidance.numpy
+        other rows are left as they are. Runs the rows in parallel on llguidance's threads. A
+        step whose masks take longer than the mask budget makes the next one time each row
+        alone (a mask, once computed, is cached: it cannot be timed again), and end the rows
+        over the budget (MASK_BUDGET_S)."""
+        if not rows:
+            return
+        import llguidance.numpy
 
-            llguidance.numpy.fill_next_token_bitmask_par(
-                self._executor, [(m._matcher, row) for m, row in rows], bitmask)
+        if self._time_rows:
+            self._time_rows = False
+            for matcher, row in rows:
+                started = time.perf_counter()
+                llguidance.numpy.fill_next_token_bitmask(matcher._matcher, bitmask, row)
+                took = time.perf_counter() - started
+                if took > self.mask_budget_s:
+                    matcher._over_budget = (
+                        f"the constraint took {took * 1000:.0f} ms to enforce for one token, "
+                        f"over the server's budget of {self.mask_budget_s * 1000:.0f} ms; "
+                        "simplify it")
+            return
+        started = time.perf_counter()
+        llguidance.numpy.fill_next_token_bitmask_par(
+            self._executor, [(m._matcher, row) for m, row in rows], bitmask)
+        self._time_rows = time.perf_counter() - started > self.mask_budget_s
