@@ -202,9 +202,10 @@ class RagService:
 
     def _documents(self, name: str) -> int:
         with self._lock:
-            opened = self._open.get(name)
-        if opened is not None:
-            return opened.info()["documents"]
+            opened = name in self._open
+        if opened:  # through it: SQLite keeps a second connection's descriptors while it is open
+            with self._using(name, None) as collection:
+                return collection.info()["documents"]
         return count_documents(self._root / name / STORE_FILE)
 
     def delete_document(self, name: str, document_id: str, tenant: str | None = None) -> None:
