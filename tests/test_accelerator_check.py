@@ -27,20 +27,24 @@ def test_engine_import_path_loads_no_optional_library():
 
 @pytest.mark.slow
 def test_rehearsal_on_the_cpu(tmp_path, smollm2_path, golden_dir):
-    budget = 240
+    budget = 180
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "benchmarks/accelerator_check.py", "--out", str(tmp_path),
          "--budget-s", str(budget), "--golden-dir", str(golden_dir),
-         "--steps", "golden,kernel bandwidth,roofline smollm2,engine decode,tests"],
+         "--steps", "golden,roofline smollm2,engine decode,tests", "--batches", "1,16"],
         cwd=REPO, capture_output=True, text=True, timeout=budget + 120)
     elapsed = time.monotonic() - t0
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # 0: all golden cases passed; 3: the watchdog stopped a later step at the budget (a slow or
+    # busy machine), which must still leave a report.
+    assert proc.returncode in (0, 3), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "accelerator_check.json").read_text())
+    assert (proc.returncode == 3) == ("stopped" in report)
     golden = report["golden"]
     # 5 tokenizer cases, 6 greedy cases twice (chunked, then from the prefix cache), MiniLM's 2.
     assert golden["total"] >= 17 and golden["passed"] == golden["total"], golden
     assert [s["name"] for s in report["steps"]][0] == "golden"
+    assert report["steps"][0]["status"] == "ok"
     for step in report["steps"]:
         assert step["status"] == "ok" or step["status"].startswith("skipped: needs"), step
     for figure in report["figures"]:
