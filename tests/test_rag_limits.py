@@ -68,10 +68,12 @@ class Blocked:
 
 
 @pytest.fixture
-def blocked(service, monkeypatch) -> Blocked:
-    """The service's encoder, blocked on its first call."""
-    blocked = Blocked(service.embed)
-    monkeypatch.setattr(service, "embed", blocked)
+def blocked(service, monkeypatch, request) -> Blocked:
+    """The service's encoder (or the method named by the test's parameter), blocked on its first
+    call."""
+    method = getattr(request, "param", "embed")
+    blocked = Blocked(getattr(service, method))
+    monkeypatch.setattr(service, method, blocked)
     return blocked
 
 
@@ -145,15 +147,23 @@ def test_grpc_embed_is_bounded_as_http_embeddings(service, monkeypatch):
 # ------------------------------------ M6: a client that leaves keeps its hold until the work ends
 
 
-def test_http_embeddings_client_that_leaves_keeps_its_slot_and_pays(service, blocked, tenants):
-    body = {"model": MINILM, "input": [LONG] * 16}  # 16 x 64 tokens
+# Embeddings: 16 x 64 tokens; an upsert: 16 documents of 2 chunks (48 + 2, 40 + 2 tokens).
+_WORK = {"embed": ("/v1/embeddings", {"model": MINILM, "input": [LONG] * 16}),
+         "upsert": ("/v1/collections/kb/documents",
+                    {"documents": [{"id": f"d{i}", "text": LONG} for i in range(16)]})}
+
+
+@pytest.mark.parametrize("blocked", ["embed", "upsert"], indirect=True)
+def test_http_client_that_leaves_keeps_its_slot_and_pays(service, blocked, tenants, request):
+    path, body = _WORK[request.node.callspec.params["blocked"]]
 
     async def scenario(url):
-        first = asyncio.create_task(_post(f"{url}/v1/embeddings", "sk-a", body))
+        assert (await _post(f"{url}/v1/collections", "sk-a", {"name": "kb"}))[0] == 201
+        first = asyncio.create_task(_post(f"{url}{path}", "sk-a", body))
         await _wait(blocked.started)
         first.cancel()  # the client leaves while the encoder runs
         await asyncio.sleep(0.2)
-        while_running = (await _post(f"{url}/v1/embeddings", "sk-a", body))[0]
+        while_running = (await _post(f"{url}{path}", "sk-a", body))[0]
         blocked.release.set()
         after = await _until_admitted(f"{url}/v1/embeddings", "sk-a",
                                       {"model": MINILM, "input": ["a"]})
@@ -161,7 +171,7 @@ def test_http_embeddings_client_that_leaves_keeps_its_slot_and_pays(service, blo
 
     while_running, (status, _, headers) = _serve_http(service, tenants, scenario)
     assert while_running == 429 and status == 200
-    # The 1024 tokens the encoder read were paid although nobody took the answer.
+    # The ~1,000+ tokens the encoder read were paid although nobody took the answer.
     assert int(headers["x-ratelimit-remaining-tokens"]) < TPM - 700
     # On retrieval's own bounded threads, not the loop's default executor.
     assert blocked.threads and all(t.startswith("rag") for t in blocked.threads)
