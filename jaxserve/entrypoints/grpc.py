@@ -21,7 +21,7 @@ from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.entrypoints.serving.admission import CallContext
 from jaxserve.entrypoints.serving.calls import Call
-from jaxserve.entrypoints.serving.offload import run_held
+from jaxserve.entrypoints.serving.offload import encoder_tokens, run_held
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
 from jaxserve.entrypoints.serving.outcome import call_outcome
 from jaxserve.entrypoints.serving.request_models import EmbeddingRequest, embedding_texts
@@ -161,7 +161,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             # On retrieval's threads, as the HTTP routes: if the client leaves, the hold on
             # the tenant's limits lasts until the encoder is done, and pays what it read.
             vectors, num_tokens = await run_held(self.rag.executor, hold, self.rag.embed, texts,
-                                                 used_tokens=lambda result: result[1])
+                                                 used_tokens=encoder_tokens)
         except BaseException as e:  # JaxServeError, or the client left (cancelled)
             error = e
         finally:

@@ -34,16 +34,12 @@ from jaxserve.entrypoints.http.admin_routes import admin_only
 from jaxserve.entrypoints.http.front_door import caller, charge_tokens, lease_of, tenant_limited
 from jaxserve.entrypoints.http.json_body import parse_body
 from jaxserve.entrypoints.http.openapi import Route, add_routes
-from jaxserve.entrypoints.serving.offload import no_tokens, run_held
+from jaxserve.entrypoints.serving.offload import encoder_tokens, no_tokens, run_held
 from jaxserve.entrypoints.serving.request_models import (CreateCollectionRequest, EmbeddingRequest,
                                                          RerankRequest, SearchRequest,
                                                          UpsertDocumentsRequest, embedding_texts)
 
 RAG_KEY = web.AppKey("rag", RagService)
-
-
-def _tokens_read(result: tuple) -> int:
-    return result[1]  # (vectors or scores or chunks, tokens the encoder read)
 
 
 async def _call(request: web.Request, method: str, *args, used_tokens=no_tokens, **kwargs):
@@ -63,7 +59,7 @@ async def embeddings(request: web.Request) -> web.Response:
     body = await parse_body(request, EmbeddingRequest)
     service.check_model(body.model)
     vectors, num_tokens = await _call(request, "embed", embedding_texts(body),
-                                      used_tokens=_tokens_read)
+                                      used_tokens=encoder_tokens)
     charge_tokens(request, num_tokens)
     if body.dimensions is not None and body.dimensions != vectors.shape[1]:
         raise InvalidRequest(f"'dimensions' must be {vectors.shape[1]} for {service.model_name} "
@@ -95,7 +91,7 @@ async def rerank(request: web.Request) -> web.Response:
         raise InvalidRequest(f"'top_n' must be an integer in [1, {len(documents)}] (the number "
                              f"of documents), or 0 for all, got {top_n!r}", param="top_n")
     scores, num_tokens = await _call(request, "rerank", body.query, documents,
-                                     used_tokens=_tokens_read)
+                                     used_tokens=encoder_tokens)
     charge_tokens(request, num_tokens)
     order = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n or len(documents)]
     results = [{"index": i, "relevance_score": float(scores[i]),
@@ -132,7 +128,7 @@ async def upsert_documents(request: web.Request) -> web.Response:
     body = await parse_body(request, UpsertDocumentsRequest)
     docs = parse_documents([d.model_dump(exclude_none=True) for d in body.documents])
     chunks, num_tokens = await _call(request, "upsert", name, docs, _tenant(request),
-                                     used_tokens=_tokens_read)
+                                     used_tokens=encoder_tokens)
     charge_tokens(request, num_tokens)
     return web.json_response({"collection": name, "documents": len(docs), "chunks": chunks})
 

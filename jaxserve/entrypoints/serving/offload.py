@@ -23,6 +23,11 @@ def no_tokens(result: Any) -> int:
     return 0
 
 
+def encoder_tokens(result: tuple) -> int:
+    """Of an encoder call's (vectors, scores or chunks, tokens read)."""
+    return result[1]
+
+
 async def run_held(executor: Executor, lease: Lease | None, fn: Callable[..., T], *args,
                    used_tokens: Callable[[T], int] = no_tokens, **kwargs) -> T:
     """`fn(*args, **kwargs)` on `executor`; `used_tokens(result)`: what it read, for a hold
