@@ -18,6 +18,12 @@ empty strings in one message (INVALID_ARGUMENT), and a message over the 4 MiB re
 (RESOURCE_EXHAUSTED); a server without retrieval answers the first UNIMPLEMENTED (start it with
 --rag to reach the encoder's checks).
 
+Clients that leave while their grammar compiles (`compile_leave`, --compile-leaves; review
+a70e490, H3) must leave nothing held. When it starts the server (write timeout 3 s), one client
+streams 8 choices with top-20 logprobs and reads nothing (`unread_stream`; review a70e490, H1):
+the server must drop it within its write timeout, the request aborted (no [DONE] when
+read afterwards), and its memory grow less than 512 MiB.
+
 Exit status 0 when it passes; the last stdout line is the JSON report.
 """
 
@@ -27,7 +33,9 @@ import argparse
 import asyncio
 import json
 import random
+import contextlib
 import re
+import socket
 import sys
 import tempfile
 import time
@@ -51,7 +59,8 @@ KINDS = (("chat", 24), ("stream", 12), ("stream_cut", 14), ("give_up", 10), ("n_
          ("unknown_model", 3), ("many_messages", 4))
 # What each kind may end as: "answer" (2xx), "4xx", "cancel" (the client hung up first).
 ALLOWED = {"chat": {"answer"}, "stream": {"answer"}, "stream_cut": {"cancel", "answer"},
-           "give_up": {"cancel", "answer"}}
+           "give_up": {"cancel", "answer"}, "unread_stream": {"cancel"},
+           "compile_leave": {"cancel"}}
 _WORDS = "the a river stone light quiet engine paper seven under over blue".split()
 
 
@@ -124,6 +133,76 @@ async def hostile_embeds(target: str, calls: int) -> list[Outcome]:
         stub = pb_grpc.GenerationStub(channel)
         return list(await asyncio.gather(*(one_embed(stub, kind) for kind in
                                            ("embed_many", "embed_oversize") * (calls // 2))))
+
+
+# The write timeout of the server this starts: a client that stops reading is dropped after it.
+_WRITE_TIMEOUT_S = 3
+
+
+def _raw_post(base: str, path: str, body: dict, rcvbuf: int | None = None) -> socket.socket:
+    """Send one request on a raw socket and read nothing yet (`rcvbuf`: a tiny receive buffer,
+    so the server's writes stall as soon as the kernel buffers fill)."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect((host, int(port)))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def unread_stream(base: str, model: str, long: int, pid: int) -> Outcome:
+    """`unread_stream` (review a70e490, H1): 8 choices with top-20 logprobs streamed to a client
+    that reads nothing (megabytes, past every buffer). The server must keep its memory (it
+    queued one cumulative snapshot per step: O(n T^2)) and drop the client once a write has
+    waited its write timeout, aborting the request: reading afterwards finds no [DONE]."""
+    rss = _rss_bytes(pid)
+    body = {"model": model, "stream": True, "n": 8, "max_tokens": long, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 20, "messages": [{"role": "user", "content": "Hi"}]}
+    sock = _raw_post(base, "/v1/chat/completions", body, rcvbuf=4096)
+    try:
+        time.sleep(1)
+        settle(base, _TIMEOUT_S)  # aborted by the write timeout (or, unfixed, run to its end)
+        time.sleep(_WRITE_TIMEOUT_S + 2)
+        grown = _rss_bytes(pid) - rss
+        sock.settimeout(10)
+        received = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(1 << 20):
+                received += chunk
+    finally:
+        sock.close()
+    if b"data: [DONE]" in received:
+        return Outcome("unread_stream", "other", None, "a client that read nothing was not dropped")
+    if grown > 512 << 20:
+        return Outcome("unread_stream", "other", None, f"the server grew {grown >> 20} MiB")
+    return Outcome("unread_stream", "cancel", None, f"dropped; the server grew {grown >> 20} MiB")
+
+
+def leave_during_compile(base: str, model: str, calls: int, seed: int) -> list[Outcome]:
+    """`compile_leave` (review a70e490, H3): constrained chats, each with a schema of its own
+    (so its grammar compiles), whose clients leave 50 ms after sending. The server must end
+    each once and hold nothing for them afterwards (idle; the lockout of a tenant's slots
+    itself is tests/test_hostile_clients.py's, with a concurrency limit)."""
+    outcomes = []
+    for i in range(calls):
+        schema = {"type": "object", "properties": {f"f{seed}_{i}_{j}": {"type": "integer"}
+                                                   for j in range(20)}}
+        body = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "x", "schema": schema}}}
+        sock = _raw_post(base, "/v1/chat/completions", body)
+        time.sleep(0.05)
+        sock.close()
+        outcomes.append(Outcome("compile_leave", "cancel"))
+    return outcomes
 
 
 def _error_event(raw: bytes) -> str | None:
@@ -314,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grpc-target", help="the server's gRPC HOST:PORT, for the hostile Embed "
                    "calls (set when this starts the server)")
     p.add_argument("--embed-calls", type=int, default=4, help="hostile gRPC Embed calls")
+    p.add_argument("--compile-leaves", type=int, default=8,
+                   help="constrained chats whose clients leave while their grammar compiles")
     p.add_argument("--rag", action="store_true",
                    help="the server this starts serves retrieval (fetches all-minilm-l6-v2)")
     p.add_argument("--result-json", type=Path)
@@ -331,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         server = ServerProcess(["--model", args.model, "--port", "0", "--grpc-port", "0",
                                 *([] if args.rag else ["--no-rag"]),
                                 "--max-body-bytes", str(args.max_body_bytes),
+                                "--stream-write-timeout", str(_WRITE_TIMEOUT_S),
                                 *args.serve_flags.split()], log, cwd=ROOT)
         url = server.url
         args.grpc_target = next(line.split(" on ", 1)[1].strip() for line in server.startup_lines
@@ -342,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
                                             args.seed, args.max_body_bytes))
         if args.grpc_target and args.embed_calls:
             outcomes += asyncio.run(hostile_embeds(args.grpc_target, args.embed_calls))
+        outcomes += leave_during_compile(base, args.model, args.compile_leaves, args.seed)
+        if server is not None:  # its write timeout and its memory are known
+            outcomes.append(unread_stream(base, args.model,
+                                          _max_model_len(url) - 64, server.proc.pid))
         idle = settle(base)
         final_status = still_answers(url, args.model)
         # (counted after that last chat, which the server's log holds too)
