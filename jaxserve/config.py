@@ -101,6 +101,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
+    # Mixture of experts (Mixtral, Qwen3-MoE; jaxserve.executor.models.moe): num_experts > 0
+    # replaces the MLP of every layer not in dense_layers by experts_per_token of num_experts
+    # gated MLPs of moe_intermediate_size (the dense layers keep intermediate_size), weighted by
+    # the router's softmax over the chosen experts, renormalized to sum 1 if norm_topk_prob.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -138,6 +147,17 @@ class ModelConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got "
                               f"{self.quantization!r}")
+        if self.num_experts and not (0 < self.experts_per_token <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+            raise ConfigError(f"a mixture of experts needs 0 < experts_per_token <= num_experts "
+                              f"and moe_intermediate_size > 0, got {self.experts_per_token} of "
+                              f"{self.num_experts}, {self.moe_intermediate_size}")
+        if not set(self.dense_layers) <= set(range(self.num_layers if self.num_experts else 0)):
+            raise ConfigError(f"dense_layers must be layers of a mixture of experts, got "
+                              f"{self.dense_layers}")
+        if self.quantization is not None and self.num_experts:
+            raise ConfigError(f"quantization {self.quantization!r} of a mixture of experts is "
+                              f"not supported")
         contractions = (self.hidden_size, self.intermediate_size, self.num_heads * self.head_dim)
         if self.quantization == "int8" and any(k % INT8_GROUP for k in contractions):
             raise ConfigError(f"int8 quantization needs hidden_size, intermediate_size and "
@@ -146,6 +166,13 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts."""
+        if not self.num_experts:
+            return ()
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:

@@ -1,4 +1,5 @@
-"""Each dense family against HF transformers' own implementation, without torch.
+"""Each family (dense and mixture of experts) against HF transformers' own implementation,
+without torch.
 
 tests/fixtures/models/<family>/ holds a tiny random model saved by transformers (see
 tools/make_model_fixtures.py, which also records HF's logits and greedy tokens). Here jaxserve
@@ -118,8 +119,10 @@ def test_tensor_parallel_in_2_device_subprocess():
 
 # An engine each costs a compile, and the suite's time is short: Gemma 3 has what TP could break
 # beyond the Llama shape (q/k norms, per-layer windows through lax.switch inside shard_map, local
-# rope), Phi-3 its split fused projections and longrope; the Llama shape is tests/test_sharding.py's.
-TP_FAMILIES = ["gemma3_text", "phi3"]
+# rope), Phi-3 its split fused projections and longrope, Qwen3-MoE the experts' grouped matmuls
+# with their `mlp` axis sharded and a dense layer among them; the Llama shape is
+# tests/test_sharding.py's.
+TP_FAMILIES = ["gemma3_text", "phi3", "qwen3_moe"]
 
 
 @needs_2
@@ -174,6 +177,9 @@ def test_config_reads_the_same_in_both_spellings(family):
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
     ({"attention_bias": True}, "attention_bias is not supported for qwen3"),
     ({"hidden_act": "relu"}, "unsupported activation 'relu'"),
+    # Mixtures of experts not served yet (issue 36).
+    ({"model_type": "gpt_oss"}, "unsupported model_type 'gpt_oss' in config.json"),
+    ({"model_type": "deepseek_v3"}, "unsupported model_type 'deepseek_v3' in config.json"),
 ])
 def test_config_keys_it_does_not_understand_are_refused(tmp_path, change, message):
     import shutil
@@ -302,7 +308,8 @@ def test_convert_to_orbax_keeps_each_family_s_config_and_weights(tmp_path, capsy
     from jaxserve.entrypoints.cli import main
     from jaxserve.weights import load_host, load_model
 
-    for family in ("gemma3_text", "phi3"):  # per-layer types and local rope; longrope factors
+    # Per-layer types and local rope; longrope factors; experts and a dense layer among them.
+    for family in ("gemma3_text", "phi3", "qwen3_moe"):
         dst = tmp_path / family
         assert main(["convert", str(FIXTURES / family), str(dst)]) == 0
         config, params = load_model(ModelSpec(family, "orbax", dst))

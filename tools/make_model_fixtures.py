@@ -1,4 +1,4 @@
-"""Tiny random-weight models of each dense family, built and run by HF transformers itself.
+"""Tiny random-weight models of each family, built and run by HF transformers itself.
 
     /work/.venv-bench/bin/python tools/make_model_fixtures.py [--out tests/fixtures/models]
 
@@ -9,7 +9,9 @@ tokenizer.json, plus expected.json: the prompts (token ids), HF's 32 greedy toke
 (decoded step by step with HF's KV cache, as HF's generate does) and the smallest top-1 / top-2
 logit gap met on the way; and logits.npy, HF's f32 logits over the first prompt. The shapes make
 each family's distinctive math bind: windows shorter than the prompts, soft caps below the
-scores, rope scaling whose original context the prompt or the generation passes.
+scores, rope scaling whose original context the prompt or the generation passes; the mixtures of
+experts route each token to 2 of 4 experts whose router weights are wide enough that no choice is
+close, and Qwen3-MoE keeps one dense layer (mlp_only_layers).
 tests/test_model_families.py compares jaxserve with these; the suite needs no torch.
 """
 
@@ -62,6 +64,13 @@ def families():
                                  partial_rotary_factor=0.75,
                                  short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                  long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0]))),
+        "mixtral": (tf.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2,
+                                           **window)),
+        # Three layers: the middle one dense; top-k weights not renormalized (the HF default).
+        "qwen3_moe": (tf.Qwen3MoeConfig, dict(
+            num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6))),
     }
 
 
@@ -76,6 +85,10 @@ BINDING = {
                                                           rope_theta=10000.0))},
     "qwen3": {"rope theta 1e6": dict(rope_parameters=dict(rope_type="default",
                                                           rope_theta=10000.0))},
+    "mixtral": {"sliding window": dict(sliding_window=None),
+                "top-2 routing": dict(num_experts_per_tok=1)},
+    "qwen3_moe": {"norm_topk_prob off": dict(norm_topk_prob=True),
+                  "top-2 routing": dict(num_experts_per_tok=1)},
     "gemma2": {"attention soft cap": dict(attn_logit_softcapping=None),
                "final soft cap": dict(final_logit_softcapping=None),
                "sliding window": dict(sliding_window=64)},
@@ -135,6 +148,13 @@ def build(name: str, config_cls, changes: dict, out: Path, init_range: float) ->
             for n, p in model.named_parameters():
                 if n.endswith("norm.weight"):
                     p.normal_(0.0, 0.3)
+    if "moe" in name or name == "mixtral":
+        # Routers wide enough that each token's top-2 is clear (HF starts Qwen3-MoE's at 0).
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("gate.weight") and p.shape[0] == changes.get(
+                        "num_experts", changes.get("num_local_experts")):
+                    p.normal_(0.0, 1.0)
     path = out / name
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)

@@ -34,6 +34,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "cache_pages": None,
     "page_offset": None,
     "quant_groups": None,  # int8 weights' scales (not with tensor parallelism)
+    "expert": None,  # mixture-of-experts experts: replicated until expert parallelism
 }
 
 # Axes of the KV cache [L * num_pages, page_size, 2 * Hkv, D]: K/V pairs of a head are adjacent on

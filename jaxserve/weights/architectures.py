@@ -104,6 +104,31 @@ def _gemma(pattern: Callable[[dict], int], qk_norm: bool) -> Callable[[dict], di
     return fields
 
 
+def _moe(cfg: dict, expert_size: str, sparse: Callable[[int], bool],
+         norm_topk_prob: bool) -> dict:
+    """Mixture-of-experts fields; a model whose every layer is dense is served as dense."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    dense = tuple(i for i in range(cfg["num_hidden_layers"]) if not sparse(i))
+    if not experts or len(dense) == cfg["num_hidden_layers"]:
+        return {}
+    return {"num_experts": experts, "experts_per_token": cfg["num_experts_per_tok"],
+            "moe_intermediate_size": cfg[expert_size], "norm_topk_prob": norm_topk_prob,
+            "dense_layers": dense}
+
+
+def _qwen3_moe(cfg: dict) -> dict:
+    # HF's rule: sparse unless listed in mlp_only_layers, on every decoder_sparse_step-th layer.
+    only_dense, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step", 1)
+    return {**_qwen(cfg), "qk_norm": True,
+            **_moe(cfg, "moe_intermediate_size",
+                   lambda i: i not in only_dense and (i + 1) % step == 0,
+                   cfg.get("norm_topk_prob", False))}
+
+
+# Training-only keys of the MoE families (the auxiliary loss, jitter): inference ignores them.
+_MOE_KEYS = frozenset({"num_experts_per_tok", "router_aux_loss_coef", "output_router_logits",
+                       "router_jitter_noise", "num_local_experts"})
+
 _GEMMA_KEYS = frozenset({"hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping",
                          "final_logit_softcapping"})
 
@@ -125,6 +150,15 @@ ARCHITECTURES = {a.model_type: a for a in (
     Architecture("phi3", "phi3", fields=lambda cfg: _sliding_layers(cfg, lambda i: True),
                  keys=frozenset({"original_max_position_embeddings"}), fused_projections=True,
                  label="Phi-3 / 3.5 / 4-mini"),
+    # Mixture of experts (jaxserve.executor.models.moe). Their GGUF files (llama.cpp's stacked
+    # expert tensors) are not mapped yet.
+    Architecture("mixtral", None,
+                 fields=lambda cfg: _moe(cfg, "intermediate_size", lambda i: True, True),
+                 keys=_MOE_KEYS, label="Mixtral"),
+    Architecture("qwen3_moe", None, fields=_qwen3_moe,
+                 keys=_MOE_KEYS | {"num_experts", "moe_intermediate_size", "norm_topk_prob",
+                                   "mlp_only_layers", "decoder_sparse_step"},
+                 label="Qwen3-MoE"),
 )}
 
 

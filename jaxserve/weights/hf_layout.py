@@ -14,6 +14,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.errors import WeightsError
 from jaxserve.weights.architectures import architecture
+from jaxserve.weights.moe_layout import moe_params_from_hf
 
 GetTensor = Callable[[str], np.ndarray]
 
@@ -28,17 +29,17 @@ def _layer(config: ModelConfig, get: GetTensor, i: int) -> dict[str, np.ndarray]
         gate, up = np.split(get(mlp + "gate_up_proj.weight"), 2)
     else:
         q, k, v = (get(attn + f"{n}_proj.weight") for n in "qkv")
-        gate, up = get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")
+        if not config.num_experts:  # (a mixture of experts' MLPs: jaxserve.weights.moe_layout)
+            gate, up = get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")
     out = {
         "input_norm": get(pre + "input_layernorm.weight"),
         "q_proj": q.T.reshape(H, Hq, D),
         "k_proj": k.T.reshape(H, Hkv, D),
         "v_proj": v.T.reshape(H, Hkv, D),
         "o_proj": get(attn + "o_proj.weight").T.reshape(Hq, D, H),
-        "gate_proj": gate.T,
-        "up_proj": up.T,
-        "down_proj": get(mlp + "down_proj.weight").T,
     }
+    if not config.num_experts:
+        out.update(gate_proj=gate.T, up_proj=up.T, down_proj=get(mlp + "down_proj.weight").T)
     if config.sandwich_norms:
         # Gemma's post_attention_layernorm norms the attention's output; its pre-MLP norm is
         # pre_feedforward_layernorm (the decoder's post_attention_norm, named after Llama's).
@@ -78,6 +79,8 @@ def params_from_hf(config: ModelConfig, get: GetTensor, source: str) -> dict:
             "norm": fetch("model.norm.weight").reshape(config.hidden_size),
             "layers": {k: np.stack([layer[k] for layer in layers]) for k in layers[0]},
         }
+        if config.num_experts:
+            params.update(moe_params_from_hf(config, fetch))
         if not config.tie_word_embeddings:
             params["lm_head"] = fetch("lm_head.weight").T.reshape(config.hidden_size,
                                                                   config.vocab_size)

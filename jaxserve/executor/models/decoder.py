@@ -1,6 +1,7 @@
-"""The dense decoder of every supported family (Llama 2/3.x, Mistral, Qwen2/2.5/3, Gemma 2/3,
-Phi-3/3.5/4-mini, SmolLM2) over a ragged token batch: one definition, the families' differences
-are ModelConfig fields (see jaxserve.weights.architectures, which sets them per family).
+"""The decoder of every supported family (Llama 2/3.x, Mistral, Qwen2/2.5/3, Gemma 2/3,
+Phi-3/3.5/4-mini, SmolLM2; Mixtral and Qwen3-MoE, whose MLPs are jaxserve.executor.models.moe)
+over a ragged token batch: one definition, the families' differences are ModelConfig fields
+(see jaxserve.weights.architectures, which sets them per family).
 
 The model is a pure function of (params, kv_cache, batch): `forward` runs every layer over the flat
 tokens of one `BatchPlan` and returns the final-normed hidden states plus the updated KV cache;
@@ -18,6 +19,8 @@ Layout choices:
     layers/{q_norm, k_norm} [L, D] (Qwen3, Gemma 3),
     layers/{q,k,v}_proj [L, H, heads, D], layers/{q,k,v}_bias [L, heads, D] (Qwen2),
     layers/o_proj [L, Hq, D, H], layers/{gate,up}_proj [L, H, I], layers/down_proj [L, I, H].
+  A mixture of experts (config.num_experts) has no layers/{gate,up,down}_proj: its MLPs are the
+  `moe` and `dense_mlp` groups of jaxserve.executor.models.moe, which the block calls.
   With config.quantization "int8" the seven projections are uint8 codes of those shapes plus
   `{name}_scale` and `{name}_min` [L, K / 32, *out] (see `_weight`, jaxserve.weights.quantize).
   Every parameter carries logical axis names (`param_logical_axes`), which `param_shardings` maps
@@ -47,6 +50,7 @@ import numpy as np
 
 from jaxserve.executor import sharding
 from jaxserve.executor.batch_plan import BatchPlan
+from jaxserve.executor.models import moe
 from jaxserve.config import INT8_GROUP, ModelConfig, RopeScaling
 from jaxserve.kernels import attention as rpa
 from jaxserve.kernels import cpu as cpu_kernels
@@ -104,6 +108,8 @@ def why_matmul_off(config: ModelConfig, mesh: jax.sharding.Mesh | None) -> str |
     c = config
     if mesh is not None:
         return "tensor parallel"
+    if c.num_experts:
+        return "mixture of experts"
     if c.quantization is not None:
         return f"{c.quantization} weights"
     if jnp.dtype(c.dtype) != jnp.float32:
@@ -266,9 +272,11 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, carry, layer: jax.Array, batch: BatchPlan,
-                 stacked_projections: dict | None = None):
+                 stacked_projections: dict | None = None, moe_mlp=None):
         """`stacked_projections`: the seven projection weights of all layers ([L, ...] each, not
-        in this layer's params), read in place by the CPU kernel (`_projections_in_place`)."""
+        in this layer's params), read in place by the CPU kernel (`_projections_in_place`).
+        `moe_mlp`: with config.num_experts, (h, layer) -> the layer's MLP (moe.layer_mlp), whose
+        weights are not in the layer's params."""
         x, kv_cache = carry
         c = self.config
         dt = jnp.dtype(c.dtype)
@@ -323,12 +331,15 @@ class DecoderLayer(nn.Module):
 
         # Named after HF's Llama (post_attention_layernorm): the norm before the MLP.
         h = norm("post_attention_norm", x)
-        w_gate = weight("gate_proj", (H, I), ("embed", "mlp"), H)
-        w_up = weight("up_proj", (H, I), ("embed", "mlp"), H)
-        w_down = weight("down_proj", (I, H), ("mlp", "embed"), I)
-        mlp = _ACTIVATIONS[c.hidden_act](project(h, w_gate, "gate_proj")) * project(h, w_up,
-                                                                                    "up_proj")
-        h = project(mlp, w_down, "down_proj")
+        if c.num_experts:
+            h = moe_mlp(h, layer)
+        else:
+            w_gate = weight("gate_proj", (H, I), ("embed", "mlp"), H)
+            w_up = weight("up_proj", (H, I), ("embed", "mlp"), H)
+            w_down = weight("down_proj", (I, H), ("mlp", "embed"), I)
+            mlp = _ACTIVATIONS[c.hidden_act](project(h, w_gate, "gate_proj")) * project(
+                h, w_up, "up_proj")
+            h = project(mlp, w_down, "down_proj")
         if c.sandwich_norms:
             h = norm("mlp_output_norm", h)
         x = x + h
@@ -356,7 +367,8 @@ def _boxed_init(config: ModelConfig, rng: jax.Array) -> dict:
     k_embed, k_head, k_layers = jax.random.split(rng, 3)
     carry = (jnp.zeros((1, c.hidden_size), dt), init_kv_cache(c, num_pages=1, page_size=1))
     layer = DecoderLayer(c)
-    layers = jax.vmap(lambda k: layer.init(k, carry, jnp.int32(0), _init_batch())["params"])(
+    layers = jax.vmap(lambda k: layer.init(k, carry, jnp.int32(0), _init_batch(), None,
+                                           lambda h, layer: h)["params"])(
         jax.random.split(k_layers, c.num_layers))
     params = {
         "embed_tokens": nn.Partitioned(
@@ -365,6 +377,7 @@ def _boxed_init(config: ModelConfig, rng: jax.Array) -> dict:
         "norm": nn.Partitioned(jnp.full((c.hidden_size,), 1.0 - c.norm_offset, dt),
                                names=("embed",)),
         "layers": nn.meta.add_axis(layers, 0, {nn.PARTITION_NAME: "layers"}),
+        **(moe.boxed_init(c, jax.random.fold_in(rng, 1)) if c.num_experts else {}),
     }
     if not c.tie_word_embeddings:
         params["lm_head"] = nn.Partitioned(
@@ -409,9 +422,12 @@ def forward(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: Batch
         stacked = {name: layers[name] for name in PROJECTIONS}
         layers = {name: p for name, p in layers.items() if name not in PROJECTIONS}
 
+    moe_mlp = (moe.layer_mlp(config, params, _ACTIVATIONS[config.hidden_act],
+                             _precision(config)) if config.num_experts else None)
+
     def body(carry, xs):
         layer_params, layer_id = xs
-        return layer.apply({"params": layer_params}, carry, layer_id, batch, stacked)
+        return layer.apply({"params": layer_params}, carry, layer_id, batch, stacked, moe_mlp)
 
     x = jnp.take(params["embed_tokens"], batch.token_ids, axis=0)
     if config.embedding_multiplier != 1.0:

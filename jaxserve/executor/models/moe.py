@@ -1,0 +1,135 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE) that the decoder's block runs in place of its
+dense MLP (jaxserve.executor.models.decoder; ModelConfig.num_experts and friends say when).
+
+Dropless: every token goes to its top-k experts, whatever their load. The token copies are sorted
+by expert and each expert's rows run through one grouped matmul (`jax.lax.ragged_dot`: row group
+e times expert e's weights), so there is no capacity factor and no token is ever dropped; the
+results go back to token order and are summed with the router's weights. The router (logits,
+softmax, top-k, renormalization) runs in f32 whatever the model's dtype.
+
+Parameters, outside the decoder's per-layer stacks because a model may mix dense and sparse layers
+(Qwen3-MoE's mlp_only_layers): `moe/router` [S, H, E], `moe/{gate,up}_proj` [S, E, H, I],
+`moe/down_proj` [S, E, I, H] for the S sparse layers (ModelConfig.sparse_layers, in order), and
+`dense_mlp/{gate,up,down}_proj` [D, H, I'] / [D, I', H] for the D dense ones, if any. The `expert`
+logical axis is named so expert parallelism can shard it (replicated today:
+jaxserve.executor.sharding); each expert's `mlp` axis shards under tensor parallelism as a dense
+MLP's does. A layer of the scan picks its slice of either stack by its layer id (`layer_mlp`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+
+Activation = Callable[[jax.Array], jax.Array]
+
+# Logical axis names of each parameter (see the module docstring).
+AXES = {
+    "moe": {"router": ("layers", "embed", "expert"),
+            "gate_proj": ("layers", "expert", "embed", "mlp"),
+            "up_proj": ("layers", "expert", "embed", "mlp"),
+            "down_proj": ("layers", "expert", "mlp", "embed")},
+    "dense_mlp": {"gate_proj": ("layers", "embed", "mlp"), "up_proj": ("layers", "embed", "mlp"),
+                  "down_proj": ("layers", "mlp", "embed")},
+}
+
+
+def param_shapes(config: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Shape of each MoE-model MLP parameter (the `dense_mlp` group only with dense layers)."""
+    c = config
+    S, D, H, E = len(c.sparse_layers), len(c.dense_layers), c.hidden_size, c.num_experts
+    I, Id = c.moe_intermediate_size, c.intermediate_size
+    out = {"moe": {"router": (S, H, E), "gate_proj": (S, E, H, I), "up_proj": (S, E, H, I),
+                   "down_proj": (S, E, I, H)}}
+    if D:
+        out["dense_mlp"] = {"gate_proj": (D, H, Id), "up_proj": (D, H, Id),
+                            "down_proj": (D, Id, H)}
+    return out
+
+
+def boxed_init(config: ModelConfig, rng: jax.Array) -> dict:
+    """Random parameters (unit-scale activations, as the decoder's) with their logical axes."""
+    dt = jnp.dtype(config.dtype)
+    shapes = param_shapes(config)
+    keys = iter(jax.random.split(rng, sum(len(g) for g in shapes.values())))
+    out = {}
+    for group, params in shapes.items():
+        out[group] = {}
+        for name, shape in params.items():
+            fan_in = shape[-2]  # every weight here is [..., in, out]
+            w = jax.random.normal(next(keys), shape, dt) * fan_in ** -0.5
+            out[group][name] = nn.Partitioned(w, names=AXES[group][name])
+    return out
+
+
+def route(x: jax.Array, router: jax.Array, k: int, norm_topk_prob: bool
+          ) -> tuple[jax.Array, jax.Array]:
+    """Each token's top-k experts [T, k] and their weights [T, k] (f32): the softmax over all
+    experts' logits, taken at the k largest, renormalized to sum 1 if norm_topk_prob."""
+    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return experts, weights
+
+
+def experts_mlp(x: jax.Array, p: dict, config: ModelConfig, activation: Activation,
+                precision: jax.lax.Precision) -> jax.Array:
+    """x [T, H] through its top-k experts (one layer's `moe` parameters), dropless: [T, H]."""
+    c = config
+    T, k = x.shape[0], c.experts_per_token
+    experts, weights = route(x, p["router"], k, c.norm_topk_prob)
+    flat = experts.reshape(-1)  # token t's j-th choice at row t * k + j
+    order = jnp.argsort(flat, stable=True)  # the T * k copies grouped by expert
+    group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
+    rows = jnp.take(x, order // k, axis=0)
+
+    def grouped(lhs, w):
+        return jax.lax.ragged_dot(lhs, w, group_sizes, precision=precision)
+
+    h = activation(grouped(rows, p["gate_proj"])) * grouped(rows, p["up_proj"])
+    out = grouped(h, p["down_proj"])
+    # Back to token order (a gather, not a scatter-add: deterministic) and weighted per choice.
+    out = jnp.take(out, jnp.argsort(order), axis=0).reshape(T, k, -1)
+    return jnp.einsum("tkh,tk->th", out.astype(jnp.float32), weights).astype(x.dtype)
+
+
+def dense_mlp(x: jax.Array, p: dict, activation: Activation,
+              precision: jax.lax.Precision) -> jax.Array:
+    """A dense layer's gated MLP in a mixture-of-experts model."""
+    gate = jnp.dot(x, p["gate_proj"], precision=precision)
+    up = jnp.dot(x, p["up_proj"], precision=precision)
+    return jnp.dot(activation(gate) * up, p["down_proj"], precision=precision)
+
+
+def layer_mlp(config: ModelConfig, params: dict, activation: Activation,
+              precision: jax.lax.Precision) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """(h [T, H], layer id) -> the MLP of that layer, for the decoder's scan: its slice of the
+    sparse layers' stack, or (lax.cond, only where the model has dense layers) of the dense
+    ones'."""
+    c = config
+    slot = np.zeros(c.num_layers, np.int32)  # each layer's index in its own stack
+    slot[list(c.sparse_layers)] = np.arange(len(c.sparse_layers))
+    slot[list(c.dense_layers)] = np.arange(len(c.dense_layers))
+    is_sparse = np.isin(np.arange(c.num_layers), c.sparse_layers)
+
+    def take(group, layer):
+        i = jnp.asarray(slot)[layer]
+        return jax.tree.map(lambda w: w[i], params[group])
+
+    def sparse(h, layer):
+        return experts_mlp(h, take("moe", layer), c, activation, precision)
+
+    def dense(h, layer):
+        return dense_mlp(h, take("dense_mlp", layer), activation, precision)
+
+    if not c.dense_layers:
+        return sparse
+    return lambda h, layer: jax.lax.cond(jnp.asarray(is_sparse)[layer], sparse, dense, h, layer)

@@ -1,0 +1,45 @@
+"""HF checkpoint names of the mixture-of-experts MLPs -> jaxserve's `moe` / `dense_mlp` groups
+(see jaxserve.executor.models.moe): the checkpoints store each expert's projections as a tensor
+of its own ([out, in], as torch Linear), stacked here per layer into [S, E, in, out]."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+
+# Per family: the block's name in a layer, and its experts' gate / up / down projections' names.
+_NAMES = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def moe_params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray]) -> dict:
+    block, (gate, up, down) = _NAMES[config.architecture]
+    experts = range(config.num_experts)
+
+    def sparse(i: int) -> dict[str, np.ndarray]:
+        pre = f"model.layers.{i}.{block}."
+
+        def stacked(name: str) -> np.ndarray:
+            return np.stack([get(f"{pre}experts.{e}.{name}.weight").T for e in experts])
+
+        return {"router": get(pre + "gate.weight").T, "gate_proj": stacked(gate),
+                "up_proj": stacked(up), "down_proj": stacked(down)}
+
+    def dense(i: int) -> dict[str, np.ndarray]:
+        pre = f"model.layers.{i}.mlp."
+        return {name: get(f"{pre}{name}.weight").T for name in ("gate_proj", "up_proj",
+                                                                  "down_proj")}
+
+    out = {"moe": _stack([sparse(i) for i in config.sparse_layers])}
+    if config.dense_layers:
+        out["dense_mlp"] = _stack([dense(i) for i in config.dense_layers])
+    return out
+
+
+def _stack(layers: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.stack([layer[k] for layer in layers]) for k in layers[0]}

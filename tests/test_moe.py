@@ -1,0 +1,49 @@
+"""The mixture-of-experts MLP (jaxserve.executor.models.moe) against a per-token loop: dropless
+whatever the load (one expert taking most tokens, another none), both top-k weightings. The HF
+comparison of whole models is tests/test_model_families.py's."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import ModelConfig
+from jaxserve.executor.models import moe
+
+
+def _config(norm_topk_prob: bool) -> ModelConfig:
+    return ModelConfig(name="moe", vocab_size=16, hidden_size=8, intermediate_size=12,
+                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, num_experts=5,
+                       experts_per_token=2, moe_intermediate_size=6,
+                       norm_topk_prob=norm_topk_prob)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_every_token_reaches_its_top_k_experts_however_skewed(norm_topk_prob):
+    c = _config(norm_topk_prob)
+    params = nn.unbox(moe.boxed_init(c, jax.random.key(0)))["moe"]
+    p = {k: np.array(v[0]) for k, v in params.items()}
+    # Expert 0 first choice for every token, expert 4 never chosen: groups of 23, ~23, 0.
+    x = np.random.default_rng(0).normal(size=(23, c.hidden_size)).astype(np.float32)
+    x[:, 0] = 3.0
+    p["router"][0, 0] += 20.0
+    p["router"][0, 4] -= 20.0
+    got = np.asarray(moe.experts_mlp(jnp.asarray(x), p, c, jax.nn.silu,
+                                     jax.lax.Precision.HIGHEST))
+
+    want = np.zeros_like(x)
+    for t, row in enumerate(x.astype(np.float64)):
+        logits = row @ p["router"]
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        top = np.argsort(-probs)[:2]
+        weights = probs[top] / (probs[top].sum() if norm_topk_prob else 1.0)
+        for e, w in zip(top, weights):
+            g, u = row @ p["gate_proj"][e], row @ p["up_proj"][e]
+            want[t] += w * ((g / (1 + np.exp(-g)) * u) @ p["down_proj"][e])
+    order = np.argsort(-(x @ p["router"]), axis=1)
+    assert (order[:, 0] == 0).all() and (order[:, :2] != 4).all()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
