@@ -1,6 +1,7 @@
 """The mixture-of-experts MLP (jaxserve.executor.models.moe) against a per-token loop: dropless
-whatever the load (one expert taking most tokens, another none), both top-k weightings. The HF
-comparison of whole models is tests/test_model_families.py's."""
+whatever the load (one expert taking most tokens, another none), both top-k weightings; and the
+CPU's tiled grouped matmul against XLA's ragged_dot (what GPUs and TPUs run). The HF comparison
+of whole models is tests/test_model_families.py's."""
 
 from __future__ import annotations
 
@@ -47,3 +48,15 @@ def test_every_token_reaches_its_top_k_experts_however_skewed(norm_topk_prob):
     order = np.argsort(-(x @ p["router"]), axis=1)
     assert (order[:, 0] == 0).all() and (order[:, :2] != 4).all()
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group_sizes", [[0, 37, 1, 0, 2], [1, 1, 1, 0, 0], [40, 0, 0, 0, 0]])
+def test_tiled_grouped_matmul_equals_ragged_dot(group_sizes):
+    c = _config(True)
+    p = {k: v[0] for k, v in nn.unbox(moe.boxed_init(c, jax.random.key(1)))["moe"].items()}
+    n = sum(group_sizes)
+    rows = jax.random.normal(jax.random.key(2), (n, c.hidden_size))
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    args = (sizes, p, jax.nn.silu, jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(moe.tiled_grouped_mlp(rows, *args),
+                               moe.ragged_grouped_mlp(rows, *args), atol=1e-5, rtol=1e-5)

@@ -2,10 +2,14 @@
 dense MLP (jaxserve.executor.models.decoder; ModelConfig.num_experts and friends say when).
 
 Dropless: every token goes to its top-k experts, whatever their load. The token copies are sorted
-by expert and each expert's rows run through one grouped matmul (`jax.lax.ragged_dot`: row group
-e times expert e's weights), so there is no capacity factor and no token is ever dropped; the
-results go back to token order and are summed with the router's weights. The router (logits,
-softmax, top-k, renormalization) runs in f32 whatever the model's dtype.
+by expert and each expert's rows run through one grouped matmul (row group e times expert e's
+weights), so there is no capacity factor and no token is ever dropped; the results go back to
+token order and are summed with the router's weights. The router (logits, softmax, top-k,
+renormalization) runs in f32 whatever the model's dtype. The grouped matmul is
+`jax.lax.ragged_dot` on GPU and TPU (XLA's own); on the CPU, whose lowering of it multiplies every
+row by every expert (E times the work: 100-500x a dense MLP of the active width on a Qwen3-30B-A3B
+shape), a loop over tiles of rows of one expert each (`tiled_grouped_mlp`) does the work of
+the rows present, padded to a tile per expert.
 
 Parameters, outside the decoder's per-layer stacks because a model may mix dense and sparse layers
 (Qwen3-MoE's mlp_only_layers): `moe/router` [S, H, E], `moe/{gate,up}_proj` [S, E, H, I],
@@ -91,14 +95,56 @@ def experts_mlp(x: jax.Array, p: dict, config: ModelConfig, activation: Activati
     group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
     rows = jnp.take(x, order // k, axis=0)
 
-    def grouped(lhs, w):
-        return jax.lax.ragged_dot(lhs, w, group_sizes, precision=precision)
-
-    h = activation(grouped(rows, p["gate_proj"])) * grouped(rows, p["up_proj"])
-    out = grouped(h, p["down_proj"])
+    args = (group_sizes, p, activation, precision)
+    out = jax.lax.platform_dependent(rows, cpu=lambda r: tiled_grouped_mlp(r, *args),
+                                     default=lambda r: ragged_grouped_mlp(r, *args))
     # Back to token order (a gather, not a scatter-add: deterministic) and weighted per choice.
     out = jnp.take(out, jnp.argsort(order), axis=0).reshape(T, k, -1)
     return jnp.einsum("tkh,tk->th", out.astype(jnp.float32), weights).astype(x.dtype)
+
+
+def ragged_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, activation: Activation,
+                       precision: jax.lax.Precision) -> jax.Array:
+    """The experts' gated MLPs over `rows` [N, H] sorted by expert (group_sizes [E] of them), as
+    XLA's grouped matmul."""
+    def grouped(lhs, w):
+        return jax.lax.ragged_dot(lhs, w, group_sizes, precision=precision)
+
+    return grouped(activation(grouped(rows, p["gate_proj"])) * grouped(rows, p["up_proj"]),
+                   p["down_proj"])
+
+
+MAX_TILE = 16  # rows of one expert per step of the CPU's grouped matmul, at most
+
+
+def tiled_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, activation: Activation,
+                      precision: jax.lax.Precision) -> jax.Array:
+    """`ragged_grouped_mlp`'s result by a loop over tiles of m rows of one expert, as many as
+    the groups need (a static bound: N / m plus one partial tile per expert present). A tile's
+    rows past its group are computed, then overwritten by the next group's tile, which comes
+    later. m is the mean rows per expert (a power of two up to MAX_TILE): 1 when a decode step's
+    few rows scatter."""
+    n, num_groups = rows.shape[0], group_sizes.shape[0]
+    m = int(min(MAX_TILE, 2 ** max(0, (n // num_groups).bit_length() - 1)))
+    p = {name: jnp.asarray(w) for name, w in p.items()}
+    tiles = (group_sizes + m - 1) // m
+    tile_end = jnp.cumsum(tiles)
+    group_start = jnp.cumsum(group_sizes) - group_sizes
+    j = jnp.arange(n // m + min(num_groups, n) + 1)
+    expert = jnp.minimum(jnp.searchsorted(tile_end, j, side="right"), num_groups - 1)
+    start = group_start[expert] + (j - (tile_end - tiles)[expert]) * m
+    padded = jnp.concatenate([rows, jnp.zeros((m, rows.shape[1]), rows.dtype)])
+
+    def tile(i, out):
+        e, s = expert[i], start[i]
+        x = jax.lax.dynamic_slice_in_dim(padded, s, m)
+        h = activation(jnp.dot(x, p["gate_proj"][e], precision=precision)) * jnp.dot(
+            x, p["up_proj"][e], precision=precision)
+        return jax.lax.dynamic_update_slice_in_dim(
+            out, jnp.dot(h, p["down_proj"][e], precision=precision).astype(out.dtype), s, 0)
+
+    out = jax.lax.fori_loop(0, tile_end[-1], tile, jnp.zeros_like(padded))
+    return out[:n]
 
 
 def dense_mlp(x: jax.Array, p: dict, activation: Activation,
