@@ -15,11 +15,16 @@ import threading
 import time
 import urllib.request
 
+import grpc
 import pytest
 
 from jaxserve.core.async_engine import AsyncEngine
 from jaxserve.core.engine_factory import build_engine
+from jaxserve.entrypoints.grpc import start_grpc_server
+from jaxserve.entrypoints.http.app import serving_of
 from jaxserve.entrypoints.serving import protocol
+from jaxserve.protos import generation_pb2 as pb
+from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.entrypoints.serving.streams import merge_streams
 from tests.test_cli import tiny_gguf
 from tests.test_engine import assert_no_leaks
@@ -60,8 +65,11 @@ def server(tmp_path_factory, smollm2_tokenizer_fields):
             for sock in site._server.sockets:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
         http.attach(engine)
-        http.engine, http.llm = engine, llm
+        grpc_server, port = http._call(start_grpc_server(
+            None, "127.0.0.1", 0, "unused", serving=serving_of(http.app), write_timeout_s=1.0))
+        http.engine, http.llm, http.grpc_target = engine, llm, f"127.0.0.1:{port}"
         yield http
+        http._call(grpc_server.stop(grace=None))
     finally:
         http.stop()
         engine.shutdown()
@@ -170,6 +178,31 @@ def test_a_stream_nobody_reads_is_ended_and_its_pages_freed(server):
             pass
     finally:
         sock.close()
+    assert_no_leaks(server.llm)
+
+
+def test_a_grpc_stream_nobody_reads_is_ended_and_its_pages_freed(server):
+    """Review H1 on gRPC: HTTP/2 flow control stops the server's writes to a client that reads
+    nothing (a small window here); once one has waited the write timeout the call ends
+    UNAVAILABLE and the request is aborted, its pages back, long before it would finish."""
+    url = server.url
+    before = requests_total(url, "alice", "client_disconnected")
+    channel = grpc.insecure_channel(server.grpc_target, options=[
+        ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)])
+    try:
+        stream = pb_grpc.GenerationStub(channel).Generate(
+            pb.GenerateRequest(model="tiny", prompt="hi", max_tokens=MAX_LEN - 64,
+                               ignore_eos=True),
+            metadata=(("authorization", "Bearer sk-alice"),))
+        wait_for(lambda: requests_total(url, "alice", "client_disconnected") > before,
+                 "the stalled gRPC stream to be ended", deadline_s=30)
+        wait_for(lambda: idle(server), "its pages to come back")
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stream:
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        channel.close()
     assert_no_leaks(server.llm)
 
 

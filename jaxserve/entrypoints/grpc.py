@@ -24,6 +24,7 @@ from jaxserve.entrypoints.serving.calls import Call
 from jaxserve.entrypoints.serving.offload import encoder_tokens, run_held
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
 from jaxserve.entrypoints.serving.outcome import call_outcome
+from jaxserve.entrypoints.serving.streams import StreamStalled, write_within
 from jaxserve.entrypoints.serving.request_models import EmbeddingRequest, embedding_texts
 from jaxserve.entrypoints.serving.validation import validate
 
@@ -92,9 +93,11 @@ class GenerationService(pb_grpc.GenerationServicer):
     """Generate goes through the same OpenAIServing as HTTP (`serving`: share the HTTP app's,
     so both front ends have one gateway, one set of metrics and one access log)."""
 
-    def __init__(self, serving: OpenAIServing, rag: RagService | None = None):
+    def __init__(self, serving: OpenAIServing, rag: RagService | None = None,
+                 write_timeout_s: float = 30.0):
         self.serving = serving
         self.rag = rag
+        self.write_timeout_s = write_timeout_s  # the server's stream_write_timeout_s
 
     def _principal(self, context):
         return self.serving.gateway.authenticate(_authorization(context))
@@ -124,21 +127,25 @@ class GenerationService(pb_grpc.GenerationServicer):
         except JaxServeError as e:
             await abort_with(context, e)
         # Cancellation (the client left, or its deadline passed) ends the block too: the
-        # request's pages are freed now rather than when it would have finished.
-        async with gen.running():
-            try:
-                async for _, text, ids, _, finish in gen.deltas():
-                    delta = pb.GenerateResponse(
-                        text=text, token_ids=ids, model=gen.version.name,
-                        system_fingerprint=gen.version.fingerprint or "")
-                    if finish is not None:
-                        delta.finish_reason = finish
-                        delta.usage.prompt_tokens = gen.prompt_tokens
-                        delta.usage.completion_tokens = sum(gen.completion_tokens.values())
-                    yield delta
-            except JaxServeError as e:  # a deadline, a shed, an engine failure mid-stream
-                gen.error = e
-                await abort_with(context, e)
+        # request's pages are freed now rather than when it would have finished. So does a
+        # client that reads nothing (HTTP/2 flow control holds the write) for the write timeout.
+        try:
+            async with gen.running():
+                try:
+                    async for _, text, ids, _, finish in gen.deltas():
+                        delta = pb.GenerateResponse(
+                            text=text, token_ids=ids, model=gen.version.name,
+                            system_fingerprint=gen.version.fingerprint or "")
+                        if finish is not None:
+                            delta.finish_reason = finish
+                            delta.usage.prompt_tokens = gen.prompt_tokens
+                            delta.usage.completion_tokens = sum(gen.completion_tokens.values())
+                        await write_within(context.write(delta), self.write_timeout_s)
+                except JaxServeError as e:  # a deadline, a shed, an engine failure mid-stream
+                    gen.error = e
+                    await abort_with(context, e)
+        except StreamStalled as e:  # ended as a client that left: it only hears why
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def Embed(self, request, context):
         if self.rag is None:
@@ -213,11 +220,13 @@ async def start_grpc_server(engine, host: str, port: int, model_name: str,
                             max_queued_requests: int | None = None,
                             credentials: grpc.ServerCredentials | None = None,
                             limits: RequestLimits = RequestLimits(),
-                            serving: OpenAIServing | None = None):
+                            serving: OpenAIServing | None = None,
+                            write_timeout_s: float = 30.0):
     """Start serving on host:port (0 picks a free port); returns (server, bound_port). `serving`:
     the HTTP app's (http.serving_of), so both front ends share tenants, limits, metrics and the
     access log; without it, an open one of its own with `max_queued_requests` and `limits`. With
     `rag`, Embed answers with its encoder (else UNIMPLEMENTED); with `credentials`, over TLS.
+    `write_timeout_s`: a Generate stream whose client reads nothing that long is ended.
 
     Health reports SERVING for the service and for "" once this returns, so call it after
     the engine has warmed up."""
@@ -227,7 +236,7 @@ async def start_grpc_server(engine, host: str, port: int, model_name: str,
     if serving is None:
         serving = OpenAIServing(engine, model_name, max_queued_requests=max_queued_requests,
                                 limits=limits)
-    service = GenerationService(serving, rag)
+    service = GenerationService(serving, rag, write_timeout_s)
     pb_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health_servicer or EngineHealthServicer(serving.fleet)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

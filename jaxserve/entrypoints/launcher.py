@@ -312,7 +312,8 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
         if config.grpc_port is not None:
             grpc_server, grpc_port = await start_grpc_server(
                 engine, config.host, config.grpc_port, model_name, rag=rag,
-                credentials=tls.grpc_credentials() if tls else None, serving=serving_of(app))
+                credentials=tls.grpc_credentials() if tls else None, serving=serving_of(app),
+                write_timeout_s=config.stream_write_timeout_s)
             print(f"jaxserve: gRPC on {config.host}:{grpc_port}", flush=True)
         print(f"jaxserve: serving {model_name} at {scheme}://{config.host}:{port}/v1", flush=True)
         await stopped
