@@ -11,7 +11,8 @@ logit gap met on the way; and logits.npy, HF's f32 logits over the first prompt.
 each family's distinctive math bind: windows shorter than the prompts, soft caps below the
 scores, rope scaling whose original context the prompt or the generation passes; the mixtures of
 experts route each token to 2 of 4 experts whose router weights are wide enough that no choice is
-close, and Qwen3-MoE keeps one dense layer (mlp_only_layers).
+close (expected.json's min_route_gap: the smallest gap between a k-th and (k+1)-th router logit
+met), and Qwen3-MoE keeps one dense layer (mlp_only_layers).
 tests/test_model_families.py compares jaxserve with these; the suite needs no torch.
 """
 
@@ -134,6 +135,22 @@ def greedy(model, prompt: list[int]) -> tuple[list[int], float]:
     return out, gap
 
 
+def _watch_routers(model) -> list[float]:
+    """For a mixture of experts, a list that collects, per router call while the model runs,
+    the smallest gap between a token's k-th and (k+1)-th router logits: how far from a tie every
+    routing decision was (the top-k of the softmax is that of the logits)."""
+    gaps = []
+
+    def hook(module, inputs, output):
+        logits = output[0].double().sort(dim=-1, descending=True).values
+        gaps.append(float((logits[:, module.top_k - 1] - logits[:, module.top_k]).min()))
+
+    for n, module in model.named_modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            module.register_forward_hook(hook)
+    return gaps
+
+
 def build(name: str, config_cls, changes: dict, out: Path, init_range: float) -> None:
     import torch
     import transformers as tf
@@ -161,6 +178,7 @@ def build(name: str, config_cls, changes: dict, out: Path, init_range: float) ->
     with torch.no_grad():
         logits = model(torch.tensor([PROMPTS[0]])).logits[0].float().numpy()
     np.save(path / "logits.npy", logits)
+    route_gaps = _watch_routers(model)
     results = [greedy(model, p) for p in PROMPTS]
     full = torch.tensor([PROMPTS[0] + results[0][0]])
     binding = {}
@@ -177,6 +195,7 @@ def build(name: str, config_cls, changes: dict, out: Path, init_range: float) ->
             binding[feature] = float((other(full).logits - model(full).logits).abs().max())
     expected = {"prompts": PROMPTS, "greedy": [r[0] for r in results], "binding": binding,
                 "min_top2_gap": min(r[1] for r in results),
+                **({"min_route_gap": min(route_gaps)} if route_gaps else {}),
                 "transformers": tf.__version__, "initializer_range": init_range}
     (path / "expected.json").write_text(json.dumps(expected, indent=1))
     print(f"{name}: min top-2 gap {expected['min_top2_gap']:.4f}, "
