@@ -1,13 +1,17 @@
 """Soak test: N requests at concurrency C against a real `jaxserve serve`, mixing what a public
 endpoint sees: normal chats (plain and streamed), streams the client cuts after a few chunks,
 clients that give up while waiting, and malformed or hostile bodies (`"n": 1000000`, JSON nested
-5,000 deep, a lone UTF-16 surrogate, a body over the size limit, ...).
+5,000 deep, a lone UTF-16 surrogate, a body over the size limit, ...), and a flood of wrong keys
+(`wrong_key`: the admin API's, from a second loopback address, 127.0.0.2, as an attacker's would
+be, so the server's per-address throttle refuses it and not the other kinds).
 
 Passes when every request ended exactly once, as its kind allows (an answer, a 4xx, or the
 client's own cancel), nothing answered 5xx or hung, and afterwards the server is idle (running,
 waiting and KV usage all 0 on /metrics) and still answers a chat. With --server-log (the server's
 stderr) it also checks the server's side: one access-log line per generation that started, none
-twice, none failed.
+twice, none failed. When it starts the server (with --audit-log and an admin key), it also
+checks the audit log: it verifies, and the wrong keys left no record each, only `refusals`
+summaries that count every one of them (review a70e490, H6).
 
     python benchmarks/soak.py --num-requests 2000 --concurrency 32     # starts jaxserve itself
     python benchmarks/soak.py --base-url http://127.0.0.1:8000/v1 --max-body-bytes 16777216
@@ -56,7 +60,7 @@ _TIMEOUT_S = 300.0  # a request still open after this long has hung: a failure
 KINDS = (("chat", 24), ("stream", 12), ("stream_cut", 14), ("give_up", 10), ("n_huge", 5),
          ("deep_json", 5), ("surrogate", 5), ("malformed", 4), ("unknown_field", 3),
          ("bad_type", 3), ("many_stops", 3), ("too_large", 2), ("top_logprobs", 3),
-         ("unknown_model", 3), ("many_messages", 4))
+         ("unknown_model", 3), ("many_messages", 4), ("wrong_key", 6))
 # What each kind may end as: "answer" (2xx), "4xx", "cancel" (the client hung up first).
 ALLOWED = {"chat": {"answer"}, "stream": {"answer"}, "stream_cut": {"cancel", "answer"},
            "give_up": {"cancel", "answer"}, "unread_stream": {"cancel"},
@@ -222,10 +226,17 @@ def _classify(status: int) -> str:
 
 
 async def one(session: aiohttp.ClientSession, url: str, model: str, kind: str, seed: int,
-              max_body_bytes: int, long: int) -> Outcome:
-    """One request of `kind`; `long` is a max_tokens that fits the server's context."""
+              max_body_bytes: int, long: int, flood: aiohttp.ClientSession) -> Outcome:
+    """One request of `kind`; `long` is a max_tokens that fits the server's context; `flood`
+    sends the wrong keys (from its own address)."""
     rng = random.Random(seed)
     try:
+        if kind == "wrong_key":  # 401 until the address is throttled, then 429
+            key = f"guess-{rng.getrandbits(64):016x}"
+            async with flood.get(f"{url.removesuffix('/v1')}/admin/v1/versions",
+                                 headers={"Authorization": f"Bearer {key}"}) as resp:
+                return Outcome(kind, _classify(resp.status), resp.status,
+                               (await resp.text())[:200])
         if kind in ("chat", "stream"):
             body = _chat(model, rng, stream=kind == "stream")
             async with session.post(f"{url}/chat/completions", json=body) as resp:
@@ -286,17 +297,21 @@ async def run(url: str, model: str, num_requests: int, concurrency: int, seed: i
     slots = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=_TIMEOUT_S)
     connector = aiohttp.TCPConnector(limit=concurrency)
+    # The flood's own loopback address (all of 127/8 is this machine), when the server is here.
+    local = ("127.0.0.2", 0) if "//127.0.0.1:" in url else None
 
     async def bounded(i: int, kind: str, session) -> Outcome:
         async with slots:
             try:
                 return await one(session, url, model, kind, seed * 1_000_003 + i,
-                                 max_body_bytes, long)
+                                 max_body_bytes, long, flood)
             except TimeoutError:
                 return Outcome(kind, "hung", None, f"no end within {_TIMEOUT_S:.0f} s")
 
     start = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session, \
+            aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
+                limit=concurrency, local_addr=local)) as flood:
         outcomes = await asyncio.gather(*(bounded(i, k, session) for i, k in enumerate(kinds)))
     return list(outcomes), time.perf_counter() - start
 
@@ -352,9 +367,31 @@ def server_side(log_text: str) -> dict:
             "server_errors": log_text.count("Traceback")}
 
 
+def audit_side(directory: Path, wrong_keys: int) -> dict:
+    """The audit log after the server stopped (which writes the last summaries): whether it
+    verifies, and what the wrong keys left in it."""
+    from jaxserve.audit import verify
+
+    report = verify(directory)
+    lines = [json.loads(line) for p in sorted(directory.glob("audit-*.jsonl"))
+             for line in p.read_text().splitlines()]
+    summaries = [r for r in lines if r["type"] == "refusals"]
+    return {"verify": report.error or "ok", "records": len(lines),
+            "admin_route_records": sum(r["type"] != "refusals" and
+                                       str(r.get("route", "")).startswith("/admin/")
+                                       for r in lines),
+            "summaries": len(summaries), "refusals_counted": sum(r["count"] for r in summaries),
+            "wrong_keys_sent": wrong_keys}
+
+
 def problems(outcomes: list[Outcome], idle: dict, final_status: int, server: dict | None,
-             e2e_count: float | None) -> list[str]:
+             e2e_count: float | None, audit: dict | None = None) -> list[str]:
     found = []
+    if audit is not None:
+        if audit["verify"] != "ok":
+            found.append(f"the audit log does not verify: {audit['verify']}")
+        if audit["admin_route_records"] or audit["refusals_counted"] != audit["wrong_keys_sent"]:
+            found.append(f"wrong keys are not summarised one for one: {audit}")
     for o in outcomes:
         allowed = ALLOWED.get(o.kind, {"4xx"})
         if o.end not in allowed:
@@ -401,18 +438,23 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     commit = provenance.commit()
-    server, url, log_path = None, args.base_url, args.server_log
+    server, url, log_path, audit_dir = None, args.base_url, args.server_log, None
     if url is None:
         from jaxserve.entrypoints.process import ServerProcess
 
         log = tempfile.NamedTemporaryFile("w", prefix="jaxserve-soak-", suffix=".log",
                                           delete=False)
         log_path = Path(log.name)
-        print(f"starting jaxserve serve (log: {log.name})", file=sys.stderr, flush=True)
+        audit_dir = Path(tempfile.mkdtemp(prefix="jaxserve-soak-audit-"))
+        key_file = audit_dir.with_suffix(".admin-key")
+        key_file.write_text(f"soak-{random.getrandbits(128):032x}")
+        print(f"starting jaxserve serve (log: {log.name}, audit log: {audit_dir})",
+              file=sys.stderr, flush=True)
         server = ServerProcess(["--model", args.model, "--port", "0", "--grpc-port", "0",
                                 *([] if args.rag else ["--no-rag"]),
                                 "--max-body-bytes", str(args.max_body_bytes),
                                 "--stream-write-timeout", str(_WRITE_TIMEOUT_S),
+                                "--audit-log", str(audit_dir), "--admin-key-file", str(key_file),
                                 *args.serve_flags.split()], log, cwd=ROOT)
         url = server.url
         args.grpc_target = next(line.split(" on ", 1)[1].strip() for line in server.startup_lines
@@ -437,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     server_report = server_side(log_path.read_text()) if log_path is not None else None
     if server_report is not None and args.base_url is not None:
         e2e = None  # a server we did not start may have served others before and during the run
-    found = problems(outcomes, idle, final_status, server_report, e2e)
+    audit_report = (audit_side(audit_dir, sum(o.kind == "wrong_key" for o in outcomes))
+                    if audit_dir is not None else None)
+    found = problems(outcomes, idle, final_status, server_report, e2e, audit_report)
     if exit_code not in (None, 0):
         found.append(f"the server exited with {exit_code} on SIGTERM")
     by_kind: dict[str, Counter] = {}
@@ -452,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         "ends": dict(Counter(o.end for o in outcomes)),
         "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
         "http_statuses": {k: dict(v) for k, v in sorted(statuses.items())},
-        "generations_on_server": e2e, "server_log": server_report,
+        "generations_on_server": e2e, "server_log": server_report, "audit_log": audit_report,
         "idle_after": {k.split(":")[1]: idle[k] for k in (
             "jaxserve:num_requests_running", "jaxserve:num_requests_waiting",
             "jaxserve:kv_cache_usage_perc")},

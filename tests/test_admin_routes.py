@@ -41,10 +41,11 @@ def fleet(tmp_path_factory):
     fleet.shutdown()
 
 
-def run(fleet: Fleet, scenario) -> None:
+def run(fleet: Fleet, scenario, model_roots=()) -> None:
     async def main():
-        app = build_app(ServerConfig(port=0), "unused")
-        add_admin_routes(app, fleet, KEY)
+        # No throttle: the first test sends 24 wrong keys from one address on purpose.
+        app = build_app(ServerConfig(port=0, auth_failures_per_minute=0), "unused")
+        add_admin_routes(app, fleet, KEY, model_roots)
         async with TestClient(TestServer(app, host="127.0.0.1", port=0)) as client:
             await scenario(client)
     asyncio.run(main())
@@ -93,6 +94,7 @@ def test_load_route_serve_rollback_and_unload(fleet, tiny_path, tmp_path):
         assert r.status == 202 and r.headers["Location"] == "/admin/v1/versions/v1"
         assert (await r.json())["state"] in ("loading", "ready")
         r = await post({"name": "v2", "model": str(other), **ENGINE,
+                        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
                         "generation": {"temperature": 0.0},
                         "pricing": {"prompt_per_1m": 1, "completion_per_1m": 2}})
         assert r.status == 202
@@ -118,7 +120,8 @@ def test_load_route_serve_rollback_and_unload(fleet, tiny_path, tmp_path):
                  "max_model_len"),
                 ({"name": "a/b", "model": str(tiny_path)}, 400, "name"),
                 ({"model": str(tiny_path)}, 400, "name"),
-                ({"name": "v3", "model": "no-such-model"}, 404, "model"),
+                # (under a model root: outside them nothing says whether a path exists)
+                ({"name": "v3", "model": str(tmp_path / "no-such-model.gguf")}, 404, "model"),
                 ({"name": "v1", "model": str(tiny_path)}, 409, "name")):
             r = await post(body)
             assert r.status == status, (body, await r.text())
@@ -178,4 +181,32 @@ def test_load_route_serve_rollback_and_unload(fleet, tiny_path, tmp_path):
         r = await client.put("/admin/v1/routes/new", json={"sticky": "user"}, headers=AUTH)
         assert r.status == 400 and (await r.json())["error"]["param"] == "weights"
 
-    run(fleet, scenario)
+    run(fleet, scenario, [tiny_path.parent, tmp_path])
+
+
+def test_admin_paths_stay_under_the_model_roots(fleet, tiny_path, tmp_path):
+    """Review a70e490, M4: a path the admin names is read only under the configured roots, and a
+    chat template only as its text (an /etc/passwd template would come back by detokenize)."""
+    root, outside = tmp_path / "models", tmp_path / "elsewhere"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "tiny.gguf").write_bytes(tiny_path.read_bytes())
+    (root / "link.gguf").symlink_to(outside / "tiny.gguf")
+
+    async def scenario(client):
+        for body, param, words in (
+                ({"model": str(tiny_path), "chat_template": "/etc/passwd"}, "chat_template",
+                 "the template's text"),
+                ({"model": str(tiny_path), "chat_template": str(tiny_path)}, "chat_template",
+                 "the template's text"),
+                ({"model": "/etc/passwd"}, "model", "nor a path under"),
+                ({"model": str(outside / "tiny.gguf")}, "model", "nor a path under"),
+                ({"model": str(root / ".." / "elsewhere" / "tiny.gguf")}, "model", "nor a path under"),
+                ({"model": str(root / "link.gguf")}, "model", "nor a path under")):
+            r = await client.post("/admin/v1/versions", json={"name": "x", **body},
+                                  headers=AUTH)
+            error = (await r.json())["error"]
+            assert (r.status, error["param"]) == (400, param), (body, error)
+            assert words in error["message"] and "root:" not in error["message"], error
+
+    run(fleet, scenario, [root, tiny_path.parent])

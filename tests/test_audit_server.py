@@ -2,8 +2,9 @@
 with a tenants file, --policy and --audit-log): every record names the model version that
 answered (a fleet of two versions over one engine: which name answered is what is checked; a
 route, a version by name, gRPC, the batch runner); every request to a generation route gets
-exactly one record, those refused before they were parsed too (a missing or wrong key, a body
-that is not JSON or too deep), with the wrong key's id and never the key; /v1/responses is
+exactly one record, those refused before they were parsed too (a body that is not JSON or too
+deep), while a missing or wrong key's 401 is counted in its client's `refusals` summary, with the
+wrong key's id and never the key; /v1/responses is
 recorded under its own route; a keyed caller's request the router refuses (404, 405) gets one
 record, an idempotent replay names the version of the answer it replays; every call beside
 generation (embeddings, rerank, tokenize, detokenize, collections, gRPC Embed) gets one record
@@ -219,15 +220,22 @@ def test_requests_refused_before_parsing_get_one_record_each(server):
     alice = key_id(hash_key("sk-alice"))
     assert [(r["route"], r["status_code"], r["tenant"], r["key_id"], r["version"])
             for r in records] == [
-        ("/v1/chat/completions", 401, None, None, None),
-        ("/v1/completions", 401, None, key_id(hash_key("sk-wrong")), None),
         ("/v1/chat/completions", 400, "alice", alice, None),
         ("/v1/completions", 400, "alice", alice, None),
-        ("/v1/responses", 401, None, None, None),
-        ("grpc:Generate", 401, None, None, None),
         ("grpc:Generate", 400, "alice", alice, None)]
     assert all(r["client"] for r in records)
-    assert {r["status"] for r in records[:2]} == {"401_invalid_api_key"}
+    # the 401s: nobody's, so counted in their client's summary, not a record each (H6)
+    server.app[STATE_KEY].policy.audit.write_summaries()
+    all_records(server)
+    raw = b"".join(p.read_bytes() for p in sorted((server.dir / "audit").glob("audit-*.jsonl")))
+    summaries = {r["client"]: r for r in map(json.loads, raw.splitlines())
+                 if r["type"] == "refusals"}
+    http, grpc_client = summaries["127.0.0.1"], next(c for c in summaries if "127.0.0.1:" in c)
+    assert (http["statuses"], http["routes"], http["key_ids"]) == (
+        {"401_invalid_api_key": 3},
+        {"/v1/chat/completions": 1, "/v1/completions": 1, "/v1/responses": 1},
+        [key_id(hash_key("sk-wrong"))])
+    assert summaries[grpc_client]["routes"] == {"grpc:Generate": 1}
 
 
 def test_responses_are_recorded_under_their_own_route(server):
@@ -303,8 +311,9 @@ def test_the_routers_404_and_405_get_one_record_each_for_a_known_key(server):
 
 def test_every_call_beside_generation_gets_one_record_and_is_counted(server):
     """Embeddings, rerank, tokenize, detokenize, the collection routes and gRPC Embed: one
-    record each (a 4xx and a 401 too), with the tokens the encoder read; /v1/models and gRPC
-    ListModels are counted but not recorded (clients poll them)."""
+    record each (a 4xx too; a 401 is in its client's `refusals` summary), with the tokens the
+    encoder read; /v1/models and gRPC ListModels are counted but not recorded (clients poll
+    them)."""
     before = len(all_records(server))
     bob = {"Authorization": "Bearer sk-bob"}
     calls = [
@@ -341,15 +350,15 @@ def test_every_call_beside_generation_gets_one_record_and_is_counted(server):
     alice, bob_id = key_id(hash_key("sk-alice")), key_id(hash_key("sk-bob"))
     expected = [(path, status, "alice" if h is ALICE else "bob" if h is bob else None,
                  alice if h is ALICE else bob_id if h is bob else None)
-                for (_, path, _, h), status in zip(calls[:-1], statuses)]
+                for (_, path, _, h), status in zip(calls[:-1], statuses) if status != 401]
     expected += [("grpc:Embed", 200, "alice", alice), ("grpc:Embed", 404, "alice", alice)]
     assert [(r["route"], r["status_code"], r["tenant"], r["key_id"]) for r in records] \
         == expected
     assert [r["status"] for r in records if r["status_code"] >= 400] == [
-        "400_invalid_request_error", "404_not_found", "401_invalid_api_key",
-        "404_model_not_found"]
+        "400_invalid_request_error", "404_not_found", "404_model_not_found"]
     tokens = {(r["route"], r["prompt_tokens"]) for r in records if r["prompt_tokens"]}
-    assert {route for route, _ in tokens} == {"/v1/embeddings", "/v1/rerank", "grpc:Embed"}
+    assert {route for route, _ in tokens} == {"/v1/embeddings", "/v1/rerank", "grpc:Embed",
+                                              "/v1/collections/kb/documents"}  # upserts pay (M7)
     assert all(r["completion_tokens"] == 0 and r["version"] is None and "content" not in r
                and r["request_id"] for r in records)
     assert len({r["request_id"] for r in records}) == len(records)
@@ -390,4 +399,4 @@ def test_audit_log_of_the_run_verifies(server, capsys):
     assert capsys.readouterr().out.startswith("ok: ")
     raw = b"".join(p.read_bytes() for p in (server.dir / "audit").glob("audit-*.jsonl"))
     assert b"sk-wrong" not in raw and b"sk-alice" not in raw
-    assert count == 6 + 7 + 1 + 3 + 1 + 2 + 15 + 2
+    assert count == 6 + 3 + 1 + 3 + 1 + 2 + 14 + 2  # the 401s: in refusals summaries

@@ -311,7 +311,7 @@ def test_http_refusals_before_and_in_the_serving_layer(server):
                                    ("400_invalid_request_error", False): 2,
                                    ("404_model_not_found", False): 1,
                                    ("400_context_length_exceeded", False): 1}),
-                          holds=0, leases=1)
+                          audited=4, holds=0, leases=1)  # the 401: in a summary (H6)
     assert [o.tenant for o in outcomes] == [None, "alice", "alice", "alice", "alice"]
     assert [o.version for o in outcomes] == [None, None, None, None, "tiny"]
 
@@ -443,7 +443,7 @@ def test_grpc_finished_refused_listed_and_past_its_deadline(server):
                                    ("404_model_not_found", False): 1, ("ok", False): 1,
                                    # the gRPC deadline cancels the call: it ends aborted
                                    ("client_disconnected", True): 1}),
-                          audited=6, holds=3, leases=3)
+                          audited=5, holds=3, leases=3)  # the 401: in a summary (H6)
     assert {o.ctx.transport for o in outcomes} == {"grpc", "http"}
 
 

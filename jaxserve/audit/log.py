@@ -14,6 +14,13 @@ past `max_file_bytes`, a `rotate` record naming the next file closes it, and the
 the next. On start the writer continues the newest file; a last line cut by a crash is removed
 and a `recovered` record says how many bytes were dropped. One process at a time: the directory
 is locked (`.lock`).
+
+Refusals nobody can be held to (refusals.py) are counted and written as one `refusals` summary per
+client and interval (`summary_interval_s`), not a record each. The log's disk use is bounded:
+`max_bytes` (its files' total; None: no cap) and `min_free_bytes` (what it leaves free on the
+filesystem): once either is reached `check_accepting` refuses (fail closed: no call goes
+unrecorded); before that, at 80 % of the cap or under twice the free reserve, it warns once, and
+`headroom` (the metric jaxserve:audit_log_headroom_bytes) says how far it is from full.
 """
 
 from __future__ import annotations
@@ -27,8 +34,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxserve.audit.record import (GENESIS, AuditError, AuditRecord, KeyMismatch,
-                                   data_file_name, decode, encode, list_files, utc_now)
+from prometheus_client import Gauge
+
+from jaxserve.audit.refusals import RefusalCounts
+from jaxserve.audit.record import (GENESIS, AdminRecord, AuditError, AuditRecord, KeyMismatch,
+                                   data_file_name, decode, encode, list_files, read_key_file,
+                                   utc_now)
 from jaxserve.errors import ConfigError, EngineOverloaded
 
 log = logging.getLogger(__name__)
@@ -45,15 +56,44 @@ class AuditLogConfig:
     max_pending: int = 4096  # queued records beyond which check_accepting refuses
     fsync: bool = True  # False: a process crash loses nothing written, an OS crash may
     key: bytes | None = None  # HMAC key (--audit-key-file): every line keyed (record.py)
+    max_bytes: int | None = None  # the files' total, beyond which it refuses (None: no cap)
+    min_free_bytes: int = 256 * 2**20  # left free on the filesystem: refuses below it
+    summary_interval_s: float = 60.0  # one refusals summary per client per interval
+    max_summary_clients: int = 1024  # per interval; later clients share one summary
 
     def __post_init__(self):
         if self.max_file_bytes < 4096:
             raise ConfigError(f"max_file_bytes must be >= 4096, got {self.max_file_bytes}")
         if self.max_pending < 1:
             raise ConfigError(f"max_pending must be >= 1, got {self.max_pending}")
+        if self.max_bytes is not None and self.max_bytes < 4096:
+            raise ConfigError(f"the audit log's max_bytes must be >= 4096, got {self.max_bytes}")
+        if self.min_free_bytes < 0 or not self.summary_interval_s > 0:
+            raise ConfigError("min_free_bytes must be >= 0 and summary_interval_s > 0")
+
+
+def audit_log_config(directory: str | Path | None, key_file: str | Path | None = None,
+                     max_bytes: int | None = None,
+                     min_free_bytes: int | None = None) -> AuditLogConfig | None:
+    """The log of the flags (--audit-log, --audit-key-file, --audit-max-bytes,
+    --audit-min-free-bytes); None without a directory."""
+    if directory is None:
+        if key_file is not None or max_bytes is not None or min_free_bytes is not None:
+            raise ConfigError("--audit-key-file, --audit-max-bytes and --audit-min-free-bytes "
+                              "need --audit-log")
+        return None
+    options = {"max_bytes": max_bytes}
+    if key_file is not None:
+        options["key"] = read_key_file(key_file)
+    if min_free_bytes is not None:
+        options["min_free_bytes"] = min_free_bytes
+    return AuditLogConfig(Path(directory), **options)
 
 
 _STOP = object()
+_TICK_S = 1.0  # the idle writer wakes this often: summaries due, disk use rescanned
+_RESCAN_S = 5.0  # the directory's size read again (a prune by another process frees space)
+_WARN_FRACTION = 0.8  # of max_bytes: warn from here
 
 
 class AuditLog:
@@ -80,6 +120,11 @@ class AuditLog:
         self._in_hand = 0  # records taken off the queue, not yet written
         self._error: str | None = None
         self._closed = False
+        self._refusals = RefusalCounts(config.max_summary_clients)
+        self._head = (self._seq - 1, self._prev) if self._seq else None
+        self._used, self._free = 0, 0  # bytes: the log's files, free on the filesystem
+        self._level = "ok"  # "ok" | "low" | "full": what was last logged
+        self._rescan()
         self._thread = threading.Thread(target=self._run, name="audit-writer", daemon=True)
         self._thread.start()
         if dropped:
@@ -87,10 +132,46 @@ class AuditLog:
 
     # ---- the caller's side (any thread, never blocks) -----------------------------------------
 
-    def write(self, record: AuditRecord) -> None:
+    def write(self, record: AuditRecord | AdminRecord) -> None:
         if self._closed:
             raise AuditError("the audit log is closed")
-        self._queue.put({"type": "request", "ts": utc_now(), **record.to_dict()})
+        self._queue.put({"type": record.kind, "ts": utc_now(), **record.to_dict()})
+
+    @property
+    def head(self) -> tuple[int, str] | None:
+        """(seq, hash) of the last record written and synced; None while the log is empty. Kept
+        elsewhere, it lets `verify --head` find records cut from the end, or a rewritten chain."""
+        return self._head
+
+    def count_refusal(self, client: str | None, tenant: str | None, status: str, route: str,
+                      key_id: str | None) -> None:
+        """A refusal nobody can be held to: counted in its client's next summary."""
+        self._refusals.count(client, tenant, status, route, key_id)
+
+    def write_summaries(self) -> None:
+        """Queue the refusals summaries counted so far (the writer does every interval)."""
+        for body in self._refusals.take():
+            self._queue.put(body)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def headroom(self) -> int:
+        """Bytes the log may still write before it refuses new calls (<= 0: full)."""
+        room = self._free - self.config.min_free_bytes
+        if self.config.max_bytes is not None:
+            room = min(room, self.config.max_bytes - self._used)
+        return room
+
+    def register_metrics(self, registry) -> None:
+        """jaxserve:audit_log_bytes and jaxserve:audit_log_headroom_bytes in `registry`."""
+        Gauge("jaxserve:audit_log_bytes", "Bytes of the audit log's files.",
+              registry=registry).set_function(lambda: self._used)
+        Gauge("jaxserve:audit_log_headroom_bytes", "Bytes the audit log may still write before "
+              "it refuses new calls (max_bytes, min_free_bytes); <= 0: full.",
+              registry=registry).set_function(lambda: self.headroom)
 
     @property
     def pending(self) -> int:
@@ -101,6 +182,8 @@ class AuditLog:
         never loses more than `max_pending` of them."""
         if self._error is not None:
             raise AuditBacklogFull(f"the audit log cannot be written ({self._error}); retry later")
+        if self.headroom <= 0:
+            raise AuditBacklogFull("the audit log is full; retry later")
         if self.pending >= self.config.max_pending:
             raise AuditBacklogFull("the audit log is behind; retry later")
 
@@ -109,6 +192,7 @@ class AuditLog:
         if self._closed:
             return
         self._closed = True
+        self.write_summaries()
         self._queue.put(_STOP)
         self._thread.join()
         os.close(self._fd)
@@ -119,9 +203,21 @@ class AuditLog:
     def _run(self) -> None:
         stopping = False
         batch: list[dict] = []
+        now = time.monotonic()
+        summaries_due, rescan_due = now + self.config.summary_interval_s, now + _RESCAN_S
         while not (stopping and not batch):
+            now = time.monotonic()
+            if now >= summaries_due:
+                summaries_due = now + self.config.summary_interval_s
+                self.write_summaries()
+            if now >= rescan_due:
+                rescan_due = now + _RESCAN_S
+                self._rescan()
             if not batch:
-                item = self._queue.get()
+                try:
+                    item = self._queue.get(timeout=_TICK_S)
+                except queue.Empty:
+                    continue
                 if item is _STOP:
                     stopping = True
                     continue
@@ -141,11 +237,50 @@ class AuditLog:
             except OSError as e:
                 self._error = e.strerror or str(e)
                 log.error("audit log write failed (%s); retrying in 1 s", self._error)
+                self._rescan()
                 time.sleep(1.0)
                 continue
             self._error = None
             batch = []
             self._in_hand = 0
+            self._head = (self._seq - 1, self._prev)
+            self._free = _free_bytes(self.directory)
+            self._log_level()
+
+    def _rescan(self) -> None:
+        """The log's disk use and the filesystem's free space, read afresh."""
+        data, checkpoints = list_files(self.directory)
+        used = 0
+        for _, path in data + checkpoints:
+            try:
+                used += path.stat().st_size
+            except FileNotFoundError:  # pruned meanwhile
+                pass
+        self._used, self._free = used, _free_bytes(self.directory)
+        self._log_level()
+
+    def _log_level(self) -> None:
+        """Log (once per change) the log nearing full, full, or back under its limits."""
+        cap, reserve = self.config.max_bytes, self.config.min_free_bytes
+        if self.headroom <= 0:
+            level = "full"
+        elif (cap is not None and self._used >= _WARN_FRACTION * cap) or self._free < 2 * reserve:
+            level = "low"
+        else:
+            level = "ok"
+        if level == self._level:
+            return
+        self._level = level
+        where = (f"{self._used} bytes used of {cap if cap is not None else 'no'} cap, "
+                 f"{self._free} bytes free on the disk (reserve {reserve})")
+        if level == "full":
+            log.error("the audit log is full (%s): every audited call is refused (503) until "
+                      "it is pruned (`jaxserve audit prune %s`)", where, self.directory)
+        elif level == "low":
+            log.warning("the audit log is nearly full (%s): prune it (`jaxserve audit prune "
+                        "%s`) before new calls are refused", where, self.directory)
+        else:
+            log.info("the audit log is under its limits again (%s)", where)
 
     def _append(self, batch: list[dict]) -> None:
         """Write the batch (rotating as needed) and sync; on OSError the files and the chain
@@ -187,7 +322,9 @@ class AuditLog:
         lines.clear()
         view = memoryview(data)
         while view:
-            view = view[os.write(self._fd, view):]
+            written = os.write(self._fd, view)
+            self._used += written
+            view = view[written:]
         if self.config.fsync:
             os.fsync(self._fd)
 
@@ -238,6 +375,11 @@ class AuditLog:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._size = os.fstat(self._fd).st_size
         return dropped
+
+
+def _free_bytes(directory: Path) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Sequence
+from typing import Any, ClassVar, Sequence
 
 from jaxserve.errors import JaxServeError
 from jaxserve.safety.rules import Intervention
@@ -45,6 +45,7 @@ class AuditRecord:
     did; no prompt or output text unless the tenant asked for it (`prompt`/`outputs`, given
     after redaction)."""
 
+    kind: ClassVar[str] = "request"  # the line's `type`
     request_id: str
     route: str  # the HTTP path, "grpc:Generate", "grpc:Embed", "batch:<url>"
     status: str  # "ok", "error", "client_disconnected", ... (as the access log)
@@ -79,6 +80,44 @@ class AuditRecord:
         if self.prompt is not None or self.outputs is not None:
             d["content"] = {"prompt": list(self.prompt or ()), "outputs": list(self.outputs or ())}
         return d
+
+
+@dataclass(frozen=True)
+class AdminRecord:
+    """One call of the admin API with the admin key: who (the key's id, the client's address),
+    what (method, path, body) and how it ended. A body over MAX_ADMIN_BODY bytes, or not JSON,
+    is named by its sha256 only."""
+
+    kind: ClassVar[str] = "admin"
+    method: str
+    route: str
+    status: str  # as a request's: "ok", "shed", "404_not_found", ...
+    status_code: int | None  # None: the client left
+    key_id: str | None
+    client: str | None
+    body: Any = None  # the JSON body; None: none, or too large
+    body_sha256: str | None = None  # of the body's bytes; None: no body
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "route": self.route, "status": self.status,
+                "status_code": self.status_code, "key_id": self.key_id, "client": self.client,
+                "body": self.body, "body_sha256": self.body_sha256}
+
+
+MAX_ADMIN_BODY = 4096
+
+
+def admin_body(data: bytes) -> tuple[Any, str | None]:
+    """(the body as an AdminRecord keeps it, its sha256) of a request body's bytes."""
+    if not data:
+        return None, None
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) > MAX_ADMIN_BODY:
+        return None, digest
+    try:
+        return json.loads(data), digest
+    except ValueError:
+        return None, digest
 
 
 def utc_now() -> str:

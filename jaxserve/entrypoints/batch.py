@@ -21,6 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from jaxserve.audit import audit_log_config
 from jaxserve.config import RequestLimits
 from jaxserve.errors import (ConfigError, EngineDead, InvalidRequest, JaxServeError,
                              RateLimitExceeded, error_reply)
@@ -306,7 +307,8 @@ def run_batch(args: argparse.Namespace) -> int:
         print(f"nothing to do: every request is answered in {args.output}", file=sys.stderr)
         return 0
     policy = RequestPolicy.open(str(args.policy) if args.policy else None,
-                                str(args.audit_log) if args.audit_log else None,
+                                audit_log_config(args.audit_log, args.audit_key_file,
+                                                 args.audit_max_bytes, args.audit_min_free_bytes),
                                 tenants=[principal.tenant])
     engine = fleet = None
     try:

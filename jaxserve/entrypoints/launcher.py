@@ -69,7 +69,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-key", default=None, metavar="KEY",
                         help="enable the admin API under /admin/v1 (load and unload versions, "
                              "change and roll back routes), for 'Authorization: Bearer KEY' only "
-                             "(default: no admin API)")
+                             "(default: no admin API); every local user sees it in the process "
+                             "list: prefer --admin-key-file or $JAXSERVE_ADMIN_KEY")
+    parser.add_argument("--admin-key-file", type=Path, default=None, metavar="FILE",
+                        help="the admin key is FILE's text (default: --admin-key, else "
+                             "$JAXSERVE_ADMIN_KEY)")
+    parser.add_argument("--admin-model-root", type=Path, action="append", default=None,
+                        metavar="DIR",
+                        help="a directory the admin API may load models from, by path "
+                             "(repeatable; default: the model cache only); its chat_template "
+                             "is always the template's text, never a path")
     add_distributed_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
@@ -113,6 +122,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tenants, API keys, limits and classes (TOML; docs/tenants.md); "
                              "every route but /health, /ready, /metrics and /openapi.json then "
                              "needs 'Authorization: Bearer KEY' (default: one open tenant)")
+    parser.add_argument("--auth-failures-per-minute", type=int,
+                        default=_DEFAULTS.auth_failures_per_minute, metavar="N",
+                        help="a client (address) whose keys failed N times in a minute is "
+                             "refused (429) without its key being checked until the minute "
+                             "ends (0: no limit; default: %(default)s)")
     parser.add_argument("--allow-unauthenticated", action="store_true",
                         help="without --tenants, listen on a --host beyond loopback anyway: "
                              "anyone who reaches it may generate and read, change or delete "
@@ -160,6 +174,16 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write one hash-chained JSON line per request to DIR "
                              "(docs/policy-and-audit.md; check it with "
                              "`jaxserve audit verify DIR`)")
+    parser.add_argument("--audit-key-file", type=Path, default=None, metavar="FILE",
+                        help="key the audit log's chain with the HMAC key in FILE (at least 16 "
+                             "bytes; kept apart from DIR): it cannot be rewritten without the "
+                             "key (`jaxserve audit verify DIR --key-file FILE`)")
+    parser.add_argument("--audit-max-bytes", type=int, default=None, metavar="BYTES",
+                        help="refuse audited calls (503) once the audit log's files hold this "
+                             "many bytes, warning at 80%% (default: no cap)")
+    parser.add_argument("--audit-min-free-bytes", type=int, default=None, metavar="BYTES",
+                        help="refuse audited calls (503) while the audit log's filesystem has "
+                             "less free, warning under twice it (default: 268435456, 256 MiB)")
 
 
 def _host_list(text: str) -> tuple[str, ...]:
@@ -216,6 +240,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         idempotency_ttl_s=args.idempotency_ttl,
                         policy_file=str(args.policy) if args.policy else None,
                         audit_log_dir=str(args.audit_log) if args.audit_log else None,
+                        audit_key_file=str(args.audit_key_file) if args.audit_key_file else None,
+                        audit_max_bytes=args.audit_max_bytes,
+                        audit_min_free_bytes=args.audit_min_free_bytes,
+                        auth_failures_per_minute=args.auth_failures_per_minute,
                         allowed_hosts=args.allowed_hosts or (),
                         metrics_token=_metrics_token(args.metrics_token_file),
                         metrics_tenant_labels=args.metrics_tenant_labels)
@@ -241,7 +269,8 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
     from jaxserve.fleet.loader import EngineLoader
     from jaxserve.entrypoints.grpc import start_grpc_server
     from jaxserve.entrypoints.http.app import attach_engine, build_app, serving_of, start_server
-    from jaxserve.entrypoints.http.admin_routes import add_admin_routes, set_admin_fleet
+    from jaxserve.entrypoints.http.admin_routes import (add_admin_routes, admin_key,
+                                                        set_admin_fleet)
     from jaxserve.entrypoints.tls import TlsConfig
 
     started = time.perf_counter()
@@ -257,8 +286,9 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
         from jaxserve.entrypoints.http.rag_routes import add_rag_routes
 
         add_rag_routes(app, rag)
-    if args.admin_key is not None:  # routes before the server starts; the fleet once loaded
-        add_admin_routes(app, None, args.admin_key)
+    key = admin_key(args)
+    if key is not None:  # routes before the server starts; the fleet once loaded
+        add_admin_routes(app, None, key, args.admin_model_root)
     runner, port = await start_server(app, config.host, config.port,
                                       tls.ssl_context() if tls else None, config.shutdown_timeout)
     print(f"jaxserve: warming up {model_name}; health at {scheme}://{config.host}:{port}/health",
@@ -299,13 +329,13 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
             load_s, compile_s = engine.load_seconds, engine.compile_seconds
             # With --admin-key, versions can be loaded beside it.
             loader = (EngineLoader(stall_timeout=args.engine_stall_timeout)
-                      if args.admin_key is not None else None)
+                      if key is not None else None)
             fleet = await loop.run_in_executor(None, one_version_fleet, args, model_name,
                                                engine, loader)
         if rag is not None:
             await loop.run_in_executor(None, _warm_rag, rag)
         attach_engine(app, engine, rag, fleet=fleet)
-        if args.admin_key is not None:
+        if key is not None:
             set_admin_fleet(app, fleet)
         print(f"jaxserve: ready in {time.perf_counter() - started:.1f} s (load "
               f"{load_s:.1f} s, compile {compile_s:.1f} s)", flush=True)

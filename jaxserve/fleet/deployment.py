@@ -22,12 +22,13 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from jaxserve.engine_settings import BY_NAME
 from jaxserve.errors import ConfigError, InvalidRequest
 from jaxserve.fleet.routing import STICKY_MODES, CanaryGate, Route
 from jaxserve.gateway.pricing import Pricing, parse_pricing
+from jaxserve.model_registry import cache_dir, registry
 
 # Names travel in URLs (/admin/v1/versions/{name}) and as the OpenAI `model` field.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
@@ -162,6 +163,26 @@ def parse_version(name: str, table: Any, prefix: str = "") -> VersionSpec:
         except ConfigError as e:
             raise InvalidRequest(str(e), param=f"{prefix}pricing") from None
     return VersionSpec.of(name, model, settings, generation=generation, pricing=pricing)
+
+
+def confine_admin_paths(spec: VersionSpec, model_roots: Sequence[Path] | None) -> None:
+    """What the admin API may name (review a70e490, M4): a registered model, or a path whose
+    real location (symlinks and `..` resolved) is under one of `model_roots`; and a chat
+    template only as its text, never a file (a file's text would come back through /tokenize
+    and /detokenize). InvalidRequest otherwise, saying nothing of whether the path exists."""
+    template = dict(spec.engine_args).get("chat_template")
+    if template is not None and ("{{" not in template and "{%" not in template
+                                 or Path(template).is_file()):
+        raise _bad("chat_template", "through the admin API is the template's text (jinja), not "
+                                    "a path")
+    if spec.model in registry():
+        return
+    if model_roots is None:  # the default: the model cache only
+        model_roots = (cache_dir(),)
+    real = Path(spec.model).expanduser().resolve()
+    if not any(real.is_relative_to(Path(root).expanduser().resolve()) for root in model_roots):
+        raise _bad("model", "is neither a registered model nor a path under the server's admin "
+                            "model roots (serve --admin-model-root DIR)")
 
 
 # ---------------------------------------------------------------- routes

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from jaxserve.errors import Unauthenticated
+from jaxserve.gateway.auth_throttle import AuthThrottle
 from jaxserve.gateway.deadlines import request_qos
 from jaxserve.gateway.keys import Principal, authenticate
 from jaxserve.gateway.limits import Lease, TenantLimiter
@@ -29,14 +31,24 @@ class Admission:
 
 class Gateway:
     def __init__(self, tenants: Tenants | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, auth_failures_per_minute: int = 0):
         self.tenants = tenants if tenants is not None else open_tenants()
         self._clock = clock
+        self.auth_throttle = AuthThrottle(auth_failures_per_minute, 60.0, clock=clock)
         self._limiters = {name: TenantLimiter(t, clock) for name, t in self.tenants.tenants.items()}
 
-    def authenticate(self, authorization: str | None) -> Principal:
-        """The `Authorization` header's tenant: Unauthenticated (401) if unknown or missing."""
-        return authenticate(self.tenants, authorization)
+    def authenticate(self, authorization: str | None, client: str | None = None) -> Principal:
+        """The `Authorization` header's tenant: Unauthenticated (401) if unknown or missing;
+        RateLimitExceeded (429), before the key is checked, while `client` (an address) is
+        over its failed authentications (auth_throttle.py; None: not throttled)."""
+        if client is None:
+            return authenticate(self.tenants, authorization)
+        self.auth_throttle.check(client)
+        try:
+            return authenticate(self.tenants, authorization)
+        except Unauthenticated:
+            self.auth_throttle.failed(client)
+            raise
 
     def check(self, principal: Principal, model: str) -> None:
         """The edge checks, before the body is tokenized: ModelNotFound (404) for a model the

@@ -12,24 +12,38 @@ error bodies):
     GET    /admin/v1/routes                   routes: weights, sticky, shadow, canary, counters
     PUT    /admin/v1/routes/{route}           {"weights"?, "sticky"?, "shadow"?, "canary"?}
     POST   /admin/v1/routes/{route}/rollback  the previous settings
+    GET    /admin/v1/audit/head               the audit log's head: {"seq", "hash", "keyed"}
 
-Every route needs `Authorization: Bearer KEY` (compared in constant time): 401 otherwise. Calls
-that read files (a version's metadata) run in the executor.
+Every route needs `Authorization: Bearer KEY` (compared in constant time): 401 otherwise, and a
+client whose keys failed too often is refused (429) before its key is checked (the server's
+AuthThrottle, shared with the tenants' keys). With --audit-log every call with the key is an
+`admin` record (method, path, status, the key's id, the client, the body), and every refusal is
+counted in its client's `refusals` summary; a route under /admin/ that is not `admin_only` fails
+the start. Calls that read files (a version's metadata) run in the executor.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import functools
 import hashlib
 import hmac
+import os
+from pathlib import Path
+from typing import Sequence
 
 from aiohttp import web
 
-from jaxserve.errors import (ConfigError, EngineOverloaded, InvalidRequest, TokenizerError,
-                             WeightsError, error_body)
-from jaxserve.fleet.deployment import parse_route, parse_version
+from jaxserve.audit import AdminRecord
+from jaxserve.audit.record import admin_body
+from jaxserve.errors import (ConfigError, EngineOverloaded, InvalidRequest, JaxServeError,
+                             NotFound, TokenizerError, Unauthenticated, WeightsError, error_body,
+                             error_status, outcome)
+from jaxserve.gateway.keys import key_id, presented_key_id
+from jaxserve.fleet.deployment import confine_admin_paths, parse_route, parse_version
 from jaxserve.fleet.fleet import Fleet
+from jaxserve.entrypoints.http.app_state import STATE_KEY
 from jaxserve.entrypoints.http.json_body import read_object
 from jaxserve.entrypoints.http.openapi import Route, add_routes
 
@@ -43,6 +57,7 @@ class _FleetRef:
 
 FLEET_KEY = web.AppKey("admin_fleet", _FleetRef)
 _KEY_DIGEST = web.AppKey("admin_key_digest", bytes)
+_MODEL_ROOTS = web.AppKey("admin_model_roots", object)  # where the admin may load models from
 # The admin API's own reading of errors that elsewhere are the server's (a model it cannot load is
 # the caller's 400 here); the rest (400 InvalidRequest, 404 NotFound / ModelNotFound, 409
 # AlreadyExists / Conflict / InsufficientMemory) go through the app's error middleware and the
@@ -58,6 +73,27 @@ def _fleet(request: web.Request) -> Fleet:
     return fleet
 
 
+ADMIN_KEY_ENV = "JAXSERVE_ADMIN_KEY"
+
+
+def admin_key(args: argparse.Namespace) -> str | None:
+    """The admin key of `serve`: --admin-key-file's text (stripped), else --admin-key (seen by
+    every local user in the process list), else $JAXSERVE_ADMIN_KEY; None: no admin API."""
+    if args.admin_key is not None and args.admin_key_file is not None:
+        raise ConfigError("give one of --admin-key and --admin-key-file")
+    if args.admin_key_file is not None:
+        try:
+            key = args.admin_key_file.read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"--admin-key-file {args.admin_key_file}: {e.strerror}") from None
+        if not key:
+            raise ConfigError(f"--admin-key-file {args.admin_key_file}: the file is empty")
+        return key
+    if args.admin_key is not None:
+        return args.admin_key
+    return os.environ.get(ADMIN_KEY_ENV) or None
+
+
 def _digest(key: str) -> bytes:
     # Comparing digests keeps the comparison constant-time whatever the key's length.
     return hashlib.sha256(key.encode()).digest()
@@ -70,22 +106,78 @@ def _authorized(request: web.Request) -> bool:
         _digest(token.strip()), expected)
 
 
+def _audit(request: web.Request):
+    """The server's audit log, or None (no --audit-log, or an app without the server's state)."""
+    state = request.app.get(STATE_KEY)
+    policy = state.policy if state is not None else None
+    return policy.audit if policy is not None else None
+
+
+def _refused(request: web.Request, exc: JaxServeError) -> None:
+    """A refused admin call: nobody's, so counted in its client's summary (audit/refusals.py)."""
+    audit = _audit(request)
+    if audit is not None:
+        audit.count_refusal(request.remote, None, outcome(exc), request.path[:256],
+                            presented_key_id(request.headers.get("Authorization")))
+
+
+async def _record(request: web.Request, error: BaseException | None, status: int | None) -> None:
+    audit = _audit(request)
+    if audit is None:
+        return
+    data = b""
+    if request.body_exists:
+        try:
+            data = await request.read()  # the handler's read is cached: the same bytes
+        except web.HTTPException:  # over the server's body limit: not kept
+            data = b""
+    body, digest = admin_body(data)
+    audit.write(AdminRecord(request.method, request.path, outcome(error), status,
+                            key_id(request.app[_KEY_DIGEST]), request.remote, body, digest))
+
+
 def admin_only(handler):
-    """The handler behind the admin key (401 without it, or when no --admin-key was set)."""
+    """The handler behind the admin key (401 without it, or when no --admin-key was set; 429
+    while the client is over its failed keys), each call audited (see the module)."""
     @functools.wraps(handler)
     async def wrapped(request: web.Request) -> web.StreamResponse:
+        state = request.app.get(STATE_KEY)
+        throttle = state.gateway.auth_throttle if state is not None else None
+        try:
+            if throttle is not None:
+                throttle.check(request.remote or "")
+        except JaxServeError as exc:
+            _refused(request, exc)
+            raise
         if not _authorized(request):
+            if throttle is not None:
+                throttle.failed(request.remote or "")
+            _refused(request, Unauthenticated("wrong admin key"))
             return web.json_response(
                 error_body("the admin API needs 'Authorization: Bearer <admin key>'",
                            "invalid_request_error", code="invalid_api_key"),
                 status=401, headers={"WWW-Authenticate": "Bearer"})
+        error, status = None, None
         try:
-            return await handler(request)
+            resp = await handler(request)
+            status = resp.status
+            return resp
         except tuple(_STATUS) as exc:
+            error = exc
             status, code = next(v for t, v in _STATUS.items() if isinstance(exc, t))
             return web.json_response(error_body(str(exc), "invalid_request_error",
                                                 getattr(exc, "param", None), code),
                                      status=status)
+        except JaxServeError as exc:
+            error, status = exc, error_status(exc).http
+            raise
+        except BaseException as exc:  # a 500, or the client left (no status)
+            error = exc
+            status = None if outcome(exc) == "client_disconnected" else 500
+            raise
+        finally:
+            await _record(request, error, status)
+    wrapped.admin_only = True
     return wrapped
 
 
@@ -111,6 +203,7 @@ async def load_version(request: web.Request) -> web.Response:
         raise InvalidRequest("'name' is required", param="name")
     name = body.pop("name")
     spec = parse_version(name, body)
+    confine_admin_paths(spec, request.app[_MODEL_ROOTS])
     version = await _in_executor(fleet.load, spec)
     return web.json_response(fleet.version_info(version.name), status=202,
                              headers={"Location": f"/admin/v1/versions/{version.name}"})
@@ -142,13 +235,36 @@ async def rollback_route(request: web.Request) -> web.Response:
     return web.json_response(fleet.route_info(route.name))
 
 
-def add_admin_routes(app: web.Application, fleet: Fleet | None, admin_key: str) -> None:
+@admin_only
+async def audit_head(request: web.Request) -> web.Response:
+    audit = _audit(request)
+    if audit is None:
+        raise NotFound("this server keeps no audit log (serve --audit-log DIR)")
+    head = audit.head
+    return web.json_response({"seq": head[0] if head else None,
+                              "hash": head[1] if head else None,
+                              "keyed": audit.config.key is not None})
+
+
+async def _check_guarded(app: web.Application) -> None:
+    """Defence in depth: no route under /admin/ may skip the admin key (`admin_only`)."""
+    for route in app.router.routes():
+        path = route.resource.canonical if route.resource is not None else ""
+        if path.startswith("/admin/") and not getattr(route.handler, "admin_only", False):
+            raise ConfigError(f"{route.method} {path} is not behind the admin key "
+                              f"(admin_only)")
+
+
+def add_admin_routes(app: web.Application, fleet: Fleet | None, admin_key: str,
+                     model_roots: Sequence[Path] | None = None) -> None:
     """Serve the admin API for `fleet` (None: set later with `set_admin_fleet`), guarded by
-    `admin_key`; call before the server starts."""
+    `admin_key`; models it loads by path must lie under `model_roots` (None: the model cache;
+    fleet.deployment.confine_admin_paths). Call before the server starts."""
     if not admin_key:
         raise ConfigError("the admin key must not be empty")
     app[FLEET_KEY] = _FleetRef(fleet)
     app[_KEY_DIGEST] = _digest(admin_key)
+    app[_MODEL_ROOTS] = tuple(model_roots) if model_roots is not None else None
     # Described in /openapi.json without body or answer schemas: the fleet parses these bodies
     # itself (jaxserve.fleet.deployment), with no request model to publish yet.
     errors, tags = (400, 401, 404, 409, 503), ("admin",)
@@ -166,7 +282,11 @@ def add_admin_routes(app: web.Application, fleet: Fleet | None, admin_key: str) 
               tags=tags),
         Route("POST", "/admin/v1/routes/{route}/rollback", rollback_route,
               "Back to the previous settings", errors=errors, tags=tags),
+        Route("GET", "/admin/v1/audit/head", audit_head,
+              "The audit log's head (seq, hash), for `jaxserve audit verify --head`",
+              errors=(401, 404, 429), tags=tags),
     ])
+    app.on_startup.append(_check_guarded)
 
 
 def set_admin_fleet(app: web.Application, fleet: Fleet) -> None:

@@ -9,6 +9,7 @@ import hashlib
 
 from aiohttp import web
 
+from jaxserve.audit import audit_log_config
 from jaxserve.config import ServerConfig
 from jaxserve.errors import EngineOverloaded
 from jaxserve.gateway import Gateway, load_tenants
@@ -29,16 +30,21 @@ class AppState:
         self.model_name = model_name
         # Read at build time: a bad tenants file is one error at start, naming file and field.
         self.gateway = Gateway(load_tenants(config.tenants_file) if config.tenants_file
-                               else None)
+                               else None,
+                               auth_failures_per_minute=config.auth_failures_per_minute)
         self.idempotency = IdempotencyStore(config.idempotency_ttl_s)
         self.serving: OpenAIServing | None = None
         self.metrics = ServerMetrics(self._stats, self._counters, tenant_alias=(
             tenant_pseudonyms(self._pseudonym_key())
             if config.metrics_tenant_labels == "hashed" else None))
         # Read at build time too: a bad policy file or audit directory fails the start.
-        self.policy = RequestPolicy.open(config.policy_file, config.audit_log_dir,
-                                         PolicyMetrics(self.metrics.registry),
-                                         self.gateway.tenants.tenants.values())
+        self.policy = RequestPolicy.open(
+            config.policy_file, audit_log_config(config.audit_log_dir, config.audit_key_file,
+                                                 config.audit_max_bytes,
+                                                 config.audit_min_free_bytes),
+            PolicyMetrics(self.metrics.registry), self.gateway.tenants.tenants.values())
+        if self.policy is not None and self.policy.audit is not None:
+            self.policy.audit.register_metrics(self.metrics.registry)
         # Where every call ends (front door, gRPC, generations): counted, logged, audited.
         self.sinks = Sinks(self.metrics, self.policy, config.log_prompts)
         self.shutting_down = False  # set on SIGTERM: not ready while in-flight requests drain

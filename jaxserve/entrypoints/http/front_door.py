@@ -141,9 +141,12 @@ async def _front_door(request: web.Request, handler):
     call = request[_CALL] = Call(state.sinks)
     ctx = CallContext(None, client=request.remote, route=request.path[:_MAX_AUDITED_PATH])
     try:
-        principal = state.gateway.authenticate(request.headers.get("Authorization"))
+        principal = state.gateway.authenticate(request.headers.get("Authorization"),
+                                               request.remote or "")
         request[_PRINCIPAL] = principal
         ctx = dataclasses.replace(ctx, principal=principal)
+        if state.policy is not None and request.path not in _UNAUDITED_PATHS:
+            state.policy.check_accepting()  # no audited call the log cannot take: 503
         resp = await handler(request)
     except web.HTTPException:
         raise

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Callable, Iterable
 
-from jaxserve.audit import AuditError, AuditLog, AuditLogConfig, AuditRecord
+from jaxserve.audit import AuditBacklogFull, AuditError, AuditLog, AuditLogConfig, AuditRecord
 from jaxserve.errors import ConfigError, ContentPolicyViolation
 from jaxserve.gateway.tenants import Tenant
 from jaxserve.safety import Intervention, Pack, PolicySet, load_policy
@@ -65,21 +64,21 @@ class RequestPolicy:
                      (policy.packs.items() if policy is not None else ())}
 
     @classmethod
-    def open(cls, policy_file: str | None, audit_dir: str | None, metrics=None,
+    def open(cls, policy_file: str | None, audit: AuditLogConfig | None, metrics=None,
              tenants: Iterable[Tenant] = ()) -> "RequestPolicy | None":
         """From the flags; None when neither is given. ConfigError / AuditError at start."""
-        if policy_file is None and audit_dir is None:
+        if policy_file is None and audit is None:
             for tenant in tenants:  # a tenant naming a pack: ConfigError
                 _pack(None, tenant)
             return None
         policy = load_policy(policy_file) if policy_file is not None else None
         try:
-            audit = AuditLog(AuditLogConfig(Path(audit_dir))) if audit_dir is not None else None
+            log_ = AuditLog(audit) if audit is not None else None
             try:
-                return cls(policy, audit, metrics, tenants)
+                return cls(policy, log_, metrics, tenants)
             except BaseException:
-                if audit is not None:
-                    audit.close()
+                if log_ is not None:
+                    log_.close()
                 raise
         except BaseException:
             if policy is not None:
@@ -121,14 +120,19 @@ class RequestPolicy:
 
     def record(self, o: Outcome) -> None:
         """A call ended (the audit sink, calls.Sinks): the policy's later interventions on it
-        counted, its audit record queued (never blocks). A call without a principal (a 401) is
-        recorded with a null tenant and the id of the key it sent."""
+        counted, its audit record queued (never blocks). A refusal nobody can be held to (no
+        principal: a 401, the throttle's 429; or the audit log's own 503) is only counted in its
+        client's `refusals` summary (audit/refusals.py), so a flood cannot fill the disk."""
         if not o.audited:
             return
         screening = o.screening
         if screening is not None and self.metrics is not None:
             self.metrics.record(screening.later_interventions)
         if self.audit is None:
+            return
+        if o.ctx.principal is None or isinstance(o.error, AuditBacklogFull):
+            self.audit.count_refusal(o.ctx.client, o.tenant, o.status, route_of(o.ctx, o.kind),
+                                     o.key_id)
             return
         tenant = o.ctx.principal.tenant if o.ctx.principal is not None else None
         interventions = (screening.interventions if screening is not None
