@@ -179,3 +179,28 @@ def test_the_admin_key_from_a_file_or_the_environment(tmp_path, monkeypatch):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ConfigError, match="empty"):
         admin_key(ns(admin_key=None, admin_key_file=tmp_path / "empty"))
+
+
+def test_grpc_wrong_keys_are_throttled_per_address_not_per_connection(tmp_path):
+    from types import SimpleNamespace
+
+    from jaxserve.entrypoints.grpc import GenerationService
+    from jaxserve.errors import RateLimitExceeded, Unauthenticated
+    from jaxserve.gateway import Gateway
+    from jaxserve.gateway.tenants import load_tenants
+
+    (tmp_path / "tenants.toml").write_text(TENANTS)
+    gateway = Gateway(load_tenants(tmp_path / "tenants.toml"), auth_failures_per_minute=3)
+    service = GenerationService(SimpleNamespace(gateway=gateway))
+
+    def context(port: int, key: str):  # each call on a new connection: a new port
+        return SimpleNamespace(peer=lambda: f"ipv4:127.0.0.1:{port}",
+                               invocation_metadata=lambda: (("authorization", f"Bearer {key}"),))
+    for port in range(3):
+        with pytest.raises(Unauthenticated):
+            service._principal(context(port, "guess"))
+    with pytest.raises(RateLimitExceeded):
+        service._principal(context(9, "sk-alice"))
+    other = SimpleNamespace(peer=lambda: "ipv6:[::1]:5",
+                            invocation_metadata=lambda: (("authorization", "Bearer sk-alice"),))
+    assert service._principal(other).tenant.name == "alice"

@@ -100,7 +100,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.write_timeout_s = write_timeout_s  # the server's stream_write_timeout_s
 
     def _principal(self, context):
-        return self.serving.gateway.authenticate(_authorization(context))
+        # Throttled by the client's address, as HTTP's keys are: not its port (a new
+        # connection per guess would start afresh).
+        return self.serving.gateway.authenticate(_authorization(context),
+                                                 context.peer().rpartition(":")[0])
 
     def _end(self, call: Call, ctx: CallContext, context, error: BaseException | None,
              tenant_hold=None, **kwargs) -> None:
