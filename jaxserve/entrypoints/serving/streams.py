@@ -15,10 +15,13 @@ class StreamStalled(ConnectionResetError):
 
 
 async def write_within(write: Awaitable, timeout_s: float) -> None:
-    """Await one write to a client, or raise StreamStalled after `timeout_s`."""
+    """Await one write to a client, or raise StreamStalled after `timeout_s`. In the caller's
+    task (not wait_for's own): a handler cancelled because its client left must see its
+    CancelledError, not the write's "closing transport" error that wait_for would return."""
     try:
-        await asyncio.wait_for(write, timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout_s):
+            await write
+    except TimeoutError:
         raise StreamStalled(f"the client read nothing for {timeout_s:g} s") from None
 
 
