@@ -143,17 +143,19 @@ async def hostile_embeds(target: str, calls: int) -> list[Outcome]:
 _WRITE_TIMEOUT_S = 3
 
 
-def _raw_post(base: str, path: str, body: dict, rcvbuf: int | None = None) -> socket.socket:
+def raw_post(base: str, path: str, body: dict, rcvbuf: int | None = None,
+             key: str | None = None) -> socket.socket:
     """Send one request on a raw socket and read nothing yet (`rcvbuf`: a tiny receive buffer,
-    so the server's writes stall as soon as the kernel buffers fill)."""
+    so the server's writes stall as soon as the kernel buffers fill; `key`: its API key)."""
     host, port = base.removeprefix("http://").rsplit(":", 1)
     sock = socket.socket()
     if rcvbuf is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.connect((host, int(port)))
     data = json.dumps(body).encode()
+    auth = f"Authorization: Bearer {key}\r\n" if key is not None else ""
     sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+                 f"{auth}Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
 
 
@@ -170,7 +172,7 @@ def unread_stream(base: str, model: str, long: int, pid: int) -> Outcome:
     rss = _rss_bytes(pid)
     body = {"model": model, "stream": True, "n": 8, "max_tokens": long, "ignore_eos": True,
             "logprobs": True, "top_logprobs": 20, "messages": [{"role": "user", "content": "Hi"}]}
-    sock = _raw_post(base, "/v1/chat/completions", body, rcvbuf=4096)
+    sock = raw_post(base, "/v1/chat/completions", body, rcvbuf=4096)
     try:
         time.sleep(1)
         settle(base, _TIMEOUT_S)  # aborted by the write timeout (or, unfixed, run to its end)
@@ -202,7 +204,7 @@ def leave_during_compile(base: str, model: str, calls: int, seed: int) -> list[O
         body = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}],
                 "response_format": {"type": "json_schema",
                                     "json_schema": {"name": "x", "schema": schema}}}
-        sock = _raw_post(base, "/v1/chat/completions", body)
+        sock = raw_post(base, "/v1/chat/completions", body)
         time.sleep(0.05)
         sock.close()
         outcomes.append(Outcome("compile_leave", "cancel"))

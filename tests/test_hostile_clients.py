@@ -9,8 +9,9 @@ one-second stream write timeout. The compile and the prompt preparation can be h
 from __future__ import annotations
 
 import asyncio
-import json
+import importlib
 import socket
+import sys
 import threading
 import time
 import urllib.request
@@ -26,7 +27,7 @@ from jaxserve.entrypoints.serving import protocol
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.entrypoints.serving.streams import merge_streams
-from tests.test_cli import tiny_gguf
+from tests.test_cli import ROOT, tiny_gguf
 from tests.test_engine import assert_no_leaks
 from tests.test_server import ServerThread, wait_for
 from tests.test_tenancy_server import metric_values, post
@@ -44,6 +45,18 @@ api_keys = ["sk-rpm"]
 requests_per_minute = 2
 """
 MAX_LEN = 1024
+
+
+def _soak():
+    """benchmarks/soak.py, whose raw client the tests share (it imports its siblings)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module("soak")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+raw_post = _soak().raw_post
 
 
 @pytest.fixture(scope="module")
@@ -85,21 +98,6 @@ def requests_total(url: str, tenant: str, outcome: str) -> float:
 def idle(server) -> bool:
     s = server.engine.stats()
     return not server.llm.has_unfinished() and s.pages_in_use == 0 and s.num_running == 0
-
-
-def raw_post(url: str, path: str, body: dict, key: str, rcvbuf: int | None = None) -> socket.socket:
-    """Send a request on a raw socket and read nothing (a tiny receive buffer: the server's
-    writes stall as soon as the kernel buffers fill)."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    if rcvbuf is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    sock.connect((host, int(port)))
-    data = json.dumps(body).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Authorization: Bearer {key}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
-                 + data)
-    return sock
 
 
 @pytest.fixture
@@ -161,7 +159,7 @@ def test_a_stream_nobody_reads_is_ended_and_its_pages_freed(server):
     body = {"model": "tiny", "stream": True, "max_tokens": MAX_LEN - 64,
             "ignore_eos": True, "logprobs": True, "top_logprobs": 20,
             "messages": [{"role": "user", "content": "hi"}]}
-    sock = raw_post(url, "/v1/chat/completions", body, "sk-alice", rcvbuf=4096)
+    sock = raw_post(url, "/v1/chat/completions", body, rcvbuf=4096, key="sk-alice")
     try:
         wait_for(lambda: server.engine.stats().num_running, "the request to run")
         wait_for(lambda: requests_total(url, "alice", "client_disconnected") > before,
@@ -217,7 +215,7 @@ def test_leaving_while_the_grammar_compiles_takes_nothing_from_the_tenant(server
                                 "json_schema": {"name": "x", "schema": schema}},
             "messages": [{"role": "user", "content": "HOLD and leave"}]}
     before = requests_total(url, "solo", "client_disconnected")
-    sock = raw_post(url, "/v1/chat/completions", body, "sk-solo")
+    sock = raw_post(url, "/v1/chat/completions", body, key="sk-solo")
     assert gate_prepare.started.wait(30)
     sock.close()
     wait_for(lambda: requests_total(url, "solo", "client_disconnected") > before,
@@ -238,7 +236,7 @@ def test_preparing_a_prompt_leaves_the_event_loop_free(server, gate_prepare):
     url = server.url
     body = {"model": "tiny", "max_tokens": 2,
             "messages": [{"role": "user", "content": "HOLD " + "word " * 20_000}]}
-    sock = raw_post(url, "/v1/chat/completions", body, "sk-alice")
+    sock = raw_post(url, "/v1/chat/completions", body, key="sk-alice")
     try:
         assert gate_prepare.started.wait(30)
         with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
