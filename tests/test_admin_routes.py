@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 
 import jax
 import pytest
@@ -52,7 +53,8 @@ def run(fleet: Fleet, scenario, model_roots=()) -> None:
 
 
 async def wait_state(client, name: str, state: str) -> dict:
-    for _ in range(1200):
+    deadline = time.monotonic() + 600  # loading a version on a busy 2-core machine: a bound
+    while time.monotonic() < deadline:
         info = await (await client.get(f"/admin/v1/versions/{name}", headers=AUTH)).json()
         if info["state"] == state:
             return info
