@@ -37,7 +37,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     ctx = call_context(request)
     serving = state.require_serving()
     body = await read_json(request)
-    return await _keyed(request, ctx, kind, body.get("model"),
+    model = body.get("model") if isinstance(body, dict) else None  # not an object: _run's 400
+    return await _keyed(request, ctx, kind, model,
                         lambda keep: _run(request, serving, kind, body, ctx, keep))
 
 

@@ -25,7 +25,8 @@ _DESCRIPTIONS = {200: "OK", 201: "Created", 202: "Accepted (it goes on in the ba
                  409: "Conflicts with the current state (or the same Idempotency-Key still runs)",
                  415: "The body is not sent as JSON (Content-Type: application/json)",
                  422: "Idempotency-Key reused with a different body",
-                 429: "A rate limit of the tenant (Retry-After says when to retry)",
+                 429: "A rate limit of the tenant, or too many failed keys from this address "
+                      "(Retry-After says when to retry)",
                  500: "The request failed inside the server",
                  503: "Not ready or overloaded (Retry-After)",
                  504: "The request's deadline passed before it could be answered"}
@@ -93,6 +94,8 @@ def openapi_document(routes: list[Route], title: str, version: str) -> dict:
             op["requestBody"] = {"required": True,
                                  "content": _content(refs[(r.body, "validation")])}
             errors = tuple(sorted({*errors, 415}))  # json_body.read_json's
+        if 401 in errors:  # the per-address throttle of failed keys runs before the key check
+            errors = tuple(sorted({*errors, 429}))
         if isinstance(r.ok, type):
             ok = _content(refs[(r.ok, "serialization")])
         else:
