@@ -12,6 +12,7 @@ its longest request is done, as static batching does), and only the requested to
     python benchmarks/throughput.py --compare int8        # + jaxserve with --quantization int8
     python benchmarks/throughput.py --compare bf16-kv     # + jaxserve with --kv-cache-dtype bfloat16
     python benchmarks/throughput.py --compare int8-bf16-kv  # + jaxserve with both
+    python benchmarks/throughput.py --model DIR --compare hf  # an HF checkpoint directory
 
 After the workload (unless `--no-decode-step`) each jaxserve run also times the engine's
 64-sequence decode step (forward over 64 one-token queries at contexts of 46-286 tokens, LM
@@ -134,8 +135,11 @@ def run_hf(work, args) -> dict:
     from jaxserve.model_registry import resolve
 
     path = resolve(args.model).path
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32)
+    if path.is_dir():  # an HF checkpoint directory (e.g. benchmarks/random_hf_model.py's)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch.float32)
     model.eval()
     pad = model.config.eos_token_id if model.config.pad_token_id is None else \
         model.config.pad_token_id
