@@ -9,7 +9,7 @@ PORT   ?= 8000
 # Tests run on a 2-core CPU machine; keep XLA from oversubscribing it.
 PYTEST_ARGS ?= -q
 
-.PHONY: install install-dev fetch-models serve test generate bench-kernels clean protos accelerator-bundle
+.PHONY: install install-dev system-deps fetch-models serve test generate bench-kernels clean protos accelerator-bundle
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,20 @@ serve: fetch-models
 	@echo "    -d '{\"model\": \"$(MODEL)\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'"
 	$(PY) -m jaxserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: install-dev fetch-models
+# Real tools some tests drive (Debian packages): the code sandbox (bubblewrap) and promtool
+# (prometheus). Installed when missing and apt-get can run; tests that need one skip without it.
+SYSTEM_DEPS ?= bwrap:bubblewrap promtool:prometheus
+system-deps:
+	@missing=""; for dep in $(SYSTEM_DEPS); do command -v $${dep%%:*} >/dev/null || missing="$$missing $${dep#*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing >/dev/null \
+	    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing >/dev/null; } \
+	    || echo "system-deps: could not install$$missing; tests that need them skip"; \
+	  else echo "system-deps: missing$$missing (install them as root); tests that need them skip"; fi; \
+	fi
+
+test: install-dev fetch-models system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench-kernels: install
