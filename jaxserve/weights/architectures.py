@@ -17,6 +17,7 @@ from typing import Callable
 
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.errors import ConfigError
+from jaxserve.weights import fp8
 
 # Keys that describe the checkpoint or training, never the forward pass.
 _METADATA_KEYS = frozenset({
@@ -42,6 +43,7 @@ _COMMON_KEYS = frozenset({
     "rope_parameters", "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
     "eos_token_id", "hidden_act", "attention_bias", "sliding_window", "layer_types",
     "partial_rotary_factor",
+    "quantization_config",  # checked by config_from_hf (jaxserve.weights.fp8)
 })
 # Keys whose only value jaxserve serves (anything else changes the math).
 _REQUIRED = {"mlp_bias": False, "lm_head_bias": False, "use_bidirectional_attention": False,
@@ -326,6 +328,7 @@ def config_from_hf(cfg: dict, name: str, dtype: str = "float32") -> ModelConfig:
     cfg = text_config(cfg)
     arch = architecture(cfg.get("model_type"))
     _check_keys(cfg, arch)
+    fp8.block_size(cfg.get("quantization_config"))  # dequantized at load, or refused here
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     if cfg.get("attention_bias") and not arch.attention_bias:

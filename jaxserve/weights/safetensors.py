@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError, WeightsError
+from jaxserve.weights import fp8
 from jaxserve.weights.architectures import config_from_hf, text_tensor_name
 from jaxserve.weights.hf_layout import params_from_hf
 
@@ -58,10 +59,17 @@ def load_hf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
         raise WeightsError(f"{path}: unreadable safetensors ({e}); download it again") from None
 
     # A multimodal checkpoint's text tensors under the text model's names (the rest unread).
-    model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    stored = {text_tensor_name(name, model_type): name for name in files}
+    cfg = json.loads((path / "config.json").read_text())
+    stored = {text_tensor_name(name, cfg.get("model_type")): name for name in files}
+    float8: dict[Path, fp8.Float8Reader] = {}
 
     def get(name: str) -> np.ndarray:
-        return handles[files[stored[name]]].get_tensor(stored[name])
+        file, name = files[stored[name]], stored[name]
+        if handles[file].get_slice(name).get_dtype() in fp8.FLOAT8:
+            reader = float8.get(file) or float8.setdefault(file, fp8.Float8Reader(file))
+            return reader.get(name)
+        return handles[file].get_tensor(name)
 
+    # FP8 block-quantized checkpoints: each weight dequantized as it is read.
+    get = fp8.dequantizing(get, set(stored), fp8.block_size(cfg.get("quantization_config")))
     return config, params_from_hf(config, get, str(path))
