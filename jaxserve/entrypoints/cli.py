@@ -144,9 +144,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from jaxserve.entrypoints.batch_lines import ServingLines
     from jaxserve.entrypoints.launcher import run
 
-    return run(args)
+    return run(args, ServingLines)
 
 
 def cmd_batch(args) -> int:
