@@ -145,6 +145,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         default=_DEFAULTS.metrics_tenant_labels,
                         help="the tenant label of /metrics: names, or hashed (a stable "
                              "pseudonym per tenant; docs/security.md) (default: %(default)s)")
+    parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="export a trace per request over OTLP/HTTP (protobuf) to URL, e.g. "
+                             "http://collector:4318/v1/traces; the caller's W3C traceparent is "
+                             "its parent (default: no tracing)")
     parser.add_argument("--idempotency-ttl", type=float, default=_DEFAULTS.idempotency_ttl_s,
                         metavar="SECONDS",
                         help="how long the response to an Idempotency-Key is kept for a retry "
@@ -253,7 +257,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         auth_failures_per_minute=args.auth_failures_per_minute,
                         allowed_hosts=args.allowed_hosts or (),
                         metrics_token=_metrics_token(args.metrics_token_file),
-                        metrics_tenant_labels=args.metrics_tenant_labels)
+                        metrics_tenant_labels=args.metrics_tenant_labels,
+                        otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def _exit_now(code: int) -> None:

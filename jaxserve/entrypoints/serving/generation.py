@@ -27,6 +27,7 @@ from jaxserve.entrypoints.serving.outcome import Outcome
 from jaxserve.entrypoints.serving.screening import Screening
 from jaxserve.entrypoints.serving.streams import merge_streams, with_keepalive
 from jaxserve.entrypoints.serving.tool_output import ToolCallOutput
+from jaxserve.telemetry.trace_record import request_attributes
 
 
 class Generation:
@@ -75,6 +76,8 @@ class Generation:
         # Shadow copies compare their tokens with these (kept only when there are copies).
         self.token_ids: dict[int, list[int]] | None = {} if lease.shadows else None
         self._primary_tokens: asyncio.Future | None = None
+        if ctx.trace is not None:
+            ctx.trace.attributes.update(request_attributes(self.params))
 
     @property
     def tokenizer(self):
@@ -149,6 +152,9 @@ class Generation:
                 and out.metrics.first_scheduled_time is not None:
             metrics.queue.labels(*self.labels, self.tenant).observe(
                 out.metrics.first_scheduled_time - out.metrics.arrival_time)
+        if out.finished and self.ctx.trace is not None:
+            self.ctx.trace.engine_done(stream_index, out.metrics,
+                                       sum(len(c.token_ids) for c in out.outputs))
         for comp in out.outputs:
             choice = stream_index * self.n + comp.index
             if choice in self.finish_reasons:  # ended (by the engine or by the policy)
@@ -297,7 +303,7 @@ class Generation:
         self._primary_tokens = asyncio.get_running_loop().create_future()
         for lease in self.lease.shadows:
             shadow.start(lease, self.parsed, self.params, self._primary_tokens, self.max_queued,
-                         self.id)
+                         self.id, self.ctx.trace)
 
     def _end(self, error: BaseException | None) -> None:
         """The request ended (error None: answered in full): its shadow copies get the tokens
