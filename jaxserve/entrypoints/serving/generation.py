@@ -73,6 +73,8 @@ class Generation:
         self.last_token_at: dict[int, float] = {}  # per choice: ITL is within one sequence
         self.engine_answered = False  # an output came back: the request left the queue
         self.error: BaseException | None = None  # what ended it, when reported in-band
+        self.streamed = False  # its SSE stream started: its 200 went out
+        self._itl = None  # its (version, route) and (version, route, tier) ITL histograms
         # Shadow copies compare their tokens with these (kept only when there are copies).
         self.token_ids: dict[int, list[int]] | None = {} if lease.shadows else None
         self._primary_tokens: asyncio.Future | None = None
@@ -103,6 +105,22 @@ class Generation:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompt_ids)
+
+    def stream_started(self) -> None:
+        """Its SSE stream's 200 went out: a stream the stream-completion SLI expects to end."""
+        self.streamed = True
+        if self.metrics is not None:
+            self.metrics.sli_streams_started.labels(*self.labels, self.tier).inc()
+
+    @property
+    def tier(self) -> str:
+        return self.ctx.principal.tenant.priority.name.lower()
+
+    def _itl_histograms(self) -> tuple:
+        if self._itl is None:  # looked up once per request, not per token
+            self._itl = (self.metrics.itl.labels(*self.labels),
+                         self.metrics.sli_itl.labels(*self.labels, self.tier))
+        return self._itl
 
     def usage(self) -> dict:
         """OpenAI's usage object, with "cost" (USD) when the model has prices."""
@@ -169,7 +187,8 @@ class Generation:
                     # Tokens that arrive together (a delta of several) share the gap evenly.
                     gap = (now - self.last_token_at[choice]) / len(ids)
                     for _ in ids:
-                        metrics.itl.labels(*self.labels).observe(gap)
+                        for histogram in self._itl_histograms():
+                            histogram.observe(gap)
             if ids and self.token_ids is not None:
                 self.token_ids.setdefault(choice, []).extend(ids)
             if ids:
@@ -323,4 +342,4 @@ class Generation:
             cost=self.usage().get("cost"),
             finish_reasons=tuple(self.finish_reasons.get(i, "") for i in range(self.num_choices)),
             first_token_at=self.first_token_at, screening=self.screening,
-            prompts=self.parsed.prompts)
+            prompts=self.parsed.prompts, streamed=self.streamed)
