@@ -98,6 +98,10 @@ class ModelConfig:
     # stores uint8 codes with a scale and a minimum per INT8_GROUP contraction rows (see
     # jaxserve.weights.quantize), dequantized to `dtype` inside the step.
     quantization: str | None = None
+    # Expert parallelism (--enable-expert-parallel): a mixture's experts sharded over the mesh's
+    # model axis, tokens dispatched to their devices (jaxserve.executor.models.moe). A placement,
+    # like dtype: set by the engine factory, never read from a checkpoint.
+    expert_parallel: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
@@ -297,8 +301,6 @@ class ServerConfig:
     metrics_token: str | None = field(default=None, repr=False)
     # The `tenant` label of /metrics: "names", or "hashed" (stable pseudonyms, t-<12 hex>).
     metrics_tenant_labels: str = "names"
-    # --otlp-traces-endpoint: OTLP/HTTP URL spans are exported to; None: no tracing at all.
-    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -322,6 +324,9 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # A mixture of experts' experts sharded over each replica's tensor_parallel_size devices
+    # (expert parallelism) instead of each expert's MLP split across them.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:

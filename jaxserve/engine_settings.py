@@ -35,12 +35,15 @@ class Setting:
     short: str | None = None  # a short flag, e.g. -tp
     metavar: str | None = None
     grouped: bool = True  # listed under the "engine" heading of --help
+    switch_on: bool = False  # a bool setting that defaults to off: its flag turns it on
 
     @property
     def flag(self) -> str:
-        # A bool setting defaults to on: its flag turns it off (enable_x -> --no-x).
-        name = self.name.removeprefix("enable_") if self.type is bool else self.name
-        return ("--no-" if self.type is bool else "--") + name.replace("_", "-")
+        # A bool setting defaults to on: its flag turns it off (enable_x -> --no-x), unless it
+        # is a switch_on one (enable_x -> --enable-x, vLLM's spelling).
+        if self.type is not bool or self.switch_on:
+            return "--" + self.name.replace("_", "-")
+        return "--no-" + self.name.removeprefix("enable_").replace("_", "-")
 
     @property
     def config_field(self) -> str:
@@ -81,6 +84,10 @@ SETTINGS = (
     Setting("data_parallel_size", int, PARALLEL, short="-dp",
             help="engine replicas in this process, each on its own tensor-parallel-size "
                  "devices, behind one front door"),
+    Setting("enable_expert_parallel", bool, PARALLEL, switch_on=True,
+            help="a mixture of experts' experts sharded over each replica's "
+                 "tensor-parallel-size devices (which must divide their number), tokens "
+                 "dispatched to them; attention stays tensor parallel"),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 

@@ -87,7 +87,7 @@ def _greedy(llm, prompts) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _check_engine(family: str, **changes) -> None:
+def _check_engine(family: str, **changes):  # -> the LLM, for more checks
     from jaxserve.entrypoints.llm import LLM
 
     exp = expected(family)
@@ -100,6 +100,7 @@ def _check_engine(family: str, **changes) -> None:
     assert got == exp["greedy"]
     stats = llm.engine.stats()
     assert stats.prefix_cache_hits >= 16 and stats.num_preemptions > 0, stats
+    return llm
 
 
 @in_parent

@@ -55,7 +55,7 @@ def build_engines(model: str, *, strict_compile: bool = False, warmup: bool = Tr
     parallel.check_sizes(read_config(spec, dtype), sizes)
     meshes = parallel.replica_meshes(sizes)
     model_config, replica_params = parallel.wait_until_ready(
-        load_model_replicas(spec, dtype, meshes, quantization))
+        load_model_replicas(spec, dtype, meshes, quantization, sizes.enable_expert_parallel))
     load_seconds = time.perf_counter() - started
     parallel.warn_if_kv_heads_replicated(model_config, meshes[0])
     config = make_engine_config(model_config, args)

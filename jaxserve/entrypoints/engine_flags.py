@@ -43,7 +43,7 @@ def _add_flag(parser, setting: Setting) -> None:
     # Every flag defaults to None (left out): the registry's default, then the config's, applies.
     kwargs = {"dest": setting.name, "default": None, "help": setting.help}
     if setting.type is bool:
-        kwargs["action"] = "store_false"
+        kwargs["action"] = "store_true" if setting.switch_on else "store_false"
     else:
         kwargs.update(type=setting.type, choices=setting.choices, metavar=setting.metavar)
     parser.add_argument(*names, **kwargs)

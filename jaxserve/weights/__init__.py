@@ -58,9 +58,11 @@ def param_bytes(config: ModelConfig) -> int:
 
 
 def load_model(spec: ModelSpec, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None,
-               quantization: str | None = None) -> tuple[ModelConfig, dict]:
+               quantization: str | None = None,
+               expert_parallel: bool = False) -> tuple[ModelConfig, dict]:
     """(config, params on device). dtype None keeps the source's (f32 for GGUF / HF, as saved for
-    orbax); with a mesh, params are sharded for tensor parallelism (jaxserve.executor.sharding).
+    orbax); with a mesh, params are sharded for tensor parallelism (jaxserve.executor.sharding),
+    a mixture's experts by expert with `expert_parallel`.
     quantization "int8": the layers' projections stored as int8 groups (weights.quantize)."""
     from jaxserve.executor.models import decoder
 
@@ -73,10 +75,12 @@ def load_model(spec: ModelSpec, dtype: str | None = None, mesh: jax.sharding.Mes
         shardings = None
         if mesh is not None:
             config = config_from_dict(read_meta(spec.path)["config"])
-            shardings = decoder.param_shardings(config.replace(dtype=dtype or config.dtype), mesh)
-        return load_checkpoint(spec.path, dtype, shardings)
+            shardings = decoder.param_shardings(config.replace(
+                dtype=dtype or config.dtype, expert_parallel=expert_parallel), mesh)
+        config, params = load_checkpoint(spec.path, dtype, shardings)
+        return config.replace(expert_parallel=expert_parallel), params
     config, params = load_host(spec, dtype or "float32")
-    config = config.replace(quantization=quantization)
+    config = config.replace(quantization=quantization, expert_parallel=expert_parallel)
     if config.quantization == "int8":
         from jaxserve.weights.quantize import quantize_int8
 
@@ -87,11 +91,12 @@ def load_model(spec: ModelSpec, dtype: str | None = None, mesh: jax.sharding.Mes
 
 
 def load_model_replicas(spec: ModelSpec, dtype: str | None, meshes: list[jax.sharding.Mesh | None],
-                        quantization: str | None = None) -> tuple[ModelConfig, list[dict]]:
+                        quantization: str | None = None,
+                        expert_parallel: bool = False) -> tuple[ModelConfig, list[dict]]:
     """The weights read once and placed on each mesh (one per data-parallel replica): the first
     from the source, the others copied device to device from it."""
     from jaxserve.executor.models import decoder
 
-    config, first = load_model(spec, dtype, meshes[0], quantization)
+    config, first = load_model(spec, dtype, meshes[0], quantization, expert_parallel)
     return config, [first] + [jax.device_put(first, decoder.param_shardings(config, mesh))
                               for mesh in meshes[1:]]

@@ -408,7 +408,8 @@ def param_shapes(config: ModelConfig) -> dict:
 def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh) -> dict:
     """NamedSharding of every parameter on `mesh` (tensor parallel): the logical axes declared
     here, mapped to mesh axes by the rule table in jaxserve.executor.sharding."""
-    return sharding.named_shardings(param_logical_axes(config), param_shapes(config), mesh)
+    return sharding.named_shardings(param_logical_axes(config), param_shapes(config), mesh,
+                                    sharding.axis_rules(config))
 
 
 def forward(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: BatchPlan,
@@ -423,7 +424,7 @@ def forward(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: Batch
         layers = {name: p for name, p in layers.items() if name not in PROJECTIONS}
 
     moe_mlp = (moe.layer_mlp(config, params, _ACTIVATIONS[config.hidden_act],
-                             _precision(config)) if config.num_experts else None)
+                             _precision(config), mesh) if config.num_experts else None)
 
     def body(carry, xs):
         layer_params, layer_id = xs

@@ -15,27 +15,32 @@ Parameters, outside the decoder's per-layer stacks because a model may mix dense
 (Qwen3-MoE's mlp_only_layers): `moe/router` [S, H, E], `moe/{gate,up}_proj` [S, E, H, I],
 `moe/down_proj` [S, E, I, H] for the S sparse layers (ModelConfig.sparse_layers, in order), and
 `dense_mlp/{gate,up,down}_proj` [D, H, I'] / [D, I', H] for the D dense ones, if any. The `expert`
-logical axis is named so expert parallelism can shard it (replicated today:
-jaxserve.executor.sharding); each expert's `mlp` axis shards under tensor parallelism as a dense
-MLP's does. A layer of the scan picks its slice of either stack by its layer id (`layer_mlp`).
+logical axis is sharded by expert parallelism (ModelConfig.expert_parallel: `expert_parallel`
+dispatches the tokens); without it each expert's `mlp` axis shards under tensor parallelism as a
+dense MLP's does. A layer of the scan picks its slice of either stack by its layer id (`layer_mlp`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jaxserve.config import ModelConfig
+from jaxserve.executor import sharding
 
 Activation = Callable[[jax.Array], jax.Array]
 
 # Logical axis names of each parameter (see the module docstring).
 AXES = {
-    "moe": {"router": ("layers", "embed", "expert"),
+    # The router's columns (and its per-expert biases) are "router": every device routes every
+    # token, also under expert parallelism, which shards the "expert" axis.
+    "moe": {"router": ("layers", "embed", "router"),
             "gate_proj": ("layers", "expert", "embed", "mlp"),
             "up_proj": ("layers", "expert", "embed", "mlp"),
             "down_proj": ("layers", "expert", "mlp", "embed")},
@@ -85,14 +90,24 @@ def route(x: jax.Array, router: jax.Array, k: int, norm_topk_prob: bool
 
 
 def experts_mlp(x: jax.Array, p: dict, config: ModelConfig, activation: Activation,
-                precision: jax.lax.Precision) -> jax.Array:
-    """x [T, H] through its top-k experts (one layer's `moe` parameters), dropless: [T, H]."""
+                precision: jax.lax.Precision, num_local: int | None = None) -> jax.Array:
+    """x [T, H] through its top-k experts (one layer's `moe` parameters), dropless: [T, H].
+    num_local: expert parallelism (inside `expert_parallel`'s shard_map): `p` holds this
+    device's num_local experts, the copies routed to other devices' experts are theirs, and the
+    devices' partial sums are added."""
     c = config
     T, k = x.shape[0], c.experts_per_token
     experts, weights = route(x, p["router"], k, c.norm_topk_prob)
+    num_groups = c.num_experts
+    if num_local is not None:
+        # Other devices' experts -> group num_local: sorted last, never computed, weight 0.
+        first = jax.lax.axis_index(sharding.MODEL) * num_local
+        here = (experts >= first) & (experts < first + num_local)
+        experts, weights = jnp.where(here, experts - first, num_local), jnp.where(here, weights, 0)
+        num_groups = num_local
     flat = experts.reshape(-1)  # token t's j-th choice at row t * k + j
     order = jnp.argsort(flat, stable=True)  # the T * k copies grouped by expert
-    group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat, length=num_groups).astype(jnp.int32)
     rows = jnp.take(x, order // k, axis=0)
 
     args = (group_sizes, p, activation, precision)
@@ -100,7 +115,36 @@ def experts_mlp(x: jax.Array, p: dict, config: ModelConfig, activation: Activati
                                      default=lambda r: ragged_grouped_mlp(r, *args))
     # Back to token order (a gather, not a scatter-add: deterministic) and weighted per choice.
     out = jnp.take(out, jnp.argsort(order), axis=0).reshape(T, k, -1)
-    return jnp.einsum("tkh,tk->th", out.astype(jnp.float32), weights).astype(x.dtype)
+    out = jnp.einsum("tkh,tk->th", out.astype(jnp.float32), weights)
+    if num_local is not None:
+        out = jax.lax.psum(out, sharding.MODEL)  # in f32, then rounded once
+    return out.astype(x.dtype)
+
+
+def expert_parallel(config: ModelConfig, mesh: jax.sharding.Mesh, activation: Activation,
+                    precision: jax.lax.Precision) -> Callable[[jax.Array, dict], jax.Array]:
+    """`experts_mlp` with the experts sharded over the mesh's model axis (expert parallelism):
+    (x [T, H], one layer's `moe` params as placed by EXPERT_PARALLEL_RULES) -> [T, H].
+
+    Dispatch and combine, explicitly (shard_map): every device holds every token (x is
+    replicated, as after tensor-parallel attention) and the router, so each routes them all and
+    picks the copies bound for its own E / n experts, which run through its grouped matmul as
+    on one device (dropless); the combine is one psum of the [T, H] partial outputs in f32, the
+    all-reduce a tensor-parallel MLP ends with. An all-to-all would send each copy to its expert
+    and back (2 T k H elements in all); with the tokens already everywhere, the psum moves
+    about 2 T H per device and nothing before the experts."""
+    rules, n = sharding.EXPERT_PARALLEL_RULES, mesh.shape[sharding.MODEL]
+    local = functools.partial(experts_mlp, config=config, activation=activation,
+                              precision=precision, num_local=config.num_experts // n)
+
+    def run(x: jax.Array, p: dict) -> jax.Array:
+        specs = {name: sharding.mesh_spec(PartitionSpec(*AXES["moe"][name][1:]), w.shape, mesh,
+                                          rules) for name, w in p.items()}
+        # (check_vma off: the CPU's tile loop carries per-device rows the checker cannot type.)
+        return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), specs),
+                             out_specs=PartitionSpec(), check_vma=False)(x, p)
+
+    return run
 
 
 def ragged_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, activation: Activation,
@@ -156,11 +200,15 @@ def dense_mlp(x: jax.Array, p: dict, activation: Activation,
 
 
 def layer_mlp(config: ModelConfig, params: dict, activation: Activation,
-              precision: jax.lax.Precision) -> Callable[[jax.Array, jax.Array], jax.Array]:
+              precision: jax.lax.Precision, mesh: jax.sharding.Mesh | None = None
+              ) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """(h [T, H], layer id) -> the MLP of that layer, for the decoder's scan: its slice of the
     sparse layers' stack, or (lax.cond, only where the model has dense layers) of the dense
-    ones'."""
+    ones'. With config.expert_parallel on a mesh, the experts run `expert_parallel`."""
     c = config
+    experts = functools.partial(experts_mlp, config=c, activation=activation, precision=precision)
+    if c.expert_parallel and mesh is not None and mesh.shape[sharding.MODEL] > 1:
+        experts = expert_parallel(c, mesh, activation, precision)
     slot = np.zeros(c.num_layers, np.int32)  # each layer's index in its own stack
     slot[list(c.sparse_layers)] = np.arange(len(c.sparse_layers))
     slot[list(c.dense_layers)] = np.arange(len(c.dense_layers))
@@ -171,7 +219,7 @@ def layer_mlp(config: ModelConfig, params: dict, activation: Activation,
         return jax.tree.map(lambda w: w[i], params[group])
 
     def sparse(h, layer):
-        return experts_mlp(h, take("moe", layer), c, activation, precision)
+        return experts(h, take("moe", layer))
 
     def dense(h, layer):
         return dense_mlp(h, take("dense_mlp", layer), activation, precision)

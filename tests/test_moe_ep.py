@@ -1,0 +1,106 @@
+"""Expert parallelism (--enable-expert-parallel): a mixture's experts sharded over the mesh, tokens
+dispatched to their devices and combined (jaxserve.executor.models.moe.expert_parallel).
+
+The MoE layer on 2 and 4 virtual CPU devices equals one device's under skewed routing (one device's
+experts taking most copies, one expert none), and the Qwen3-MoE fixture serves HF's logits (1e-4)
+and 32 greedy tokens with EP over 2 and 4 devices (attention tensor parallel beside it; on 4, its
+2 KV heads do not split, so attention runs whole on each device: expert parallelism alone) — the
+tokens tests/test_model_families.py checks on one device. XLA fixes the device count at start, so
+those run in a child pytest with 4 devices."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxserve.config import ModelConfig, ParallelConfig
+from jaxserve.errors import ConfigError
+from jaxserve.executor import sharding
+from jaxserve.executor.models import moe
+
+DEVICES = 4
+_CHILD = "JAXSERVE_EP_CHILD"
+needs_4 = pytest.mark.skipif(jax.device_count() < DEVICES, reason="runs in the 4-device child")
+
+MOE = ModelConfig(name="moe", vocab_size=16, hidden_size=8, intermediate_size=12, num_layers=1,
+                  num_heads=2, num_kv_heads=1, head_dim=4, num_experts=8, experts_per_token=2,
+                  moe_intermediate_size=6)
+
+
+@pytest.mark.skipif(os.environ.get(_CHILD) == "1", reason="already the child")
+def test_expert_parallel_in_4_device_subprocess():
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
+               JAX_PLATFORMS="cpu", **{_CHILD: "1"})
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           str(Path(__file__).relative_to(root)), "-k", "devices"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "4 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+@needs_4
+@pytest.mark.parametrize("n", [2, 4])
+def test_moe_layer_on_devices_equals_one_device(n):
+    p = {k: np.array(v[0]) for k, v in nn.unbox(moe.boxed_init(MOE, jax.random.key(0)))["moe"].items()}
+    x = np.random.default_rng(0).normal(size=(23, MOE.hidden_size)).astype(np.float32)
+    x[:, 0] = 3.0
+    p["router"][0, 1] += 20.0  # expert 1 (device 0's) first for every token
+    p["router"][0, 7] -= 20.0  # expert 7 never
+    args = (MOE, jax.nn.silu, jax.lax.Precision.HIGHEST)
+    want = jax.jit(moe.experts_mlp, static_argnums=(2, 3, 4))(jnp.asarray(x), p, *args)
+
+    mesh = sharding.make_mesh(ParallelConfig(tensor_parallel_size=n))
+    ep = MOE.replace(expert_parallel=True)
+    placed = {name: jax.device_put(w, NamedSharding(mesh, sharding.mesh_spec(
+        P(*moe.AXES["moe"][name][1:]), w.shape, mesh, sharding.axis_rules(ep))))
+        for name, w in p.items()}
+    assert placed["gate_proj"].sharding.spec == P(sharding.MODEL, None, None)
+    assert placed["router"].sharding.spec == P(None, None)
+    got = jax.jit(moe.expert_parallel(ep, mesh, *args[1:]))(jnp.asarray(x), placed)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@needs_4
+@pytest.mark.parametrize("n", [2, 4])
+def test_qwen3_moe_on_devices_gives_hfs_logits_and_greedy_tokens(n):
+    from tests.test_model_families import _check_engine
+
+    llm = _check_engine("qwen3_moe", tensor_parallel_size=n, enable_expert_parallel=True)
+    params = llm.engine.runner.params
+    assert params["moe"]["gate_proj"].sharding.spec == P(None, sharding.MODEL, None, None)
+    assert params["moe"]["router"].sharding.spec == P(None, None, None)
+    assert params["dense_mlp"]["gate_proj"].sharding.spec == P(None, None, sharding.MODEL)
+
+
+def test_experts_not_divisible_by_the_ep_size_is_one_clear_error():
+    with pytest.raises(ConfigError, match=r"the 8 experts of moe are not divisible by 3 "
+                                          r"\(sizes that fit these devices: \[1, 2, 4\]\)"):
+        sharding.check_parallel(MOE, ParallelConfig(3, enable_expert_parallel=True), 4)
+    dense = MOE.replace(num_experts=0, experts_per_token=0, moe_intermediate_size=0)
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
+        sharding.check_parallel(dense, ParallelConfig(2, enable_expert_parallel=True), 4)
+    # Heads that do not split are fine with EP (attention runs whole on each device).
+    sharding.check_parallel(MOE.replace(num_heads=3, num_kv_heads=3, intermediate_size=9),
+                            ParallelConfig(4, enable_expert_parallel=True), 4)
+
+
+def test_flag_is_off_unless_given():
+    import argparse
+
+    from jaxserve.entrypoints.engine_flags import add_engine_flags, engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert "enable_expert_parallel" not in engine_args(parser.parse_args([]))
+    assert engine_args(parser.parse_args(["--enable-expert-parallel", "-tp", "2"])) == {
+        "enable_expert_parallel": True, "tensor_parallel_size": 2}
