@@ -27,6 +27,11 @@ With --policy FILE the workload runs twice, each on a fresh server: without a po
 `--policy FILE --audit-log <temp dir>` (the input and output filters, one audit record per
 request); `policy_over_plain` is the ratio of the two output rates (the issue's goal: the
 filters cost under 5%).
+
+With --otlp the workload runs again on a fresh server started with --otlp-traces-endpoint, its
+spans sent to an OTLP/HTTP receiver in this process (tests/otlp_receiver.py: it decodes them);
+`traced_over_plain` is the ratio of the two output rates (issue 39's goal: above 0.98 at 32
+streams: `--max-concurrency 32 --otlp`).
 """
 
 from __future__ import annotations
@@ -268,6 +273,8 @@ def main() -> int:
     p.add_argument("--llamacpp-threads", type=int, default=os.cpu_count())
     p.add_argument("--policy", type=Path, default=None, metavar="FILE",
                    help="run again with this policy (and an audit log) and compare")
+    p.add_argument("--otlp", action="store_true",
+                   help="run again exporting traces (--otlp-traces-endpoint) and compare")
     args = p.parse_args()
 
     from jaxserve.model_registry import resolve
@@ -276,8 +283,8 @@ def main() -> int:
     commit = provenance.commit()  # before anything runs: the tree may change while it does
     work = pydoc_workload(load_tokenizer(resolve(args.model)), args.num_requests,
                           seed=args.seed, prompt_tokens=(32, 384), output_tokens=(16, 128))
-    if args.policy is not None and args.base_url is not None:
-        p.error("--policy starts its own servers: it cannot be used with --base-url")
+    if (args.policy is not None or args.otlp) and args.base_url is not None:
+        p.error("--policy and --otlp start their own servers: not with --base-url")
     serving = serve_and_load(args, work, [])
     report = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
               "date": time.strftime("%Y-%m-%d"), "commit": commit,
@@ -322,6 +329,21 @@ def main() -> int:
         report["policy_over_plain"] = policy["output_tok_s"] / serving["output_tok_s"]
         print(f"with --policy {args.policy}: {policy['output_tok_s']:.1f} output tok/s "
               f"({policy['errors']} errors); policy / plain = {report['policy_over_plain']:.3f}")
+    if args.otlp:
+        sys.path.insert(0, str(ROOT))
+        from tests.otlp_receiver import Receiver  # decodes the exports, as a collector does
+
+        receiver = Receiver()
+        try:
+            traced = serve_and_load(args, work, ["--otlp-traces-endpoint", receiver.url])
+        finally:
+            receiver.close()  # the server has stopped: its spans were sent
+        report["traced"] = {**traced, "spans_received": len(receiver.spans)}
+        report["traced_over_plain"] = traced["output_tok_s"] / serving["output_tok_s"]
+        print(f"with --otlp-traces-endpoint: {traced['output_tok_s']:.1f} output tok/s "
+              f"({traced['errors']} errors, {len(receiver.spans)} spans received); "
+              f"traced / plain = "
+              f"{report['traced_over_plain']:.3f}")
     if not args.no_baseline:
         offline = run_offline(args, work)
         report["offline"] = offline
@@ -332,7 +354,7 @@ def main() -> int:
     print(json.dumps(report))
     if args.result_json:
         args.result_json.write_text(json.dumps(report, indent=2) + "\n")
-    runs = [serving] + [report[k] for k in ("llamacpp", "with_policy") if k in report]
+    runs = [serving] + [report[k] for k in ("llamacpp", "with_policy", "traced") if k in report]
     return 1 if any(r["errors"] or r["wrong_token_counts"] for r in runs) else 0
 
 

@@ -301,6 +301,8 @@ class ServerConfig:
     metrics_token: str | None = field(default=None, repr=False)
     # The `tenant` label of /metrics: "names", or "hashed" (stable pseudonyms, t-<12 hex>).
     metrics_tenant_labels: str = "names"
+    # --otlp-traces-endpoint: OTLP/HTTP URL spans are exported to; None: no tracing at all.
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

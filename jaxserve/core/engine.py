@@ -274,6 +274,7 @@ class LLMEngine:
             result = self._sample(logits, rows)
             sampled = result.token_ids if result is not None else ()
             new_tokens = self.scheduler.update_from_output(out, sampled)
+            self.output_processor.end_step(time.monotonic())  # the forward and sampling are done
             self.output_processor.process_tokens(new_tokens, result, rows.first_row, changed)
         return self.output_processor.take_outputs(changed)
 

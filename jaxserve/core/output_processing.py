@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from jaxserve.core.outputs import (CompletionOutput, PrefillChunk, RequestMetrics, RequestOutput,
+                                   TokenLogprob)
 from jaxserve.core.preparation import PreparedRequest
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import ScheduledSeq, Scheduler
@@ -84,6 +85,7 @@ class OutputProcessor:
         self.groups: dict[str, SequenceGroup] = {}  # by the user's request id
         self._by_seq: dict[str, tuple[SequenceGroup, SequenceState]] = {}  # by scheduler id
         self._pending: list[RequestOutput] = []  # final outputs of aborts, sent with the next step
+        self._chunks: list[PrefillChunk] = []  # the current step's prefill chunks
         self._seq_ids = itertools.count()
         self.prompt_tokens = 0  # of requests that produced their first token
         self.generation_tokens = 0
@@ -150,13 +152,25 @@ class OutputProcessor:
 
     def mark_scheduled(self, scheduled: Sequence[ScheduledSeq], now: float) -> None:
         """A request's first scheduled step starts it: no longer "queued" (its queue deadline
-        no longer applies)."""
+        no longer applies). The step's prefill chunks are noted (times only; `end_step` closes
+        them), for the request's trace."""
+        self._chunks.clear()
         for s in scheduled:
             group, _ = self._by_seq[s.request.request_id]
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
                 for sibling in group.seqs:
                     sibling.request.queue_deadline = None
+            request = s.request
+            if request.num_computed_tokens < request.num_tokens - 1:  # not a plain decode
+                chunk = PrefillChunk(now, now, s.num_tokens)
+                group.metrics.prefill_chunks.append(chunk)
+                self._chunks.append(chunk)
+
+    def end_step(self, now: float) -> None:
+        """The step's tokens are sampled: its prefill chunks end now."""
+        for chunk in self._chunks:
+            chunk.end = now
 
     def process_tokens(self, new_tokens: Iterable[tuple[Request, list[int]]], result,
                        first_row: dict[str, int], changed: dict[str, SequenceGroup]) -> None:
@@ -314,7 +328,10 @@ class OutputProcessor:
                              group.metrics, group.error)
 
     def _close(self, group: SequenceGroup) -> RequestOutput:
-        group.metrics.finished_time = time.monotonic()
+        m = group.metrics
+        m.finished_time = time.monotonic()
+        m.num_draft_tokens = sum(s.request.num_draft_tokens for s in group.seqs)
+        m.num_accepted_draft_tokens = sum(s.request.num_accepted_draft_tokens for s in group.seqs)
         del self.groups[group.prepared.request_id]
         self.num_finished += 1
         return self._output(group)

@@ -28,15 +28,29 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(slots=True)
+class PrefillChunk:
+    """One step's slice of a sequence's prefill (or of its recompute after a preemption)."""
+
+    start: float  # monotonic: the step was scheduled
+    end: float  # monotonic: the step's tokens were sampled
+    num_tokens: int
+
+
 @dataclass
 class RequestMetrics:
-    """Monotonic-clock times of one request's life (None until they happen)."""
+    """Monotonic-clock times of one request's life (None until they happen), and what a trace
+    needs of its phases: its prefill chunks and speculative drafts, recorded as plain numbers in
+    the step loop (telemetry/tracing.py turns them into spans once the request has ended)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
+    num_draft_tokens: int = 0  # speculative drafts verified for its sequences (set at the end)
+    num_accepted_draft_tokens: int = 0
 
 
 @dataclass

@@ -95,6 +95,8 @@ class Request:
     page_table: list[int] = field(default_factory=list)  # owned by the KV cache manager
     status: RequestStatus = RequestStatus.WAITING
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_draft_tokens: int = 0  # speculative drafts verified for it, and how many stood
+    num_accepted_draft_tokens: int = 0
     # Chained hashes of this request's full pages of token ids, in order. They depend only on the
     # tokens, which are only ever appended, so they stay valid across preemptions.
     page_hashes: list[bytes] = field(default_factory=list, repr=False)

@@ -267,8 +267,11 @@ class Scheduler:
             accepted = 0
             while accepted < len(drafts) and rows[accepted] == drafts[accepted]:
                 accepted += 1
-            self.num_draft_tokens += len(drafts)
-            self.num_accepted_draft_tokens += accepted
+            if drafts:
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_draft_tokens += accepted
+                request.num_draft_tokens += len(drafts)
+                request.num_accepted_draft_tokens += accepted
             tokens = rows[:accepted + 1]
             # The rejected drafts' K/V stay in the pages past num_computed_tokens, where the
             # next tokens overwrite them; only the confirmed ones count as computed.

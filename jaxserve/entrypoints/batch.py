@@ -54,9 +54,10 @@ class BatchLine:
         return f"id:{self.custom_id}" if self.custom_id is not None else f"line:{self.line}"
 
 
-def parse_line(number: int, text: str) -> BatchLine:
+def parse_line(number: int, text: str, kinds: dict[str, str] = URL_KINDS) -> BatchLine:
     """Parse one input line; a malformed line becomes an error result, never an exception.
-    A line is held to the server's limits on JSON (nesting, valid Unicode)."""
+    A line is held to the server's limits on JSON (nesting, valid Unicode). `kinds`: the urls
+    a line may name, with their kind (the Batch API takes more: entrypoints/batch_lines.py)."""
     try:
         obj = load_json(text, RequestLimits().max_json_depth)
     except InvalidRequest as e:
@@ -74,10 +75,10 @@ def parse_line(number: int, text: str) -> BatchLine:
     if obj.get("method", "POST") != "POST":
         return BatchLine(number, custom_id, url=url,
                          error=InvalidRequest("'method' must be POST", "method"))
-    kind = URL_KINDS.get(url)
+    kind = kinds.get(url)
     if kind is None:
         return BatchLine(number, custom_id, url=url, error=InvalidRequest(
-            f"'url' must be one of {sorted(URL_KINDS)}, got {obj.get('url')!r}", "url"))
+            f"'url' must be one of {sorted(kinds)}, got {obj.get('url')!r}", "url"))
     body = obj.get("body")
     if not isinstance(body, dict):
         return BatchLine(number, custom_id, url=url,

@@ -1,5 +1,5 @@
 """`jaxserve fetch | convert | generate | serve | batch | manifest | index | search | audit |
-policy | kernels`.
+policy | kernels | slo`.
 
 Every error a user can cause surfaces as a JaxServeError and is printed as one line on stderr with
 exit code 1 — never a traceback. Progress goes to stderr so stdout carries only the result (with
@@ -22,6 +22,7 @@ from jaxserve.entrypoints.kernels import add_kernels_command, configure_cpu_kern
 from jaxserve.errors import ContextLengthExceeded, InvalidRequest, JaxServeError
 from jaxserve.model_registry import ModelSpec
 from jaxserve.safety.cli import add_policy_command
+from jaxserve.telemetry.slo.cli import add_slo_command
 from jaxserve.entrypoints.launcher import add_serve_arguments
 from jaxserve.tokenizer import tokenizer_source
 
@@ -144,9 +145,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from jaxserve.entrypoints.batch_lines import ServingLines
     from jaxserve.entrypoints.launcher import run
 
-    return run(args)
+    return run(args, ServingLines)
 
 
 def cmd_batch(args) -> int:
@@ -284,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_audit_command(sub)
     add_policy_command(sub)
+    add_slo_command(sub)
     add_kernels_command(sub)
     return p
 

@@ -121,6 +121,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             # The call's own deadline is the request's (capped by the tenant's timeout).
             ctx = dataclasses.replace(ctx, principal=principal,
                                       timeout_s=context.time_remaining())
+            if self.serving.tracing is not None:  # metadata `traceparent`: the span's parent
+                ctx = dataclasses.replace(ctx, trace=self.serving.tracing.start(
+                    dict(context.invocation_metadata() or ()), ctx.arrival))
             body = completion_body(request)
         except JaxServeError as e:  # before the serving layer, which ends what it refuses
             self._end(call, ctx, context, e)

@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from jaxserve.batches.config import HELP as _BATCH_HELP, BatchLimits
 from jaxserve.config import METRICS_TENANT_LABELS, RequestLimits, ServerConfig
 from jaxserve.errors import ConfigError, ModelNotFound
 from jaxserve.rag.config import RagQuotas
@@ -144,6 +145,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         default=_DEFAULTS.metrics_tenant_labels,
                         help="the tenant label of /metrics: names, or hashed (a stable "
                              "pseudonym per tenant; docs/security.md) (default: %(default)s)")
+    parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="export a trace per request over OTLP/HTTP (protobuf) to URL, e.g. "
+                             "http://collector:4318/v1/traces; the caller's W3C traceparent is "
+                             "its parent (default: no tracing)")
     parser.add_argument("--idempotency-ttl", type=float, default=_DEFAULTS.idempotency_ttl_s,
                         metavar="SECONDS",
                         help="how long the response to an Idempotency-Key is kept for a retry "
@@ -158,6 +163,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         quotas.add_argument(f"--rag-{f.name.replace('_', '-')}", type=int, default=f.default,
                             metavar="BYTES" if f.name == "max_bytes" else "N",
                             help=f"{_QUOTA_HELP[f.name]} (default: %(default)s)")
+    batch = parser.add_argument_group("Batch API bounds (/v1/files, /v1/batches; past one: a "
+                                      "400 naming the field, or a 429; docs/batch.md)")
+    for f in dataclasses.fields(BatchLimits):
+        batch.add_argument(f"--batch-{f.name.replace('_', '-')}", type=int, default=f.default,
+                           metavar="BYTES" if f.name.endswith("bytes") else "N",
+                           help=f"{_BATCH_HELP[f.name]} (default: %(default)s)")
     add_policy_arguments(parser)
     parser.add_argument("--ssl-certfile", type=Path, default=None,
                         help="serve HTTPS and gRPC over TLS with this PEM certificate (chain)")
@@ -246,7 +257,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         auth_failures_per_minute=args.auth_failures_per_minute,
                         allowed_hosts=args.allowed_hosts or (),
                         metrics_token=_metrics_token(args.metrics_token_file),
-                        metrics_tenant_labels=args.metrics_tenant_labels)
+                        metrics_tenant_labels=args.metrics_tenant_labels,
+                        otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def _exit_now(code: int) -> None:
@@ -263,14 +275,17 @@ def _overdue() -> None:
     _exit_now(1)
 
 
-async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
-    """group_leader: this is process 0 of a multi-host group (jax.distributed initialised)."""
+async def serve(args: argparse.Namespace, group_leader: bool = False, lines=None) -> int:
+    """group_leader: this is process 0 of a multi-host group (jax.distributed initialised).
+    `lines(serving, rag)`: the Batch API's line executor (cli's: entrypoints/batch_lines.py,
+    which shares the `jaxserve batch` command's line parsing; None: no Batch API)."""
     from jaxserve.entrypoints.engine_flags import engine_args
     from jaxserve.fleet.loader import EngineLoader
     from jaxserve.entrypoints.grpc import start_grpc_server
     from jaxserve.entrypoints.http.app import attach_engine, build_app, serving_of, start_server
     from jaxserve.entrypoints.http.admin_routes import (add_admin_routes, admin_key,
                                                         set_admin_fleet)
+    from jaxserve.entrypoints.http.batch_routes import add_batch_routes
     from jaxserve.entrypoints.tls import TlsConfig
 
     started = time.perf_counter()
@@ -286,6 +301,9 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
         from jaxserve.entrypoints.http.rag_routes import add_rag_routes
 
         add_rag_routes(app, rag)
+    batches = _batch_service(args, rag is not None) if lines is not None else None
+    if batches is not None:
+        add_batch_routes(app, batches)
     key = admin_key(args)
     if key is not None:  # routes before the server starts; the fleet once loaded
         add_admin_routes(app, None, key, args.admin_model_root)
@@ -335,6 +353,8 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
         if rag is not None:
             await loop.run_in_executor(None, _warm_rag, rag)
         attach_engine(app, engine, rag, fleet=fleet)
+        if batches is not None:  # and resume the unfinished ones
+            batches.start(lines(serving_of(app), rag))
         if key is not None:
             set_admin_fleet(app, fleet)
         print(f"jaxserve: ready in {time.perf_counter() - started:.1f} s (load "
@@ -348,7 +368,8 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
         print(f"jaxserve: serving {model_name} at {scheme}://{config.host}:{port}/v1", flush=True)
         await stopped
     finally:
-        wedged = await _shutdown(app, runner, grpc_server, engine, config.shutdown_timeout)
+        wedged = await _shutdown(app, runner, grpc_server, engine, config.shutdown_timeout,
+                                 batches)
         if args.deployment is not None and fleet is not None:
             await loop.run_in_executor(None, fleet.shutdown)
         if leader is not None:
@@ -360,8 +381,9 @@ async def serve(args: argparse.Namespace, group_leader: bool = False) -> int:
     return 0
 
 
-async def _shutdown(app, runner, grpc_server, engine, timeout: float) -> bool:
-    """Drain, abort, stop the engine; True if its thread would not stop (it is wedged)."""
+async def _shutdown(app, runner, grpc_server, engine, timeout: float, batches) -> bool:
+    """Drain, abort, stop the batches' lines (they resume on the next start), stop the engine;
+    True if its thread would not stop (it is wedged)."""
     from jaxserve.entrypoints.http.app import begin_shutdown, close_app
 
     begin_shutdown(app)
@@ -372,6 +394,8 @@ async def _shutdown(app, runner, grpc_server, engine, timeout: float) -> bool:
         await asyncio.wait_for(asyncio.gather(*drains), timeout + _ENGINE_STOP_S)
     except asyncio.TimeoutError:
         log.warning("requests were still open after the %.0f s drain", timeout)
+    if batches is not None:
+        await batches.stop()
     close_app(app)  # after the drain: every request's audit record is queued, now written
     if engine is None or engine.shutdown(_ENGINE_STOP_S):
         return False
@@ -457,6 +481,19 @@ def _rag_service(data_dir: Path | None, quotas: RagQuotas):
     return RagService(RagConfig(data_dir or default_data_dir(), quotas=quotas))
 
 
+def _batch_service(args: argparse.Namespace, embeddings: bool):
+    """The Batch API's service over its store in the data directory (the default: beside the
+    retrieval collections); /v1/embeddings batches only with retrieval on."""
+    from jaxserve.batches.service import ENDPOINTS, BatchService
+    from jaxserve.batches.store import BatchStore
+    from jaxserve.rag.config import default_data_dir
+
+    limits = BatchLimits(**{f.name: getattr(args, f"batch_{f.name}")
+                            for f in dataclasses.fields(BatchLimits)})
+    return BatchService(BatchStore(args.data_dir or default_data_dir()), limits,
+                        tuple(e for e in ENDPOINTS if embeddings or e != "/v1/embeddings"))
+
+
 def _warm_rag(rag) -> None:
     try:
         rag.warmup()
@@ -464,7 +501,8 @@ def _warm_rag(rag) -> None:
         raise ModelNotFound(f"{e} (or start with --no-rag to serve generation only)") from None
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, lines=None) -> int:
+    """`jaxserve serve`; `lines`: as serve takes it."""
     from jaxserve.entrypoints.engine_flags import (check_model_or_deployment, distributed_config,
                                                    engine_args)
 
@@ -476,9 +514,9 @@ def run(args: argparse.Namespace) -> int:
     if args.deployment is not None:
         if dist is not None:
             raise ConfigError("--deployment serves on one host; multi-host needs --model")
-        return asyncio.run(serve(args))
+        return asyncio.run(serve(args, lines=lines))
     if dist is None:
-        return asyncio.run(serve(args))
+        return asyncio.run(serve(args, lines=lines))
     import jax
 
     from jaxserve.executor import multihost
@@ -487,6 +525,6 @@ def run(args: argparse.Namespace) -> int:
     if jax.process_index() != 0:
         return _follow(args.model, engine_args(args))
     try:
-        return asyncio.run(serve(args, group_leader=jax.process_count() > 1))
+        return asyncio.run(serve(args, group_leader=jax.process_count() > 1, lines=lines))
     finally:
         jax.distributed.shutdown()

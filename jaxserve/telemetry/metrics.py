@@ -20,10 +20,10 @@ from typing import Callable, Mapping, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from jaxserve.telemetry import sli
+from jaxserve.telemetry.sli import LATENCY_BUCKETS as _LATENCY_BUCKETS
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _EngineCollector:
@@ -177,6 +177,20 @@ class ServerMetrics:
                                                 registry=self.registry)
         self.cost = Counter("jaxserve:cost_usd", "The usage cost of the tenant's requests (USD; "
                             "0 without prices).", tenant, registry=self.registry)
+        # The SLIs (telemetry/sli.py), per tier: .labels(version, route, tier)
+        tier = list(sli.LABELS)
+        self.sli_requests = Counter(sli.REQUESTS, "Calls by availability: good, bad (5xx) or "
+                                    "excluded (4xx, client left).", tier + ["result"],
+                                    registry=self.registry)
+        self.sli_ttft = Histogram(sli.TTFT, "Time to first token, per tier.", tier,
+                                  buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.sli_itl = Histogram(sli.ITL, "Time between consecutive output tokens, per tier.",
+                                 tier, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.sli_streams_started = Counter(sli.STREAMS_STARTED, "Streams whose 200 went out.",
+                                           tier, registry=self.registry)
+        self.sli_streams_completed = Counter(sli.STREAMS_COMPLETED, "Started streams that "
+                                             "reached a terminal event ([DONE], or the client "
+                                             "left).", tier, registry=self.registry)
 
     def record_request(self, tenant: str, outcome: str, prompt_tokens: int = 0,
                        completion_tokens: int = 0, cost: float = 0.0, model_name: str = "",
@@ -188,6 +202,16 @@ class ServerMetrics:
         self.tenant_prompt_tokens.labels(*labels).inc(prompt_tokens)
         self.tenant_generation_tokens.labels(*labels).inc(completion_tokens)
         self.cost.labels(*labels).inc(cost)
+
+    def record_sli(self, model_name: str, route: str, tier: str, status_code: int | None,
+                   status: str, ttft_s: float | None, streamed: bool) -> None:
+        """One ended call's SLI events (telemetry/sli.py); `streamed`: its SSE stream started."""
+        labels = (model_name, route, tier)
+        self.sli_requests.labels(*labels, sli.availability(status_code)).inc()
+        if ttft_s is not None:
+            self.sli_ttft.labels(*labels).observe(ttft_s)
+        if streamed and sli.stream_completed(status):
+            self.sli_streams_completed.labels(*labels).inc()
 
     def render(self) -> bytes:
         return generate_latest(self._view)

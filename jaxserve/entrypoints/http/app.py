@@ -201,10 +201,13 @@ def begin_shutdown(app: web.Application) -> None:
 
 
 def close_app(app: web.Application) -> None:
-    """After the last request: flush the audit log, stop the policy's classifiers."""
-    policy = app[STATE_KEY].policy
-    if policy is not None:
-        policy.close()
+    """After the last request: flush the audit log, stop the policy's classifiers, send the
+    spans still queued."""
+    state = app[STATE_KEY]
+    if state.policy is not None:
+        state.policy.close()
+    if state.tracing is not None:
+        state.tracing.shutdown()
 
 
 async def start_server(app: web.Application, host: str, port: int,

@@ -47,6 +47,12 @@ class AppState:
             self.policy.audit.register_metrics(self.metrics.registry)
         # Where every call ends (front door, gRPC, generations): counted, logged, audited.
         self.sinks = Sinks(self.metrics, self.policy, config.log_prompts)
+        self.tracing = None  # OpenTelemetry is imported only when traces are exported
+        if config.otlp_traces_endpoint:
+            from jaxserve.telemetry.tracing import Tracing
+
+            self.tracing = Tracing(config.otlp_traces_endpoint)
+            self.sinks.add(self.tracing.sink)
         self.shutting_down = False  # set on SIGTERM: not ready while in-flight requests drain
         self.openapi: dict | None = None  # built on first request, once every route is added
 
@@ -69,7 +75,8 @@ class AppState:
                                      self.config.max_queued_requests, self.config.limits,
                                      self.config.tool_call_parser, self.gateway, pricing, fleet,
                                      self.policy, self.sinks,
-                                     reasoning_parser=self.config.reasoning_parser)
+                                     reasoning_parser=self.config.reasoning_parser,
+                                     tracing=self.tracing)
 
     def require_serving(self) -> OpenAIServing:
         if self.serving is None:

@@ -178,10 +178,15 @@ async def ratelimit_headers(request: web.Request, response: web.StreamResponse) 
 
 
 def call_context(request: web.Request) -> CallContext:
-    """Who calls and the deadline asked (X-Request-Timeout), read once from the headers."""
-    return CallContext(request[_PRINCIPAL],
-                       deadlines.parse_timeout(request.headers.get(deadlines.HEADER)),
-                       client=request.remote, route=request.path)
+    """Who calls, the deadline asked (X-Request-Timeout) and the caller's trace context (W3C
+    traceparent), read once from the headers."""
+    ctx = CallContext(request[_PRINCIPAL],
+                      deadlines.parse_timeout(request.headers.get(deadlines.HEADER)),
+                      client=request.remote, route=request.path)
+    tracing = request.app[STATE_KEY].tracing
+    if tracing is not None:  # the caller's traceparent, if any, is its span's parent
+        ctx = dataclasses.replace(ctx, trace=tracing.start(request.headers, ctx.arrival))
+    return ctx
 
 
 # Outermost first: errors become replies around everything, an open server's Host and Origin

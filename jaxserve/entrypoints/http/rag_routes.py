@@ -21,7 +21,9 @@ lists, reads and searches every tenant's under /admin/v1/collections.
 from __future__ import annotations
 
 import base64
+import functools
 import uuid
+from typing import Callable
 
 from aiohttp import web
 
@@ -55,23 +57,30 @@ def _tenant(request: web.Request) -> str:
 
 @tenant_limited(tokens=True)
 async def embeddings(request: web.Request) -> web.Response:
-    service = request.app[RAG_KEY]
     body = await parse_body(request, EmbeddingRequest)
+    return web.json_response(await embeddings_response(
+        request.app[RAG_KEY], body, lease_of(request), functools.partial(charge_tokens, request)))
+
+
+async def embeddings_response(service: RagService, body: EmbeddingRequest, lease,
+                              charge: Callable[[int], None]) -> dict:
+    """The answer to an embeddings request (the route's, and a Batch API line's: entrypoints/
+    batch_lines.py), read under `lease`; `charge(tokens read)` once the encoder has read them."""
     service.check_model(body.model)
-    vectors, num_tokens = await _call(request, "embed", embedding_texts(body),
-                                      used_tokens=encoder_tokens)
-    charge_tokens(request, num_tokens)
+    vectors, num_tokens = await run_held(service.executor, lease, service.embed,
+                                         embedding_texts(body), used_tokens=encoder_tokens)
+    charge(num_tokens)
     if body.dimensions is not None and body.dimensions != vectors.shape[1]:
         raise InvalidRequest(f"'dimensions' must be {vectors.shape[1]} for {service.model_name} "
                              f"(it cannot shorten its embeddings)", param="dimensions")
     # base64 is what OpenAI's Python client asks for by default: little-endian float32 bytes.
     encode = ((lambda v: base64.b64encode(v.astype("<f4").tobytes()).decode())
               if body.encoding_format == "base64" else (lambda v: v.tolist()))
-    return web.json_response({
+    return {
         "object": "list", "model": service.model_name,
         "data": [{"object": "embedding", "index": i, "embedding": encode(v)}
                  for i, v in enumerate(vectors)],
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
 
 @tenant_limited(tokens=True)

@@ -76,6 +76,7 @@ async def _write_events(request: web.Request, resp: web.StreamResponse, gen: Gen
                     held.append(data)
                     continue
                 await resp.prepare(request)
+                gen.stream_started()
                 for h in held:
                     await send(h)
             if data is None:
@@ -91,6 +92,7 @@ async def _write_events(request: web.Request, resp: web.StreamResponse, gen: Gen
         gen.error = exc
     if not resp.prepared:
         await resp.prepare(request)
+        gen.stream_started()
         for h in held:
             await send(h)
     end = [sse("[DONE]")] if done else []

@@ -19,6 +19,7 @@ from typing import Sequence
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.serving_engine import ServingEngine
 from jaxserve.gateway import Admission, Gateway, Principal
+from jaxserve.telemetry.trace_record import RequestTrace
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class CallContext:
     transport: str = "http"  # "http" | "grpc" | "batch", for the access log
     client: str | None = None  # the caller's address, for the audit log
     route: str | None = None  # the HTTP path it came by; None: derived from transport and kind
+    # Its trace (telemetry/trace_record.py) when the server exports traces; None: no tracing.
+    trace: RequestTrace | None = field(default=None, compare=False, repr=False)
 
 
 def tenant_params(principal: Principal, params: SamplingParams,

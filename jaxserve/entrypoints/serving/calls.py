@@ -29,9 +29,12 @@ Sink = Callable[[Outcome], None]
 
 def metrics_sink(metrics) -> Sink:
     """`metrics`: a ServerMetrics. A request that ran counts its latency and usage under its
-    version and route; any other call only its outcome, with no version ("")."""
+    version and route; any other call only its outcome, with no version (""). Every call counts
+    in the SLIs (telemetry/sli.py)."""
     def count(o: Outcome) -> None:
         tenant = o.tenant or "none"
+        metrics.record_sli(o.version or "", o.route, o.tier, o.status_code, o.status, o.ttft_s,
+                           o.streamed)
         if not o.served:
             metrics.record_request(tenant, o.status)
             return

@@ -22,7 +22,9 @@ price and generation defaults serve it, its answers carry the version's name and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import time
 from typing import Any
 
 from jaxserve.config import RequestLimits
@@ -42,6 +44,7 @@ from jaxserve.entrypoints.serving.generation_defaults import with_defaults
 from jaxserve.entrypoints.serving.outcome import Outcome
 from jaxserve.entrypoints.serving.tool_output import ParserChoice, ToolCallOutput
 from jaxserve.structured.params import REASONING_KINDS
+from jaxserve.telemetry.trace_record import timed
 from jaxserve.tool_calling.choice import forced_tool_call
 
 
@@ -59,7 +62,7 @@ class OpenAIServing:
                  limits: RequestLimits = RequestLimits(), tool_call_parser: str = "auto",
                  gateway: Gateway | None = None, pricing: Pricing | None = None,
                  fleet: Fleet | None = None, policy=None, sinks: Sinks | None = None,
-                 reasoning_parser: str = "auto"):
+                 reasoning_parser: str = "auto", tracing=None):
         if fleet is None:
             fleet = (Fleet.of_engine(model_name, engine, pricing=pricing) if engine is not None
                      else Fleet.empty())
@@ -75,6 +78,7 @@ class OpenAIServing:
         self.max_queued_requests = max_queued_requests  # None: no admission limit
         self.limits = limits
         self.gateway = gateway if gateway is not None else Gateway()
+        self.tracing = tracing  # a telemetry.tracing.Tracing (its sink is in `sinks`), or None
 
     def open_context(self, transport: str) -> CallContext:
         """The context of a caller with no credentials: the open server's `default` tenant."""
@@ -126,8 +130,9 @@ class OpenAIServing:
             parsed = self._parse_body(kind, with_defaults(body, kind, defaults))
         screening = None
         if self.policy is not None:
-            parsed, screening = await self.policy.screen(parsed, ctx.principal.tenant,
-                                                         lease.version.engine.tokenizer.decode)
+            with timed(ctx.trace, "policy_screening"):
+                parsed, screening = await self.policy.screen(
+                    parsed, ctx.principal.tenant, lease.version.engine.tokenizer.decode)
         citations = None
         if parsed.rag is not None:
             if self.rag is None:
@@ -136,9 +141,11 @@ class OpenAIServing:
             from jaxserve.rag.prompt import augment_chat, parse_rag_request
 
             rag = parse_rag_request(parsed.rag, self.rag.config.search.max_top_k)
-            messages, citations = await asyncio.get_running_loop().run_in_executor(
-                self.rag.executor, augment_chat, self.rag, parsed.prompts[0], rag, ctx.principal.tenant.name,
-                screening.screen_chunks if screening is not None else None)
+            with timed(ctx.trace, "retrieval"):
+                messages, citations = await asyncio.get_running_loop().run_in_executor(
+                    self.rag.executor, augment_chat, self.rag, parsed.prompts[0], rag,
+                    ctx.principal.tenant.name,
+                    screening.screen_chunks if screening is not None else None)
             parsed = dataclasses.replace(parsed, prompts=[messages])
         parsed, tool_output = self._tools(parsed, lease.version.engine.tokenizer)
         engine = lease.version.engine
@@ -156,6 +163,9 @@ class OpenAIServing:
                                    "/ready); retry later")
         admission, prepared = admit(engine, self.gateway, ctx, prepared,
                                     self.max_queued_requests)
+        if ctx.trace is not None:  # from its arrival to its admission: parsed, screened, fitted
+            ctx.trace.phase("admission", ctx.arrival, time.monotonic(),
+                            **{"jaxserve.priority": int(admission.qos.priority)})
         return Generation(gen_id, parsed, prepared, admission, ctx, lease, call,
                           metrics=self.metrics, max_queued=self.max_queued_requests,
                           citations=citations, tool_output=tool_output, screening=screening)
@@ -183,8 +193,13 @@ class OpenAIServing:
         params = engine.check_fits([len(p) for p in prompt_ids], params)
         params = tenant_params(ctx.principal, params, parsed.max_tokens_given)
         tool_output, params = tool_output.after_prompt(engine.tokenizer, prompt_ids[0], params)
-        return prepare_requests(engine, [f"{gen_id}-{i}" for i in range(len(prompt_ids))],
-                                prompt_ids, params), tool_output
+        constraint = params.structured_outputs
+        # The engine's prepare compiles a constraint's grammar: that is most of its time.
+        with (timed(ctx.trace, "grammar_compile", **{"jaxserve.grammar.kind": constraint.kind})
+              if constraint is not None else contextlib.nullcontext()):
+            prepared = prepare_requests(engine, [f"{gen_id}-{i}" for i in range(len(prompt_ids))],
+                                        prompt_ids, params)
+        return prepared, tool_output
 
     def _tools(self, parsed: protocol.ParsedRequest, tokenizer
                ) -> tuple[protocol.ParsedRequest, ToolCallOutput]:

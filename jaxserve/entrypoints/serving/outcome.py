@@ -46,6 +46,7 @@ class Outcome:
     idempotent_replay: bool = False
     presented_key_id: str | None = None  # the id of the key a refused caller sent (a 401)
     audited: bool = True  # False: a model-list poll, or a keyless caller's unrouted request
+    streamed: bool = False  # its SSE stream started (its 200 went out)
 
     @property
     def status(self) -> str:
@@ -64,6 +65,12 @@ class Outcome:
     @property
     def tenant(self) -> str | None:
         return self.ctx.principal.tenant.name if self.ctx.principal is not None else None
+
+    @property
+    def tier(self) -> str:
+        """The tenant's scheduling class (the SLIs' `tier`); "none" for a refused key."""
+        principal = self.ctx.principal
+        return principal.tenant.priority.name.lower() if principal is not None else "none"
 
     @property
     def key_id(self) -> str | None:

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from jaxserve.errors import JaxServeError, version_fault
 from jaxserve.core.request import QoS, ServiceClass
 from jaxserve.entrypoints.serving import protocol
+from jaxserve.telemetry.trace_record import Phase
 
 log = logging.getLogger("jaxserve.shadow")
 
@@ -39,14 +41,26 @@ def _greedy(params) -> bool:
 
 
 def start(lease, parsed, params, primary_tokens: asyncio.Future, max_queued: int | None,
-          request_id: str) -> None:
+          request_id: str, trace=None) -> None:
     """Run one shadow copy in the background, its prompts tokenized by the shadow version's own
     tokenizer. `primary_tokens` resolves to the primary's token ids per prompt once it answered
-    in full (None when it did not)."""
-    task = asyncio.ensure_future(_run(lease, parsed, params, primary_tokens, max_queued,
-                                      request_id))
+    in full (None when it did not). `trace`: the primary's RequestTrace (None: not traced); the
+    copy is a `shadow` span under the primary's, whenever it ends."""
+    task = asyncio.ensure_future(_traced(trace, lease, _run(
+        lease, parsed, params, primary_tokens, max_queued, request_id)))
     _TASKS.add(task)
     task.add_done_callback(_TASKS.discard)
+
+
+async def _traced(trace, lease, run) -> None:
+    if trace is None:
+        return await run
+    started = time.monotonic()
+    try:
+        await run
+    finally:
+        trace.later(Phase("shadow", started, time.monotonic(),
+                          {"gen_ai.response.model": lease.version.name}))
 
 
 async def _run(lease, parsed, params, primary_tokens, max_queued, request_id) -> None:
