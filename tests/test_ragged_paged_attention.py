@@ -237,11 +237,48 @@ def test_unknown_impl_raises():
 
 @pytest.mark.parametrize("attend", [rpa.ragged_paged_attention,
                                     reference.ragged_paged_attention])
-def test_sinks_are_a_clear_error_until_an_implementation_takes_them(attend):
+def test_sinks_of_the_wrong_shape_are_a_clear_error(attend):
     args = make_case(np.random.default_rng(2), q_lens=[1], ctx_lens=[3], page_size=16, Hq=2,
                      Hkv=1, D=64, dtype="float32")
-    with pytest.raises(ValueError, match="sinks are not supported"):
-        attend(*args, sm_scale=0.1, sinks=jnp.zeros(2))
+    with pytest.raises(ValueError, match=r"sinks must be one logit per query head \[2\]"):
+        attend(*args, sm_scale=0.1, sinks=jnp.zeros(3))
+
+
+def test_the_reference_s_sinks_are_hf_s():
+    # gpt-oss in transformers: the sink joins each row's logits, the softmax runs over both, the
+    # sink's column is dropped. One sequence, pages in order, 3 queries after 4 cached tokens.
+    rng = np.random.default_rng(7)
+    args = make_case(rng, q_lens=[3], ctx_lens=[4], page_size=4, Hq=2, Hkv=1, D=64,
+                     dtype="float32", pad_tokens=0, pad_seqs=0)
+    sinks = np.array([3.0, -1.0])
+    got = reference.ragged_paged_attention(*args, sm_scale=0.125, sinks=sinks)
+    q, cache, _, page_indices, _, _ = (np.asarray(a, np.float64) for a in args)
+    kv = cache[page_indices[0, :2].astype(int)].reshape(-1, 2, 64)[:7]
+    for i in range(3):
+        for h in range(2):
+            logits = np.append(kv[:5 + i, 0] @ q[i, h] * 0.125, sinks[h])
+            p = np.exp(logits - logits.max())
+            p = (p / p.sum())[:-1]
+            np.testing.assert_allclose(got[i, h], p @ kv[:5 + i, 1], atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", ["xla", "cpu", "pallas_gpu"])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_sinks_match_the_reference(impl, sliding_window):
+    # Decodes, a short query and a chunk in one batch; sinks large and small against the scores,
+    # one beside a query that sees one key. pallas_gpu: the Pallas kernels take no sinks, so the
+    # call runs the XLA path.
+    rng = np.random.default_rng(8)
+    args = make_case(rng, q_lens=[1, 4, 20, 1], ctx_lens=[30, 9, 3, 0], page_size=16, Hq=4,
+                     Hkv=2, D=64, dtype="float32")
+    sinks = jnp.asarray([4.0, -2.0, 0.5, 0.0])
+    kw = dict(sm_scale=0.125, sliding_window=sliding_window, sinks=sinks)
+    got = np.asarray(jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl, **kw))(
+        *args))
+    want = reference.ragged_paged_attention(*args, **kw)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    assert not np.allclose(want, reference.ragged_paged_attention(
+        *args, sm_scale=0.125, sliding_window=sliding_window), atol=1e-2)  # the sinks bind
 
 
 def test_the_reference_is_plain_causal_attention():

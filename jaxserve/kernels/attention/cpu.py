@@ -86,15 +86,16 @@ def write_kv(kv_cache, k, v, slot_mapping):
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                           sliding_window=None, soft_cap=None):
+                           sliding_window=None, soft_cap=None, sinks=None):
     """The XLA path with its decode and short-query paths replaced by the kernel where the CPU
     kernels are enabled and it takes these shapes (`supports`), and a bf16 cache's page gathers by
-    the library's whatever the shapes; else the XLA path alone."""
+    the library's whatever the shapes; else the XLA path alone. The kernel has no attention
+    sinks (gpt-oss): with `sinks` the decodes take the XLA path too."""
     enabled = cpu_kernels.enabled()
-    use_kernel = enabled and supports(q, kv_cache)
+    use_kernel = enabled and supports(q, kv_cache) and sinks is None
     library_gather = enabled and kv_cache.dtype == jnp.bfloat16
     return xla.ragged_paged_attention(
         q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap,
+        sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks,
         short_impl=short_queries if use_kernel else None,
         gather_pages=gather_pages if library_gather else None)

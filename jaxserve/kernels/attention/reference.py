@@ -45,9 +45,14 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
             visible &= keys[None, :] > pos[:, None] - sliding_window
         scores = np.where(visible[None], scores, -np.inf)
         top = scores.max(-1, keepdims=True, initial=-np.inf)
+        if sinks is not None:  # gpt-oss: a learned logit per head, in the denominator only
+            sink = np.asarray(sinks).astype(np.float64)[:, None, None]
+            top = np.maximum(top, sink)
         # A query that sees nothing (before position 0: outside the contract) answers zeros.
         weights = np.where(visible[None], np.exp(scores - np.where(np.isfinite(top), top, 0)), 0)
         total = weights.sum(-1, keepdims=True)
+        if sinks is not None:
+            total = total + np.exp(sink - top)
         probs = weights / np.where(total > 0, total, 1)
         out[q0:q1] = np.einsum("hqk,khd->qhd", probs, v)
     return out

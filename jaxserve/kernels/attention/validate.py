@@ -7,9 +7,6 @@ import numpy as np
 
 def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                     sliding_window=None, soft_cap=None, sinks=None):
-    if sinks is not None:
-        raise ValueError("attention sinks are not supported yet: no implementation takes "
-                         "`sinks` (pass None)")
     if q.ndim != 3 or kv_cache.ndim != 4:
         raise ValueError(f"q must be [T, Hq, D] and kv_cache [pages, page_size, 2*Hkv, D]; got "
                          f"q {q.shape}, kv_cache {kv_cache.shape}")
@@ -35,6 +32,8 @@ def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *,
         raise ValueError(f"sliding_window must be >= 1; got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be > 0; got {soft_cap}")
+    if sinks is not None and sinks.shape != (Hq,):
+        raise ValueError(f"sinks must be one logit per query head [{Hq}]; got {sinks.shape}")
     if isinstance(page_indices, np.ndarray) and page_indices.size:
         lo, hi = int(page_indices.min()), int(page_indices.max())
         if lo < 0 or hi >= P:

@@ -161,13 +161,27 @@ def _softmax_step(carry, s, mask, v, pv_spec: str, soft_cap):
     return m_new, alpha * l + p.sum(-1), acc
 
 
-def _softmax_out(l, acc):
+def _softmax_out(carry, sink=None):
+    """The attention output of the online softmax's final state. `sink` (broadcast to the
+    running max's shape): gpt-oss's attention sinks, a learned logit per head that joins the
+    denominator and carries no value."""
+    m, l, acc = carry
+    if sink is not None:
+        top = jnp.maximum(m, sink)
+        scale = jnp.exp(m - top)
+        l = l * scale + jnp.exp(sink - top)
+        acc = acc * scale[..., None]
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
+def _head_sinks(sinks, Hkv: int):
+    """sinks [Hq] as [Hkv, G] (the query layout's head axes), in f32."""
+    return sinks.astype(jnp.float32).reshape(Hkv, -1)
 
 
 def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
             soft_cap, q_block, items_per_step, kv_block_tokens, include=None, one_item_each=False,
-            gather_pages=None):
+            gather_pages=None, sinks=None):
     """Query blocks of q_block rows (`query_items`), items_per_step at a time. one_item_each:
     every included sequence has at most q_block queries, so there are at most S items."""
     T, Hq, D = q.shape
@@ -223,8 +237,8 @@ def _attend(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
                                      "ihqgk,ikhd->ihqgd", soft_cap)
 
             init = _softmax_init((width, Hkv, q_block, G), D)
-            _, l, acc = lax.fori_loop(b0, b1, kv_step, init)
-            o = _softmax_out(l, acc).transpose(0, 2, 1, 3, 4)
+            sink = None if sinks is None else _head_sinks(sinks, Hkv)[None, :, None, :]
+            o = _softmax_out(lax.fori_loop(b0, b1, kv_step, init), sink).transpose(0, 2, 1, 3, 4)
             o = jnp.where(g_ok[:, :, None, None, None], o, 0.0).reshape(-1, Hq, D)
             return out.at[g_rows.reshape(-1)].set(o.astype(out.dtype), mode="drop")
 
@@ -244,7 +258,7 @@ def _in_groups(num_live, per_step: int, groups_of, out):
 
 
 def _decode(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
-            soft_cap, include=None, gather_pages=None):
+            soft_cap, include=None, gather_pages=None, sinks=None):
     """Sequences of one query (decodes), DECODE_SEQS_PER_STEP at a time, longest first, each group
     walking its own KV blocks. Written for XLA:CPU: one query per sequence means no query-block
     axis, so the two contractions are batched matrix products over (sequence, KV head) that XLA
@@ -290,8 +304,9 @@ def _decode(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
                                      soft_cap)
 
             init = _softmax_init((width, Hkv, G), D)
-            _, l, acc = lax.fori_loop(jnp.min(g_lo), jnp.max(g_hi), kv_step, init)
-            o = _softmax_out(l, acc).reshape(width, Hq, D)
+            sink = None if sinks is None else _head_sinks(sinks, Hkv)[None]
+            o = _softmax_out(lax.fori_loop(jnp.min(g_lo), jnp.max(g_hi), kv_step, init),
+                             sink).reshape(width, Hq, D)
             return out.at[rows].set(o.astype(out.dtype), mode="drop")
 
         return group
@@ -300,16 +315,21 @@ def _decode(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                           sliding_window=None, soft_cap=None, short_impl=None, gather_pages=None):
+                           sliding_window=None, soft_cap=None, sinks=None, short_impl=None,
+                           gather_pages=None):
     """Attention of ragged queries over a paged KV cache (contract: the package docstring).
 
     Rows past cu_q_lens[num_seqs] come back as zeros. `short_impl` replaces the decode and
     short-query paths: `_decode`'s signature and contract, for every sequence of up to
     SHORT_QUERY_TOKENS queries (the CPU kernel, see cpu.py). `gather_pages` replaces the gather
     of cache pages (`_kv_block`; cpu.py's for a bf16 cache, which XLA:CPU would widen whole).
+    `sinks` [Hq] (gpt-oss): a learned logit per head in each softmax's denominator; `short_impl`
+    takes none, so with sinks the XLA path's own decode runs.
     """
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if sinks is not None:
+        short_impl, kwargs["sinks"] = None, sinks
     short = functools.partial(short_impl or functools.partial(_decode, gather_pages=gather_pages),
                               *args, **kwargs)
     kwargs["gather_pages"] = gather_pages
