@@ -263,3 +263,16 @@ def error_reply(error: BaseException) -> tuple[int, dict]:
     # An unknown model names `model`; other errors name their field, if any.
     param = "model" if isinstance(error, ModelNotFound) else getattr(error, "param", None)
     return status.http, error_body(message, status.type, param, status.code)
+
+
+# Anthropic's error `type` for each HTTP status (its Messages API routes answer in its shape).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    402: "billing_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 504: "timeout_error"}
+
+
+def anthropic_error_body(status: int, body: dict) -> dict:
+    """Anthropic's error body for the status and OpenAI error body `error_reply` gave."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}

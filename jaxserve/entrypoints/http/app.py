@@ -20,6 +20,7 @@ from jaxserve.entrypoints.http.app_state import STATE_KEY, AppState
 from jaxserve.entrypoints.http.exposure import is_loopback
 from jaxserve.entrypoints.http.front_door import (MIDDLEWARES, caller, ratelimit_headers,
                                                   tenant_limited)
+from jaxserve.entrypoints.http import anthropic_routes
 from jaxserve.entrypoints.http.openai_routes import chat_completions, completions, responses
 from jaxserve.entrypoints.http.json_body import LIMITS_KEY, parse_body
 from jaxserve.telemetry.metrics import CONTENT_TYPE
@@ -153,6 +154,7 @@ def _routes(config: ServerConfig) -> list[Route]:
         Route("POST", "/v1/responses", responses, "Response (OpenAI Responses API; nothing "
               "stored)", models.responses, out.Response, chunk=out.ResponseEvent, errors=gen,
               tags=("openai",)),
+        *anthropic_routes.routes(config),
         Route("GET", "/v1/models", models_route, "The served model", ok=out.ModelList,
               errors=(401, 503), tags=("openai",)),
         Route("POST", "/tokenize", tokenize, "Prompt or chat messages -> token ids",

@@ -13,8 +13,8 @@ import logging
 
 from aiohttp import web
 
-from jaxserve.errors import (JaxServeError, MethodNotAllowed, NotFound, error_reply, error_status,
-                             retry_after)
+from jaxserve.errors import (JaxServeError, MethodNotAllowed, NotFound, anthropic_error_body,
+                             error_reply, error_status, retry_after)
 from jaxserve.gateway import Principal, deadlines
 from jaxserve.gateway.limits import Lease, retry_after_header
 from jaxserve.entrypoints.serving.admission import CallContext
@@ -36,6 +36,8 @@ _CALL = web.RequestKey("call", Call)  # the keyed request's one end (set by _fro
 _UNAUDITED_PATHS = frozenset({"/v1/models"})
 _MAX_AUDITED_PATH = 256  # a path is the caller's text: bounded in its record
 _USED_TOKENS = web.RequestKey("used_tokens", int)  # an encoder call's tokens (its usage)
+# Anthropic's Messages API routes answer errors in Anthropic's shape.
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 def caller(request: web.Request) -> Principal:
@@ -92,8 +94,10 @@ def logged_error_reply(exc: Exception) -> tuple[int, dict]:
     return error_reply(exc)
 
 
-def _map_error(exc: Exception) -> web.Response:
+def _map_error(request: web.Request, exc: Exception) -> web.Response:
     status, body = logged_error_reply(exc)
+    if request.path.startswith(ANTHROPIC_PREFIX):
+        body = anthropic_error_body(status, body)
     wait = retry_after(exc)
     headers = {"Retry-After": retry_after_header(wait)} if wait is not None else {}
     if isinstance(exc, MethodNotAllowed):  # RFC 9110: a 405 says what the path allows
@@ -108,11 +112,11 @@ async def _errors_middleware(request: web.Request, handler):
     except web.HTTPException:
         raise
     except JaxServeError as exc:
-        return _map_error(exc)
+        return _map_error(request, exc)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - one failing request must not take the server down
-        return _map_error(exc)
+        return _map_error(request, exc)
 
 
 @web.middleware
@@ -141,8 +145,7 @@ async def _front_door(request: web.Request, handler):
     call = request[_CALL] = Call(state.sinks)
     ctx = CallContext(None, client=request.remote, route=request.path[:_MAX_AUDITED_PATH])
     try:
-        principal = state.gateway.authenticate(request.headers.get("Authorization"),
-                                               request.remote or "")
+        principal = state.gateway.authenticate(authorization(request), request.remote or "")
         request[_PRINCIPAL] = principal
         ctx = dataclasses.replace(ctx, principal=principal)
         if state.policy is not None and request.path not in _UNAUDITED_PATHS:
@@ -157,13 +160,22 @@ async def _front_door(request: web.Request, handler):
     return resp
 
 
+def authorization(request: web.Request) -> str | None:
+    """The caller's credentials: the Authorization header, or else Anthropic's x-api-key (its
+    clients' way of sending the same key) as a bearer token."""
+    auth = request.headers.get("Authorization")
+    if auth is None and "x-api-key" in request.headers:
+        return f"Bearer {request.headers['x-api-key']}"
+    return auth
+
+
 def _end(request: web.Request, call: Call, ctx: CallContext, error: BaseException | None,
          status_code: int = 200) -> None:
     """End the call with what the front door knows, unless the serving layer ended it."""
     if call.ended:
         return
     routed = request.match_info.http_exception is None
-    call.end(call_outcome(ctx, error, authorization=request.headers.get("Authorization"),
+    call.end(call_outcome(ctx, error, authorization=authorization(request),
                           prompt_tokens=request.get(_USED_TOKENS, 0), success_code=status_code,
                           audited=request.path not in _UNAUDITED_PATHS
                           and (routed or ctx.principal is not None)),

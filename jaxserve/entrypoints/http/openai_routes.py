@@ -69,11 +69,11 @@ async def _run(request: web.Request, serving: OpenAIServing, kind: str, body,
                ctx: CallContext, keep: Keep | None) -> web.StreamResponse:
     gen = await serving.prepare_async(kind, body, ctx, call_of(request))
     keepalive = request.app[STATE_KEY].config.keepalive_seconds
-    return await _respond(gen, gen.response, lambda: stream_response(
+    return await respond(gen, gen.response, lambda: stream_response(
         request, gen, gen.chunks(keepalive), plain_error_event, keep=keep), keep)
 
 
-async def _respond(gen: Generation, whole, stream, keep: Keep | None = None
+async def respond(gen: Generation, whole, stream, keep: Keep | None = None
                    ) -> web.StreamResponse:
     """Answer an admitted generation, `whole()` (a JSON body) or `stream()` (the streamed
     response), inside `gen.running()` (its call ended, its engine requests freed however it

@@ -46,6 +46,7 @@ class Route:
     chunk: type[BaseModel] | None = None
     errors: tuple[int, ...] = ()
     tags: tuple[str, ...] = field(default=())
+    error_body: type[BaseModel] = ErrorResponse  # the shape of its error answers
 
 
 def add_routes(app: web.Application, routes: list[Route]) -> None:
@@ -59,7 +60,7 @@ def _models(routes: list[Route]) -> list[tuple[type[BaseModel], str]]:
     keys = [(r.body, "validation") for r in routes if r.body is not None]
     keys += [(r.ok, "serialization") for r in routes if isinstance(r.ok, type)]
     keys += [(r.chunk, "serialization") for r in routes if r.chunk is not None]
-    keys.append((ErrorResponse, "serialization"))
+    keys += [(r.error_body, "serialization") for r in routes]
     return list(dict.fromkeys(keys))
 
 
@@ -79,10 +80,10 @@ def _event(chunk_ref: dict, error_ref: dict) -> dict:
 
 def openapi_document(routes: list[Route], title: str, version: str) -> dict:
     refs, defs = models_json_schema(_models(routes), ref_template=_REF)
-    error_ref = refs[(ErrorResponse, "serialization")]
-    error = {"description": "", "content": _content(error_ref)}
     paths: dict[str, dict] = {}
     for r in routes:
+        error_ref = refs[(r.error_body, "serialization")]
+        error = {"description": "", "content": _content(error_ref)}
         op: dict = {"summary": r.summary, "operationId": r.handler.__name__,
                     "tags": list(r.tags), "responses": {}}
         params = re.findall(r"{(\w+)}", r.path)

@@ -96,7 +96,7 @@ async def _write_events(request: web.Request, resp: web.StreamResponse, gen: Gen
         for h in held:
             await send(h)
     end = [sse("[DONE]")] if done else []
-    # Kept before the end leaves (see openai_routes._respond).
+    # Kept before the end leaves (see openai_routes.respond).
     if gen.error is None and keep is not None:
         keep(idempotency.StoredResponse(200, (("Content-Type", "text/event-stream"),),
                                         events=(*sent, *end), version=gen.version.name))

@@ -67,6 +67,8 @@ class Generation:
         self.sent_text: dict[int, int] = {}
         self.sent_tokens: dict[int, int] = {}
         self.finish_reasons: dict[int, str] = {}
+        self.stop_reasons: dict[int, int | str | None] = {}  # the stop string / token id
+        self.cached_tokens: dict[int, int] = {}  # per prompt: tokens served by the prefix cache
         self.completion_tokens: dict[int, int] = {}
         self.arrival = ctx.arrival
         self.first_token_at: float | None = None
@@ -173,6 +175,7 @@ class Generation:
         if out.finished and self.ctx.trace is not None:
             self.ctx.trace.engine_done(stream_index, out.metrics,
                                        sum(len(c.token_ids) for c in out.outputs))
+        self.cached_tokens[stream_index] = out.num_cached_tokens
         for comp in out.outputs:
             choice = stream_index * self.n + comp.index
             if choice in self.finish_reasons:  # ended (by the engine or by the policy)
@@ -200,6 +203,7 @@ class Generation:
             finish = None
             if comp.finish_reason is not None:
                 finish = self.finish_reasons[choice] = comp.finish_reason
+                self.stop_reasons[choice] = comp.stop_reason
             if self.screening is not None:
                 text, ids, logprobs, blocked = self.screening.output(
                     choice, comp.text, text, ids, logprobs, comp.finish_reason is not None,

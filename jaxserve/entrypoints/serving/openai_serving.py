@@ -90,6 +90,15 @@ class OpenAIServing:
         with self.fleet.select(model) as lease:
             return lease.version.engine
 
+    def count_prompt_tokens(self, body: Any, ctx: CallContext) -> int:
+        """The prompt tokens a chat `body` would send its model (template and tools as a
+        generation renders them), generating nothing: Anthropic's count_tokens. On any thread."""
+        parsed = self._parse_body("chat", body)
+        ctx.principal.tenant.check_model(parsed.model)
+        tokenizer = self.engine_for(parsed.model).tokenizer
+        parsed, _ = self._tools(parsed, tokenizer)
+        return len(protocol.prompt_ids(tokenizer, parsed, parsed.prompts[0]))
+
     @staticmethod
     def check_token_ids(tokenizer, ids: list[int], param: str) -> None:
         vocab = tokenizer.vocab_size

@@ -1,0 +1,143 @@
+"""Anthropic's Messages API through a real server, with the official `anthropic` client: a tiny
+random model whose template thinks (Qwen3-Thinking style), answered whole and streamed (the same
+greedy content), thinking on and off, a forced tool call and its tool_result turn, stop sequences,
+cached-prompt usage, count_tokens, and Anthropic's error bodies (x-api-key authenticates)."""
+
+from __future__ import annotations
+
+import anthropic
+import pytest
+
+from jaxserve.core.async_engine import AsyncEngine
+from jaxserve.core.engine_factory import build_engine
+from tests.test_chat_formats_server import THINKING
+from tests.test_cli import tiny_gguf
+from tests.test_server import ServerThread, _request
+
+TENANTS = """
+[tenant.alice]
+api_keys = ["sk-alice"]
+"""
+ASK = [{"role": "user", "content": "What is 2 + 2?"}]
+# The current client has no sampling arguments; older ones and other clients send them.
+GREEDY = {"model": "tiny", "max_tokens": 8, "extra_body": {"temperature": 0.0}}
+TOOL = {"name": "add", "description": "Add two numbers",
+        # small values: a random model's free integers could run to max_tokens
+        "input_schema": {"type": "object", "properties": {"a": {"enum": [1, 2, 3]},
+                                                          "b": {"enum": [1, 2, 3]}},
+                         "required": ["a", "b"]}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_tokenizer_fields):
+    d = tmp_path_factory.mktemp("anthropic")
+    (d / "tenants.toml").write_text(TENANTS)
+    path = tiny_gguf(d / "tiny.gguf",
+                     {**smollm2_tokenizer_fields, "tokenizer.chat_template": THINKING},
+                     max_position_embeddings=512)
+    engine = AsyncEngine(build_engine(str(path), num_pages=32, max_num_seqs=2,
+                                      max_num_batched_tokens=32, max_model_len=384,
+                                      min_token_bucket=16, strict_compile=True, progress=False))
+    srv = ServerThread("tiny", tenants_file=str(d / "tenants.toml"))
+    try:
+        srv.attach(engine)
+        yield srv
+    finally:
+        srv.stop()
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="sk-alice", max_retries=0)
+
+
+def test_whole_and_streamed_agree_with_thinking_on_and_off(client):
+    # (enabled needs a budget of 1024+ tokens, past this model's context: adaptive thinks too)
+    on = client.messages.create(messages=ASK, thinking={"type": "adaptive"}, **GREEDY)
+    assert on.type == "message" and on.role == "assistant" and on.model == "tiny"
+    assert on.content[0].type == "thinking" and on.content[0].thinking
+    with client.messages.stream(messages=ASK, thinking={"type": "adaptive"}, **GREEDY) as stream:
+        streamed = stream.get_final_message()
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in on.content]
+    assert (streamed.stop_reason, streamed.usage.output_tokens) == (on.stop_reason,
+                                                                    on.usage.output_tokens)
+    off = client.messages.create(messages=ASK, thinking={"type": "disabled"}, **GREEDY)
+    assert [b.type for b in off.content] == ["text"] and off.stop_reason == "max_tokens"
+    assert off.usage.output_tokens == 8
+    # The template's closed thinking block is part of the prompt: more input tokens.
+    assert (off.usage.input_tokens + off.usage.cache_read_input_tokens
+            > on.usage.input_tokens + on.usage.cache_read_input_tokens)
+
+
+def test_stop_sequence_and_prompt_cache_usage(client):
+    system = "You answer questions. " * 8  # a few pages of shared prefix
+    first = client.messages.create(messages=ASK, system=system, thinking={"type": "disabled"},
+                                   **GREEDY)
+    text = first.content[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip(), text
+    cut = client.messages.create(messages=ASK, system=system, thinking={"type": "disabled"},
+                                 stop_sequences=[stop], **GREEDY)
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
+    assert text.startswith(cut.content[0].text) and stop not in cut.content[0].text
+    # The second request read the shared prefix from the cache, and says so.
+    total = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert cut.usage.cache_read_input_tokens > 0
+    assert cut.usage.input_tokens + cut.usage.cache_read_input_tokens == total
+    counted = client.messages.count_tokens(model="tiny", messages=ASK, system=system,
+                                           thinking={"type": "disabled"})
+    assert counted.input_tokens == total
+
+
+def test_forced_tool_call_then_its_result(client):
+    called = client.messages.create(messages=[{"role": "user", "content": "Add 2 and 3"}],
+                                    tools=[TOOL], tool_choice={"type": "tool", "name": "add"},
+                                    **{**GREEDY, "max_tokens": 64})
+    use = [b for b in called.content if b.type == "tool_use"]
+    assert len(use) == 1 and use[0].name == "add", called
+    assert called.stop_reason == "tool_use" and set(use[0].input) == {"a", "b"}
+    with client.messages.stream(messages=[{"role": "user", "content": "Add 2 and 3"}],
+                                tools=[TOOL], tool_choice={"type": "tool", "name": "add"},
+                                **{**GREEDY, "max_tokens": 64}) as stream:
+        streamed = stream.get_final_message()
+    assert [b for b in streamed.content if b.type == "tool_use"][0].input == use[0].input
+    follow = client.messages.create(
+        messages=[{"role": "user", "content": "Add 2 and 3"},
+                  {"role": "assistant", "content": [b.model_dump() for b in called.content]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id,
+                                                "content": "5"}]}],
+        tools=[TOOL], thinking={"type": "disabled"}, **GREEDY)
+    assert follow.content and follow.usage.input_tokens + follow.usage.cache_read_input_tokens \
+        > called.usage.input_tokens + called.usage.cache_read_input_tokens
+
+
+@pytest.mark.parametrize("body, param_word", [
+    ({"model": "tiny", "messages": ASK}, "max_tokens"),
+    ({"model": "tiny", "max_tokens": 8, "messages": [{"role": "system", "content": "x"}]}, "role"),
+    ({"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "type"),
+    ({"model": "tiny", "max_tokens": 8, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 10}},
+     "budget_tokens"),
+    ({"model": "tiny", "max_tokens": 8, "messages": ASK, "tool_choice": {"type": "tool", "name": "nope"},
+      "tools": [TOOL]}, "nope"),
+    ({"model": "tiny", "max_tokens": 8, "messages": ASK, "temperature": 1.5}, "temperature"),
+])
+def test_bad_requests_are_anthropic_400s_naming_the_field(server, body, param_word):
+    resp = _request("POST", f"{server.url}/v1/messages", body,
+                    headers={"x-api-key": "sk-alice", "anthropic-version": "2023-06-01"})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert param_word in error["error"]["message"]
+
+
+def test_wrong_key_and_unknown_model(server):
+    bad = anthropic.Anthropic(base_url=server.url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        bad.messages.create(messages=ASK, **GREEDY)
+    assert e.value.body["error"]["type"] == "authentication_error"
+    good = anthropic.Anthropic(base_url=server.url, api_key="sk-alice", max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as e:
+        good.messages.create(messages=ASK, **{**GREEDY, "model": "nope"})
+    assert e.value.body["error"]["type"] == "not_found_error"
