@@ -38,11 +38,11 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     serving = state.require_serving()
     body = await read_json(request)
     model = body.get("model") if isinstance(body, dict) else None  # not an object: _run's 400
-    return await _keyed(request, ctx, kind, model,
+    return await keyed(request, ctx, kind, model,
                         lambda keep: _run(request, serving, kind, body, ctx, keep))
 
 
-async def _keyed(request: web.Request, ctx: CallContext, kind: str, model,
+async def keyed(request: web.Request, ctx: CallContext, kind: str, model,
                  answer: Callable[[Keep | None], Awaitable[web.StreamResponse]]
                  ) -> web.StreamResponse:
     """`answer(keep)`, or with an Idempotency-Key the stored answer of its earlier run: `keep`
@@ -116,7 +116,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     serving = state.require_serving()
     req = validate(request_models(state.config.limits).responses, await read_json(request))
     ctx = call_context(request)
-    return await _keyed(request, ctx, "chat", req.model,
+    return await keyed(request, ctx, "chat", req.model,
                         lambda keep: _respond_responses(request, serving, req, ctx, keep))
 
 
