@@ -34,9 +34,12 @@ serve: fetch-models
 	@echo "    -d '{\"model\": \"$(MODEL)\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'"
 	$(PY) -m jaxserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-# Real tools some tests drive (Debian packages): the code sandbox (bubblewrap) and promtool
-# (prometheus). Installed when missing and apt-get can run; tests that need one skip without it.
-SYSTEM_DEPS ?= bwrap:bubblewrap promtool:prometheus
+# Real tools some tests drive (Debian packages): the code sandbox (bubblewrap), promtool
+# (prometheus), PostgreSQL for the eval results store (its server programs live under
+# /usr/lib/postgresql/*/bin, off PATH: pg_ctlcluster, on PATH, says it is installed) and headless
+# Chromium for the eval dashboard. Installed when missing and apt-get can run; tests that need one
+# skip without it.
+SYSTEM_DEPS ?= bwrap:bubblewrap promtool:prometheus pg_ctlcluster:postgresql chromium:chromium
 system-deps:
 	@missing=""; for dep in $(SYSTEM_DEPS); do command -v $${dep%%:*} >/dev/null || missing="$$missing $${dep#*:}"; done; \
 	if [ -n "$$missing" ]; then \

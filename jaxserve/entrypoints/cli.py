@@ -1,5 +1,5 @@
 """`jaxserve fetch | convert | generate | serve | batch | manifest | index | search | audit |
-policy | kernels | slo`.
+policy | kernels | eval | slo`.
 
 Every error a user can cause surfaces as a JaxServeError and is printed as one line on stderr with
 exit code 1 — never a traceback. Progress goes to stderr so stdout carries only the result (with
@@ -20,6 +20,7 @@ from jaxserve.engine_settings import DTYPES
 from jaxserve.entrypoints.engine_flags import add_engine_arguments, add_engine_flags
 from jaxserve.entrypoints.kernels import add_kernels_command, configure_cpu_kernels
 from jaxserve.errors import ContextLengthExceeded, InvalidRequest, JaxServeError
+from jaxserve.evals.cli import add_eval_command
 from jaxserve.model_registry import ModelSpec
 from jaxserve.safety.cli import add_policy_command
 from jaxserve.telemetry.slo.cli import add_slo_command
@@ -288,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_policy_command(sub)
     add_slo_command(sub)
     add_kernels_command(sub)
+    add_eval_command(sub)
     return p
 
 
