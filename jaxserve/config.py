@@ -18,7 +18,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 MAX_LOGPROBS = 20
 
 
-ROPE_TYPES = ("linear", "llama3", "longrope")
+ROPE_TYPES = ("linear", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,9 @@ class RopeScaling:
     "linear" (all frequencies / factor), "llama3" (Llama 3.1+: long wavelengths / factor, short
     ones kept, the band between blended) or "longrope" (Phi-3: each frequency / its own factor,
     `short_factor` for positions < original_max_position_embeddings, `long_factor` past them, and
-    cos / sin scaled by `attention_factor`)."""
+    cos / sin scaled by `attention_factor`) or "yarn" (YaRN: frequencies / factor below the
+    band that rotates between beta_slow and beta_fast times over the original context, kept
+    above it, blended linearly within; cos / sin scaled by `attention_factor`)."""
 
     rope_type: str = "llama3"
     factor: float = 8.0
@@ -37,6 +39,9 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: the band's bounds rounded out to whole dims
 
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
@@ -54,6 +59,42 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2; jaxserve.executor.models.mla), in
+    HF's names. Queries come through a rank-q_lora_rank bottleneck (None: one projection); keys
+    and values of all heads from one latent of kv_lora_rank per token, which the KV cache stores
+    (normed) with the token's one rope key of qk_rope_head_dim shared by every head. Each head's
+    key is qk_nope_head_dim from the latent plus the rope key; its value v_head_dim from the
+    latent. `softmax_scale` multiplies the scores (qk head dim ** -0.5, times YaRN's mscale²)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+    # The checkpoint's rope dims are interleaved pairs (HF's rope_interleave): the loader
+    # de-interleaves the q / kv projections' rope columns, so the model rotates halves as usual.
+    rope_interleave: bool = False
+
+    def __post_init__(self):
+        for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, f) <= 0:
+                raise ConfigError(f"MlaConfig.{f} must be > 0, got {getattr(self, f)}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ConfigError(f"q_lora_rank must be > 0 or None, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2 or not self.softmax_scale > 0:
+            raise ConfigError(f"MLA needs an even qk_rope_head_dim and softmax_scale > 0, got "
+                              f"{self.qk_rope_head_dim}, {self.softmax_scale}")
+
+    @property
+    def latent_dim(self) -> int:
+        """What the cache stores per token and layer: the latent, then the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+MOE_SCORINGS = ("softmax", "sigmoid")
 QUANTIZATIONS = (None, "int8")
 INT8_GROUP = 32  # contraction rows per int8 scale: a Q4_1 / Q4_0 block, so those load exactly
 
@@ -114,6 +155,16 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
+    # DeepSeek-V3's router: "sigmoid" scores, experts chosen by score + a learnt correction bias
+    # among the moe_topk_groups best of moe_num_groups groups (a group's score: its best two),
+    # weighted by their scores (renormalized if norm_topk_prob) times routed_scaling_factor;
+    # num_shared_experts gated MLPs of moe_intermediate_size each, run on every token.
+    moe_scoring: str = "softmax"
+    moe_num_groups: int = 1
+    moe_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0
+    mla: MlaConfig | None = None  # multi-head latent attention instead of q/k/v heads
 
     def __post_init__(self):
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -159,6 +210,25 @@ class ModelConfig:
         if not set(self.dense_layers) <= set(range(self.num_layers if self.num_experts else 0)):
             raise ConfigError(f"dense_layers must be layers of a mixture of experts, got "
                               f"{self.dense_layers}")
+        if self.moe_scoring not in MOE_SCORINGS:
+            raise ConfigError(f"moe_scoring must be one of {MOE_SCORINGS}, got "
+                              f"{self.moe_scoring!r}")
+        if self.num_experts and not (
+                self.num_experts % self.moe_num_groups == 0
+                and 0 < self.moe_topk_groups <= self.moe_num_groups
+                and self.experts_per_token <= self.moe_topk_groups * (self.num_experts
+                                                                      // self.moe_num_groups)):
+            raise ConfigError(f"expert groups must divide the {self.num_experts} experts and "
+                              f"their top {self.moe_topk_groups} of {self.moe_num_groups} hold "
+                              f"the {self.experts_per_token} chosen")
+        if self.mla is not None and (self.quantization is not None
+                                     or self.num_kv_heads != self.num_heads
+                                     or self.head_dim != self.mla.qk_rope_head_dim):
+            raise ConfigError("latent attention needs num_kv_heads == num_heads, head_dim == "
+                              "qk_rope_head_dim (the rotated part) and no int8 quantization")
+        if self.mla is not None and not self.num_experts:
+            raise ConfigError("latent attention is served with DeepSeek-V3's mixture of experts "
+                              "only (a model whose every layer is dense is not)")
         if self.quantization is not None and self.num_experts:
             raise ConfigError(f"quantization {self.quantization!r} of a mixture of experts is "
                               f"not supported")

@@ -149,10 +149,11 @@ def _v4_spelling(cfg: dict) -> dict:
     cfg["rope_theta"] = rope.pop("rope_theta")
     if "partial_rotary_factor" in rope:
         cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
-    if rope.pop("rope_type") != "default":
-        cfg["rope_scaling"] = {"type" if cfg["model_type"] == "phi3" else "rope_type":
-                               "longrope" if cfg["model_type"] == "phi3" else "linear"
-                               if "low_freq_factor" not in rope else "llama3", **rope}
+    kind = rope.pop("rope_type")
+    if kind != "default":
+        # (Phi-3's and DeepSeek-V3's released configs say "type".)
+        cfg["rope_scaling"] = {"type" if cfg["model_type"] in ("phi3", "deepseek_v3")
+                               else "rope_type": kind, **rope}
     return cfg
 
 
@@ -171,9 +172,8 @@ def test_config_reads_the_same_in_both_spellings(family):
 
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "gpt2"}, "unsupported model_type 'gpt2' in config.json \\(supported: llama, "),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                          "original_max_position_embeddings": 16}},
-     "unsupported rope scaling type 'yarn' \\(supported: linear, llama3, longrope\\)"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}},
+     "unsupported rope scaling type 'dynamic' \\(supported: linear, llama3, longrope, yarn\\)"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "beta": 2}},
      "rope parameters jaxserve does not implement: beta"),
     ({"logn_attention": True}, "config.json keys jaxserve does not implement for qwen3: "
@@ -183,7 +183,6 @@ def test_config_reads_the_same_in_both_spellings(family):
     ({"hidden_act": "relu"}, "unsupported activation 'relu'"),
     # Mixtures of experts not served yet (issue 36).
     ({"model_type": "gpt_oss"}, "unsupported model_type 'gpt_oss' in config.json"),
-    ({"model_type": "deepseek_v3"}, "unsupported model_type 'deepseek_v3' in config.json"),
 ])
 def test_config_keys_it_does_not_understand_are_refused(tmp_path, change, message):
     import shutil

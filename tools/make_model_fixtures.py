@@ -72,6 +72,19 @@ def families():
             num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=True,
             rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+        # DeepSeek-V3: multi-head latent attention (q and kv low-rank, v_head_dim != the qk
+        # head's, rope on interleaved pairs), YaRN past an original context of 16 with both
+        # mscales, one dense layer then two of 8 routed experts in 4 groups (top-2 groups, top-2
+        # experts, sigmoid scores, a correction bias) plus a shared expert.
+        "deepseek_v3": (tf.DeepseekV3Config, dict(
+            num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_group=4,
+            topk_group=2, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            rope_interleave=True, num_nextn_predict_layers=0,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                 original_max_position_embeddings=16, beta_fast=32, beta_slow=1,
+                                 mscale=1.0, mscale_all_dim=0.7))),
     }
 
 
@@ -90,6 +103,15 @@ BINDING = {
                 "top-2 routing": dict(num_experts_per_tok=1)},
     "qwen3_moe": {"norm_topk_prob off": dict(norm_topk_prob=True),
                   "top-2 routing": dict(num_experts_per_tok=1)},
+    "deepseek_v3": {"yarn rope": dict(rope_parameters=dict(rope_type="default",
+                                                          rope_theta=10000.0)),
+                    "softmax mscale": dict(rope_parameters=dict(
+                        rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                        original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0)),
+                    "rope interleave": dict(rope_interleave=False),
+                    "group-limited routing": dict(topk_group=4),
+                    "routed scaling": dict(routed_scaling_factor=1.0),
+                    "top-k renormalization": dict(norm_topk_prob=False)},
     "gemma2": {"attention soft cap": dict(attn_logit_softcapping=None),
                "final soft cap": dict(final_logit_softcapping=None),
                "sliding window": dict(sliding_window=64)},
@@ -145,9 +167,26 @@ def _watch_routers(model) -> list[float]:
         logits = output[0].double().sort(dim=-1, descending=True).values
         gaps.append(float((logits[:, module.top_k - 1] - logits[:, module.top_k]).min()))
 
+    def grouped_hook(module, inputs, output):
+        # DeepSeek-V3: experts chosen by sigmoid score + correction bias within the topk_group
+        # best groups (a group's score: its best two): both choices' gaps count.
+        scores = output[0].double().sigmoid() + module.e_score_correction_bias.double()
+        groups = scores.view(scores.shape[0], module.num_group, -1).topk(2).values.sum(-1)
+        ranked = groups.sort(dim=-1, descending=True).values
+        k = module.topk_group
+        if k < module.num_group:
+            gaps.append(float((ranked[:, k - 1] - ranked[:, k]).min()))
+        keep = groups >= ranked[:, k - 1:k]
+        masked = scores.masked_fill(~keep.repeat_interleave(scores.shape[1] // module.num_group,
+                                                            dim=1), float("-inf"))
+        top = masked.sort(dim=-1, descending=True).values
+        gaps.append(float((top[:, module.top_k - 1] - top[:, module.top_k]).min()))
+
     for n, module in model.named_modules():
         if type(module).__name__.endswith("TopKRouter"):
             module.register_forward_hook(hook)
+        elif type(module).__name__ == "DeepseekV3TopkRouter":
+            module.register_forward_hook(grouped_hook)
     return gaps
 
 
@@ -156,7 +195,9 @@ def build(name: str, config_cls, changes: dict, out: Path, init_range: float) ->
     import transformers as tf
 
     torch.manual_seed(0)
-    shape = {k: v for k, v in SMALL.items() if not (name == "phi3" and k == "head_dim")}
+    # (Phi-3 derives head_dim from hidden_size / heads, DeepSeek-V3 from qk_rope_head_dim.)
+    shape = {k: v for k, v in SMALL.items()
+             if not (name in ("phi3", "deepseek_v3") and k == "head_dim")}
     config = config_cls(**{**shape, **changes}, initializer_range=init_range)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     if name.startswith("gemma"):
@@ -165,13 +206,18 @@ def build(name: str, config_cls, changes: dict, out: Path, init_range: float) ->
             for n, p in model.named_parameters():
                 if n.endswith("norm.weight"):
                     p.normal_(0.0, 0.3)
-    if "moe" in name or name == "mixtral":
+    if "moe" in name or name in ("mixtral", "deepseek_v3"):
         # Routers wide enough that each token's top-2 is clear (HF starts Qwen3-MoE's at 0).
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if n.endswith("gate.weight") and p.shape[0] == changes.get(
-                        "num_experts", changes.get("num_local_experts")):
+                        "num_experts", changes.get("num_local_experts",
+                                                   changes.get("n_routed_experts"))):
                     p.normal_(0.0, 1.0)
+            # DeepSeek-V3's score correction bias (HF starts it at 0): random, so it binds.
+            for n, b in model.named_buffers():
+                if n.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.3)
     path = out / name
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)

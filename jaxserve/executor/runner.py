@@ -42,7 +42,6 @@ from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.errors import ConfigError
 from jaxserve.executor.models import decoder
 from jaxserve.kernels import paths
-from jaxserve.shapes import kv_cache_shape
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +60,9 @@ class StepOutput(NamedTuple):
 
 
 def kv_page_bytes(config: ModelConfig, page_size: int, dtype: str) -> int:
-    """Bytes of one page across all layers (the pool is allocated in such pages)."""
-    page = kv_cache_shape(1, page_size, config.num_kv_heads, config.head_dim, config.num_layers)
+    """Bytes of one page across all layers (the pool is allocated in such pages): of the
+    standard layout, or of latent attention's (decoder.cache_shape)."""
+    page = decoder.cache_shape(config, 1, page_size)
     return math.prod(page) * jnp.dtype(dtype).itemsize
 
 
@@ -158,8 +158,7 @@ class ModelRunner:
                                     num_pages_for(config, cache_config, scheduler_config, mesh),
                                     num_speculative_tokens)
         cache_dtype = jnp.dtype(cache_config.dtype or config.dtype)
-        shape = kv_cache_shape(self.num_pages, self.page_size, config.num_kv_heads,
-                               config.head_dim, config.num_layers)
+        shape = decoder.cache_shape(config, self.num_pages, self.page_size)
         forward = functools.partial(_forward, config=config, mesh=mesh)
         if mesh is None:
             self._replicated = None

@@ -39,6 +39,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "quant_groups": None,  # int8 weights' scales (not with tensor parallelism)
     "expert": None,  # a mixture's per-expert weights: on "model" with expert parallelism
     "router": None,  # the router's per-expert columns: every device routes every token
+    "latent": None,  # latent attention's low ranks (its cache is replicated: every head reads it)
 }
 
 # Expert parallelism: the experts on the model axis rather than each expert's MLP width (a mesh axis
@@ -128,7 +129,10 @@ def named_shardings(logical_axes: dict, shapes: dict, mesh: Mesh,
 
 def kv_cache_sharding(config: ModelConfig, mesh: Mesh, num_pages: int,
                       page_size: int) -> NamedSharding:
-    """Sharding of the cache [L * num_pages, page_size, 2 * Hkv, D]: KV heads on "model"."""
+    """Sharding of the cache [L * num_pages, page_size, 2 * Hkv, D]: KV heads on "model".
+    Latent attention's cache [L * num_pages, page_size, latent] is replicated."""
+    if config.mla is not None:
+        return NamedSharding(mesh, PartitionSpec())
     # Divisibility is tested on Hkv, not 2 * Hkv: a shard must hold whole heads' K/V pairs.
     by_heads = (config.num_layers * num_pages, page_size, config.num_kv_heads, config.head_dim)
     return NamedSharding(mesh, mesh_spec(PartitionSpec(*KV_CACHE_AXES), by_heads, mesh))

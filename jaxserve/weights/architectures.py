@@ -52,7 +52,8 @@ _REQUIRED = {"mlp_bias": False, "lm_head_bias": False, "use_bidirectional_attent
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor",
                         "high_freq_factor", "original_max_position_embeddings", "short_factor",
-                        "long_factor", "attention_factor", "partial_rotary_factor"})
+                        "long_factor", "attention_factor", "partial_rotary_factor",
+                        "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"})
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,56 @@ def _qwen3_moe(cfg: dict) -> dict:
                    cfg.get("norm_topk_prob", False))}
 
 
+def _deepseek_v3(cfg: dict) -> dict:
+    from jaxserve.config import MlaConfig
+
+    for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
+                       ("moe_layer_freq", 1)):
+        if cfg.get(key) not in (None, value):
+            raise ConfigError(f"config.json {key}={cfg[key]!r} is not supported (only {value!r})")
+    rope, _ = _rope_dicts(cfg, ARCHITECTURES["deepseek_v3"])
+    scale = (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) ** -0.5
+    if _rope_type(rope) != "default" and rope.get("mscale_all_dim"):
+        # HF's DeepseekV3Attention: YaRN's mscale (of mscale_all_dim), squared, on the scores.
+        scale *= _yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+    mla = MlaConfig(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
+                    qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                    qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
+                    softmax_scale=scale, rope_interleave=bool(cfg.get("rope_interleave", True)))
+    first_dense = cfg.get("first_k_dense_replace") or 0
+    return {"mla": mla,
+            **_moe({**cfg, "num_experts": cfg["n_routed_experts"]}, "moe_intermediate_size",
+                   lambda i: i >= first_dense, bool(cfg.get("norm_topk_prob", True))),
+            "moe_scoring": "sigmoid", "moe_num_groups": cfg.get("n_group") or 1,
+            "moe_topk_groups": cfg.get("topk_group") or 1,
+            "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
+            "num_shared_experts": cfg.get("n_shared_experts") or 0}
+
+
+_DEEPSEEK_KEYS = frozenset({
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "qk_head_dim", "n_routed_experts", "n_shared_experts", "n_group", "topk_group",
+    "routed_scaling_factor", "first_k_dense_replace", "moe_intermediate_size", "norm_topk_prob",
+    "rope_interleave", "scoring_func", "topk_method", "moe_layer_freq",
+    # Training (the auxiliary loss, its expert-parallel size) and the multi-token prediction
+    # layers, which plain decoding does not run (their tensors are not read).
+    "aux_loss_alpha", "seq_aux", "ep_size", "num_nextn_predict_layers", "num_mtp_layers"})
+
+def _gpt_oss(cfg: dict) -> dict:
+    # The released configs also carry `experts_per_token` (the same top-k) and
+    # `initial_context_length` (YaRN's original context, which rope_scaling repeats).
+    if cfg.get("experts_per_token") not in (None, cfg["num_experts_per_tok"]):
+        raise ConfigError(f"config.json experts_per_token={cfg['experts_per_token']!r} differs "
+                          f"from num_experts_per_tok={cfg['num_experts_per_tok']!r}")
+    if cfg.get("attention_bias") is False:
+        raise ConfigError("config.json attention_bias=False is not supported for gpt_oss")
+    return {**_sliding_layers(cfg, lambda i: i % 2 == 0),
+            **_moe(cfg, "intermediate_size", lambda i: True, True),
+            "moe_bias": True, "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
+            "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)), "o_proj_bias": True,
+            "attention_sinks": True}
+
+
 # Training-only keys of the MoE families (the auxiliary loss, jitter): inference ignores them.
 _MOE_KEYS = frozenset({"num_experts_per_tok", "router_aux_loss_coef", "output_router_logits",
                        "router_jitter_noise", "num_local_experts"})
@@ -161,6 +212,9 @@ ARCHITECTURES = {a.model_type: a for a in (
                  keys=_MOE_KEYS | {"num_experts", "moe_intermediate_size", "norm_topk_prob",
                                    "mlp_only_layers", "decoder_sparse_step"},
                  label="Qwen3-MoE"),
+    # Multi-head latent attention (jaxserve.executor.models.mla) and DeepSeek's routing.
+    Architecture("deepseek_v3", None, fields=_deepseek_v3, keys=_MOE_KEYS | _DEEPSEEK_KEYS,
+                 label="DeepSeek-V3 / R1"),
 )}
 
 
@@ -252,7 +306,7 @@ def _check_keys(cfg: dict, arch: Architecture) -> None:
         raise ConfigError(f"config.json keys jaxserve does not implement for {arch.model_type}: "
                           f"{', '.join(unknown)}")
     for key, value in _REQUIRED.items():
-        if cfg.get(key) not in (None, value):
+        if key not in arch.keys and cfg.get(key) not in (None, value):
             raise ConfigError(f"config.json {key}={cfg[key]!r} is not supported (only {value!r})")
 
 
@@ -318,9 +372,26 @@ def _rope_fields(cfg: dict, arch: Architecture, head_dim: int) -> dict:
             rope_type="longrope", factor=factor, original_max_position_embeddings=original,
             short_factor=tuple(main["short_factor"]), long_factor=tuple(main["long_factor"]),
             attention_factor=attention_factor)
+    elif kind == "yarn":
+        # HF's _compute_yarn_parameters: the factor defaults to the context's growth; the cos /
+        # sin factor from mscale / mscale_all_dim when both are given.
+        factor = main.get("factor") or max_pos / original
+        attention_factor = main.get("attention_factor")
+        mscale, mscale_all_dim = main.get("mscale"), main.get("mscale_all_dim")
+        if attention_factor is None:
+            attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                                if mscale and mscale_all_dim else _yarn_mscale(factor))
+        scaling = RopeScaling(
+            rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+            attention_factor=attention_factor, beta_fast=float(main.get("beta_fast") or 32.0),
+            beta_slow=float(main.get("beta_slow") or 1.0), truncate=bool(main.get("truncate", True)))
     else:
         scaling = RopeScaling(rope_type=kind)  # refuses the type, naming what is supported
     return {**out, "rope_scaling": scaling}
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def config_from_hf(cfg: dict, name: str, dtype: str = "float32") -> ModelConfig:
@@ -330,7 +401,8 @@ def config_from_hf(cfg: dict, name: str, dtype: str = "float32") -> ModelConfig:
     _check_keys(cfg, arch)
     fp8.block_size(cfg.get("quantization_config"))  # dequantized at load, or refused here
     heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    # (DeepSeek-V3: the rotated dims of a head, as HF's config sets head_dim.)
+    head_dim = cfg.get("head_dim") or cfg.get("qk_rope_head_dim") or cfg["hidden_size"] // heads
     if cfg.get("attention_bias") and not arch.attention_bias:
         # Llama-style attention_bias also biases o_proj, which the decoder does not have.
         raise ConfigError(f"attention_bias is not supported for {arch.model_type}")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jax
 
-from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.config import MlaConfig, ModelConfig, RopeScaling
 from jaxserve.errors import WeightsError
 
 MODEL_JSON = "jaxserve_model.json"
@@ -32,6 +32,8 @@ def config_from_dict(d: dict) -> ModelConfig:
     d = _tuples(d)
     if d.get("rope_scaling") is not None:
         d["rope_scaling"] = RopeScaling(**_tuples(d["rope_scaling"]))
+    if d.get("mla") is not None:
+        d["mla"] = MlaConfig(**d["mla"])
     return ModelConfig(**d)
 
 

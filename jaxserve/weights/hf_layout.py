@@ -14,6 +14,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.errors import WeightsError
 from jaxserve.weights.architectures import architecture
+from jaxserve.weights.mla_layout import attention_from_hf as mla_attention_from_hf
 from jaxserve.weights.moe_layout import moe_params_from_hf
 
 GetTensor = Callable[[str], np.ndarray]
@@ -23,6 +24,10 @@ def _layer(config: ModelConfig, get: GetTensor, i: int) -> dict[str, np.ndarray]
     H, Hq, Hkv, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
     pre = f"model.layers.{i}."
     attn, mlp = pre + "self_attn.", pre + "mlp."
+    if config.mla is not None:  # DeepSeek-V3: latent attention; its MLPs are the MoE groups'
+        return {"input_norm": get(pre + "input_layernorm.weight"),
+                **mla_attention_from_hf(config, get, attn),
+                "post_attention_norm": get(pre + "post_attention_layernorm.weight")}
     if architecture(config.architecture).fused_projections:
         # Phi-3: q, k, v stacked in qkv_proj's rows, gate then up in gate_up_proj's.
         q, k, v = np.split(get(attn + "qkv_proj.weight"), [Hq * D, (Hq + Hkv) * D])

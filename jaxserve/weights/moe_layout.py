@@ -14,6 +14,7 @@ from jaxserve.config import ModelConfig
 _NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 
@@ -35,7 +36,18 @@ def moe_params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray]) ->
         return {name: get(f"{pre}{name}.weight").T for name in ("gate_proj", "up_proj",
                                                                   "down_proj")}
 
+    def shared(i: int) -> dict[str, np.ndarray]:  # DeepSeek-V3's shared experts
+        pre = f"model.layers.{i}.{block}.shared_experts."
+        return {name: get(f"{pre}{name}.weight").T for name in ("gate_proj", "up_proj",
+                                                                  "down_proj")}
+
     out = {"moe": _stack([sparse(i) for i in config.sparse_layers])}
+    if config.moe_scoring == "sigmoid":
+        out["moe"]["score_correction_bias"] = np.stack([
+            get(f"model.layers.{i}.{block}.gate.e_score_correction_bias")
+            for i in config.sparse_layers])
+    if config.num_shared_experts:
+        out["shared_mlp"] = _stack([shared(i) for i in config.sparse_layers])
     if config.dense_layers:
         out["dense_mlp"] = _stack([dense(i) for i in config.dense_layers])
     return out

@@ -19,6 +19,8 @@ Layout choices:
     layers/{q_norm, k_norm} [L, D] (Qwen3, Gemma 3),
     layers/{q,k,v}_proj [L, H, heads, D], layers/{q,k,v}_bias [L, heads, D] (Qwen2),
     layers/o_proj [L, Hq, D, H], layers/{gate,up}_proj [L, H, I], layers/down_proj [L, I, H].
+  Latent attention (config.mla: DeepSeek-V3) has jaxserve.executor.models.mla's parameters in
+  place of layers/{q,k,v,o}_proj, and a cache of latent rows (`cache_shape`).
   A mixture of experts (config.num_experts) has no layers/{gate,up,down}_proj: its MLPs are the
   `moe` and `dense_mlp` groups of jaxserve.executor.models.moe, which the block calls.
   With config.quantization "int8" the seven projections are uint8 codes of those shapes plus
@@ -50,12 +52,12 @@ import numpy as np
 
 from jaxserve.executor import sharding
 from jaxserve.executor.batch_plan import BatchPlan
-from jaxserve.executor.models import moe
+from jaxserve.executor.models import mla, moe
 from jaxserve.config import INT8_GROUP, ModelConfig, RopeScaling
 from jaxserve.kernels import attention as rpa
 from jaxserve.kernels import cpu as cpu_kernels
 from jaxserve.kernels import matmul as cpu_matmul
-from jaxserve.shapes import kv_cache_shape
+from jaxserve.shapes import kv_cache_shape, mla_cache_shape
 
 
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
@@ -108,6 +110,8 @@ def why_matmul_off(config: ModelConfig, mesh: jax.sharding.Mesh | None) -> str |
     c = config
     if mesh is not None:
         return "tensor parallel"
+    if c.mla is not None:
+        return "latent attention"
     if c.num_experts:
         return "mixture of experts"
     if c.quantization is not None:
@@ -174,6 +178,20 @@ def rope_frequencies(theta: float, scaling: RopeScaling | None, rotary_dim: int)
         out = (inv_freq / rs.factor,) * 2
     elif rs.rope_type == "longrope":
         out = (inv_freq / np.asarray(rs.short_factor), inv_freq / np.asarray(rs.long_factor))
+    elif rs.rope_type == "yarn":
+        # HF's _compute_yarn_parameters: interpolated (/ factor) below the dims that rotate
+        # beta_slow times over the original context, kept above those that rotate beta_fast
+        # times, a linear ramp between.
+        def dim_of(rotations):
+            return d * math.log(rs.original_max_position_embeddings
+                                / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = dim_of(rs.beta_fast), dim_of(rs.beta_slow)
+        if rs.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        ramp = np.clip((np.arange(d // 2) - low) / ((high - low) or 0.001), 0, 1)
+        out = ((inv_freq / rs.factor) * ramp + inv_freq * (1 - ramp),) * 2
     else:
         # Llama 3: long wavelengths slowed by `factor`, short ones kept, the band between blended.
         low_freq_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
@@ -211,6 +229,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
     if rs is not None and rs.rope_type == "longrope":
         past = positions >= rs.original_max_position_embeddings
         freqs = jnp.where(past[:, None], inv_freq[1][None, :], freqs)
+        mscale = rs.attention_factor
+    elif rs is not None and rs.rope_type == "yarn":
         mscale = rs.attention_factor
     angles = positions.astype(jnp.float32)[:, None] * freqs
     cos = (jnp.cos(angles) * mscale)[:, None, :].astype(x.dtype)
@@ -280,6 +300,8 @@ class DecoderLayer(nn.Module):
         x, kv_cache = carry
         c = self.config
         dt = jnp.dtype(c.dtype)
+        if c.mla is not None:
+            return self._latent_layer(x, kv_cache, layer, batch, moe_mlp), None
         H, Hq, Hkv, D, I = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
 
         def weight(name, shape, axes, fan_in):
@@ -346,10 +368,41 @@ class DecoderLayer(nn.Module):
         return (x, kv_cache), None
 
 
+    def _latent_layer(self, x, kv_cache, layer, batch: BatchPlan, moe_mlp):
+        """A DeepSeek-V3 block: latent attention over the latent cache
+        (jaxserve.executor.models.mla), then the layer's MLP (dense or experts: moe_mlp)."""
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        ones = nn.initializers.ones
+
+        def norm(name):
+            return _param(self, name, (c.hidden_size,), ("embed",), dt, ones)
+
+        p = {name: _param(self, name, shape, axes, dt, _fan_in_normal(fan_in) if fan_in else ones)
+             for name, (shape, axes, fan_in) in mla.param_specs(c).items()}
+        inv_freq = jnp.asarray(layer_rope_frequencies(c))[layer]
+        h, kv_cache = mla.attention(
+            c, self.mesh, p, rms_norm(x, norm("input_norm"), c.rms_norm_eps), layer, batch,
+            kv_cache, norm=lambda v, w: rms_norm(v, w, mla.LATENT_NORM_EPS),
+            rope=lambda v: apply_rope(v, batch.positions, inv_freq, c), precision=_precision(c),
+            initializing=self.is_initializing())
+        x = x + h
+        return x + moe_mlp(rms_norm(x, norm("post_attention_norm"), c.rms_norm_eps), layer), \
+            kv_cache
+
+
+def cache_shape(config: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
+    """The KV pool's array for this model: the standard layout, or latent attention's rows."""
+    c = config
+    if c.mla is not None:
+        return mla_cache_shape(num_pages, page_size, c.mla.latent_dim, c.num_layers)
+    return kv_cache_shape(num_pages, page_size, c.num_kv_heads, c.head_dim, c.num_layers)
+
+
 def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=None) -> jax.Array:
-    """Zeroed cache for all layers: [L * num_pages, page_size, 2 * Hkv, D], K even / V odd slots."""
-    return jnp.zeros(kv_cache_shape(num_pages, page_size, config.num_kv_heads, config.head_dim,
-                                    config.num_layers), jnp.dtype(dtype or config.dtype))
+    """Zeroed cache for all layers (`cache_shape`): [L * num_pages, page_size, 2 * Hkv, D] with K
+    in even slots and V in odd ones, or latent attention's [L * num_pages, page_size, latent]."""
+    return jnp.zeros(cache_shape(config, num_pages, page_size), jnp.dtype(dtype or config.dtype))
 
 
 def _init_batch() -> BatchPlan:

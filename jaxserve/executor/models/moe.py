@@ -47,6 +47,8 @@ AXES = {
     "dense_mlp": {"gate_proj": ("layers", "embed", "mlp"), "up_proj": ("layers", "embed", "mlp"),
                   "down_proj": ("layers", "mlp", "embed")},
 }
+AXES["moe"]["score_correction_bias"] = ("layers", "router")  # DeepSeek-V3 (`grouped_route`)
+AXES["shared_mlp"] = AXES["dense_mlp"]  # DeepSeek-V3's shared experts, one MLP per sparse layer
 
 
 def param_shapes(config: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -56,6 +58,12 @@ def param_shapes(config: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
     I, Id = c.moe_intermediate_size, c.intermediate_size
     out = {"moe": {"router": (S, H, E), "gate_proj": (S, E, H, I), "up_proj": (S, E, H, I),
                    "down_proj": (S, E, I, H)}}
+    if c.moe_scoring == "sigmoid":
+        out["moe"]["score_correction_bias"] = (S, E)
+    if c.num_shared_experts:
+        Is = I * c.num_shared_experts  # HF runs the shared experts as one MLP this wide
+        out["shared_mlp"] = {"gate_proj": (S, H, Is), "up_proj": (S, H, Is),
+                             "down_proj": (S, Is, H)}
     if D:
         out["dense_mlp"] = {"gate_proj": (D, H, Id), "up_proj": (D, H, Id),
                             "down_proj": (D, Id, H)}
@@ -89,6 +97,30 @@ def route(x: jax.Array, router: jax.Array, k: int, norm_topk_prob: bool
     return experts, weights
 
 
+def grouped_route(x: jax.Array, router: jax.Array, correction_bias: jax.Array,
+                  config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's router (HF's DeepseekV3TopkRouter), in f32: sigmoid scores; the experts
+    chosen by score + correction_bias [E], only among the moe_topk_groups groups (of
+    moe_num_groups, consecutive experts) whose best two such values sum highest; weighted by their
+    plain scores, renormalized if norm_topk_prob, times routed_scaling_factor."""
+    c = config
+    T, E, G = x.shape[0], c.num_experts, c.moe_num_groups
+    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + correction_bias.astype(jnp.float32)
+    if c.moe_topk_groups < G:
+        group_scores = jax.lax.top_k(choice.reshape(T, G, E // G), 2)[0].sum(-1)
+        _, groups = jax.lax.top_k(group_scores, c.moe_topk_groups)
+        keep = jax.nn.one_hot(groups, G, dtype=jnp.bool_).any(axis=1)  # [T, G]
+        choice = jnp.where(jnp.repeat(keep, E // G, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, c.experts_per_token)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if c.norm_topk_prob:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return experts, weights * c.routed_scaling_factor
+
+
 def experts_mlp(x: jax.Array, p: dict, config: ModelConfig, activation: Activation,
                 precision: jax.lax.Precision, num_local: int | None = None) -> jax.Array:
     """x [T, H] through its top-k experts (one layer's `moe` parameters), dropless: [T, H].
@@ -97,7 +129,10 @@ def experts_mlp(x: jax.Array, p: dict, config: ModelConfig, activation: Activati
     devices' partial sums are added."""
     c = config
     T, k = x.shape[0], c.experts_per_token
-    experts, weights = route(x, p["router"], k, c.norm_topk_prob)
+    if c.moe_scoring == "sigmoid":
+        experts, weights = grouped_route(x, p["router"], p["score_correction_bias"], c)
+    else:
+        experts, weights = route(x, p["router"], k, c.norm_topk_prob)
     num_groups = c.num_experts
     if num_local is not None:
         # Other devices' experts -> group num_local: sorted last, never computed, weight 0.
@@ -219,7 +254,10 @@ def layer_mlp(config: ModelConfig, params: dict, activation: Activation,
         return jax.tree.map(lambda w: w[i], params[group])
 
     def sparse(h, layer):
-        return experts(h, take("moe", layer))
+        out = experts(h, take("moe", layer))
+        if c.num_shared_experts:
+            out = out + dense_mlp(h, take("shared_mlp", layer), activation, precision)
+        return out
 
     def dense(h, layer):
         return dense_mlp(h, take("dense_mlp", layer), activation, precision)
