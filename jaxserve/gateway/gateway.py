@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 
 from jaxserve.errors import Unauthenticated
 from jaxserve.gateway.auth_throttle import AuthThrottle
+from jaxserve.gateway.budgets import Budgets
 from jaxserve.gateway.deadlines import request_qos
 from jaxserve.gateway.keys import Principal, authenticate
 from jaxserve.gateway.limits import Lease, TenantLimiter
@@ -36,6 +37,7 @@ class Gateway:
         self._clock = clock
         self.auth_throttle = AuthThrottle(auth_failures_per_minute, 60.0, clock=clock)
         self._limiters = {name: TenantLimiter(t, clock) for name, t in self.tenants.tenants.items()}
+        self.budgets = Budgets(self.tenants.tenants.values())  # wall clock: UTC days, months
 
     def authenticate(self, authorization: str | None, client: str | None = None) -> Principal:
         """The `Authorization` header's tenant: Unauthenticated (401) if unknown or missing;
@@ -52,8 +54,10 @@ class Gateway:
 
     def check(self, principal: Principal, model: str) -> None:
         """The edge checks, before the body is tokenized: ModelNotFound (404) for a model the
-        tenant may not use, RateLimitExceeded (429) when no request could pass now."""
+        tenant may not use, QuotaExceeded (429 insufficient_quota) when its spending budget is
+        spent, RateLimitExceeded (429) when no request could pass now."""
         principal.tenant.check_model(model)
+        self.budgets.check(principal.tenant)
         self._limiters[principal.tenant.name].check()
 
     def refused(self, principal: Principal) -> None:

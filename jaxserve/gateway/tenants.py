@@ -17,6 +17,10 @@ scheduling class. Without a file there is one open tenant, `default`, with no li
     audit_content = false             # audit records carry prompt/output text
     audit_retention_days = 30
     cache_sharing_group = "acme-org"  # prefix cache shared with tenants of the same group
+    budget_usd_per_day = 50.0         # spend budgets (gateway/budgets.py): over one, 429
+    budget_usd_per_month = 1000.0     #   insufficient_quota until the UTC day / month resets
+    budget_alert_thresholds = [0.8, 1.0]  # shares of a budget counted (and POSTed) once crossed
+    budget_webhook = "https://ops.example/budget"  # where crossings are POSTed (JSON)
 
 Every value is checked where the file is read: a bad one is one ConfigError naming the file, the
 tenant and the field. Plain keys are hashed (sha256) as soon as they are read and only the digests
@@ -67,6 +71,10 @@ class Tenant:
     audit_content: bool = False
     audit_retention_days: int | None = None  # None: kept until pruned by hand
     cache_sharing_group: str | None = None  # None: its prefix cache pages are its own
+    budget_usd_per_day: float | None = None  # None: no budget (gateway/budgets.py)
+    budget_usd_per_month: float | None = None
+    budget_alert_thresholds: tuple[float, ...] = (0.8, 1.0)
+    budget_webhook: str | None = None  # an http(s) URL crossings are POSTed to
 
     def may_use(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
@@ -233,6 +241,19 @@ def check_name(value: Any, where: str) -> str:
     return value
 
 
+def _thresholds(value: Any, where: str) -> tuple[float, ...]:
+    if not isinstance(value, list) or not 1 <= len(value) <= 16:
+        raise ConfigError(f"{where}: must be a list of 1 to 16 fractions in (0, 1], got "
+                          f"{value!r}")
+    return tuple(sorted({_fraction(v, f"{where}[{i}]") for i, v in enumerate(value)}))
+
+
+def _webhook(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not re.match(r"^https?://[^\s]{1,2000}$", value):
+        raise ConfigError(f"{where}: must be an http:// or https:// URL")
+    return value
+
+
 def _bool(value: Any, where: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{where}: must be true or false, got {value!r}")
@@ -254,4 +275,8 @@ _FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "audit_content": _bool,
     "audit_retention_days": _positive_int,
     "cache_sharing_group": check_name,
+    "budget_usd_per_day": _positive,
+    "budget_usd_per_month": _positive,
+    "budget_alert_thresholds": _thresholds,
+    "budget_webhook": _webhook,
 }

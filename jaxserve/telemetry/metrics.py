@@ -98,6 +98,34 @@ class _FleetCollector:
         yield from (shadows, compared, agreement, trips)
 
 
+class _BudgetCollector:
+    """The tenants' spending budgets (gateway/budgets.py), read at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], tuple[list, list]]):
+        self._snapshot = snapshot
+
+    def collect(self):
+        labels = ["tenant", "period"]
+        budget = GaugeMetricFamily("jaxserve:tenant_budget_usd", "The tenant's spending budget "
+                                   "per UTC day or month (USD).", labels=labels)
+        spent = GaugeMetricFamily("jaxserve:tenant_spend_usd", "What the tenant's requests cost "
+                                  "in the current UTC day or month (USD).", labels=labels)
+        used = GaugeMetricFamily("jaxserve:tenant_budget_used_ratio", "Spend over budget in the "
+                                 "current period (1: spent; its requests get 429).",
+                                 labels=labels)
+        alerts = CounterMetricFamily("jaxserve:tenant_budget_alerts", "Alert thresholds (shares "
+                                     "of a budget) crossed, once per period each.",
+                                     labels=labels + ["threshold"])
+        rows, crossings = self._snapshot()
+        for tenant, period, limit, usd in rows:
+            budget.add_metric([tenant, period], limit)
+            spent.add_metric([tenant, period], usd)
+            used.add_metric([tenant, period], usd / limit)
+        for tenant, period, threshold, n in crossings:
+            alerts.add_metric([tenant, period, f"{threshold:g}"], n)
+        yield from (budget, spent, used, alerts)
+
+
 class PolicyMetrics:
     """`jaxserve:policy_interventions_total{rule, action, stage}`: one count per request (input)
     or choice (output) that a rule acted on, however many matches it had there."""
@@ -202,6 +230,10 @@ class ServerMetrics:
         self.tenant_prompt_tokens.labels(*labels).inc(prompt_tokens)
         self.tenant_generation_tokens.labels(*labels).inc(completion_tokens)
         self.cost.labels(*labels).inc(cost)
+
+    def register_budgets(self, snapshot: Callable[[], tuple[list, list]]) -> None:
+        """`snapshot`: gateway Budgets.snapshot."""
+        self.registry.register(_BudgetCollector(snapshot))
 
     def record_sli(self, model_name: str, route: str, tier: str, status_code: int | None,
                    status: str, ttft_s: float | None, streamed: bool) -> None:

@@ -47,6 +47,9 @@ class AppState:
             self.policy.audit.register_metrics(self.metrics.registry)
         # Where every call ends (front door, gRPC, generations): counted, logged, audited.
         self.sinks = Sinks(self.metrics, self.policy, config.log_prompts)
+        # Each request's cost is spent from its tenant's budgets (gateway/budgets.py).
+        self.sinks.add(lambda o: self.gateway.budgets.spend(o.tenant, o.cost))
+        self.metrics.register_budgets(self.gateway.budgets.snapshot)
         self.tracing = None  # OpenTelemetry is imported only when traces are exported
         if config.otlp_traces_endpoint:
             from jaxserve.telemetry.tracing import Tracing
