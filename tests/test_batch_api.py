@@ -242,8 +242,8 @@ def test_cancel_and_expiry_keep_partial_output(server):
 def _serve(tiny_path, data, log):
     return ServerProcess(["--model", str(tiny_path), "--served-model-name", "tiny", "--port",
                           "0", "--no-rag", "--data-dir", str(data), "--max-model-len", "128",
-                          "--num-pages", "48", "--max-num-seqs", "4",
-                          "--max-num-batched-tokens", "32", "--min-token-bucket", "16",
+                          "--num-pages", "32", "--max-num-seqs", "2",
+                          "--max-num-batched-tokens", "16", "--min-token-bucket", "16",
                           "--batch-max-concurrent-lines", "2"], log, cwd=ROOT,
                          ready_timeout_s=600)
 

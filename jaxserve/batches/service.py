@@ -135,7 +135,7 @@ class BatchService:
         if len(content) > self.limits.max_file_bytes:
             raise InvalidRequest(f"the file is larger than the server's limit of "
                                  f"{self.limits.max_file_bytes} bytes", "file")
-        lines = split_lines(content)
+        lines = await asyncio.get_running_loop().run_in_executor(None, split_lines, content)
         if len(lines) > self.limits.max_file_lines:
             raise InvalidRequest(f"the file has {len(lines)} requests, over the server's limit "
                                  f"of {self.limits.max_file_lines}", "file")

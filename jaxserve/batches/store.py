@@ -51,10 +51,6 @@ CREATE TABLE IF NOT EXISTS results (
     line INTEGER NOT NULL,
     ok INTEGER NOT NULL,
     result TEXT NOT NULL,
-    input_tokens INTEGER NOT NULL,
-    output_tokens INTEGER NOT NULL,
-    cached_tokens INTEGER NOT NULL,
-    reasoning_tokens INTEGER NOT NULL,
     PRIMARY KEY (batch_id, line)
 );
 """
@@ -277,28 +273,23 @@ class BatchStore:
 
     def record(self, batch_id: str, line: int, ok: bool, result: dict,
                usage: tuple[int, int, int, int]) -> None:
-        """A line's result line and its count, in one commit. A line recorded already is left
-        as it is (its first result stands)."""
+        """A line's result line, its count and its `usage` (input, output, cached, reasoning
+        tokens), in one commit. A line recorded already is left as it is (its first result
+        stands)."""
         def add(db):
-            cur = db.execute("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                             (batch_id, line, int(ok), json.dumps(result, ensure_ascii=False),
-                              *usage))
+            cur = db.execute("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?)",
+                             (batch_id, line, int(ok), json.dumps(result, ensure_ascii=False)))
             if cur.rowcount == 0:
                 return
             obj = self._locked_batch(db, None, batch_id)
             counts = dict(obj["request_counts"])
             counts["completed" if ok else "failed"] += 1
-            used = self._usage(db, batch_id)
+            u = obj["usage"] or usage_object(0, 0, 0, 0)
+            used = usage_object(u["input_tokens"] + usage[0], u["output_tokens"] + usage[1],
+                                u["input_tokens_details"]["cached_tokens"] + usage[2],
+                                u["output_tokens_details"]["reasoning_tokens"] + usage[3])
             self._put(db, obj, {"request_counts": counts, "usage": used})
         self._tx(add)
-
-    @staticmethod
-    def _usage(db, batch_id: str) -> dict:
-        totals = db.execute("SELECT COALESCE(SUM(input_tokens), 0), COALESCE(SUM(output_tokens),"
-                            " 0), COALESCE(SUM(cached_tokens), 0), "
-                            "COALESCE(SUM(reasoning_tokens), 0) FROM results WHERE batch_id = ?",
-                            (batch_id,)).fetchone()
-        return usage_object(*totals)
 
     def done_lines(self, batch_id: str) -> set[int]:
         with self._lock:
