@@ -165,6 +165,15 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0
     mla: MlaConfig | None = None  # multi-head latent attention instead of q/k/v heads
+    # gpt-oss: biases on the router's logits and on every expert projection, and the experts'
+    # clamped SwiGLU, (clip(up, +-limit) + 1) * g * sigmoid(swiglu_alpha * g) with g = min(gate,
+    # limit) (swiglu_limit None: hidden_act's gated MLP); o_proj's bias; a learned sink logit per
+    # query head in the attention's softmax (jaxserve.kernels.attention).
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
 
     def __post_init__(self):
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -87,13 +87,15 @@ def _greedy(llm, prompts) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _check_engine(family: str, **changes):  # -> the LLM, for more checks
+def _check_engine(family: str, path: Path | None = None, **changes):  # -> the LLM, for more
+    """`path`: the fixture's directory (default: tests/fixtures/models/<family>)."""
     from jaxserve.entrypoints.llm import LLM
 
-    exp = expected(family)
-    llm = LLM(str(FIXTURES / family), **engine_args(**changes))
+    path = path or FIXTURES / family
+    exp = json.loads((path / "expected.json").read_text())
+    llm = LLM(str(path), **engine_args(**changes))
     np.testing.assert_allclose(_prompt_logits(llm.engine, exp["prompts"][0]),
-                               np.load(FIXTURES / family / "logits.npy"), atol=1e-4, rtol=0)
+                               np.load(path / "logits.npy"), atol=1e-4, rtol=0)
     # The first prompt alone, then the others together: the second shares its first 16 tokens
     # (4 cached pages) and the two cannot fit the pool at once.
     got = _greedy(llm, exp["prompts"][:1]) + _greedy(llm, exp["prompts"][1:])
@@ -124,9 +126,10 @@ def test_tensor_parallel_in_2_device_subprocess():
 # An engine each costs a compile, and the suite's time is short: Gemma 3 has what TP could break
 # beyond the Llama shape (q/k norms, per-layer windows through lax.switch inside shard_map, local
 # rope), Phi-3 its split fused projections and longrope, Qwen3-MoE the experts' grouped matmuls
-# with their `mlp` axis sharded and a dense layer among them; the Llama shape is
+# with their `mlp` axis sharded and a dense layer among them, gpt-oss its attention sinks split
+# with the heads; the Llama shape is
 # tests/test_sharding.py's.
-TP_FAMILIES = ["gemma3_text", "phi3", "qwen3_moe"]
+TP_FAMILIES = ["gemma3_text", "phi3", "qwen3_moe", "gpt_oss"]
 
 
 @needs_2
@@ -181,8 +184,6 @@ def test_config_reads_the_same_in_both_spellings(family):
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
     ({"attention_bias": True}, "attention_bias is not supported for qwen3"),
     ({"hidden_act": "relu"}, "unsupported activation 'relu'"),
-    # Mixtures of experts not served yet (issue 36).
-    ({"model_type": "gpt_oss"}, "unsupported model_type 'gpt_oss' in config.json"),
 ])
 def test_config_keys_it_does_not_understand_are_refused(tmp_path, change, message):
     import shutil

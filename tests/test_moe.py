@@ -57,6 +57,6 @@ def test_tiled_grouped_matmul_equals_ragged_dot(group_sizes):
     n = sum(group_sizes)
     rows = jax.random.normal(jax.random.key(2), (n, c.hidden_size))
     sizes = jnp.asarray(group_sizes, jnp.int32)
-    args = (sizes, p, jax.nn.silu, jax.lax.Precision.HIGHEST)
+    args = (sizes, p, moe.gated(c, jax.nn.silu), jax.lax.Precision.HIGHEST)
     np.testing.assert_allclose(moe.tiled_grouped_mlp(rows, *args),
                                moe.ragged_grouped_mlp(rows, *args), atol=1e-5, rtol=1e-5)

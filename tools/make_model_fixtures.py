@@ -72,6 +72,14 @@ def families():
             num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=True,
             rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+        # gpt-oss: sliding (window 8) and full layers alternating, YaRN past an original context
+        # of 16 untruncated as gpt-oss sets it, 4 experts top-2 with router and expert biases,
+        # a SwiGLU clamp the activations reach, attention sinks and biases.
+        "gpt_oss": (tf.GptOssConfig, dict(
+            num_local_experts=4, num_experts_per_tok=2, swiglu_limit=2.0, **window,
+            rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                                 original_max_position_embeddings=16, beta_fast=32.0,
+                                 beta_slow=1.0, truncate=False))),
         # DeepSeek-V3: multi-head latent attention (q and kv low-rank, v_head_dim != the qk
         # head's, rope on interleaved pairs), YaRN past an original context of 16 with both
         # mscales, one dense layer then two of 8 routed experts in 4 groups (top-2 groups, top-2
@@ -103,6 +111,9 @@ BINDING = {
                 "top-2 routing": dict(num_experts_per_tok=1)},
     "qwen3_moe": {"norm_topk_prob off": dict(norm_topk_prob=True),
                   "top-2 routing": dict(num_experts_per_tok=1)},
+    "gpt_oss": {"sliding window": dict(sliding_window=64),
+                "yarn rope": dict(rope_parameters=dict(rope_type="default", rope_theta=150000.0)),
+                "swiglu clamp": dict(swiglu_limit=1e6)},
     "deepseek_v3": {"yarn rope": dict(rope_parameters=dict(rope_type="default",
                                                           rope_theta=10000.0)),
                     "softmax mscale": dict(rope_parameters=dict(
@@ -190,6 +201,23 @@ def _watch_routers(model) -> list[float]:
     return gaps
 
 
+def _sinks_binding(model, ids) -> float:
+    """How far gpt-oss's logits move with its attention sinks at -inf (no sink)."""
+    import torch
+
+    with torch.no_grad():
+        want = model(ids).logits
+        saved = {n: p.clone() for n, p in model.named_parameters() if n.endswith("sinks")}
+        for n, p in model.named_parameters():
+            if n in saved:
+                p.fill_(-1e9)
+        moved = float((model(ids).logits - want).abs().max())
+        for n, p in model.named_parameters():
+            if n in saved:
+                p.copy_(saved[n])
+    return moved
+
+
 def build(name: str, config_cls, changes: dict, out: Path, init_range: float) -> None:
     import torch
     import transformers as tf
@@ -206,13 +234,17 @@ def build(name: str, config_cls, changes: dict, out: Path, init_range: float) ->
             for n, p in model.named_parameters():
                 if n.endswith("norm.weight"):
                     p.normal_(0.0, 0.3)
-    if "moe" in name or name in ("mixtral", "deepseek_v3"):
+    if "moe" in name or name in ("mixtral", "deepseek_v3", "gpt_oss"):
         # Routers wide enough that each token's top-2 is clear (HF starts Qwen3-MoE's at 0).
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if n.endswith("gate.weight") and p.shape[0] == changes.get(
                         "num_experts", changes.get("num_local_experts",
                                                    changes.get("n_routed_experts"))):
+                    p.normal_(0.0, 1.0)
+            # gpt-oss: its router wide, its biases and sinks random (HF starts biases at 0).
+            for n, p in model.named_parameters():
+                if name == "gpt_oss" and n.endswith(("router.weight", "bias", "sinks")):
                     p.normal_(0.0, 1.0)
             # DeepSeek-V3's score correction bias (HF starts it at 0): random, so it binds.
             for n, b in model.named_buffers():
@@ -239,6 +271,8 @@ def build(name: str, config_cls, changes: dict, out: Path, init_range: float) ->
         other.load_state_dict(model.state_dict())
         with torch.no_grad():
             binding[feature] = float((other(full).logits - model(full).logits).abs().max())
+    if name == "gpt_oss":
+        binding["attention sinks"] = _sinks_binding(model, full)
     expected = {"prompts": PROMPTS, "greedy": [r[0] for r in results], "binding": binding,
                 "min_top2_gap": min(r[1] for r in results),
                 **({"min_route_gap": min(route_gaps)} if route_gaps else {}),

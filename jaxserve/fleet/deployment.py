@@ -43,8 +43,7 @@ GENERATION_FIELDS = {
 _VERSION_FIELDS = {"model", "generation", "pricing", *BY_NAME}
 _ROUTE_FIELDS = {"weights", "sticky", "shadow", "canary"}
 _CANARY_FIELDS = {"incumbent", "window_seconds", "min_requests", "max_error_rate_ratio",
-                  "min_error_rate", "max_ttft_p99_ratio", "max_cost_ratio",
-                  "availability_objective", "max_burn_rate"}
+                  "min_error_rate", "max_ttft_p99_ratio", "max_cost_ratio"}
 
 
 @dataclass(frozen=True)
@@ -205,13 +204,6 @@ def _parse_canary(value: Any, field: str, weights: dict[str, float]) -> CanaryGa
     for k in ("max_error_rate_ratio", "max_ttft_p99_ratio", "max_cost_ratio"):
         if k in table:  # false turns the criterion off
             values[k] = None if table[k] is False else _number(table[k], f"{field}.{k}", lo=1)
-    if "availability_objective" in table:
-        values["availability_objective"] = _number(
-            table["availability_objective"], f"{field}.availability_objective", lo=0, hi=1)
-        if not 0 < values["availability_objective"] < 1:
-            raise _bad(f"{field}.availability_objective", "must be a fraction in (0, 1)")
-    if "max_burn_rate" in table:
-        values["max_burn_rate"] = _number(table["max_burn_rate"], f"{field}.max_burn_rate", lo=1)
     if "min_error_rate" in table:
         values["min_error_rate"] = _number(table["min_error_rate"], f"{field}.min_error_rate",
                                            lo=0, hi=1)

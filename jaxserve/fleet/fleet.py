@@ -324,8 +324,7 @@ class Fleet:
             self._changed.notify_all()
 
     def _finish(self, lease: Lease, *, error: bool, ttft: float | None, prompt_tokens: int,
-                completion_tokens: int, token_agreement: float | None,
-                availability: str = "good") -> None:
+                completion_tokens: int, token_agreement: float | None) -> None:
         version = lease.version
         cost = (version.pricing.cost(prompt_tokens, completion_tokens)
                 if version.pricing is not None else None)
@@ -349,8 +348,7 @@ class Fleet:
             now = self._clock()
             monitor = self._monitors.setdefault(lease.route, CanaryMonitor())
             monitor.record(version.name, Sample(now, error, ttft,
-                                                prompt_tokens + completion_tokens, cost,
-                                                availability))
+                                                prompt_tokens + completion_tokens, cost))
             for trip in monitor.evaluate(self._routes[lease.route], now):
                 self._trip(trip, monitor)
 

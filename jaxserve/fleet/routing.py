@@ -28,11 +28,6 @@ class CanaryGate:
     min_error_rate: float = 0.01  # the incumbent's rate is at least this when comparing
     max_ttft_p99_ratio: float | None = 2.0
     max_cost_ratio: float | None = 1.5  # cost per 1k tokens, from each version's price
-    # The SLO's page, as an absolute criterion: a version whose share of bad events by the
-    # availability SLI (telemetry/sli.py) over the window exceeds max_burn_rate x its error
-    # budget (1 - availability_objective) trips, whatever the incumbent does. None: off.
-    availability_objective: float | None = None
-    max_burn_rate: float = 14.4  # the fast-burn page's rate for a 30-day period
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

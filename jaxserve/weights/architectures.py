@@ -17,7 +17,7 @@ from typing import Callable
 
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.errors import ConfigError
-from jaxserve.weights import fp8
+from jaxserve.weights import fp8, mxfp4
 
 # Keys that describe the checkpoint or training, never the forward pass.
 _METADATA_KEYS = frozenset({
@@ -212,6 +212,13 @@ ARCHITECTURES = {a.model_type: a for a in (
                  keys=_MOE_KEYS | {"num_experts", "moe_intermediate_size", "norm_topk_prob",
                                    "mlp_only_layers", "decoder_sparse_step"},
                  label="Qwen3-MoE"),
+    # Router and expert biases, clamped SwiGLU experts, attention sinks, o_proj bias; the MLPs
+    # of jaxserve.executor.models.moe, MXFP4 experts dequantized by jaxserve.weights.mxfp4.
+    Architecture("gpt_oss", None, fields=_gpt_oss, attention_bias=True,
+                 default_rope_theta=150000.0,
+                 keys=_MOE_KEYS | {"swiglu_limit", "swiglu_alpha", "experts_per_token",
+                                   "initial_context_length"},
+                 label="gpt-oss"),
     # Multi-head latent attention (jaxserve.executor.models.mla) and DeepSeek's routing.
     Architecture("deepseek_v3", None, fields=_deepseek_v3, keys=_MOE_KEYS | _DEEPSEEK_KEYS,
                  label="DeepSeek-V3 / R1"),
@@ -399,7 +406,8 @@ def config_from_hf(cfg: dict, name: str, dtype: str = "float32") -> ModelConfig:
     cfg = text_config(cfg)
     arch = architecture(cfg.get("model_type"))
     _check_keys(cfg, arch)
-    fp8.block_size(cfg.get("quantization_config"))  # dequantized at load, or refused here
+    if not mxfp4.is_mxfp4(cfg.get("quantization_config")):
+        fp8.block_size(cfg.get("quantization_config"))  # dequantized at load, or refused here
     heads = cfg["num_attention_heads"]
     # (DeepSeek-V3: the rotated dims of a head, as HF's config sets head_dim.)
     head_dim = cfg.get("head_dim") or cfg.get("qk_rope_head_dim") or cfg["hidden_size"] // heads

@@ -56,6 +56,10 @@ def _layer(config: ModelConfig, get: GetTensor, i: int) -> dict[str, np.ndarray]
     if config.qk_norm:
         out["q_norm"] = get(attn + "q_norm.weight")
         out["k_norm"] = get(attn + "k_norm.weight")
+    if config.o_proj_bias:
+        out["o_bias"] = get(attn + "o_proj.bias")
+    if config.attention_sinks:
+        out["sinks"] = get(attn + "sinks")
     if config.attention_bias:
         out["q_bias"] = get(attn + "q_proj.bias").reshape(Hq, D)
         out["k_bias"] = get(attn + "k_proj.bias").reshape(Hkv, D)

@@ -1,6 +1,8 @@
 """HF checkpoint names of the mixture-of-experts MLPs -> jaxserve's `moe` / `dense_mlp` groups
 (see jaxserve.executor.models.moe): the checkpoints store each expert's projections as a tensor
-of its own ([out, in], as torch Linear), stacked here per layer into [S, E, in, out]."""
+of its own ([out, in], as torch Linear), stacked here per layer into [S, E, in, out]; gpt-oss's are
+stacked already ([E, in, out], MXFP4 ones dequantized by jaxserve.weights.mxfp4), gate and up
+interleaved column by column in one gate_up_proj, all with biases."""
 
 from __future__ import annotations
 
@@ -18,7 +20,19 @@ _NAMES = {
 }
 
 
+def _gpt_oss(get: Callable[[str], np.ndarray], i: int) -> dict[str, np.ndarray]:
+    pre = f"model.layers.{i}.mlp."
+    gate_up, bias = get(pre + "experts.gate_up_proj"), get(pre + "experts.gate_up_proj_bias")
+    return {"router": get(pre + "router.weight").T, "router_bias": get(pre + "router.bias"),
+            "gate_proj": gate_up[..., 0::2], "up_proj": gate_up[..., 1::2],
+            "gate_bias": bias[..., 0::2], "up_bias": bias[..., 1::2],
+            "down_proj": get(pre + "experts.down_proj"),
+            "down_bias": get(pre + "experts.down_proj_bias")}
+
+
 def moe_params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray]) -> dict:
+    if config.architecture == "gpt_oss":
+        return {"moe": _stack([_gpt_oss(get, i) for i in config.sparse_layers])}
     block, (gate, up, down) = _NAMES[config.architecture]
     experts = range(config.num_experts)
 

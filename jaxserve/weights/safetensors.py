@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError, WeightsError
-from jaxserve.weights import fp8
+from jaxserve.weights import fp8, mxfp4
 from jaxserve.weights.architectures import config_from_hf, text_tensor_name
 from jaxserve.weights.hf_layout import params_from_hf
 
@@ -70,6 +70,11 @@ def load_hf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
             return reader.get(name)
         return handles[file].get_tensor(name)
 
-    # FP8 block-quantized checkpoints: each weight dequantized as it is read.
-    get = fp8.dequantizing(get, set(stored), fp8.block_size(cfg.get("quantization_config")))
+    # FP8 block-quantized checkpoints, MXFP4 experts (gpt-oss): each weight dequantized as it
+    # is read.
+    quantization = cfg.get("quantization_config")
+    if mxfp4.is_mxfp4(quantization):
+        get = mxfp4.dequantizing(get, set(stored))
+    else:
+        get = fp8.dequantizing(get, set(stored), fp8.block_size(quantization))
     return config, params_from_hf(config, get, str(path))

@@ -18,7 +18,8 @@ Layout choices:
     layers/{attn_output_norm, mlp_output_norm} [L, H] (Gemma's sandwich norms),
     layers/{q_norm, k_norm} [L, D] (Qwen3, Gemma 3),
     layers/{q,k,v}_proj [L, H, heads, D], layers/{q,k,v}_bias [L, heads, D] (Qwen2),
-    layers/o_proj [L, Hq, D, H], layers/{gate,up}_proj [L, H, I], layers/down_proj [L, I, H].
+    layers/o_proj [L, Hq, D, H], layers/{gate,up}_proj [L, H, I], layers/down_proj [L, I, H],
+    layers/o_bias [L, H] and layers/sinks [L, Hq] (gpt-oss: o_proj's bias, attention sinks).
   Latent attention (config.mla: DeepSeek-V3) has jaxserve.executor.models.mla's parameters in
   place of layers/{q,k,v,o}_proj, and a cache of latent rows (`cache_shape`).
   A mixture of experts (config.num_experts) has no layers/{gate,up,down}_proj: its MLPs are the
@@ -241,8 +242,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
 
 
 def paged_attention(config: ModelConfig, mesh: jax.sharding.Mesh | None, q, k, v, kv_cache,
-                    batch: BatchPlan, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+                    batch: BatchPlan, layer: jax.Array, sinks: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array]:
     """Store this step's K/V in the layer's pages and attend over them: (out [T, Hq, D], cache).
+    `sinks` [Hq]: the layer's attention sinks (gpt-oss), or None.
 
     The kernels take the sliding window as a static argument: where layers differ (Gemma's
     alternation) the layer id picks one compiled call per distinct window (lax.switch), so only
@@ -256,27 +259,29 @@ def paged_attention(config: ModelConfig, mesh: jax.sharding.Mesh | None, q, k, v
     which = np.asarray([distinct.index(w) for w in windows], np.int32)
     sm_scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
 
-    def attend(q, k, v, kv_cache, batch, layer):
+    def attend(q, k, v, kv_cache, batch, layer, sinks):
         num_pages = kv_cache.shape[0] // c.num_layers
         page_size = kv_cache.shape[1]
         kv_cache = rpa.write_kv(kv_cache, k, v, batch.slot_mapping + layer * (num_pages * page_size))
         args = (q, kv_cache, batch.kv_lens, batch.page_indices + layer * num_pages,
                 batch.cu_q_lens, batch.num_seqs)
         calls = [functools.partial(rpa.ragged_paged_attention, sm_scale=sm_scale,
-                                   sliding_window=w, soft_cap=c.attn_logit_softcap)
+                                   sliding_window=w, soft_cap=c.attn_logit_softcap, sinks=sinks)
                  for w in distinct]
         if len(calls) == 1:
             return calls[0](*args), kv_cache
         return jax.lax.switch(jnp.asarray(which)[layer], calls, *args), kv_cache
 
     if mesh is None:
-        return attend(q, k, v, kv_cache, batch, layer)
+        return attend(q, k, v, kv_cache, batch, layer, sinks)
     heads, cache = sharding.attention_specs(config, mesh)
     replicated = jax.sharding.PartitionSpec()
+    sink_heads = jax.sharding.PartitionSpec(*heads[1:2])  # [Hq]: split as q's heads are
     # check_vma off: the kernels' outputs carry no varying-axes annotations for JAX to check.
     return jax.shard_map(attend, mesh=mesh, in_specs=(heads, heads, heads, cache, replicated,
-                                                      replicated),
-                         out_specs=(heads, cache), check_vma=False)(q, k, v, kv_cache, batch, layer)
+                                                      replicated, sink_heads),
+                         out_specs=(heads, cache), check_vma=False)(q, k, v, kv_cache, batch, layer,
+                                                                    sinks)
 
 
 _ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
@@ -339,14 +344,18 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q, batch.positions, inv_freq, c)
         k = apply_rope(k, batch.positions, inv_freq, c)
 
+        sinks = (_param(self, "sinks", (Hq,), ("heads",), dt, nn.initializers.normal(stddev=1.0))
+                 if c.attention_sinks else None)
         if self.is_initializing():
             # Creating parameters needs only shapes: keep init (and eval_shape of the param tree)
             # independent of the attention backend.
             attn = q
         else:
-            attn, kv_cache = paged_attention(c, self.mesh, q, k, v, kv_cache, batch, layer)
+            attn, kv_cache = paged_attention(c, self.mesh, q, k, v, kv_cache, batch, layer, sinks)
         wo = weight("o_proj", (Hq, D, H), ("heads", "head_dim", "embed"), Hq * D)
         h = project(attn.astype(dt), wo, "o_proj")
+        if c.o_proj_bias:
+            h = h + _param(self, "o_bias", (H,), ("embed",), dt, nn.initializers.normal(stddev=0.1))
         if c.sandwich_norms:
             h = norm("attn_output_norm", h)
         x = x + h

@@ -13,7 +13,9 @@ the rows present, padded to a tile per expert.
 
 Parameters, outside the decoder's per-layer stacks because a model may mix dense and sparse layers
 (Qwen3-MoE's mlp_only_layers): `moe/router` [S, H, E], `moe/{gate,up}_proj` [S, E, H, I],
-`moe/down_proj` [S, E, I, H] for the S sparse layers (ModelConfig.sparse_layers, in order), and
+`moe/down_proj` [S, E, I, H] for the S sparse layers (ModelConfig.sparse_layers, in order) (with
+config.moe_bias, gpt-oss's biases: `moe/router_bias` [S, E], `moe/{gate,up}_bias` [S, E, I],
+`moe/down_bias` [S, E, H]), and
 `dense_mlp/{gate,up,down}_proj` [D, H, I'] / [D, I', H] for the D dense ones, if any. The `expert`
 logical axis is sharded by expert parallelism (ModelConfig.expert_parallel: `expert_parallel`
 dispatches the tokens); without it each expert's `mlp` axis shards under tensor parallelism as a
@@ -35,6 +37,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.executor import sharding
 
 Activation = Callable[[jax.Array], jax.Array]
+Glu = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> the experts' hidden units
 
 # Logical axis names of each parameter (see the module docstring).
 AXES = {
@@ -43,7 +46,9 @@ AXES = {
     "moe": {"router": ("layers", "embed", "router"),
             "gate_proj": ("layers", "expert", "embed", "mlp"),
             "up_proj": ("layers", "expert", "embed", "mlp"),
-            "down_proj": ("layers", "expert", "mlp", "embed")},
+            "down_proj": ("layers", "expert", "mlp", "embed"),
+            "router_bias": ("layers", "router"), "gate_bias": ("layers", "expert", "mlp"),
+            "up_bias": ("layers", "expert", "mlp"), "down_bias": ("layers", "expert", "embed")},
     "dense_mlp": {"gate_proj": ("layers", "embed", "mlp"), "up_proj": ("layers", "embed", "mlp"),
                   "down_proj": ("layers", "mlp", "embed")},
 }
@@ -58,6 +63,9 @@ def param_shapes(config: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
     I, Id = c.moe_intermediate_size, c.intermediate_size
     out = {"moe": {"router": (S, H, E), "gate_proj": (S, E, H, I), "up_proj": (S, E, H, I),
                    "down_proj": (S, E, I, H)}}
+    if c.moe_bias:
+        out["moe"].update(router_bias=(S, E), gate_bias=(S, E, I), up_bias=(S, E, I),
+                          down_bias=(S, E, H))
     if c.moe_scoring == "sigmoid":
         out["moe"]["score_correction_bias"] = (S, E)
     if c.num_shared_experts:
@@ -79,18 +87,22 @@ def boxed_init(config: ModelConfig, rng: jax.Array) -> dict:
     for group, params in shapes.items():
         out[group] = {}
         for name, shape in params.items():
-            fan_in = shape[-2]  # every weight here is [..., in, out]
-            w = jax.random.normal(next(keys), shape, dt) * fan_in ** -0.5
+            # Every weight here is [..., in, out]; biases as large as typical activations' tenth.
+            scale = 0.1 if name.endswith("_bias") else shape[-2] ** -0.5
+            w = jax.random.normal(next(keys), shape, dt) * scale
             out[group][name] = nn.Partitioned(w, names=AXES[group][name])
     return out
 
 
-def route(x: jax.Array, router: jax.Array, k: int, norm_topk_prob: bool
-          ) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, router: jax.Array, k: int, norm_topk_prob: bool,
+          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Each token's top-k experts [T, k] and their weights [T, k] (f32): the softmax over all
-    experts' logits, taken at the k largest, renormalized to sum 1 if norm_topk_prob."""
+    experts' logits (plus `bias`: gpt-oss), taken at the k largest, renormalized to sum 1 if
+    norm_topk_prob (then equal to gpt-oss's softmax over the k largest logits)."""
     logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
     weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
     if norm_topk_prob:
         weights = weights / weights.sum(axis=-1, keepdims=True)
@@ -121,6 +133,14 @@ def grouped_route(x: jax.Array, router: jax.Array, correction_bias: jax.Array,
     return experts, weights * c.routed_scaling_factor
 
 
+def routing(x: jax.Array, p: dict, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """The family's router on x [T, H] with one layer's `moe` params: (experts, weights) [T, k]."""
+    if config.moe_scoring == "sigmoid":
+        return grouped_route(x, p["router"], p["score_correction_bias"], config)
+    return route(x, p["router"], config.experts_per_token, config.norm_topk_prob,
+                 p.get("router_bias"))
+
+
 def experts_mlp(x: jax.Array, p: dict, config: ModelConfig, activation: Activation,
                 precision: jax.lax.Precision, num_local: int | None = None) -> jax.Array:
     """x [T, H] through its top-k experts (one layer's `moe` parameters), dropless: [T, H].
@@ -129,10 +149,7 @@ def experts_mlp(x: jax.Array, p: dict, config: ModelConfig, activation: Activati
     devices' partial sums are added."""
     c = config
     T, k = x.shape[0], c.experts_per_token
-    if c.moe_scoring == "sigmoid":
-        experts, weights = grouped_route(x, p["router"], p["score_correction_bias"], c)
-    else:
-        experts, weights = route(x, p["router"], k, c.norm_topk_prob)
+    experts, weights = routing(x, p, c)
     num_groups = c.num_experts
     if num_local is not None:
         # Other devices' experts -> group num_local: sorted last, never computed, weight 0.
@@ -145,7 +162,7 @@ def experts_mlp(x: jax.Array, p: dict, config: ModelConfig, activation: Activati
     group_sizes = jnp.bincount(flat, length=num_groups).astype(jnp.int32)
     rows = jnp.take(x, order // k, axis=0)
 
-    args = (group_sizes, p, activation, precision)
+    args = (group_sizes, p, gated(c, activation), precision)
     out = jax.lax.platform_dependent(rows, cpu=lambda r: tiled_grouped_mlp(r, *args),
                                      default=lambda r: ragged_grouped_mlp(r, *args))
     # Back to token order (a gather, not a scatter-add: deterministic) and weighted per choice.
@@ -182,21 +199,39 @@ def expert_parallel(config: ModelConfig, mesh: jax.sharding.Mesh, activation: Ac
     return run
 
 
-def ragged_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, activation: Activation,
+def gated(config: ModelConfig, activation: Activation) -> Glu:
+    """The experts' (gate, up) -> hidden units: activation(gate) * up, or gpt-oss's clamped
+    SwiGLU (ModelConfig.swiglu_limit)."""
+    if config.swiglu_limit is None:
+        return lambda gate, up: activation(gate) * up
+    return functools.partial(clamped_swiglu, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, *, alpha: float, limit: float) -> jax.Array:
+    """gpt-oss's experts (HF's GptOssExperts._apply_gate)."""
+    gate = jnp.minimum(gate, limit)
+    return (jnp.clip(up, -limit, limit) + 1) * gate * jax.nn.sigmoid(gate * alpha)
+
+
+def ragged_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, glu: Glu,
                        precision: jax.lax.Precision) -> jax.Array:
     """The experts' gated MLPs over `rows` [N, H] sorted by expert (group_sizes [E] of them), as
-    XLA's grouped matmul."""
-    def grouped(lhs, w):
-        return jax.lax.ragged_dot(lhs, w, group_sizes, precision=precision)
+    XLA's grouped matmul; `{gate,up,down}_bias` (gpt-oss) added by each row's expert."""
+    expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
+                        total_repeat_length=rows.shape[0])
 
-    return grouped(activation(grouped(rows, p["gate_proj"])) * grouped(rows, p["up_proj"]),
-                   p["down_proj"])
+    def grouped(lhs, name):
+        out = jax.lax.ragged_dot(lhs, p[f"{name}_proj"], group_sizes, precision=precision)
+        bias = p.get(f"{name}_bias")
+        return out if bias is None else out + jnp.take(bias, expert, axis=0)
+
+    return grouped(glu(grouped(rows, "gate"), grouped(rows, "up")), "down")
 
 
 MAX_TILE = 16  # rows of one expert per step of the CPU's grouped matmul, at most
 
 
-def tiled_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, activation: Activation,
+def tiled_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, glu: Glu,
                       precision: jax.lax.Precision) -> jax.Array:
     """`ragged_grouped_mlp`'s result by a loop over tiles of m rows of one expert, as many as
     the groups need (a static bound: N / m plus one partial tile per expert present). A tile's
@@ -216,11 +251,14 @@ def tiled_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, activati
 
     def tile(i, out):
         e, s = expert[i], start[i]
+
+        def project(x, name):
+            y = jnp.dot(x, p[f"{name}_proj"][e], precision=precision)
+            return y + p[f"{name}_bias"][e] if f"{name}_bias" in p else y
+
         x = jax.lax.dynamic_slice_in_dim(padded, s, m)
-        h = activation(jnp.dot(x, p["gate_proj"][e], precision=precision)) * jnp.dot(
-            x, p["up_proj"][e], precision=precision)
-        return jax.lax.dynamic_update_slice_in_dim(
-            out, jnp.dot(h, p["down_proj"][e], precision=precision).astype(out.dtype), s, 0)
+        h = glu(project(x, "gate"), project(x, "up"))
+        return jax.lax.dynamic_update_slice_in_dim(out, project(h, "down").astype(out.dtype), s, 0)
 
     out = jax.lax.fori_loop(0, tile_end[-1], tile, jnp.zeros_like(padded))
     return out[:n]
