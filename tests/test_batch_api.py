@@ -30,7 +30,8 @@ from tests.rag_helpers import tiny_embedder
 from tests.test_cli import ROOT, tiny_gguf
 from tests.test_server import ServerThread, wait_for
 
-KEYS = {"acme": "sk-acme-0123456789abcdef0123", "globex": "sk-globex-0123456789abcdef01"}
+KEYS = {"acme": "sk-acme-0123456789abcdef0123", "globex": "sk-globex-0123456789abcdef01",
+        "metered": "sk-metered-0123456789abcdef0"}
 
 
 def _line(custom_id: str, url: str = "/v1/chat/completions", **body) -> dict:
@@ -56,7 +57,8 @@ def server(tiny_path, tmp_path_factory):
     data = tmp_path_factory.mktemp("batches")
     tenants = data / "tenants.toml"
     tenants.write_text("".join(f'[tenant.{name}]\napi_keys = ["{key}"]\n'
-                               for name, key in KEYS.items()))
+                               for name, key in KEYS.items())
+                       + "requests_per_minute = 3\n")  # metered's
     rag = RagService(RagConfig(data / "rag", EmbedderConfig(max_batch=4, max_length=64),
                                ChunkerConfig(chunk_tokens=48, overlap_tokens=8)),
                      tiny_embedder())
@@ -70,6 +72,7 @@ def server(tiny_path, tmp_path_factory):
                                       min_token_bucket=16, progress=False))
     srv.attach(engine)
     srv._call(_start(batches, ServingLines(serving_of(srv.app), rag)))
+    srv.batches = batches
     yield srv
     srv._call(batches.stop())
     srv.stop()
@@ -159,6 +162,25 @@ def test_another_tenants_files_and_batches_are_404(server):
     assert up.id not in [f.id for f in globex.files.list()]
     assert batch.id not in [b.id for b in globex.batches.list()]
     assert _ended(acme, batch.id).status == "completed"
+
+
+def test_lines_count_against_the_tenants_limits_through_the_python_entry_point(server):
+    """Three lines of a tenant allowed three requests a minute take all three: its next live
+    request is refused (the lines are submitted through BatchService, not the rate-limited
+    routes, as the eval pipeline submits)."""
+    async def run():
+        batch = await server.batches.submit("metered", [_line(str(i), max_tokens=1)
+                                                        for i in range(3)],
+                                            "/v1/chat/completions")
+        batch = await server.batches.wait("metered", batch["id"])
+        return batch, await server.batches.results("metered", batch)
+
+    batch, results = server._call(run())
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 3
+    assert sorted(r["custom_id"] for r in results) == ["0", "1", "2"]
+    with pytest.raises(openai.RateLimitError):
+        _client(server, "metered").chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
 
 
 def test_bad_input_is_a_4xx_naming_the_field_or_a_failed_batch_naming_the_line(server):
