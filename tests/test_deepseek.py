@@ -5,14 +5,20 @@ tokens under chunked prefill, prefix caching and preemption, through the latent 
   batches of prefill chunks, decodes and padding;
 - the pool's MLA layout: what a page holds and how many pages the memory left buys;
 - the router (sigmoid scores, group-limited top-k with the correction bias, scaling) against a
-  per-token loop.
+  per-token loop;
+- DeepSeek's FP8 release format (weights/fp8.py): HF's dequantized weights and HF's outputs;
+- HF's logits and greedy tokens with the heads and the experts split over 2 virtual devices
+  (tensor and expert parallel; a child process, as XLA fixes the device count at start).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,10 +33,9 @@ from tests.test_model_families import FIXTURES
 FAMILY = "deepseek_v3"
 
 
-def _batch(q_lens, kv_lens, page_size, num_pages, rng, pad_seqs=1):
-    """A ragged batch: each sequence's pages drawn at random from the pool (page 0 excluded)."""
-    S = len(q_lens) + pad_seqs
-    pages_per_seq = max(cdiv(k, page_size) for k in kv_lens)
+def _batch(q_lens, kv_lens, page_size, num_pages, rng, S=6, pages_per_seq=33):
+    """A ragged batch padded to S sequences: each sequence's pages drawn at random from the pool
+    (page 0 excluded). Every case has the same shapes, so one compile serves them all."""
     free = rng.permutation(np.arange(1, num_pages))
     table = np.zeros((S, pages_per_seq), np.int32)
     used = 0
@@ -46,6 +51,9 @@ def _batch(q_lens, kv_lens, page_size, num_pages, rng, pad_seqs=1):
     return lens, table, cu, np.asarray([len(q_lens)], np.int32)
 
 
+_RUN = jax.jit(mla_kernel.mla_ragged_paged_attention, static_argnames=("kv_lora_rank", "sm_scale"))
+
+
 @pytest.mark.parametrize("q_lens, kv_lens", [
     ([1, 1, 1], [5, 40, 1]),  # decodes only
     ([37, 1, 9, 1, 2], [37, 70, 20, 3, 2]),  # prefill chunks, decodes, a short query
@@ -55,14 +63,12 @@ def test_latent_attention_matches_the_float64_reference(q_lens, kv_lens):
     rng = np.random.default_rng(0)
     H, R, Dr, page_size, num_pages = 3, 16, 8, 4, 80
     kv_lens_a, table, cu, num_seqs = _batch(q_lens, kv_lens, page_size, num_pages, rng)
-    T = int(sum(q_lens)) + 3  # padding rows past the last sequence
+    T = 64  # padding rows past the last sequence
     q = rng.standard_normal((T, H, R + Dr)).astype(np.float32)
     cache = rng.standard_normal((num_pages, page_size, R + Dr)).astype(np.float32)
     args = (q, cache, kv_lens_a, table, cu, num_seqs)
     want = reference(*args, kv_lora_rank=R, sm_scale=0.3)
-    run = jax.jit(mla_kernel.mla_ragged_paged_attention,
-                  static_argnames=("kv_lora_rank", "sm_scale"))
-    got = np.asarray(run(*map(jnp.asarray, args), kv_lora_rank=R, sm_scale=0.3))
+    got = np.asarray(_RUN(*map(jnp.asarray, args), kv_lora_rank=R, sm_scale=0.3))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     assert not got[int(sum(q_lens)):].any()
 
@@ -105,22 +111,23 @@ def test_grouped_sigmoid_routing_matches_a_per_token_loop(norm_topk_prob):
     from jaxserve.executor.models import moe
 
     c = _fixture_config().replace(norm_topk_prob=norm_topk_prob)
-    p = {k: np.array(v[0]) for k, v in nn.unbox(moe.boxed_init(c, jax.random.key(0)))["moe"].items()}
-    bias = np.random.default_rng(1).normal(0, 0.3, c.num_experts).astype(np.float32)
-    x = np.random.default_rng(2).normal(size=(50, c.hidden_size)).astype(np.float32)
-    experts, weights = jax.jit(moe.grouped_route, static_argnums=3)(
-        jnp.asarray(x), jnp.asarray(p["router"]), jnp.asarray(bias), c)
+    rng = np.random.default_rng(1)
+    router = rng.normal(size=(c.hidden_size, c.num_experts)).astype(np.float32)
+    bias = rng.normal(0, 0.3, c.num_experts).astype(np.float32)
+    x = rng.normal(0, 0.3, size=(50, c.hidden_size)).astype(np.float32)
+    experts, weights = map(np.asarray, jax.jit(moe.grouped_route, static_argnums=3)(
+        jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), c))
     size = c.num_experts // c.moe_num_groups
     for t, row in enumerate(x.astype(np.float64)):
-        scores = 1 / (1 + np.exp(-(row @ p["router"])))
+        scores = 1 / (1 + np.exp(-(row @ router)))
         choice = scores + bias
         groups = [sorted(choice[g * size:(g + 1) * size])[-2:] for g in range(c.moe_num_groups)]
         best = np.argsort([-sum(g) for g in groups])[:c.moe_topk_groups]
         allowed = [e for e in range(c.num_experts) if e // size in best]
         top = sorted(allowed, key=lambda e: -choice[e])[:c.experts_per_token]
         w = scores[top] / (scores[top].sum() if norm_topk_prob else 1.0)
-        assert sorted(np.asarray(experts[t]).tolist()) == sorted(top)
-        got = dict(zip(np.asarray(experts[t]).tolist(), np.asarray(weights[t]).tolist()))
+        assert sorted(experts[t].tolist()) == sorted(top)
+        got = dict(zip(experts[t].tolist(), weights[t].tolist()))
         np.testing.assert_allclose([got[e] for e in top], w * c.routed_scaling_factor,
                                    rtol=1e-5)
 
@@ -138,3 +145,75 @@ def test_deepseek_configs_it_cannot_serve_are_refused(change, message):
     cfg = json.loads((FIXTURES / FAMILY / "config.json").read_text())
     with pytest.raises(ConfigError, match=message):
         config_from_hf({**cfg, **change}, FAMILY)
+
+
+def test_fp8_checkpoint_dequantizes_to_hfs_weights_and_serves_hfs_tokens():
+    """DeepSeek's release format: every layer's Linear weights (kv_a_proj_with_mqa too) FP8 with a
+    weight_scale_inv per block (tests/fixtures/quantized/deepseek_v3_fp8, written by
+    tools/make_fp8_fixture.py from this fixture, read back by HF), dequantized at load by
+    jaxserve.weights.fp8: HF's dequantized weights exactly, HF's logits on the file within 1e-4
+    and its 32 greedy tokens."""
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.weights.safetensors import load_hf
+    from tests.test_model_families import _greedy, _prompt_logits, engine_args
+
+    path = FIXTURES.parent / "quantized" / "deepseek_v3_fp8"
+    config, params = load_hf(path)
+    hf = np.load(path / "hf_dequantized.npz")
+    m, H = config.mla, config.hidden_size
+    attn = "model.layers.0.self_attn."
+
+    def deinterleaved(w):  # [..., rope] pairs -> evens, odds (weights/mla_layout.py)
+        rope = w[..., -m.qk_rope_head_dim:]
+        return np.concatenate([w[..., :-m.qk_rope_head_dim], rope[..., 0::2], rope[..., 1::2]], -1)
+
+    np.testing.assert_array_equal(params["layers"]["kv_a_proj"][0],
+                                  deinterleaved(hf[attn + "kv_a_proj_with_mqa.weight"].T))
+    np.testing.assert_array_equal(params["layers"]["q_b_proj"][0], deinterleaved(
+        hf[attn + "q_b_proj.weight"].T.reshape(m.q_lora_rank, config.num_heads, -1)))
+    np.testing.assert_array_equal(params["dense_mlp"]["down_proj"][0],
+                                  hf["model.layers.0.mlp.down_proj.weight"].T)
+    np.testing.assert_array_equal(params["shared_mlp"]["up_proj"][0],
+                                  hf["model.layers.1.mlp.shared_experts.up_proj.weight"].T)
+    gate_up = hf["model.layers.2.mlp.experts.gate_up_proj"]  # HF's fused [E, 2I, H]
+    np.testing.assert_array_equal(params["moe"]["up_proj"][1].transpose(0, 2, 1),
+                                  gate_up[:, config.moe_intermediate_size:])
+    assert params["layers"]["kv_a_proj"].shape[1:] == (H, m.latent_dim)
+
+    exp = json.loads((path / "expected.json").read_text())
+    llm = LLM(str(path), **engine_args())
+    np.testing.assert_allclose(_prompt_logits(llm.engine, exp["prompts"][0]),
+                               np.load(path / "logits.npy"), atol=1e-4, rtol=0)
+    assert _greedy(llm, exp["prompts"]) == exp["greedy"]
+
+
+_CHILD = "JAXSERVE_DEEPSEEK_CHILD"
+
+
+@pytest.mark.skipif(os.environ.get(_CHILD) == "1", reason="already the child")
+def test_tensor_and_expert_parallel_in_2_device_subprocess():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", **{_CHILD: "1"})
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           str(Path(__file__).relative_to(root)), "-k", "on_2_devices"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "1 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="runs in the 2-device child process")
+def test_hf_logits_and_greedy_tokens_on_2_devices():
+    """Heads split (latent attention per device over the replicated latent cache) and the experts
+    split (the grouped router on every device): HF's logits and tokens, as on one device."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.executor import sharding
+    from tests.test_model_families import _check_engine
+
+    llm = _check_engine(FAMILY, tensor_parallel_size=2, enable_expert_parallel=True)
+    runner = llm.engine.runner
+    assert runner.kv_cache.sharding.spec == P()
+    assert runner.params["layers"]["kv_b_proj"].sharding.spec == P(None, None, sharding.MODEL,
+                                                                   None)
+    assert runner.params["moe"]["gate_proj"].sharding.spec == P(None, sharding.MODEL, None, None)

@@ -2,6 +2,8 @@
 (Qwen3-*-FP8, DeepSeek-V3/R1) store theirs, and read back by HF transformers itself.
 
     /work/.venv-bench/bin/python tools/make_fp8_fixture.py [--block 16,16]
+    /work/.venv-bench/bin/python tools/make_fp8_fixture.py --source tests/fixtures/models/deepseek_v3 \
+        --out tests/fixtures/quantized/deepseek_v3_fp8      # DeepSeek-V3's release format
 
 Every Linear weight of attention and the MLPs (the experts', the dense layer's) is quantized by
 transformers' own FineGrainedFP8 quantizer op (Fp8Quantize: a float8_e4m3fn `weight` and an f32
@@ -30,12 +32,17 @@ from make_model_fixtures import PROMPTS, greedy  # noqa: E402
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "models"
 # Tensors compared weight for weight in the test (HF's names after loading).
 CHECKED = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",
-           "model.layers.2.mlp.experts.gate_up_proj")
+           "model.layers.2.mlp.experts.gate_up_proj",
+           # DeepSeek-V3 (--source tests/fixtures/models/deepseek_v3):
+           "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+           "model.layers.0.self_attn.q_b_proj.weight", "model.layers.0.mlp.down_proj.weight",
+           "model.layers.1.mlp.shared_experts.up_proj.weight")
 
 
 def quantized(name: str) -> bool:
     """A Linear weight of attention or an MLP (not embeddings, norms, routers, the LM head)."""
-    return name.endswith("_proj.weight") and ".layers." in name
+    # (DeepSeek-V3's releases quantize kv_a_proj_with_mqa too.)
+    return name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and ".layers." in name
 
 
 def main() -> None:
@@ -69,7 +76,8 @@ def main() -> None:
     model = tf.AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32).eval()
     state = model.state_dict()
     assert all(v.dtype == torch.float32 for v in state.values()), "HF kept FP8 weights"
-    np.savez(args.out / "hf_dequantized.npz", **{n: state[n].numpy() for n in CHECKED})
+    np.savez(args.out / "hf_dequantized.npz",
+             **{n: state[n].numpy() for n in CHECKED if n in state})
     with torch.no_grad():
         logits = model(torch.tensor([PROMPTS[0]])).logits[0].float().numpy()
     np.save(args.out / "logits.npy", logits)
@@ -85,7 +93,7 @@ def main() -> None:
                                          len(o)) for r, o in zip(results, original_greedy)]},
                 "transformers": tf.__version__}
     (args.out / "expected.json").write_text(json.dumps(expected, indent=1))
-    print(f"qwen3_moe_fp8: vs the original: {expected['vs_original']}, "
+    print(f"{args.out.name}: vs the original: {expected['vs_original']}, "
           f"{sum(f.stat().st_size for f in args.out.iterdir()) / 1024:.0f} KiB")
 
 

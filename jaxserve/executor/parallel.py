@@ -31,7 +31,8 @@ def replica_meshes(parallel: ParallelConfig) -> list:
 
 def warn_if_kv_heads_replicated(config: ModelConfig, mesh) -> None:
     tp = mesh.shape[sharding.MODEL] if mesh is not None else 1
-    if tp > 1 and sharding.kv_head_shards(config, mesh) == 1:
+    # (Latent attention's cache is replicated by design, its heads split all the same.)
+    if tp > 1 and config.mla is None and sharding.kv_head_shards(config, mesh) == 1:
         log.warning("tensor_parallel_size %d does not divide the %d KV heads: attention runs "
                     "whole on every device and each holds the whole KV cache", tp,
                     config.num_kv_heads)
