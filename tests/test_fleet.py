@@ -451,3 +451,80 @@ def test_canary_gate_passes_a_healthy_version_and_forgets_old_samples():
     assert fleet.route("r").weight("b") == 1  # no incumbent samples in the window: no verdict
     window = fleet.route_info("r")["versions"]["b"]["window"]
     assert window["requests"] == 10 and window["ttft_p99_seconds"] == pytest.approx(1.0)
+
+
+def test_canary_gate_trips_at_the_slo_burn_rate_that_pages(caplog):
+    """availability_objective: a version whose availability SLI (5xx bad, 4xx left out) burns
+    its budget faster than max_burn_rate over the window trips on its own, whatever the
+    incumbent does; the client's own errors never count."""
+    clock = Clock()
+    fleet = Fleet(FakeLoader(), clock=clock)
+    for n in "ab":
+        fleet.load(spec(n))
+        fleet.wait(n, 10)
+    fleet.set_route(route(weights={"a": 9, "b": 1}, canary={
+        "incumbent": "a", "min_requests": 10, "window_seconds": 600,
+        "max_error_rate_ratio": False, "max_ttft_p99_ratio": False, "max_cost_ratio": False,
+        "availability_objective": 0.99, "max_burn_rate": 14.4}))
+    _traffic(fleet, clock, "a", 20, availability="bad")  # the incumbent is not judged
+    _traffic(fleet, clock, "b", 40, availability="excluded")  # 4xx: no budget spent
+    _traffic(fleet, clock, "b", 86)
+    _traffic(fleet, clock, "b", 14, availability="bad")  # 14 % bad: burn 14 < 14.4
+    assert fleet.route("r").weight("b") == 1
+    assert fleet.route_info("r")["versions"]["b"]["window"]["sli_error_ratio"] == 0.14
+    _traffic(fleet, clock, "b", 1, availability="bad")  # 15 / 101: burn 14.9
+    assert fleet.route("r").weight("b") == 0
+    assert [t["reason"] for t in fleet.route_info("r")["canary_trips"]] == [
+        "availability_burn_rate"]
+    assert "exceeds 14.4x its error budget 0.01" in caplog.text
+    with pytest.raises(InvalidRequest, match="availability_objective"):
+        route(weights={"a": 1}, canary={"availability_objective": 1.0})
+
+
+def test_an_open_breaker_sends_the_route_elsewhere_until_a_probe_answers():
+    clock = Clock()
+    fleet = ready_fleet("a", "b", clock=clock)
+    fleet.set_route(route(weights={"a": 1, "b": 1}, breaker={
+        "max_error_rate": 0.5, "min_requests": 4, "window_seconds": 60, "open_seconds": 10}))
+
+    def send(n: int, b_fails: bool) -> list[str]:
+        chosen = []
+        for _ in range(n):
+            clock.now += 0.1
+            lease = fleet.select("r")
+            chosen.append(lease.version.name)
+            lease.finish(error=b_fails and lease.version.name == "b")
+        return chosen
+
+    first = send(40, b_fails=True)
+    assert first[-20:] == ["a"] * 20  # b failed its way open early on
+    assert fleet.route_info("r")["versions"]["b"]["breaker"] == {"state": "open", "opened": 1}
+    clock.now += 10  # half-open: one probe at a time
+    leases = []
+    while not leases or leases[-1].version.name != "b":
+        leases.append(fleet.select("r"))
+    probe = leases.pop()
+    assert probe.probe and all(lease.version.name == "a" for lease in leases)
+    during = [fleet.select("r") for _ in range(20)]  # the probe is in flight: no second one
+    assert {lease.version.name for lease in during} == {"a"}
+    for lease in leases + during:
+        lease.finish()
+    probe.finish(error=True)  # a failed probe opens it again
+    assert fleet.route_info("r")["versions"]["b"]["breaker"] == {"state": "open", "opened": 2}
+    clock.now += 10
+    while (lease := fleet.select("r")).version.name != "b":
+        lease.finish()
+    with lease:  # a probe that never ran (refused before the engine) frees the probe slot
+        pass
+    while (lease := fleet.select("r")).version.name != "b":
+        lease.finish()
+    lease.finish()  # a probe that answers closes it
+    assert fleet.route_info("r")["versions"]["b"]["breaker"]["state"] == "closed"
+    assert "b" in send(20, b_fails=False)
+    # A stalled engine gets no traffic from a route with a breaker while the stall lasts.
+    fleet._versions["b"].engine.is_stalled = True
+    assert set(send(20, b_fails=False)) == {"a"}
+    with pytest.raises(InvalidRequest, match="breaker.max_error_rate"):
+        route(breaker={"max_error_rate": 2})
+    with pytest.raises(InvalidRequest, match="breaker.open_window"):
+        route(breaker={"open_window": 2})

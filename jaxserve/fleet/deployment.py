@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 from jaxserve.engine_settings import BY_NAME
 from jaxserve.errors import ConfigError, InvalidRequest
+from jaxserve.fleet.breaker import BreakerConfig
 from jaxserve.fleet.routing import STICKY_MODES, CanaryGate, Route
 from jaxserve.gateway.pricing import Pricing, parse_pricing
 from jaxserve.model_registry import cache_dir, registry
@@ -41,9 +42,11 @@ GENERATION_FIELDS = {
 }
 # A version's engine settings are those of jaxserve.engine_settings, by name.
 _VERSION_FIELDS = {"model", "generation", "pricing", *BY_NAME}
-_ROUTE_FIELDS = {"weights", "sticky", "shadow", "canary"}
+_ROUTE_FIELDS = {"weights", "sticky", "shadow", "canary", "breaker"}
+_BREAKER_FIELDS = {"max_error_rate", "min_requests", "window_seconds", "open_seconds"}
 _CANARY_FIELDS = {"incumbent", "window_seconds", "min_requests", "max_error_rate_ratio",
-                  "min_error_rate", "max_ttft_p99_ratio", "max_cost_ratio"}
+                  "min_error_rate", "max_ttft_p99_ratio", "max_cost_ratio",
+                  "availability_objective", "max_burn_rate"}
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,13 @@ def _parse_canary(value: Any, field: str, weights: dict[str, float]) -> CanaryGa
     for k in ("max_error_rate_ratio", "max_ttft_p99_ratio", "max_cost_ratio"):
         if k in table:  # false turns the criterion off
             values[k] = None if table[k] is False else _number(table[k], f"{field}.{k}", lo=1)
+    if "availability_objective" in table:
+        values["availability_objective"] = _number(
+            table["availability_objective"], f"{field}.availability_objective", lo=0, hi=1)
+        if not 0 < values["availability_objective"] < 1:
+            raise _bad(f"{field}.availability_objective", "must be a fraction in (0, 1)")
+    if "max_burn_rate" in table:
+        values["max_burn_rate"] = _number(table["max_burn_rate"], f"{field}.max_burn_rate", lo=1)
     if "min_error_rate" in table:
         values["min_error_rate"] = _number(table["min_error_rate"], f"{field}.min_error_rate",
                                            lo=0, hi=1)
@@ -212,6 +222,23 @@ def _parse_canary(value: Any, field: str, weights: dict[str, float]) -> CanaryGa
         if values["min_requests"] < 1:
             raise _bad(f"{field}.min_requests", "must be >= 1")
     return CanaryGate(incumbent=incumbent, **values)
+
+
+def _parse_breaker(value: Any, field: str) -> BreakerConfig:
+    table = _table(value, field)
+    _unknown(table, _BREAKER_FIELDS, f"{field}.")
+    values: dict[str, Any] = {}
+    if "max_error_rate" in table:
+        values["max_error_rate"] = _number(table["max_error_rate"], f"{field}.max_error_rate",
+                                           lo=0, hi=1)
+    for k in ("window_seconds", "open_seconds"):
+        if k in table:
+            values[k] = _number(table[k], f"{field}.{k}", lo=1e-3, hi=86400)
+    if "min_requests" in table:
+        values["min_requests"] = _typed(table["min_requests"], int, f"{field}.min_requests")
+        if values["min_requests"] < 1:
+            raise _bad(f"{field}.min_requests", "must be >= 1")
+    return BreakerConfig(**values)
 
 
 def parse_route(name: str, table: Any, prefix: str = "", base: Route | None = None) -> Route:
@@ -243,7 +270,11 @@ def parse_route(name: str, table: Any, prefix: str = "", base: Route | None = No
         raise _bad(f"{prefix}weights", f"leaves the canary gate's incumbent "
                                        f"{canary.incumbent!r} without traffic; change or remove "
                                        f"'canary' too")
-    return Route(name, weights, sticky, shadow, canary)
+    breaker = base.breaker if base is not None else None
+    if "breaker" in table:
+        breaker = (None if table["breaker"] in (None, False)
+                   else _parse_breaker(table["breaker"], f"{prefix}breaker"))
+    return Route(name, weights, sticky, shadow, canary, breaker)
 
 
 # ---------------------------------------------------------------- the file

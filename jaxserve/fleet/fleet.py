@@ -14,6 +14,8 @@
   (no new requests, in-flight ones finish) and then its memory is freed.
 - **Canary gate**: each finished routed request enters its route's window; a non-incumbent version
   breaching its ratio gets weight 0 at once, logged and counted.
+- **Circuit breakers** (a route's `breaker`, fleet/breaker.py): a version whose faults pass the
+  threshold, or whose engine stalls, gets none of the route's traffic until a probe answers.
 
 Thread-safe: the admin API, request handlers and the loading and draining threads all call in.
 """
@@ -33,6 +35,7 @@ from typing import Callable
 from jaxserve.core.serving_engine import ServingEngine
 from jaxserve.errors import (AlreadyExists, ConfigError, Conflict, EngineOverloaded,
                              InvalidRequest, ModelNotFound, NotFound, TokenizerError, WeightsError)
+from jaxserve.fleet.breaker import Breaker
 from jaxserve.fleet.canary import CanaryMonitor, Sample, Trip
 from jaxserve.fleet.deployment import VersionSpec, load_deployment
 from jaxserve.fleet.loader import EngineLoader, Prepared
@@ -60,6 +63,7 @@ class Fleet:
         self._routes: dict[str, Route] = {}  # replaced whole on every change, never mutated
         self._previous: dict[str, Route | None] = {}
         self._monitors: dict[str, CanaryMonitor] = {}
+        self._breakers: dict[tuple[str, str], Breaker] = {}  # (route, version)
         self._counters: dict[tuple[str | None, str], Counters] = {}  # (route, version)
         self._trips: deque[Trip] = deque(maxlen=100)
         self._loading = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-fleet-load")
@@ -284,15 +288,34 @@ class Fleet:
                 return self._lease(None, self._addressed(model), shadow=False)
             key = {"user": user, "api_key": api_key}.get(route.sticky)
             unit = sticky_unit(route.name, key) if key is not None else self._rng.random()
-            ready = self._is_ready
-            primary = choose(route, unit, ready)
+            ready = eligible = self._is_ready
+            if route.breaker is not None:  # open breakers and stalled engines get no traffic
+                now = self._clock()
+
+                def eligible(v: str) -> bool:
+                    return ready(v) and not self._stalled(v) and \
+                        self._breaker(route, v).admits(now)
+            primary = choose(route, unit, eligible)
             if primary is None:
                 raise EngineOverloaded(f"route {model!r} has no ready version")
             copies = shadows(route, primary, [self._rng.random() for _ in route.shadow], ready)
             lease = self._lease(route.name, self._versions[primary], shadow=False)
+            if route.breaker is not None:
+                lease.probe = self._breaker(route, primary).take()
             lease.shadows = tuple(self._lease(route.name, self._versions[v], shadow=True)
                                   for v in copies)
             return lease
+
+    def _stalled(self, name: str) -> bool:
+        engine = self._versions[name].engine
+        return engine is not None and bool(getattr(engine, "is_stalled", False))
+
+    def _breaker(self, route: Route, version: str) -> Breaker:
+        """The route's breaker of `version` (a fresh one when the route's settings changed)."""
+        breaker = self._breakers.get((route.name, version))
+        if breaker is None or breaker.config != route.breaker:
+            breaker = self._breakers[(route.name, version)] = Breaker(route.breaker)
+        return breaker
 
     def _is_ready(self, name: str) -> bool:
         version = self._versions.get(name)
@@ -321,14 +344,18 @@ class Fleet:
                 raise RuntimeError("a lease ends exactly once")
             lease.done = True
             lease.version.in_flight -= 1
+            if lease.probe:  # a probe that never ran: the next request may probe
+                self._breakers[(lease.route, lease.version.name)].released(True)
             self._changed.notify_all()
 
     def _finish(self, lease: Lease, *, error: bool, ttft: float | None, prompt_tokens: int,
-                completion_tokens: int, token_agreement: float | None) -> None:
+                completion_tokens: int, token_agreement: float | None,
+                availability: str = "good") -> None:
         version = lease.version
         cost = (version.pricing.cost(prompt_tokens, completion_tokens)
                 if version.pricing is not None else None)
         with self._lock:
+            probe = lease.probe
             self._release(lease)
             c = self._counters.setdefault((lease.route, version.name), Counters())
             if lease.shadow:
@@ -348,8 +375,12 @@ class Fleet:
             now = self._clock()
             monitor = self._monitors.setdefault(lease.route, CanaryMonitor())
             monitor.record(version.name, Sample(now, error, ttft,
-                                                prompt_tokens + completion_tokens, cost))
-            for trip in monitor.evaluate(self._routes[lease.route], now):
+                                                prompt_tokens + completion_tokens, cost,
+                                                availability))
+            route = self._routes[lease.route]
+            if route.breaker is not None:
+                self._breaker(route, version.name).record(now, error, probe)
+            for trip in monitor.evaluate(route, now):
                 self._trip(trip, monitor)
 
     def _trip(self, trip: Trip, monitor: CanaryMonitor) -> None:
@@ -420,7 +451,9 @@ class Fleet:
                     "state": version.state.value if version is not None else None,
                     "weight": route.weight(v), "shadow": dict(route.shadow).get(v, 0.0),
                     "counters": self._counters.get((name, v), Counters()).to_dict(),
-                    "window": monitor.stats(v, now, window).to_dict() if monitor else None}
+                    "window": monitor.stats(v, now, window).to_dict() if monitor else None,
+                    "breaker": (self._breaker(route, v).to_dict() if route.breaker is not None
+                                else None)}
             return {**route.to_dict(), "has_previous": self._previous.get(name) is not None,
                     "versions": versions,
                     "canary_trips": [dataclasses.asdict(t) for t in self._trips

@@ -13,6 +13,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from jaxserve.fleet.breaker import BreakerConfig
+
 STICKY_MODES = ("user", "api_key", "none")
 
 
@@ -28,6 +30,11 @@ class CanaryGate:
     min_error_rate: float = 0.01  # the incumbent's rate is at least this when comparing
     max_ttft_p99_ratio: float | None = 2.0
     max_cost_ratio: float | None = 1.5  # cost per 1k tokens, from each version's price
+    # The SLO's page, as an absolute criterion: a version whose share of bad events by the
+    # availability SLI (telemetry/sli.py) over the window exceeds max_burn_rate x its error
+    # budget (1 - availability_objective) trips, whatever the incumbent does. None: off.
+    availability_objective: float | None = None
+    max_burn_rate: float = 14.4  # the fast-burn page's rate for a 30-day period
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -40,6 +47,7 @@ class Route:
     sticky: str = "none"
     shadow: tuple[tuple[str, float], ...] = ()  # (version, fraction in [0, 1]), sorted
     canary: CanaryGate | None = None
+    breaker: BreakerConfig | None = None  # per-version circuit breakers (fleet/breaker.py)
 
     def weight(self, version: str) -> float:
         return dict(self.weights).get(version, 0.0)
@@ -56,7 +64,8 @@ class Route:
     def to_dict(self) -> dict:
         return {"name": self.name, "weights": dict(self.weights), "sticky": self.sticky,
                 "shadow": dict(self.shadow),
-                "canary": self.canary.to_dict() if self.canary is not None else None}
+                "canary": self.canary.to_dict() if self.canary is not None else None,
+                "breaker": self.breaker.to_dict() if self.breaker is not None else None}
 
 
 def sticky_unit(route: str, key: str) -> float:

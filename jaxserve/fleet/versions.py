@@ -102,14 +102,18 @@ class Lease:
     shadow: bool = False
     shadows: tuple["Lease", ...] = ()
     done: bool = field(default=False, init=False)
+    probe: bool = field(default=False, init=False)  # a half-open circuit breaker's probe
 
     def finish(self, *, error: bool = False, ttft: float | None = None, prompt_tokens: int = 0,
-               completion_tokens: int = 0, token_agreement: float | None = None) -> None:
+               completion_tokens: int = 0, token_agreement: float | None = None,
+               availability: str = "good") -> None:
         """Record the outcome (a version's fault: `error`; a client's bad input or disconnect is
         not) and release the version. `token_agreement`: for a greedy shadow, the fraction of
-        its tokens equal to the primary's."""
+        its tokens equal to the primary's; `availability`: the request's availability SLI event
+        (telemetry/sli.py), for the canary gate's burn-rate criterion."""
         self.fleet._finish(self, error=error, ttft=ttft, prompt_tokens=prompt_tokens,
-                           completion_tokens=completion_tokens, token_agreement=token_agreement)
+                           completion_tokens=completion_tokens, token_agreement=token_agreement,
+                           availability=availability)
 
     def release(self) -> None:
         """End without an outcome (the request never ran, or its end says nothing about the

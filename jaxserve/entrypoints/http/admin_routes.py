@@ -9,8 +9,10 @@ error bodies):
     GET    /admin/v1/versions/{name}
     POST   /admin/v1/versions                 {"name", "model", ...engine flags} -> 202, loading
     DELETE /admin/v1/versions/{name}          drain, then unload -> 202 (409 while routed to)
-    GET    /admin/v1/routes                   routes: weights, sticky, shadow, canary, counters
-    PUT    /admin/v1/routes/{route}           {"weights"?, "sticky"?, "shadow"?, "canary"?}
+    GET    /admin/v1/routes                   routes: weights, sticky, shadow, canary, breaker,
+                                              counters
+    PUT    /admin/v1/routes/{route}           {"weights"?, "sticky"?, "shadow"?, "canary"?,
+                                               "breaker"?}
     POST   /admin/v1/routes/{route}/rollback  the previous settings
     GET    /admin/v1/audit/head               the audit log's head: {"seq", "hash", "keyed"}
 

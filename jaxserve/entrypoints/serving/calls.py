@@ -20,6 +20,7 @@ from typing import Callable
 
 from jaxserve.errors import version_fault
 from jaxserve.fleet.versions import Lease as VersionLease
+from jaxserve.telemetry import sli
 from jaxserve.entrypoints.serving.outcome import Outcome
 
 access_log = logging.getLogger("jaxserve.access")
@@ -88,7 +89,8 @@ class Sinks:
 def _end_version_lease(lease: VersionLease, o: Outcome) -> None:
     if o.served:  # a version's fault (a 5xx) counts against it; a client's or a shed does not
         lease.finish(error=version_fault(o.error), ttft=o.ttft_s, prompt_tokens=o.prompt_tokens,
-                     completion_tokens=o.completion_tokens)
+                     completion_tokens=o.completion_tokens,
+                     availability=sli.availability(o.status_code))
     else:  # it never ran there: released, with its shadow copies, saying nothing of the version
         lease.__exit__(None, None, None)
 
