@@ -223,7 +223,30 @@ def grammar_accepts(tok_and_grammars, constraint, text: str) -> bool:
     return matcher.is_accepting
 
 
-@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def _forces_calls(name: str) -> bool:
+    """Whether the parser's format has a forced-call grammar (formats that keep the function's
+    name outside the arguments' JSON refuse tool_choice "required" / named instead)."""
+    try:
+        get_tool_parser(name).forced_grammar("call", False)
+    except InvalidRequest:
+        return False
+    return True
+
+
+FORCING = sorted(name for name in TOOL_PARSERS if _forces_calls(name))
+
+
+@pytest.mark.parametrize("parser", sorted(set(TOOL_PARSERS) - set(FORCING)))
+def test_formats_without_a_forced_call_grammar_refuse_forced_calls(parser):
+    tools = parse_tools([WEATHER])
+    p = get_tool_parser(parser)
+    assert forced_tool_call(tools, parse_tool_choice("auto", tools), p) is None
+    with pytest.raises(InvalidRequest, match="tool_choice") as err:
+        forced_tool_call(tools, parse_tool_choice("required", tools), p)
+    assert err.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize("parser", FORCING)
 def test_forced_call_grammar_accepts_exactly_valid_calls(parser, smollm2_grammars):
     """The forced-call constraint, compiled for SmolLM2's tokenizer: a valid call in the parser's
     own format is accepted to the end (and parses back), a wrong function or bad arguments are
