@@ -146,3 +146,101 @@ def test_other_quantization_configs_are_refused_in_one_line(tmp_path, change, sa
     with pytest.raises(WeightsError, match=says) as e:
         read_config(ModelSpec("m", "hf", path))
     assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- Harmony
+
+CALL = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>'
+        'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+        '<|call|>')
+# The recipient before the channel, as the template renders earlier calls.
+CALL_FIRST = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant '
+              'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}')
+ANSWER = ('<|channel|>analysis<|message|>Paris is\nmild.<|end|><|start|>assistant<|channel|>'
+          'final<|message|>It is 18C in Paris.')
+
+
+def _gpt_oss_template():
+    from tests.test_chat_templates import _tokenizer
+
+    return _tokenizer("gpt_oss", bos="<|startoftext|>", eos="<|return|>")
+
+
+def test_harmony_template_renders_and_auto_picks_vllm_s_parsers():
+    from tests.test_chat_templates import CHAT, WEATHER, _history, _parsers
+
+    tok = _gpt_oss_template()
+    assert tok.template_uses_tools and _parsers(tok) == ("openai", "openai_gptoss")
+    text = tok.apply_chat_template(CHAT, tokenize=False, template_kwargs={
+        "reasoning_effort": "high"})
+    assert text.startswith("<|start|>system<|message|>You are ChatGPT")
+    assert "Reasoning: high\n\n# Valid channels: analysis, commentary, final." in text
+    assert text.endswith("<|start|>developer<|message|># Instructions\n\nBe brief.\n\n<|end|>"
+                         "<|start|>user<|message|>hi<|end|><|start|>assistant")
+    text = tok.apply_chat_template(_history("call_1"), tokenize=False, tools=WEATHER)
+    assert ("namespace functions {\n\n// Current weather\ntype get_weather = (_: {\ncity: string"
+            ",\n}) => any;\n\n} // namespace functions") in text
+    assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
+            '{"city": "Paris"}<|call|><|start|>functions.get_weather to=assistant<|channel|>'
+            'commentary<|message|>"18C"<|end|><|start|>assistant') in text
+
+
+@pytest.mark.parametrize("text, finish, reasoning, content, calls", [
+    (CALL, "stop", "Need the weather.", None, [("get_weather", '{"city": "Paris"}')]),
+    (CALL_FIRST, "stop", "Need the weather.", None, [("get_weather", '{"city": "Paris"}')]),
+    (ANSWER, "stop", "Paris is\nmild.", "It is 18C in Paris.", []),
+    # A preamble to the user in the commentary channel, then the call.
+    ('<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary '
+     'to=functions.get_weather<|message|>{"city": "Oslo"}', "stop", None, "Checking.",
+     [("get_weather", '{"city": "Oslo"}')]),
+    # Cut by max_tokens inside the call: its arguments as far as they were written.
+    (CALL[:-len('"}<|call|>')], "length", "Need the weather.", None,
+     [("get_weather", '{"city": "Paris')]),
+    # Cut inside the reasoning: all of it reasoning, no content.
+    ("<|channel|>analysis<|message|>Hmm, the", "length", "Hmm, the", None, []),
+    # No Harmony at all: content as it is.
+    ("Plain words.", "stop", None, "Plain words.", []),
+    # JSON a constraint made the model write after its analysis (no final header).
+    ('<|channel|>analysis<|message|>Short.<|end|>{"a": 1}', "stop", "Short.", '{"a": 1}', []),
+])
+def test_harmony_output_is_reasoning_content_and_tool_calls_whole_and_streamed(
+        text, finish, reasoning, content, calls):
+    from jaxserve.entrypoints.serving.tool_output import ParserChoice, ToolCallOutput
+
+    parsers = ParserChoice().for_tokenizer(_gpt_oss_template())
+    assert parsers.tool.needs_special_tokens  # the markers stay in the text
+    output = ToolCallOutput(parsers.tool, parsers.reasoning)
+    message, got_finish = output.message(text, finish)
+    assert message.get("reasoning_content") == reasoning
+    assert message["content"] == content
+    assert [(c["function"]["name"], c["function"]["arguments"])
+            for c in message.get("tool_calls", [])] == calls
+    assert got_finish == ("tool_calls" if calls and finish == "stop" else finish)
+    # Streamed in uneven pieces: the deltas join to the same message.
+    stream = ToolCallOutput(parsers.tool, parsers.reasoning)
+    rng = np.random.default_rng(len(text))
+    cuts = sorted(set(rng.integers(0, len(text), 12).tolist()) | {0, len(text)})
+    joined = {"reasoning_content": "", "content": "", "calls": {}}
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        delta, _ = stream.delta(0, text[a:b], finish if b == len(text) else None)
+        joined["reasoning_content"] += delta.get("reasoning_content", "")
+        joined["content"] += delta.get("content", "")
+        for call in delta.get("tool_calls", []):
+            fn = joined["calls"].setdefault(call["index"], {"name": "", "arguments": ""})
+            fn["name"] += call.get("function", {}).get("name", "")
+            fn["arguments"] += call.get("function", {}).get("arguments", "")
+    assert (joined["reasoning_content"] or None) == reasoning
+    assert (joined["content"] or None) == content
+    assert [(c["name"], c["arguments"]) for c in joined["calls"].values()] == calls
+
+
+def test_forced_tool_calls_are_refused_for_harmony():
+    from jaxserve.errors import InvalidRequest
+    from jaxserve.tool_calling.choice import forced_tool_call
+    from jaxserve.tool_calling.functions import ToolChoice
+    from jaxserve.tool_calling.parsers import get_tool_parser
+    from tests.test_chat_templates import WEATHER
+
+    with pytest.raises(InvalidRequest, match="not supported with gpt-oss's Harmony") as e:
+        forced_tool_call(WEATHER, ToolChoice("required"), get_tool_parser("openai"))
+    assert e.value.param == "tool_choice"

@@ -8,6 +8,9 @@ Chosen by name (vLLM's `--reasoning-parser` names), or from the chat template (`
   `enable_thinking: false` closes the block in the prompt, so the output is content.
 - `deepseek_r1`: the same block, but the output always starts inside it (DeepSeek-R1 and its
   distills; their templates open it in the prompt, older ones let the model write `<think>`).
+- `openai_gptoss` (gpt-oss's Harmony, jaxserve.reasoning.harmony): the `analysis` channel's
+  messages are the reasoning; the content is the `final` channel's (and commentary preambles')
+  text, followed by each tool-call message whole for the `openai` tool-call parser.
 
 The reasoning is the block's text without the newlines that frame it; the content is what follows
 `</think>`, leading whitespace dropped. A block never closed (cut by max_tokens) is all reasoning.
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from jaxserve.errors import ConfigError
+from jaxserve.reasoning import harmony
 
 
 @dataclass(frozen=True)
@@ -106,8 +110,36 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     always_starts_in_reasoning = True
 
 
+class HarmonyReasoningParser(ReasoningParser):
+    name = "openai_gptoss"
+    START, END = harmony.CHANNEL, "<|end|>"  # special tokens: the text must keep them
+
+    def starts_in_reasoning(self, prompt_tail: str) -> bool:
+        return False  # the output opens with a message's header
+
+    def parts(self, text: str, final: bool) -> tuple[str | None, str]:
+        """(the analysis messages' text, None if none; the content, tool calls whole)."""
+        reasoning, content = [], []
+        for m in harmony.messages(text, final):
+            body = text[m.start:m.end]
+            if m.function is not None:
+                content.append(harmony.call_text(m.function, body, m.complete))
+            elif m.channel == "analysis":
+                reasoning.append(body)
+            else:
+                content.append(body)
+        return ("\n".join(reasoning) if reasoning else None), "".join(content)
+
+    def split(self, text: str, *, in_reasoning: bool = False) -> ReasoningSplit:
+        return ReasoningSplit(*self.parts(text, final=True))
+
+    def stream(self, *, in_reasoning: bool = False) -> HarmonyReasoningStream:
+        return HarmonyReasoningStream(self)
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    cls.name: cls for cls in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser)}
+    cls.name: cls for cls in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser,
+                              HarmonyReasoningParser)}
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
@@ -118,8 +150,11 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
 
 
 def detect(chat_template: str | None) -> str | None:
-    """The reasoning parser a chat template implies: one that closes `</think>` blocks is a
-    thinking model's (`qwen3`: the output's own `<think>` or the prompt's decides), else None."""
+    """The reasoning parser a chat template implies: Harmony's channels are gpt-oss's
+    (`openai_gptoss`); one that closes `</think>` blocks is a thinking model's (`qwen3`: the
+    output's own `<think>` or the prompt's decides); else None."""
+    if chat_template and "<|channel|>analysis" in chat_template:
+        return HarmonyReasoningParser.name
     if chat_template and ReasoningParser.END in chat_template:
         return Qwen3ReasoningParser.name
     return None
@@ -167,3 +202,31 @@ class ReasoningStream:
             content = text[sent:]
             self._content_sent = len(text)
         return ReasoningDelta(reasoning, content)
+
+
+class HarmonyReasoningStream:
+    """ReasoningStream's interface over Harmony: each feed returns what the whole text's
+    `parts` added since (both only grow as text comes)."""
+
+    def __init__(self, parser: HarmonyReasoningParser):
+        self._parser = parser
+        self._text = ""
+        self._sent = ("", "")
+
+    @property
+    def reasoning_started(self) -> bool:
+        return bool(self._sent[0])
+
+    def feed(self, delta: str) -> ReasoningDelta:
+        self._text += delta
+        return self._diff(final=False)
+
+    def finish(self) -> ReasoningDelta:
+        return self._diff(final=True)
+
+    def _diff(self, final: bool) -> ReasoningDelta:
+        reasoning, content = self._parser.parts(self._text, final)
+        new = [now[len(sent):] if now.startswith(sent) else ""
+               for now, sent in zip((reasoning or "", content), self._sent)]
+        self._sent = tuple(sent + add for sent, add in zip(self._sent, new))
+        return ReasoningDelta(*new)

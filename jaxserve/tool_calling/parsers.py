@@ -10,9 +10,10 @@ One parser per model family, chosen by name (vLLM's `--tool-call-parser` names):
   token in Mistral's vocabularies: the request must keep special tokens in its text.
 - `phi4_mini_json` (Phi-4-mini): content, then `functools[` and a JSON array of `{"name",
   "arguments"}` objects.
-- `deepseek_v3` (DeepSeek-V3 / R1): content, then `<｜tool▁calls▁begin｜>` and calls
-  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` with the arguments in a ```json fence, each
-  closed by `<｜tool▁call▁end｜>`. Special tokens; no forced calls (a 400), as `openai`.
+- `openai` (gpt-oss's Harmony, jaxserve.reasoning.harmony): each message to `functions.NAME` is
+  a call, its body the arguments' JSON; content is the text before the first (as the
+  `openai_gptoss` reasoning parser passes on the final answer's text). Forced calls are not
+  written for it (tool_choice "required" / named: a 400).
 `detect` picks one from a chat template (`--tool-call-parser auto`).
 
 A call's `arguments` is the JSON text of the arguments object exactly as the model wrote it (so
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from jaxserve.errors import ConfigError, InvalidRequest
+from jaxserve.reasoning import harmony
 
 
 def new_tool_call_id() -> str:
@@ -389,71 +391,31 @@ class Phi4MiniJsonToolParser(ToolParser):
         return f'start: "{self.MARKER}[" call{more} "]"\ncall: {call}\n'
 
 
-class DeepSeekV3ToolParser(ToolParser):
-    """DeepSeek-V3 / R1: content, then `<｜tool▁calls▁begin｜>` and one or more calls
-    `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` + "\\n```json\\n" + arguments + "\\n```" +
-    `<｜tool▁call▁end｜>` (newlines between), then `<｜tool▁calls▁end｜>`: the format DeepSeek's
-    chat templates write. Its markers are special tokens."""
-
-    name = "deepseek_v3"
+class OpenAIToolParser(ToolParser):
+    name = "openai"
     needs_special_tokens = True
-    CALLS, CALL, SEP, END = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
-                             "<｜tool▁call▁end｜>")
-    CALLS_END = "<｜tool▁calls▁end｜>"
-    FENCE, CLOSE = "```json", "```"
 
     def _scan(self, text: str, final: bool) -> tuple[int, list[_Call]]:
-        first = text.find(self.CALLS)
-        if first < 0:
-            return _content_end(text, self.CALLS, final), []
-        calls, pos = [], _skip_ws(text, first + len(self.CALLS))
-        while pos < len(text):
-            if not text.startswith(self.CALL, pos):
-                # The calls' end marker (or, while streaming, part of a marker) ends the list.
-                if not (self.CALL.startswith(text[pos:]) or text.startswith(self.CALLS_END, pos)
-                        or self.CALLS_END.startswith(text[pos:])):
-                    calls.append(_BAD)
-                break
-            call, pos = self._call(text, pos + len(self.CALL))
-            calls.append(call)
-            if not call.complete or not call.ok:
-                break
-            pos = _skip_ws(text, pos)
-        return len(text[:first].rstrip()), calls
-
-    def _call(self, text: str, pos: int) -> tuple[_Call, int]:
-        """One call after its begin marker: (the call, the index past its end marker)."""
-        sep = text.find(self.SEP, pos)
-        line = text.find("\n", sep) if sep >= 0 else -1
-        if line < 0:
-            return _Call(None, None, False), len(text)
-        name = text[sep + len(self.SEP):line]
-        fence = _skip_ws(text, line)
-        if not text.startswith(self.FENCE, fence):
-            ok = self.FENCE.startswith(text[fence:])  # still being written
-            return (_Call(name, None, False) if ok else _BAD), len(text)
-        brace = _skip_ws(text, fence + len(self.FENCE))
-        if brace >= len(text):
-            return _Call(name, None, False), len(text)
-        if text[brace] != "{":
-            return _BAD, len(text)
-        end = _scan_object(text, brace)[1]
-        if end is None:
-            return _Call(name, (brace, None), False), len(text)
-        close = _skip_ws(text, end)
-        if text.startswith(self.CLOSE, close):
-            after = _skip_ws(text, close + len(self.CLOSE))
-            if text.startswith(self.END, after):
-                return _Call(name, (brace, end), True), after + len(self.END)
-            ok = self.END.startswith(text[after:])
-        else:
-            ok = self.CLOSE.startswith(text[close:])
-        return (_Call(name, (brace, end), False) if ok else _BAD), len(text)
+        found = harmony.messages(text, final)
+        content_end = found[0].end if found and found[0].channel is None else 0
+        # `<|call|>` is a stop token, so the text rarely holds it: at the end, an open call whose
+        # arguments are a whole JSON object is complete (one cut by max_tokens is not).
+        calls = [_Call(m.function, (m.start, m.end),
+                       m.complete or (final and _json_object(text[m.start:m.end])))
+                 for m in found if m.function is not None]
+        return content_end, calls
 
     def forced_grammar(self, call: str, parallel: bool) -> str:
         raise InvalidRequest("tool_choice 'required' or a named function is not supported with "
-                             "DeepSeek's tool calls (the deepseek_v3 tool-call parser): use "
+                             "gpt-oss's Harmony tool calls (the openai tool-call parser): use "
                              "'auto'", param="tool_choice")
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 def _json_array(text: str, pos: int) -> list[_Call]:
@@ -482,14 +444,15 @@ def _lark(literal: str) -> str:
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                              Phi4MiniJsonToolParser, DeepSeekV3ToolParser)}
+                              Phi4MiniJsonToolParser, OpenAIToolParser)}
 
 
 def detect(chat_template: str | None) -> str:
     """The tool-call parser a chat template implies: the call format it writes or teaches (a
     template that renders no tools gets jaxserve's fallback prompt, whose format is hermes)."""
     template = chat_template or ""
-    for marker, name in (("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"),
+    for marker, name in (("<|call|>", "openai"), ("[TOOL_CALLS]", "mistral"),
+                         ("<|python_tag|>", "llama3_json"),
                          ("functools[", "phi4_mini_json"), ("<tool_call>", "hermes")):
         if marker in template:
             return name
