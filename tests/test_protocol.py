@@ -143,7 +143,10 @@ def test_completion_prompts_and_fields():
     (completion, {"logprobs": 21}, "logprobs"),
     (completion, {"logprobs": True}, "logprobs"),
     (completion, {"echo": 1}, "echo"),
-    (completion, {"echo": True, "logprobs": 1}, "echo"),
+    (completion, {"max_tokens": 0}, "max_tokens"),  # scoring only is for echo
+    (completion, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    (completion, {"prompt_logprobs": 21}, "prompt_logprobs"),
+    (chat, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     (completion, {"suffix": "x"}, "suffix"),
     (completion, {"messages": MSGS}, "messages"),  # a chat field
     (completion, {"max_completion_tokens": 3}, "max_completion_tokens"),

@@ -272,6 +272,7 @@ class LLMEngine:
             rows = self._sampling_rows(out)
             logits = self.runner.forward(out.plan)  # enqueued: the host goes on meanwhile
             result = self._sample(logits, rows)
+            self._score_prompts(out)  # before update_from_output moves num_computed_tokens
             sampled = result.token_ids if result is not None else ()
             new_tokens = self.scheduler.update_from_output(out, sampled)
             self.output_processor.end_step(time.monotonic())  # the forward and sampling are done
@@ -304,6 +305,30 @@ class LLMEngine:
             return None
         return self.runner.sample(logits, rows.rows,
                                   self._token_bitmask(rows.constrained, logits.shape[0]))
+
+    def _score_prompts(self, out: SchedulerOutput) -> None:
+        """Score the prompt positions of this step's chunks whose requests ask for prompt
+        logprobs: flat row r at prompt position p gives the logprob of prompt token p + 1. The
+        last prompt position predicts the first output token, so it is not scored here. Steps
+        without such a chunk run nothing."""
+        spans = []  # (scheduler request id, first position, first flat row, count)
+        for i, s in enumerate(out.scheduled):
+            request = s.request
+            if not request.scores_prompt or request.output_token_ids:
+                continue  # scored once, before its first token
+            start = request.num_computed_tokens
+            count = min(start + s.num_tokens, request.num_prompt_tokens - 1) - start
+            if count > 0:
+                spans.append((request, start, int(out.plan.cu_q_lens[i]), count))
+        if not spans:
+            return
+        targets = np.zeros(out.plan.token_ids.shape[0], np.int32)
+        for request, start, row, count in spans:
+            targets[row:row + count] = request.prompt_token_ids[start + 1:start + 1 + count]
+        scores = self.runner.score(targets)
+        for request, start, row, count in spans:
+            self.output_processor.record_prompt_logprobs(request.request_id, start, scores,
+                                                         slice(row, row + count))
 
     def _draft(self, request: Request, n: int) -> list[int]:
         """The scheduler's drafter: up to n draft tokens for a decode (the request's own

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from jaxserve.core.outputs import (CompletionOutput, PrefillChunk, RequestMetrics, RequestOutput,
-                                   TokenLogprob)
+from jaxserve.core.outputs import (CompletionOutput, PrefillChunk, PromptLogprob, RequestMetrics,
+                                   RequestOutput, TokenLogprob)
 from jaxserve.core.preparation import PreparedRequest
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import ScheduledSeq, Scheduler
@@ -67,6 +67,9 @@ class SequenceGroup:
     seqs: list[SequenceState] = field(default_factory=list)
     holdback: int = 0  # trailing chars not shown while running: a stop string may still form
     error: Exception | None = None  # set when the request failed on its own (see _fail)
+    # With prompt_logprobs: one per prompt token (the first None), filled as its first sequence's
+    # prompt chunks run; shared by every output once complete (entries never change after).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -98,6 +101,8 @@ class OutputProcessor:
         scheduler has queued those."""
         p = prepared.params
         group = SequenceGroup(prepared, RequestMetrics(time.monotonic()))
+        if p.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(prepared.prompt_token_ids)
         # A stop string can end anywhere in the text, so its length - 1 last characters stay
         # unshown until the next token proves they do not start one.
         if p.stop and not p.include_stop_str_in_output:
@@ -110,7 +115,9 @@ class OutputProcessor:
                               tenant=q.tenant, weight=q.weight,
                               kv_page_fraction=q.kv_page_fraction, deadline=q.deadline,
                               queue_deadline=q.queue_deadline, max_tokens=p.max_tokens,
-                              cache_salt=q.cache_salt)
+                              cache_salt=q.cache_salt,
+                              # The first sequence scores the prompt for all n.
+                              scores_prompt=p.prompt_logprobs is not None and i == 0)
             detok = IncrementalDetokenizer(self.tokenizer,
                                            skip_special_tokens=p.skip_special_tokens,
                                            prompt_ids=prepared.prompt_token_ids)
@@ -171,6 +178,24 @@ class OutputProcessor:
         """The step's tokens are sampled: its prefill chunks end now."""
         for chunk in self._chunks:
             chunk.end = now
+
+    def record_prompt_logprobs(self, request_id: str, first_pos: int, scores, rows: slice
+                               ) -> None:
+        """Prompt positions first_pos.. of a scoring sequence, scored on `rows` of `scores` (the
+        runner's ScoreOutput): row j gives the logprob of prompt token first_pos + j + 1."""
+        entry = self._by_seq.get(request_id)
+        if entry is None:  # ended since the step was scheduled
+            return
+        group = entry[0]
+        k = group.prepared.params.prompt_logprobs
+        ids = group.prepared.prompt_token_ids
+        top_ids = scores.top_token_ids[rows, :k].tolist()
+        top_lps = scores.top_logprobs[rows, :k].tolist()
+        for j, (lp, rank) in enumerate(zip(scores.logprobs[rows].tolist(),
+                                          scores.ranks[rows].tolist())):
+            pos = first_pos + j + 1
+            group.prompt_logprobs[pos] = PromptLogprob(ids[pos], lp, rank,
+                                                       list(zip(top_ids[j], top_lps[j])))
 
     def process_tokens(self, new_tokens: Iterable[tuple[Request, list[int]]], result,
                        first_row: dict[str, int], changed: dict[str, SequenceGroup]) -> None:
@@ -268,7 +293,8 @@ class OutputProcessor:
             self._stop(seq, "length", seq.detokenizer.text + seq.detokenizer.finish())
             return True
         text = seq.detokenizer.text
-        seq.text = text[:len(text) - group.holdback] if group.holdback else text
+        # (never a negative index: a text shorter than the hold-back shows nothing yet)
+        seq.text = text[:max(0, len(text) - group.holdback)] if group.holdback else text
         return False
 
     # ---- ending ------------------------------------------------------------------------------
@@ -325,7 +351,7 @@ class OutputProcessor:
                 for s in group.seqs]
         return RequestOutput(prepared.request_id, prepared.prompt, prepared.prompt_token_ids, outs,
                              group.finished, group.seqs[0].request.num_cached_prompt_tokens,
-                             group.metrics, group.error)
+                             group.metrics, group.error, group.prompt_logprobs)
 
     def _close(self, group: SequenceGroup) -> RequestOutput:
         m = group.metrics

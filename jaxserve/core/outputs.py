@@ -14,6 +14,17 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]
 
 
+class PromptLogprob(NamedTuple):
+    """One prompt token's log-probability given the tokens before it, its rank in that
+    distribution (1 = the most likely) and the `prompt_logprobs` most likely (token id, logprob)
+    pairs."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class CompletionOutput:
     index: int  # which of the request's n sequences
@@ -64,3 +75,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     # the request failed on its own (finish_reason "abort"); the others ran on
     error: Exception | None = None
+    # With SamplingParams.prompt_logprobs: one per prompt token, the first None (nothing comes
+    # before it); set from the first output on (the prompt is scored by then).
+    prompt_logprobs: list[PromptLogprob | None] | None = None

@@ -90,6 +90,9 @@ class Request:
     queue_deadline: float | None = None
     max_tokens: int | None = None  # output budget, reserved in the fair share until it ends
     cache_salt: str | None = None  # see QoS
+    # Its prompt's logprobs are asked for: every prompt position goes through the step (no prefix
+    # from the prefix cache) so the step can score it (SamplingParams.prompt_logprobs).
+    scores_prompt: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     page_table: list[int] = field(default_factory=list)  # owned by the KV cache manager

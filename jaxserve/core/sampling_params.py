@@ -56,6 +56,9 @@ class SamplingParams:
     temperature 0 means greedy (exact argmax of the penalised logits). top_k 0 or -1 and top_p 1
     turn those filters off. max_tokens None means "up to the model's context" (the engine fills it).
     logprobs None: no logprobs; k in 0..20: the sampled token's logprob plus the top k.
+    prompt_logprobs None: none; k in 0..20: every prompt token's logprob (the first has none),
+    its rank and the top k, as vLLM (RequestOutput.prompt_logprobs). Such a request computes its
+    whole prompt itself: it takes no prefix from the prefix cache.
     structured_outputs: the output must match this constraint (grammar-constrained decoding);
     the sequence finishes with "stop" as soon as the constraint is complete.
     num_speculative_tokens: on an engine with speculative decoding, at most this many draft
@@ -77,6 +80,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
@@ -124,10 +128,11 @@ class SamplingParams:
         set_("stop_token_ids", self._stop_token_ids(self.stop_token_ids))
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _bool(name, getattr(self, name))
-        if self.logprobs is not None:
-            set_("logprobs", _int("logprobs", self.logprobs))
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise _bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                set_(name, _int(name, getattr(self, name)))
+                if not 0 <= getattr(self, name) <= MAX_LOGPROBS:
+                    raise _bad(name, f"must be in [0, {MAX_LOGPROBS}], got {getattr(self, name)}")
         if self.num_speculative_tokens is not None:
             set_("num_speculative_tokens",
                  _int("num_speculative_tokens", self.num_speculative_tokens))

@@ -16,7 +16,8 @@ Plain Python and numpy (no JAX): `schedule()` returns a padded `BatchPlan` and t
    cached: it is computed once. A tenant with a KV page budget (`kv_page_fraction`) whose running
    requests hold it is passed over (its requests wait; a running request is never preempted for
    its own tenant's budget, and a tenant holding no page may always start one request, so a
-   request larger than the budget still runs).
+   request larger than the budget still runs). A request that scores its prompt
+   (`Request.scores_prompt`) takes no prefix from the cache: every prompt position is computed.
 When a running request cannot get a page, the least important running request not yet in this
 step (largest priority value, then most recently admitted) is preempted (possibly the request
 itself) instead of failing; then the step admits nobody (pages are short: admitting would only
@@ -394,8 +395,10 @@ class Scheduler:
                 if self.cache.pages_for(request.num_tokens) > self.cache.num_usable_pages:
                     self._end(request, RequestStatus.FINISHED_ERROR)
                     continue
-                cached = self.cache.lookup_prefix(request)
-                if self.cache.next_page_in_flight(request, cached, in_flight):
+                # A request scoring its prompt computes every position of it itself.
+                cached = [] if request.scores_prompt else self.cache.lookup_prefix(request)
+                if not request.scores_prompt and self.cache.next_page_in_flight(
+                        request, cached, in_flight):
                     order.pass_over(request)  # admit it once that page is cached
                     continue
                 remaining = request.num_tokens - len(cached) * self.page_size

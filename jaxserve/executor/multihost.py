@@ -4,7 +4,7 @@ processes (followers) run its steps.
 The mesh spans every process's devices: each process holds its shard of the params and the KV
 cache, and all must launch the same jitted programs in the same order (multi-controller SPMD).
 The leader sends each step's inputs (the padded plan before the forward, runner.SampleInputs
-before the sampler: a few KB of numpy) to every follower over a TCP channel just before it runs
+before the sampler, runner.ScoreInputs before a prompt-scoring step: a few KB of numpy) to every follower over a TCP channel just before it runs
 them itself; a follower runs the same programs and drops the results. The channel's address and a random token go
 through jax.distributed's key-value store, so only the group's own processes can join, and the
 processes agree on one KV pool size and check that their engine configs are identical before any
@@ -133,9 +133,13 @@ def _send(sock: socket.socket, header: dict, arrays: Sequence[np.ndarray] = ()) 
 
 
 def encode_step(inputs) -> bytes:
-    """A BatchPlan (the forward's input) or a runner.SampleInputs -> one frame."""
+    """A BatchPlan (the forward's input), a runner.SampleInputs or ScoreInputs -> one frame."""
+    from jaxserve.executor.runner import ScoreInputs
+
     if isinstance(inputs, BatchPlan):
         return _frame({"type": "forward"}, list(inputs))
+    if isinstance(inputs, ScoreInputs):
+        return _frame({"type": "score"}, list(inputs))
     arrays = list(inputs.metadata)
     if inputs.token_bitmask is not None:
         arrays.append(inputs.token_bitmask)
@@ -144,12 +148,14 @@ def encode_step(inputs) -> bytes:
 
 
 def decode_step(header: dict, arrays: list[np.ndarray]):
-    """A frame's BatchPlan or runner.SampleInputs."""
+    """A frame's BatchPlan, runner.SampleInputs or ScoreInputs."""
     from jaxserve.executor import sampler
-    from jaxserve.executor.runner import SampleInputs
+    from jaxserve.executor.runner import SampleInputs, ScoreInputs
 
     if header["type"] == "forward":
         expected = len(BatchPlan._fields)
+    elif header["type"] == "score":
+        expected = len(ScoreInputs._fields)
     else:
         expected = len(sampler.SamplingMetadata._fields) + bool(header["bitmask"])
     if len(arrays) != expected:
@@ -157,6 +163,8 @@ def decode_step(header: dict, arrays: list[np.ndarray]):
                               f"{expected}")
     if header["type"] == "forward":
         return BatchPlan(*arrays)
+    if header["type"] == "score":
+        return ScoreInputs(*arrays)
     n = len(sampler.SamplingMetadata._fields)
     return SampleInputs(sampler.SamplingMetadata(*arrays[:n]), int(header["top_width"]),
                         arrays[n] if header["bitmask"] else None)
@@ -321,6 +329,8 @@ class Follower:
                 logits = runner.run_forward(decode_step(header, arrays))
             elif header["type"] == "sample" and logits is not None:
                 runner.run_sample(logits, decode_step(header, arrays))
+            elif header["type"] == "score" and logits is not None:
+                runner.run_score(decode_step(header, arrays))
             else:
                 raise EngineDead(f"unexpected {header['type']!r} message from the leader")
 

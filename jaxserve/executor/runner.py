@@ -9,6 +9,14 @@ two small tables replace one product of both. Steps with a structured-output row
 small program between them (per row count): the token bitmask applied to the logits; other steps
 never run it.
 
+Prompt logprobs (a request's `prompt_logprobs`, completions' `echo` with `logprobs`): the forward
+also returns the final hidden state of every flat token, which stays on the device; only a step
+holding a prompt chunk to score runs a fourth program on it (`score`, one per token bucket,
+compiled at warmup): the LM head over the step's rows, in chunks of SCORE_CHUNK_ROWS, with the
+log-softmax on the device; back to the host come only, per row, the logprob of the token given
+(the next prompt token), its rank and the top MAX_LOGPROBS. Steps that score nothing never run
+it, and the forward's own LM head stays on `logits_indices`.
+
 `forward` and `sample` are separate calls: the forward is only enqueued (JAX dispatches
 asynchronously), so what the host does before `sample` (the sampler metadata, the grammar
 bitmasks of constrained rows) overlaps the device's work.
@@ -57,6 +65,28 @@ class StepOutput(NamedTuple):
     logprobs: np.ndarray  # f32[S]: of the sampled token
     top_token_ids: np.ndarray  # i32[S, K], K = 0 or MAX_LOGPROBS
     top_logprobs: np.ndarray  # f32[S, K]
+
+
+class ScoreOutput(NamedTuple):
+    """Host arrays, one row per flat token of the plan: the log-probability of the target token
+    given at that row (the next prompt token) under the logits of that row."""
+
+    logprobs: np.ndarray  # f32[T]
+    ranks: np.ndarray  # i32[T]: 1 + the tokens of strictly higher logit
+    top_token_ids: np.ndarray  # i32[T, MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # f32[T, MAX_LOGPROBS]
+
+
+class ScoreInputs(NamedTuple):
+    """What `score` takes (and a multi-host leader publishes): the target token of each flat
+    token row of the last forward's plan (0 where nothing is scored)."""
+
+    target_token_ids: np.ndarray  # i32[T]
+
+
+# Rows of one LM-head chunk when scoring prompts: bounds the f32 [rows, vocab] logits a score
+# program holds at once (256 x 152k x 4 B = 156 MB for the largest vocabularies here).
+SCORE_CHUNK_ROWS = 256
 
 
 def kv_page_bytes(config: ModelConfig, page_size: int, dtype: str) -> int:
@@ -128,9 +158,30 @@ class SampleInputs(NamedTuple):
 
 
 def _forward(params: dict, kv_cache: jax.Array, plan: BatchPlan, *, config: ModelConfig,
-             mesh: jax.sharding.Mesh | None) -> tuple[jax.Array, jax.Array]:
+             mesh: jax.sharding.Mesh | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     hidden, kv_cache = decoder.forward(params, config, kv_cache, plan, mesh)
-    return kv_cache, decoder.compute_logits(params, config, hidden[plan.logits_indices])
+    return kv_cache, decoder.compute_logits(params, config, hidden[plan.logits_indices]), hidden
+
+
+def _score(params: dict, hidden: jax.Array, targets: jax.Array, *,
+           config: ModelConfig) -> tuple[jax.Array, ...]:
+    """Each row's log-softmax at its target token, that token's rank and the top MAX_LOGPROBS,
+    the LM head run SCORE_CHUNK_ROWS rows at a time (the log-softmax never leaves the device)."""
+    num_rows = hidden.shape[0]
+    chunk = min(num_rows, SCORE_CHUNK_ROWS)
+
+    def one(args):
+        h, t = args
+        logits = decoder.compute_logits(params, config, h)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+        rank = 1 + jnp.sum(logits > target[:, None], axis=-1, dtype=jnp.int32)
+        top, top_ids = jax.lax.top_k(logits, sampler.MAX_LOGPROBS)
+        return target - lse, rank, top_ids.astype(jnp.int32), top - lse[:, None]
+
+    out = jax.lax.map(one, (hidden.reshape(num_rows // chunk, chunk, -1),
+                            targets.reshape(num_rows // chunk, chunk)))
+    return tuple(x.reshape(num_rows, *x.shape[2:]) for x in out)
 
 
 class ModelRunner:
@@ -160,10 +211,12 @@ class ModelRunner:
         cache_dtype = jnp.dtype(cache_config.dtype or config.dtype)
         shape = decoder.cache_shape(config, self.num_pages, self.page_size)
         forward = functools.partial(_forward, config=config, mesh=mesh)
+        score = functools.partial(_score, config=config)
         if mesh is None:
             self._replicated = None
             self.kv_cache = jnp.zeros(shape, cache_dtype)
             self._forward_jit = jax.jit(forward, donate_argnums=1)
+            self._score_jit = jax.jit(score)
             self._sample_shardings = {}
         else:
             # Plans, sampler inputs and logits are replicated; params and the cache keep their
@@ -176,7 +229,10 @@ class ModelRunner:
                 forward, donate_argnums=1,
                 in_shardings=(decoder.param_shardings(config, mesh), kv_sharding,
                               self._replicated),
-                out_shardings=(kv_sharding, self._replicated))
+                out_shardings=(kv_sharding, self._replicated, self._replicated))
+            self._score_jit = jax.jit(
+                score, in_shardings=(decoder.param_shardings(config, mesh), self._replicated,
+                                     self._replicated), out_shardings=self._replicated)
             self._sample_shardings = dict(in_shardings=self._replicated,
                                           out_shardings=self._replicated)
         self.bitmask_width = sampler.bitmask_width(config.vocab_size)
@@ -184,6 +240,7 @@ class ModelRunner:
         self.program_compile_seconds: dict[tuple, float] = {}  # per program key, filled by warmup
         self.num_serving_compiles = 0
         self._warm = False
+        self._hidden: jax.Array | None = None  # of the last forward: what `score` reads
         log.info("%s", paths.summary(matmul_off=decoder.why_matmul_off(config, mesh)))
 
     @property
@@ -210,6 +267,12 @@ class ModelRunner:
     def _compile(self, key: tuple) -> Callable:
         if key[0] == "forward":
             lowered = self._forward_jit.lower(self.params, self.kv_cache, self._plan_spec(key[1]))
+        elif key[0] == "score":
+            # The hidden states as that bucket's forward returns them (shape and dtype).
+            hidden = jax.eval_shape(self._forward_jit, self.params, self.kv_cache,
+                                    self._plan_spec(key[1]))[2]
+            lowered = self._score_jit.lower(self.params, self._spec(hidden.shape, hidden.dtype),
+                                            self._spec((key[1],), jnp.int32))
         elif key[0] == "bitmask":
             lowered = jax.jit(sampler.apply_token_bitmask, **self._sample_shardings).lower(
                 self._spec((key[1], self.config.vocab_size), jnp.float32),
@@ -239,8 +302,9 @@ class ModelRunner:
     def program_keys(self) -> list[tuple]:
         """Every program serving can need: one forward per token bucket, and per logits row
         count the sampler with and without penalties, top logprobs and sampled rows, and the
-        token-bitmask step."""
+        token-bitmask step; per token bucket the prompt scorer."""
         keys = [("forward", t) for t in self.shapes.token_buckets]
+        keys += [("score", t) for t in self.shapes.token_buckets]
         keys += [("sample", s, h, k, g) for s in self.shapes.row_buckets
                  for h in (0, self.shapes.history_width) for k in (0, sampler.MAX_LOGPROBS)
                  for g in (False, True)]
@@ -294,8 +358,26 @@ class ModelRunner:
     def run_forward(self, plan: BatchPlan) -> jax.Array:
         """`forward` without publishing (what a multi-host follower runs)."""
         forward = self._program(("forward", plan.token_ids.shape[0]))
-        self.kv_cache, logits = forward(self.params, self.kv_cache, self._put(plan))
+        self.kv_cache, logits, self._hidden = forward(self.params, self.kv_cache,
+                                                      self._put(plan))
         return logits
+
+    def score(self, target_token_ids: np.ndarray) -> ScoreOutput:
+        """Score the last forward's rows: row i's log-probability of target_token_ids[i]
+        (i32[T], T the plan's flat tokens), its rank and the top MAX_LOGPROBS."""
+        inputs = ScoreInputs(np.asarray(target_token_ids, np.int32))
+        if self.publish is not None:
+            self.publish(inputs)
+        return self.run_score(inputs)
+
+    def run_score(self, inputs: ScoreInputs) -> ScoreOutput:
+        """`score` without publishing."""
+        targets = inputs.target_token_ids
+        if self._hidden is None or targets.shape != self._hidden.shape[:1]:
+            raise ValueError(f"{targets.shape} targets for the last forward's rows")
+        program = self._program(("score", targets.shape[0]))
+        return ScoreOutput(*jax.device_get(program(self.params, self._hidden,
+                                                   self._put(targets))))
 
     def run_sample(self, logits: jax.Array, inputs: SampleInputs) -> StepOutput:
         """`sample` from its host inputs, without publishing. The sampler metadata and the

@@ -1,5 +1,5 @@
 """The aiohttp OpenAI-compatible server: its route table (the generation routes:
-entrypoints/http/openai_routes.py; models, tokenize/detokenize, health/ready, Prometheus metrics,
+entrypoints/http/openai_routes.py; models, health/ready, Prometheus metrics,
 and GET /openapi.json describing them all), the app built around the front door
 (entrypoints/http/front_door.py), and starting, attaching the engine to, and stopping it.
 """
@@ -12,21 +12,21 @@ import ssl
 from aiohttp import web
 
 from jaxserve.config import ServerConfig
-from jaxserve.errors import Forbidden, InvalidRequest, Unauthenticated
+from jaxserve.errors import Forbidden, Unauthenticated
 from jaxserve.gateway.pricing import Pricing
 from jaxserve.entrypoints.serving import protocol
 from jaxserve.entrypoints.serving import response_models as out
 from jaxserve.entrypoints.http.app_state import STATE_KEY, AppState
 from jaxserve.entrypoints.http.exposure import is_loopback
-from jaxserve.entrypoints.http.front_door import (MIDDLEWARES, caller, ratelimit_headers,
-                                                  tenant_limited)
+from jaxserve.entrypoints.http.front_door import MIDDLEWARES, caller, ratelimit_headers
 from jaxserve.entrypoints.http import anthropic_routes
 from jaxserve.entrypoints.http.openai_routes import chat_completions, completions, responses
-from jaxserve.entrypoints.http.json_body import LIMITS_KEY, parse_body
+from jaxserve.entrypoints.http import tokenizer_routes
+from jaxserve.entrypoints.http.json_body import LIMITS_KEY
 from jaxserve.telemetry.metrics import CONTENT_TYPE
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
 from jaxserve.entrypoints.http.openapi import ROUTES_KEY, Route, add_routes, openapi_document
-from jaxserve.entrypoints.serving.request_models import DetokenizeRequest, request_models
+from jaxserve.entrypoints.serving.request_models import request_models
 
 
 async def models_route(request: web.Request) -> web.Response:
@@ -50,47 +50,6 @@ async def models_route(request: web.Request) -> web.Response:
     # A model the tenant may not use does not exist for it.
     return web.json_response({"object": "list",
                               "data": [m for m in data if tenant.may_use(m["id"])]})
-
-
-def _engine_for(request: web.Request, serving: OpenAIServing, model: str | None):
-    """The engine whose tokenizer a tokenize / detokenize request means (one the tenant may
-    use: without `model`, the served model)."""
-    if model is None:
-        if serving.engine is None:
-            raise InvalidRequest("'model' is required: this server serves several models",
-                                 param="model")
-        caller(request).tenant.check_model(request.app[STATE_KEY].model_name)
-        return serving.engine
-    caller(request).tenant.check_model(model)
-    return serving.engine_for(model)
-
-
-@tenant_limited(holds_slot=False)  # answered on the event loop at once: no slot, no tokens
-async def tokenize(request: web.Request) -> web.Response:
-    state: AppState = request.app[STATE_KEY]
-    serving = state.require_serving()
-    body = await parse_body(request, request_models(state.config.limits).tokenize)
-    engine = _engine_for(request, serving, body.model)
-    tok = engine.tokenizer
-    if body.prompt is not None:
-        add_special = body.add_special_tokens is not False
-        ids = tok.encode(body.prompt, add_special_tokens=add_special)
-    elif body.messages is not None:
-        ids = tok.apply_chat_template(protocol.flatten_messages(body.messages),
-                                      add_generation_prompt=True)
-    else:
-        raise InvalidRequest("give 'prompt' (a string) or 'messages' (a list)", param="prompt")
-    return web.json_response({"tokens": list(ids), "count": len(ids),
-                              "max_model_len": engine.max_model_len})
-
-
-@tenant_limited(holds_slot=False)
-async def detokenize(request: web.Request) -> web.Response:
-    serving = request.app[STATE_KEY].require_serving()
-    body = await parse_body(request, DetokenizeRequest)
-    tok = _engine_for(request, serving, body.model).tokenizer
-    serving.check_token_ids(tok, body.tokens, "tokens")
-    return web.json_response({"prompt": tok.decode(body.tokens, skip_special_tokens=False)})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -157,10 +116,7 @@ def _routes(config: ServerConfig) -> list[Route]:
         *anthropic_routes.routes(config),
         Route("GET", "/v1/models", models_route, "The served model", ok=out.ModelList,
               errors=(401, 503), tags=("openai",)),
-        Route("POST", "/tokenize", tokenize, "Prompt or chat messages -> token ids",
-              models.tokenize, out.Tokens, errors=(400, 401, 404, 429, 503), tags=("tokens",)),
-        Route("POST", "/detokenize", detokenize, "Token ids -> text", DetokenizeRequest,
-              out.Detokenized, errors=(400, 401, 404, 429, 503), tags=("tokens",)),
+        *tokenizer_routes.routes(config),
         Route("GET", "/health", health, "Alive (200 from the start, while warming up too)",
               ok=out.Status, tags=("operations",)),
         Route("GET", "/ready", ready, "Ready to generate: 200, else 503 with the reason",

@@ -22,7 +22,9 @@ from jaxserve.entrypoints.serving import protocol
 from jaxserve.entrypoints.serving import shadow
 from jaxserve.entrypoints.serving.admission import CallContext
 from jaxserve.entrypoints.serving.calls import Call
-from jaxserve.entrypoints.serving.logprobs import chat_logprobs, completion_logprobs
+from jaxserve.entrypoints.serving.logprobs import (chat_logprobs, completion_logprobs,
+                                                   echo_logprobs, join_completion_logprobs,
+                                                   vllm_prompt_logprobs)
 from jaxserve.entrypoints.serving.outcome import Outcome
 from jaxserve.entrypoints.serving.screening import Screening
 from jaxserve.entrypoints.serving.streams import merge_streams, with_keepalive
@@ -70,6 +72,7 @@ class Generation:
         self.stop_reasons: dict[int, int | str | None] = {}  # the stop string / token id
         self.cached_tokens: dict[int, int] = {}  # per prompt: tokens served by the prefix cache
         self.completion_tokens: dict[int, int] = {}
+        self.prompt_logprobs: dict[int, list] = {}  # per prompt, when the engine scored it
         self.arrival = ctx.arrival
         self.first_token_at: float | None = None
         self.last_token_at: dict[int, float] = {}  # per choice: ITL is within one sequence
@@ -175,6 +178,8 @@ class Generation:
         if out.finished and self.ctx.trace is not None:
             self.ctx.trace.engine_done(stream_index, out.metrics,
                                        sum(len(c.token_ids) for c in out.outputs))
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[stream_index] = out.prompt_logprobs
         self.cached_tokens[stream_index] = out.num_cached_tokens
         for comp in out.outputs:
             choice = stream_index * self.n + comp.index
@@ -182,6 +187,8 @@ class Generation:
                 continue
             t0, k0 = self.sent_text.get(choice, 0), self.sent_tokens.get(choice, 0)
             text, ids = comp.text[t0:], list(comp.token_ids[k0:])
+            if self.parsed.score_only:  # the one token drawn is not part of the answer
+                text, ids = "", []
             if ids and metrics is not None:
                 if self.first_token_at is None:
                     metrics.ttft.labels(*self.labels, self.tenant).observe(
@@ -204,6 +211,11 @@ class Generation:
             if comp.finish_reason is not None:
                 finish = self.finish_reasons[choice] = comp.finish_reason
                 self.stop_reasons[choice] = comp.stop_reason
+            if self.parsed.score_only:
+                logprobs = [] if logprobs is not None else None
+                self.completion_tokens[choice] = 0
+                if finish is not None and finish in ("stop", "length"):
+                    finish = self.finish_reasons[choice] = "length"
             if self.screening is not None:
                 text, ids, logprobs, blocked = self.screening.output(
                     choice, comp.text, text, ids, logprobs, comp.finish_reason is not None,
@@ -218,6 +230,16 @@ class Generation:
         if not self.parsed.echo:
             return ""
         return self.tokenizer.decode(self.prompt_ids[choice // self.n])
+
+    def _prompt_lps(self, choice: int) -> list:
+        """The engine's prompt logprobs of the choice's prompt (all None if it never scored:
+        the request ended first)."""
+        prompt = choice // self.n
+        return self.prompt_logprobs.get(prompt) or [None] * len(self.prompt_ids[prompt])
+
+    def _echo_logprobs(self, choice: int) -> dict:
+        return echo_logprobs(self.tokenizer, self._prompt_lps(choice),
+                             self.prompt_ids[choice // self.n], self.parsed.logprobs)
 
     async def response(self) -> dict:
         """Run to completion and build the non-streaming response body."""
@@ -240,13 +262,22 @@ class Generation:
                                 "finish_reason": finish})
             else:
                 prefix = self._echo_prefix(i)
-                choices.append({"index": i, "text": prefix + texts[i],
-                                "logprobs": completion_logprobs(tok, ids[i], lps[i], len(prefix))
-                                if self.want_logprobs else None,
+                logprobs = None
+                if self.want_logprobs:
+                    logprobs = completion_logprobs(tok, ids[i], lps[i], len(prefix))
+                    if self.parsed.echo:
+                        logprobs = join_completion_logprobs(self._echo_logprobs(i), logprobs)
+                choices.append({"index": i, "text": prefix + texts[i], "logprobs": logprobs,
                                 "finish_reason": self.finish_reasons.get(i)})
+                if self.parsed.prompt_logprobs is not None:  # vLLM's: per choice
+                    choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(
+                        tok, self._prompt_lps(i), self.parsed.prompt_logprobs)
         body = {"id": self.id, "object": self.object, "created": self.created,
                 "model": self.version.name, "system_fingerprint": self.version.fingerprint,
                 "choices": choices, "usage": self.usage()}
+        if self.chat and self.parsed.prompt_logprobs is not None:  # vLLM's: one prompt
+            body["prompt_logprobs"] = vllm_prompt_logprobs(tok, self._prompt_lps(0),
+                                                           self.parsed.prompt_logprobs)
         if self.citations is not None:
             body["citations"] = self.citations
         return body
@@ -265,6 +296,7 @@ class Generation:
         """Streaming chunks in OpenAI's shape; None where a keep-alive should go out."""
         tok = self.tokenizer
         offsets: dict[int, int] = {}
+        echo_pending: set[int] = set()  # echo with logprobs: prompt not sent yet
         if self.chat:  # OpenAI opens each choice with the assistant role
             first = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}
@@ -276,13 +308,21 @@ class Generation:
             for i in range(self.num_choices):
                 prefix = self._echo_prefix(i)
                 offsets[i] = len(prefix)
-                yield self._chunk([{"index": i, "text": prefix, "logprobs": None,
-                                    "finish_reason": None}])
+                if self.want_logprobs:  # its logprobs come with the engine's first output
+                    echo_pending.add(i)
+                else:
+                    yield self._chunk([{"index": i, "text": prefix, "logprobs": None,
+                                        "finish_reason": None}])
         async for item in with_keepalive(self.streams(), keepalive_seconds):
             if item is None:
                 yield None
                 continue
             for choice, text, ids, lps, finish in self._deltas(*item):
+                if choice in echo_pending:
+                    echo_pending.discard(choice)
+                    yield self._chunk([{"index": choice, "text": self._echo_prefix(choice),
+                                        "logprobs": self._echo_logprobs(choice),
+                                        "finish_reason": None}])
                 if self.chat:
                     delta, finish = self.tool_output.delta(choice, text, finish)
                     if not delta and finish is None and not self.want_logprobs:

@@ -26,7 +26,8 @@ _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
     # vLLM-style extras
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-    "skip_special_tokens", "include_stop_str_in_output", "num_speculative_tokens")
+    "skip_special_tokens", "include_stop_str_in_output", "num_speculative_tokens",
+    "prompt_logprobs")
 _DEFAULT_LIMITS = RequestLimits()
 
 
@@ -48,6 +49,10 @@ class ParsedRequest:
     continuous_usage: bool = False  # usage on every streamed chunk (vLLM's extension)
     user: str | None = None  # OpenAI's end-user id: the key of a route with sticky = "user"
     chat_template_kwargs: dict | None = None  # chat only: more chat-template variables
+    # completions' echo with max_tokens 0: the prompt is scored, the one token the engine draws
+    # is dropped from the answer
+    score_only: bool = False
+    prompt_logprobs: int | None = None  # vLLM's field: top-n of the response's prompt_logprobs
 
 
 def _sampling_params(body, **fields) -> SamplingParams:
@@ -60,7 +65,7 @@ def _sampling_params(body, **fields) -> SamplingParams:
         kwargs["stop_token_ids"] = tuple(body.stop_token_ids)
     stop = body.stop
     kwargs["stop"] = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
-    return SamplingParams(**kwargs, **fields)
+    return SamplingParams(**{**kwargs, **fields})
 
 
 def _include_usage(body) -> bool:
@@ -85,7 +90,8 @@ def parse_chat_request(body: Any, limits: RequestLimits = _DEFAULT_LIMITS) -> Pa
     return ParsedRequest("chat", req.model, [flatten_messages(req.messages)], params,
                          bool(req.stream), _include_usage(req), False, logprobs,
                          max_tokens is not None, rag, tools, tool_choice, parallel,
-                         _continuous_usage(req), req.user, req.chat_template_kwargs)
+                         _continuous_usage(req), req.user, req.chat_template_kwargs,
+                         prompt_logprobs=req.prompt_logprobs)
 
 
 def flatten_messages(messages) -> list[dict]:
@@ -121,10 +127,16 @@ def parse_completion_request(body: Any, limits: RequestLimits = _DEFAULT_LIMITS
     else:
         prompts = [prompt]  # one prompt of token ids
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
-    params = _sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    score_only = max_tokens == 0  # with echo (checked by the model)
+    fields = dict(max_tokens=max(max_tokens, 1), logprobs=req.logprobs)
+    if req.echo and req.logprobs is not None:
+        # The echoed prompt's tokens carry logprobs too: the engine scores the prompt.
+        fields["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
+    params = _sampling_params(req, **fields)
     return ParsedRequest("completion", req.model, prompts, params, bool(req.stream),
                          _include_usage(req), bool(req.echo), req.logprobs, True,
-                         continuous_usage=_continuous_usage(req), user=req.user)
+                         continuous_usage=_continuous_usage(req), user=req.user,
+                         score_only=score_only, prompt_logprobs=req.prompt_logprobs)
 
 
 def prompt_ids(tokenizer, parsed: ParsedRequest, prompt) -> list[int]:

@@ -320,6 +320,19 @@ class RequestModels:
     responses: type[Body]
 
 
+# /tokenize and /detokenize answer on the event loop: their inputs stay small enough to take
+# milliseconds (a longer prompt cannot be a prompt: max_model_len tokens are far fewer).
+MAX_TOKENIZE_CHARS = 1 << 20
+MAX_DETOKENIZE_TOKENS = 1 << 17
+
+
+def _no_streamed_prompt_logprobs(body) -> None:
+    # As vLLM: prompt_logprobs come whole, in a non-streamed response.
+    if body.prompt_logprobs is not None and body.stream:
+        raise InvalidRequest("'prompt_logprobs' is not available with 'stream': true",
+                             param="prompt_logprobs")
+
+
 @functools.cache
 def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
     """The generation request models under `limits` (one set per limits value)."""
@@ -372,6 +385,9 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
         max_completion_tokens: Int | None = Field(None, description="Wins over `max_tokens`.")
         logprobs: bool | None = None
         top_logprobs: top_n | None = None
+        prompt_logprobs: top_n | None = Field(
+            None, description="vLLM's extension: each prompt token's logprob, rank and the top n "
+                              "(the response's `prompt_logprobs`; not with `stream`).")
         rag: RagOption | None = None
         response_format: ResponseFormat | None = None
         tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
@@ -388,6 +404,7 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
             if self.top_logprobs is not None and not self.logprobs:
                 raise InvalidRequest("'top_logprobs' requires 'logprobs': true",
                                      param="top_logprobs")
+            _no_streamed_prompt_logprobs(self)
             if self.chat_template_kwargs is not None:
                 check_template_kwargs(self.chat_template_kwargs)
             return self
@@ -398,21 +415,32 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
                  | Annotated[list[Annotated[list[Int], Field(min_length=1)]], few]) = Field(
             description="A string, a list of strings, a list of token ids, or a list of such "
                         "lists (each prompt gets `n` choices).")
-        echo: bool | None = None
+        echo: bool | None = Field(None, description="Put the prompt before each choice's "
+                                                    "text; with `logprobs`, its tokens' logprobs "
+                                                    "before the generated ones (the first null). "
+                                                    "`max_tokens` 0 then scores the prompt "
+                                                    "without generating.")
         logprobs: top_n | None = None
+        prompt_logprobs: top_n | None = Field(
+            None, description="vLLM's extension: each prompt token's logprob, rank and the top n "
+                              "(each choice's `prompt_logprobs`; not with `stream`).")
 
         @model_validator(mode="after")
         def _echo(self):
-            if self.echo and self.logprobs is not None:
-                raise InvalidRequest("'echo' with 'logprobs' (prompt logprobs) is not supported",
-                                     param="echo")
+            if self.max_tokens == 0 and not self.echo:
+                raise InvalidRequest("'max_tokens' 0 (score the prompt only) needs 'echo': true",
+                                     param="max_tokens")
+            _no_streamed_prompt_logprobs(self)
             return self
 
     class TokenizeRequest(Body):
         model: str | None = None
-        prompt: str | None = None
+        prompt: Annotated[str, Field(max_length=MAX_TOKENIZE_CHARS)] | None = None
         messages: message_list | None = None
         add_special_tokens: bool | None = None
+        add_generation_prompt: bool | None = Field(None, description="With `messages` (default "
+                                                                     "true).")
+        return_token_strs: bool | None = Field(None, description="Each token's text too.")
 
     class ResponsesRequest(Body):
         """Nothing is stored: `store` true and `previous_response_id` are refused."""
@@ -459,7 +487,7 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
 
 class DetokenizeRequest(Body):
     model: str | None = None
-    tokens: list[Int]
+    tokens: Annotated[list[Int], Field(max_length=MAX_DETOKENIZE_TOKENS)]
 
 
 class EmbeddingRequest(Body):

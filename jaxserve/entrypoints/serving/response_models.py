@@ -78,6 +78,16 @@ class ToolCallDelta(Reply):
     function: FunctionCallDelta | None = None
 
 
+class PromptTokenLogprob(Reply):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt token (the first null), token id -> its logprob.
+PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
+
+
 class ChatChoice(Reply):
     index: int
     message: AssistantMessage
@@ -94,6 +104,7 @@ class ChatCompletion(Reply):
     choices: list[ChatChoice]
     usage: Usage
     citations: list[Citation] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's `prompt_logprobs`
 
 
 class ChatDelta(Reply):
@@ -125,9 +136,11 @@ class ChatCompletionChunk(Reply):
 
 
 class CompletionLogprobs(Reply):
+    """With `echo`, the prompt's tokens first: the very first one has no logprob (null)."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -136,6 +149,7 @@ class CompletionChoice(Reply):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's `prompt_logprobs`
 
 
 class Completion(Reply):
@@ -187,6 +201,19 @@ class Tokens(Reply):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None  # with `return_token_strs`
+
+
+class TokenizerInfo(Reply):
+    """vLLM's /tokenizer_info: tokenizer_config.json's fields."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
 
 
 class Detokenized(Reply):
