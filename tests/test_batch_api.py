@@ -323,3 +323,38 @@ def test_sigkill_mid_batch_then_restart_runs_every_line_exactly_once(tiny_path, 
         ran_in = before if int(r["custom_id"]) + 1 in done else after
         assert r["response"]["request_id"] in ran_in, r
     assert "Traceback" not in logs[1].read_text()
+
+
+# ---------------------------------------------------------------- the store alone
+
+
+def test_store_counts_a_line_once_and_bounds_each_tenant(tmp_path):
+    from jaxserve.errors import Conflict, NotFound, QuotaExceeded
+
+    store = BatchStore(tmp_path)
+    f = store.add_file("acme", "batch", "in.jsonl", b"x" * 10, max_tenant_bytes=16)
+    with pytest.raises(QuotaExceeded):
+        store.add_file("acme", "batch", "more.jsonl", b"x" * 7, max_tenant_bytes=16)
+    with pytest.raises(NotFound):
+        store.file_content("globex", f["id"])
+    obj = {"id": "batch_1", "input_file_id": f["id"], "status": "in_progress", "usage": None,
+           "request_counts": {"total": 2, "completed": 0, "failed": 0}}
+    store.add_batch("acme", None, dict(obj), max_active=1)
+    with pytest.raises(QuotaExceeded):
+        store.add_batch("acme", None, {**obj, "id": "batch_2"}, max_active=1)
+    with pytest.raises(NotFound):
+        store.add_batch("globex", None, {**obj, "id": "batch_3"}, max_active=1)
+    with pytest.raises(Conflict):  # the input of an unfinished batch
+        store.delete_file("acme", f["id"])
+    for _ in range(2):  # a line recorded twice (a retried commit) counts once
+        store.record("batch_1", 1, True, {"custom_id": "a"}, (5, 2, 1, 0))
+    got = store.batch("acme", "batch_1")
+    assert got["request_counts"] == {"total": 2, "completed": 1, "failed": 0}
+    assert (got["usage"]["input_tokens"], got["usage"]["output_tokens"]) == (5, 2)
+    ended = store.finalize("batch_1", "expired", [{"custom_id": "b", "error": {}}])
+    assert ended["status"] == "expired" and ended["expired_at"] is not None
+    assert ended["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+    assert store.finalize("batch_1", "completed", []) == ended  # ended once
+    assert store.file_content("acme", ended["error_file_id"]).count(b"\n") == 1
+    assert store.delete_file("acme", f["id"])["deleted"]
+    store.close()

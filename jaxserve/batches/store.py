@@ -131,7 +131,7 @@ class BatchStore:
                     raise QuotaExceeded(
                         f"this file would bring your stored files to {held + len(content)} "
                         f"bytes, over the server's limit of {max_tenant_bytes}; delete files "
-                        f"you no longer need", None, "file")
+                        f"you no longer need", "file")
             return self._insert_file(db, tenant, purpose, filename, content)
         return self._tx(add)
 
@@ -208,7 +208,7 @@ class BatchStore:
                 f"({', '.join('?' * len(UNFINISHED))})", (tenant, *UNFINISHED)).fetchone()[0]
             if active >= max_active:
                 raise QuotaExceeded(f"you have {active} unfinished batches, the server's limit; "
-                                    f"wait for one to finish or cancel one", None)
+                                    f"wait for one to finish or cancel one")
             db.execute("INSERT INTO batches (id, tenant, key_id, status, input_file_id, obj) "
                        "VALUES (?, ?, ?, ?, ?, ?)", (obj["id"], tenant, key_id, obj["status"],
                                                      obj["input_file_id"], json.dumps(obj)))
