@@ -204,25 +204,17 @@ class ReasoningStream:
         return ReasoningDelta(reasoning, content)
 
 
-class HarmonyReasoningStream:
-    """ReasoningStream's interface over Harmony: each feed returns what the whole text's
-    `parts` added since (both only grow as text comes)."""
+class HarmonyReasoningStream(ReasoningStream):
+    """ReasoningStream over Harmony: each feed returns what the whole text's `parts` added
+    since (both only grow as text comes)."""
 
     def __init__(self, parser: HarmonyReasoningParser):
-        self._parser = parser
-        self._text = ""
+        super().__init__(parser, in_reasoning=False)
         self._sent = ("", "")
 
     @property
     def reasoning_started(self) -> bool:
         return bool(self._sent[0])
-
-    def feed(self, delta: str) -> ReasoningDelta:
-        self._text += delta
-        return self._diff(final=False)
-
-    def finish(self) -> ReasoningDelta:
-        return self._diff(final=True)
 
     def _diff(self, final: bool) -> ReasoningDelta:
         reasoning, content = self._parser.parts(self._text, final)
