@@ -217,3 +217,54 @@ def test_hf_logits_and_greedy_tokens_on_2_devices():
     assert runner.params["layers"]["kv_b_proj"].sharding.spec == P(None, None, sharding.MODEL,
                                                                    None)
     assert runner.params["moe"]["gate_proj"].sharding.spec == P(None, sharding.MODEL, None, None)
+
+
+# DeepSeek's tool-call format, as its chat templates write a call.
+def _ds_call(name: str, arguments: str) -> str:
+    return (f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{arguments}\n```"
+            f"<｜tool▁call▁end｜>")
+
+
+_DS_OUTPUT = ("Let me check.<｜tool▁calls▁begin｜>" + _ds_call("get_weather", '{"city": "Paris"}')
+              + "\n" + _ds_call("get_time", '{"tz": "CET", "at": [1, {"h": 2}]}')
+              + "<｜tool▁calls▁end｜>")
+
+
+def test_deepseek_tool_calls_parse_whole_and_streamed_alike():
+    from jaxserve.tool_calling.parsers import detect, get_tool_parser
+
+    parser = get_tool_parser("deepseek_v3")
+    assert detect("{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'}}") == "deepseek_v3"
+    whole = parser.parse(_DS_OUTPUT)
+    assert whole.content == "Let me check."
+    assert [(c.name, c.arguments) for c in whole.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "CET", "at": [1, {"h": 2}]}')]
+    stream, content, names, arguments = parser.stream(), "", {}, {}
+    for delta in [*(stream.feed(ch) for ch in _DS_OUTPUT), stream.finish()]:
+        content += delta.content
+        for d in delta.tool_calls:
+            f = d.get("function", {})
+            names.setdefault(d["index"], f.get("name"))
+            arguments[d["index"]] = arguments.get(d["index"], "") + f.get("arguments", "")
+    assert content == whole.content and list(names.values()) == ["get_weather", "get_time"]
+    assert list(arguments.values()) == [c.arguments for c in whole.tool_calls]
+    # Malformed: the whole text is content; cut by max_tokens: the call so far.
+    bad = "<｜tool▁calls▁begin｜>" + _ds_call("f", "[1]")
+    assert parser.parse(bad).tool_calls == [] and parser.parse(bad).content == bad
+    cut = parser.parse(_DS_OUTPUT[:_DS_OUTPUT.index("Paris") + 3], cut=True)
+    assert [(c.name, c.arguments) for c in cut.tool_calls] == [("get_weather", '{"city": "Par')]
+    assert parser.parse("no calls").content == "no calls"
+
+
+def test_r1_reasoning_then_deepseek_tool_calls_make_one_message():
+    """DeepSeek-R1's output starts inside its think block (its template opens it in the prompt):
+    the deepseek_r1 reasoning parser takes the block, the deepseek_v3 parser the calls after."""
+    from jaxserve.entrypoints.serving.tool_output import ToolCallOutput
+    from jaxserve.reasoning.parsers import get_reasoning_parser
+    from jaxserve.tool_calling.parsers import get_tool_parser
+
+    output = ToolCallOutput(get_tool_parser("deepseek_v3"), get_reasoning_parser("deepseek_r1"))
+    message, finish = output.message("I need the weather.\n</think>\n\n" + _DS_OUTPUT, "stop")
+    assert finish == "tool_calls" and message["reasoning_content"] == "I need the weather."
+    assert message["content"] == "Let me check."
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"]

@@ -14,6 +14,9 @@ One parser per model family, chosen by name (vLLM's `--tool-call-parser` names):
   a call, its body the arguments' JSON; content is the text before the first (as the
   `openai_gptoss` reasoning parser passes on the final answer's text). Forced calls are not
   written for it (tool_choice "required" / named: a 400).
+- `deepseek_v3` (DeepSeek-V3 / R1): content, then `<｜tool▁calls▁begin｜>` and calls
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` with the arguments in a ```json fence, each
+  closed by `<｜tool▁call▁end｜>`. Special tokens; no forced calls (a 400), as `openai`.
 `detect` picks one from a chat template (`--tool-call-parser auto`).
 
 A call's `arguments` is the JSON text of the arguments object exactly as the model wrote it (so
@@ -418,6 +421,73 @@ def _json_object(text: str) -> bool:
         return False
 
 
+class DeepSeekV3ToolParser(ToolParser):
+    """DeepSeek-V3 / R1: content, then `<｜tool▁calls▁begin｜>` and one or more calls
+    `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` + "\\n```json\\n" + arguments + "\\n```" +
+    `<｜tool▁call▁end｜>` (newlines between), then `<｜tool▁calls▁end｜>`: the format DeepSeek's
+    chat templates write. Its markers are special tokens."""
+
+    name = "deepseek_v3"
+    needs_special_tokens = True
+    CALLS, CALL, SEP, END = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+                             "<｜tool▁call▁end｜>")
+    CALLS_END = "<｜tool▁calls▁end｜>"
+    FENCE, CLOSE = "```json", "```"
+
+    def _scan(self, text: str, final: bool) -> tuple[int, list[_Call]]:
+        first = text.find(self.CALLS)
+        if first < 0:
+            return _content_end(text, self.CALLS, final), []
+        calls, pos = [], _skip_ws(text, first + len(self.CALLS))
+        while pos < len(text):
+            if not text.startswith(self.CALL, pos):
+                # The calls' end marker (or, while streaming, part of a marker) ends the list.
+                if not (self.CALL.startswith(text[pos:]) or text.startswith(self.CALLS_END, pos)
+                        or self.CALLS_END.startswith(text[pos:])):
+                    calls.append(_BAD)
+                break
+            call, pos = self._call(text, pos + len(self.CALL))
+            calls.append(call)
+            if not call.complete or not call.ok:
+                break
+            pos = _skip_ws(text, pos)
+        return len(text[:first].rstrip()), calls
+
+    def _call(self, text: str, pos: int) -> tuple[_Call, int]:
+        """One call after its begin marker: (the call, the index past its end marker)."""
+        sep = text.find(self.SEP, pos)
+        line = text.find("\n", sep) if sep >= 0 else -1
+        if line < 0:
+            return _Call(None, None, False), len(text)
+        name = text[sep + len(self.SEP):line]
+        fence = _skip_ws(text, line)
+        if not text.startswith(self.FENCE, fence):
+            ok = self.FENCE.startswith(text[fence:])  # still being written
+            return (_Call(name, None, False) if ok else _BAD), len(text)
+        brace = _skip_ws(text, fence + len(self.FENCE))
+        if brace >= len(text):
+            return _Call(name, None, False), len(text)
+        if text[brace] != "{":
+            return _BAD, len(text)
+        end = _scan_object(text, brace)[1]
+        if end is None:
+            return _Call(name, (brace, None), False), len(text)
+        close = _skip_ws(text, end)
+        if text.startswith(self.CLOSE, close):
+            after = _skip_ws(text, close + len(self.CLOSE))
+            if text.startswith(self.END, after):
+                return _Call(name, (brace, end), True), after + len(self.END)
+            ok = self.END.startswith(text[after:])
+        else:
+            ok = self.CLOSE.startswith(text[close:])
+        return (_Call(name, (brace, end), False) if ok else _BAD), len(text)
+
+    def forced_grammar(self, call: str, parallel: bool) -> str:
+        raise InvalidRequest("tool_choice 'required' or a named function is not supported with "
+                             "DeepSeek's tool calls (the deepseek_v3 tool-call parser): use "
+                             "'auto'", param="tool_choice")
+
+
 def _json_array(text: str, pos: int) -> list[_Call]:
     """Calls written as a JSON array at text[pos] ('['): `[{...}, {...}]`."""
     calls = []
@@ -444,14 +514,15 @@ def _lark(literal: str) -> str:
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                              Phi4MiniJsonToolParser, OpenAIToolParser)}
+                              Phi4MiniJsonToolParser, OpenAIToolParser,
+                              DeepSeekV3ToolParser)}
 
 
 def detect(chat_template: str | None) -> str:
     """The tool-call parser a chat template implies: the call format it writes or teaches (a
     template that renders no tools gets jaxserve's fallback prompt, whose format is hermes)."""
     template = chat_template or ""
-    for marker, name in (("<|call|>", "openai"), ("[TOOL_CALLS]", "mistral"),
+    for marker, name in (("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("<|call|>", "openai"), ("[TOOL_CALLS]", "mistral"),
                          ("<|python_tag|>", "llama3_json"),
                          ("functools[", "phi4_mini_json"), ("<tool_call>", "hermes")):
         if marker in template:
