@@ -31,6 +31,7 @@ DEVICES = 4
 _CHILD = "JAXSERVE_EP_CHILD"
 needs_4 = pytest.mark.skipif(jax.device_count() < DEVICES, reason="runs in the 4-device child")
 
+_ENGINES = {}  # devices -> the LLM its HF test built (the load test reuses it)
 MOE = ModelConfig(name="moe", vocab_size=16, hidden_size=8, intermediate_size=12, num_layers=1,
                   num_heads=2, num_kv_heads=1, head_dim=4, num_experts=8, experts_per_token=2,
                   moe_intermediate_size=6)
@@ -42,10 +43,10 @@ def test_expert_parallel_in_4_device_subprocess():
                JAX_PLATFORMS="cpu", **{_CHILD: "1"})
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           str(Path(__file__).relative_to(root)), "-k", "devices"],
+                           str(Path(__file__).relative_to(root)), "-k", "on_devices"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "4 passed" in proc.stdout, proc.stdout[-2000:]
+    assert "5 passed" in proc.stdout, proc.stdout[-2000:]
 
 
 @needs_4
@@ -75,11 +76,65 @@ def test_moe_layer_on_devices_equals_one_device(n):
 def test_qwen3_moe_on_devices_gives_hfs_logits_and_greedy_tokens(n):
     from tests.test_model_families import _check_engine
 
-    llm = _check_engine("qwen3_moe", tensor_parallel_size=n, enable_expert_parallel=True)
+    llm = _ENGINES[n] = _check_engine("qwen3_moe", tensor_parallel_size=n,
+                                      enable_expert_parallel=True)
     params = llm.engine.runner.params
     assert params["moe"]["gate_proj"].sharding.spec == P(None, sharding.MODEL, None, None)
     assert params["moe"]["router"].sharding.spec == P(None, None, None)
     assert params["dense_mlp"]["gate_proj"].sharding.spec == P(None, None, sharding.MODEL)
+
+
+def _count_one_forward(llm) -> tuple[int, ...]:
+    """The expert counts of one forward over 5 tokens padded to 8 (the engine's own bucket)."""
+    from jaxserve.executor.batch_plan import SeqChunk, make_plan
+
+    runner, shapes = llm.engine.runner, llm.engine.runner.shapes
+    runner.expert_load.fold()
+    before = np.array(runner.expert_load.totals()[0])
+    plan = make_plan([SeqChunk([5, 9, 77, 3, 120], 0, [1, 2])], num_tokens_padded=8,
+                     num_seqs_padded=shapes.seq_bucket(8), pages_per_seq=shapes.pages_per_seq,
+                     page_size=shapes.page_size, num_rows_padded=8)
+    runner.run_forward(plan)
+    runner.expert_load.fold()
+    return tuple(np.array(runner.expert_load.totals()[0]) - before)
+
+
+def test_expert_load_is_counted_and_exported():
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.telemetry.metrics import ServerMetrics
+    from tests.test_model_families import FIXTURES, engine_args
+
+    llm = LLM(str(FIXTURES / "qwen3_moe"), **engine_args())
+    counts = _count_one_forward(llm)
+    # 5 tokens (not the 3 padding rows) x top-2 x the 2 sparse layers of 3.
+    assert len(counts) == 4 and sum(counts) == 5 * 2 * 2
+    stats = llm.engine.stats()
+    assert stats.expert_tokens == counts and stats.expert_steps == 1
+    text = ServerMetrics(lambda: {"m": [stats]}).render().decode()
+    for e, count in enumerate(counts):
+        assert f'jaxserve:moe_expert_tokens_total{{expert="{e}",model_name="m",replica="0",' \
+               f'route=""}} {float(count)}' in text
+    assert 'jaxserve:moe_steps_total{model_name="m",replica="0",route=""} 1.0' in text
+    assert 'jaxserve:moe_device_imbalance{model_name="m",replica="0",route=""} 1.0' in text
+
+
+@needs_4
+def test_expert_load_on_devices_is_counted_alike():
+    """The engines of the test above (2 and 4 devices) count the same forward alike, and the
+    metrics spread it over the devices."""
+    from jaxserve.telemetry.metrics import ServerMetrics
+
+    counts = {n: _count_one_forward(_ENGINES[n]) for n in (2, 4)}
+    assert counts[2] == counts[4] and sum(counts[2]) == 5 * 2 * 2
+    stats = _ENGINES[2].engine.stats()
+    assert stats.expert_parallel_size == 2
+    text = ServerMetrics(lambda: {"m": [stats]}).render().decode()
+    per_device = [sum(stats.expert_tokens[:2]), sum(stats.expert_tokens[2:])]
+    assert f'jaxserve:moe_device_tokens_total{{device="1",model_name="m",replica="0",' \
+           f'route=""}} {float(per_device[1])}' in text
+    imbalance = max(per_device) / (sum(per_device) / 2)
+    assert f'jaxserve:moe_device_imbalance{{model_name="m",replica="0",route=""}} {imbalance}' \
+        in text
 
 
 def test_experts_not_divisible_by_the_ep_size_is_one_clear_error():

@@ -64,6 +64,12 @@ class EngineStats:
     num_new_by_priority: dict[int, int]  # waiting sequences never admitted (sheddable)
     num_draft_tokens: int = 0  # speculative tokens proposed and verified
     num_accepted_draft_tokens: int = 0  # of which the model confirmed
+    # A mixture of experts (jaxserve.executor.expert_load): token copies routed to each expert
+    # since start, summed over the sparse layers; the steps they cover; the devices the experts
+    # are spread over, E / n contiguous ones each.
+    expert_tokens: tuple[int, ...] = ()
+    expert_steps: int = 0
+    expert_parallel_size: int = 1
 
 
 class _SamplingRows(NamedTuple):
@@ -354,10 +360,13 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
+        load = self.runner.expert_load
+        expert_tokens, expert_steps = load.totals() if load is not None else ((), 0)
         return EngineStats(s.num_running, s.num_waiting, s.pages_in_use, s.pages_cached_free,
                            s.num_usable_pages, s.prefix_cache_queries, s.prefix_cache_hits,
                            s.num_preemptions, self.output_processor.prompt_tokens,
                            self.output_processor.generation_tokens,
                            self.output_processor.num_finished, s.num_new_by_priority,
-                           s.num_draft_tokens, s.num_accepted_draft_tokens)
+                           s.num_draft_tokens, s.num_accepted_draft_tokens, expert_tokens,
+                           expert_steps, load.expert_parallel_size if load is not None else 1)
 

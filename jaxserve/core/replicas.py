@@ -86,10 +86,13 @@ class ReplicaSet:
     def stats(self) -> EngineStats:
         """The replicas' numbers summed (num_usable_pages too: the pools of all replicas)."""
         per = self.replica_stats()
+        apart = ("num_new_by_priority", "expert_tokens", "expert_parallel_size")
         total = {f.name: sum(getattr(s, f.name) for s in per) for f in fields(EngineStats)
-                 if f.name != "num_new_by_priority"}
+                 if f.name not in apart}
         return EngineStats(**total, num_new_by_priority=dict(
-            sum((Counter(s.num_new_by_priority) for s in per), Counter())))
+            sum((Counter(s.num_new_by_priority) for s in per), Counter())),
+            expert_tokens=tuple(map(sum, zip(*(s.expert_tokens for s in per)))),
+            expert_parallel_size=per[0].expert_parallel_size)
 
     def admit(self, num_seqs: int, max_queued: int | None, priority: int = 0) -> None:
         """AsyncEngine.admit over the whole set: when all replicas' queued sequences plus these

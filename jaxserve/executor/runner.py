@@ -46,6 +46,7 @@ import numpy as np
 
 from jaxserve.executor import sampler
 from jaxserve.executor.batch_plan import BatchPlan, StepShapes, pages_for
+from jaxserve.executor.expert_load import ExpertLoad
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.errors import ConfigError
 from jaxserve.executor.models import decoder
@@ -158,9 +159,17 @@ class SampleInputs(NamedTuple):
 
 
 def _forward(params: dict, kv_cache: jax.Array, plan: BatchPlan, *, config: ModelConfig,
-             mesh: jax.sharding.Mesh | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    hidden, kv_cache = decoder.forward(params, config, kv_cache, plan, mesh)
-    return kv_cache, decoder.compute_logits(params, config, hidden[plan.logits_indices]), hidden
+             mesh: jax.sharding.Mesh | None) -> tuple[jax.Array, ...]:
+    """(kv_cache, logits of the sampling rows, hidden, a mixture's expert counts i32 [E] or
+    [0]: jaxserve.executor.expert_load)."""
+    expert_tokens = jnp.zeros((0,), jnp.int32)
+    if config.num_experts:
+        hidden, kv_cache, expert_tokens = decoder.forward_with_expert_tokens(
+            params, config, kv_cache, plan, mesh)
+    else:
+        hidden, kv_cache = decoder.forward(params, config, kv_cache, plan, mesh)
+    logits = decoder.compute_logits(params, config, hidden[plan.logits_indices])
+    return kv_cache, logits, hidden, expert_tokens
 
 
 def _score(params: dict, hidden: jax.Array, targets: jax.Array, *,
@@ -229,7 +238,8 @@ class ModelRunner:
                 forward, donate_argnums=1,
                 in_shardings=(decoder.param_shardings(config, mesh), kv_sharding,
                               self._replicated),
-                out_shardings=(kv_sharding, self._replicated, self._replicated))
+                out_shardings=(kv_sharding, self._replicated, self._replicated,
+                               self._replicated))
             self._score_jit = jax.jit(
                 score, in_shardings=(decoder.param_shardings(config, mesh), self._replicated,
                                      self._replicated), out_shardings=self._replicated)
@@ -241,6 +251,9 @@ class ModelRunner:
         self.num_serving_compiles = 0
         self._warm = False
         self._hidden: jax.Array | None = None  # of the last forward: what `score` reads
+        self.expert_load = (ExpertLoad(config.num_experts, (
+            mesh.shape[sharding.MODEL] if config.expert_parallel and mesh is not None else 1))
+            if config.num_experts else None)
         log.info("%s", paths.summary(matmul_off=decoder.why_matmul_off(config, mesh)))
 
     @property
@@ -358,8 +371,10 @@ class ModelRunner:
     def run_forward(self, plan: BatchPlan) -> jax.Array:
         """`forward` without publishing (what a multi-host follower runs)."""
         forward = self._program(("forward", plan.token_ids.shape[0]))
-        self.kv_cache, logits, self._hidden = forward(self.params, self.kv_cache,
-                                                      self._put(plan))
+        self.kv_cache, logits, self._hidden, expert_tokens = forward(
+            self.params, self.kv_cache, self._put(plan))
+        if expert_tokens.shape[0]:
+            self.expert_load.add(expert_tokens)
         return logits
 
     def score(self, target_token_ids: np.ndarray) -> ScoreOutput:

@@ -68,6 +68,38 @@ class _EngineCollector:
                     family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
                     families[name] = family(f"jaxserve:{name}", doc, labels=labels)
                 families[name].add_metric([version, "", str(replica)], float(value))
+            if s.expert_tokens:
+                _add_expert_load(families, labels, [version, "", str(replica)], s)
+
+
+def _add_expert_load(families: dict, labels: list[str], values: list[str], s) -> None:
+    """A mixture of experts' load (jaxserve.executor.expert_load): per expert, per
+    expert-parallel device, and how uneven the devices are."""
+    def family(kind: str, name: str, doc: str, extra: tuple[str, ...] = ()):
+        if name not in families:
+            cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            families[name] = cls(f"jaxserve:{name}", doc, labels=[*labels, *extra])
+        return families[name]
+
+    tokens, n = s.expert_tokens, s.expert_parallel_size
+    experts = family("counter", "moe_expert_tokens",
+                     "Tokens routed to each expert, summed over the sparse layers (per step "
+                     "and layer: divide by moe_steps and the number of sparse layers).",
+                     ("expert",))
+    for e, count in enumerate(tokens):
+        experts.add_metric([*values, str(e)], float(count))
+    family("counter", "moe_steps", "Forward steps the expert counts cover.").add_metric(
+        values, float(s.expert_steps))
+    per_device = [sum(tokens[d * len(tokens) // n:(d + 1) * len(tokens) // n]) for d in range(n)]
+    devices = family("counter", "moe_device_tokens",
+                     "Tokens routed to the experts of each expert-parallel device (device d "
+                     "holds experts d*E/n to (d+1)*E/n - 1).", ("device",))
+    for d, count in enumerate(per_device):
+        devices.add_metric([*values, str(d)], float(count))
+    mean = sum(per_device) / n
+    family("gauge", "moe_device_imbalance",
+           "The busiest expert-parallel device's tokens over the mean device's, since start "
+           "(1: balanced).").add_metric(values, max(per_device) / mean if mean else 1.0)
 
 
 class _FleetCollector:

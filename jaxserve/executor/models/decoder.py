@@ -297,11 +297,12 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, carry, layer: jax.Array, batch: BatchPlan,
-                 stacked_projections: dict | None = None, moe_mlp=None):
+                 stacked_projections: dict | None = None, moe_mlp=None, moe_counts=None):
         """`stacked_projections`: the seven projection weights of all layers ([L, ...] each, not
         in this layer's params), read in place by the CPU kernel (`_projections_in_place`).
         `moe_mlp`: with config.num_experts, (h, layer) -> the layer's MLP (moe.layer_mlp), whose
-        weights are not in the layer's params."""
+        weights are not in the layer's params. `moe_counts`: (h, layer) -> the tokens it routes
+        to each expert (moe.layer_expert_tokens), the layer's scan output; None: no output."""
         x, kv_cache = carry
         c = self.config
         dt = jnp.dtype(c.dtype)
@@ -362,6 +363,7 @@ class DecoderLayer(nn.Module):
 
         # Named after HF's Llama (post_attention_layernorm): the norm before the MLP.
         h = norm("post_attention_norm", x)
+        expert_tokens = moe_counts(h, layer) if moe_counts is not None else None
         if c.num_experts:
             h = moe_mlp(h, layer)
         else:
@@ -374,7 +376,7 @@ class DecoderLayer(nn.Module):
         if c.sandwich_norms:
             h = norm("mlp_output_norm", h)
         x = x + h
-        return (x, kv_cache), None
+        return (x, kv_cache), expert_tokens
 
 
     def _latent_layer(self, x, kv_cache, layer, batch: BatchPlan, moe_mlp):
@@ -479,6 +481,22 @@ def forward(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: Batch
     """Run all layers over the batch's flat tokens: (final-normed hidden [T, H], kv_cache).
     With `mesh` (params and cache sharded by jaxserve.executor.sharding), attention runs per
     device."""
+    return _layers(params, config, kv_cache, batch, mesh, count_experts=False)[:2]
+
+
+def forward_with_expert_tokens(params: dict, config: ModelConfig, kv_cache: jax.Array,
+                               batch: BatchPlan, mesh: jax.sharding.Mesh | None = None
+                               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`forward` of a mixture of experts, plus the step's tokens routed to each expert summed
+    over its layers, i32 [E] (padding not counted; [0] where the layers do not count, as
+    latent attention's do not yet): what the load metric reads."""
+    hidden, kv_cache, counts = _layers(params, config, kv_cache, batch, mesh, count_experts=True)
+    return hidden, kv_cache, (jnp.zeros((0,), jnp.int32) if counts is None
+                              else counts.sum(axis=0))
+
+
+def _layers(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: BatchPlan,
+            mesh: jax.sharding.Mesh | None, count_experts: bool) -> tuple:
     layer = DecoderLayer(config, mesh)
     layers, stacked = params["layers"], None
     if _projections_in_place(config, mesh, batch.token_ids.shape[0]):
@@ -488,17 +506,23 @@ def forward(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: Batch
     moe_mlp = (moe.layer_mlp(config, params, _ACTIVATIONS[config.hidden_act],
                              _precision(config), mesh) if config.num_experts else None)
 
+    moe_counts = None
+    if count_experts:
+        valid = jnp.arange(batch.token_ids.shape[0]) < batch.cu_q_lens[batch.num_seqs[0]]
+        moe_counts = moe.layer_expert_tokens(config, params, valid)
+
     def body(carry, xs):
         layer_params, layer_id = xs
-        return layer.apply({"params": layer_params}, carry, layer_id, batch, stacked, moe_mlp)
+        return layer.apply({"params": layer_params}, carry, layer_id, batch, stacked, moe_mlp,
+                           moe_counts)
 
     x = jnp.take(params["embed_tokens"], batch.token_ids, axis=0)
     if config.embedding_multiplier != 1.0:
         # In the activations' dtype, as HF rounds it (Gemma: sqrt(hidden) in bf16).
         x = x * jnp.asarray(config.embedding_multiplier, x.dtype)
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layers, layer_ids))
-    return rms_norm(x, params["norm"], config.rms_norm_eps, config.norm_offset), kv_cache
+    (x, kv_cache), counts = jax.lax.scan(body, (x, kv_cache), (layers, layer_ids))
+    return rms_norm(x, params["norm"], config.rms_norm_eps, config.norm_offset), kv_cache, counts
 
 
 def compute_logits(params: dict, config: ModelConfig, hidden_rows: jax.Array) -> jax.Array:

@@ -282,10 +282,7 @@ def layer_mlp(config: ModelConfig, params: dict, activation: Activation,
     experts = functools.partial(experts_mlp, config=c, activation=activation, precision=precision)
     if c.expert_parallel and mesh is not None and mesh.shape[sharding.MODEL] > 1:
         experts = expert_parallel(c, mesh, activation, precision)
-    slot = np.zeros(c.num_layers, np.int32)  # each layer's index in its own stack
-    slot[list(c.sparse_layers)] = np.arange(len(c.sparse_layers))
-    slot[list(c.dense_layers)] = np.arange(len(c.dense_layers))
-    is_sparse = np.isin(np.arange(c.num_layers), c.sparse_layers)
+    slot, is_sparse = layer_slots(c)
 
     def take(group, layer):
         i = jnp.asarray(slot)[layer]
@@ -303,3 +300,30 @@ def layer_mlp(config: ModelConfig, params: dict, activation: Activation,
     if not c.dense_layers:
         return sparse
     return lambda h, layer: jax.lax.cond(jnp.asarray(is_sparse)[layer], sparse, dense, h, layer)
+
+
+def layer_slots(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer: its index in its own stack (`moe` or `dense_mlp`), and whether it is sparse."""
+    c = config
+    slot = np.zeros(c.num_layers, np.int32)
+    slot[list(c.sparse_layers)] = np.arange(len(c.sparse_layers))
+    slot[list(c.dense_layers)] = np.arange(len(c.dense_layers))
+    return slot, np.isin(np.arange(c.num_layers), c.sparse_layers)
+
+
+def layer_expert_tokens(config: ModelConfig, params: dict,
+                        valid: jax.Array) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """(h [T, H], layer id) -> how many of the step's tokens (valid [T]: not padding) the layer
+    routes to each expert, i32 [E] (zeros for a dense layer): the load metric's counts
+    (jaxserve:moe_expert_tokens). It routes again rather than changing the MLP's outputs: one
+    T x H x E matmul and a top-k, which XLA shares with the MLP's own routing where both sit in
+    one program (not under expert parallelism's shard_map: there it is under 1% of the layer)."""
+    slot, is_sparse = layer_slots(config)
+
+    def count(h: jax.Array, layer: jax.Array) -> jax.Array:
+        p = jax.tree.map(lambda w: w[jnp.asarray(slot)[layer]], params["moe"])
+        experts, _ = routing(h, p, config)
+        hits = jnp.broadcast_to((valid & jnp.asarray(is_sparse)[layer])[:, None], experts.shape)
+        return jnp.zeros(config.num_experts, jnp.int32).at[experts].add(hits.astype(jnp.int32))
+
+    return count
