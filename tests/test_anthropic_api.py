@@ -1,7 +1,7 @@
 """Anthropic's Messages API through a real server, with the official `anthropic` client: a tiny
 random model whose template thinks (Qwen3-Thinking style), answered whole and streamed (the same
 greedy content), thinking on and off, a forced tool call and its tool_result turn, stop sequences,
-cached-prompt usage, count_tokens, and Anthropic's error bodies (x-api-key authenticates)."""
+cached-prompt usage (on the OpenAI routes too), count_tokens, and Anthropic's error bodies (x-api-key authenticates)."""
 
 from __future__ import annotations
 
@@ -141,3 +141,16 @@ def test_wrong_key_and_unknown_model(server):
     with pytest.raises(anthropic.NotFoundError) as e:
         good.messages.create(messages=ASK, **{**GREEDY, "model": "nope"})
     assert e.value.body["error"]["type"] == "not_found_error"
+
+
+def test_openai_routes_report_cached_prompt_tokens_too(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-alice", max_retries=0)
+    messages = [{"role": "system", "content": "You answer questions. " * 8}, *ASK]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                           temperature=0)
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                           temperature=0)
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+    assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens

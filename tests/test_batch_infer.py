@@ -172,7 +172,8 @@ def test_mixed_file_every_line_answered_once(tiny_engine, tmp_path):
     assert body["usage"]["completion_tokens"] == 8
     body = by_key["ids-n2"]["response"]["body"]
     assert [c["index"] for c in body["choices"]] == [0, 1]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     wait_idle(tiny_engine)
 
 

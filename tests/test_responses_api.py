@@ -94,7 +94,8 @@ def _events(chunks):
 
 
 def test_text_then_calls_become_items_and_events():
-    usage = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    usage = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+             "prompt_tokens_details": {"cached_tokens": 0}}
     events = _events([
         _chunk({"role": "assistant", "content": ""}), _chunk({"content": "Let me "}), None,
         _chunk({"content": "check."}),

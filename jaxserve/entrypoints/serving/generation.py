@@ -129,7 +129,8 @@ class Generation:
 
     def usage(self) -> dict:
         """OpenAI's usage object, with "cost" (USD) when the model has prices."""
-        return with_cost(protocol.usage(self.prompt_tokens, sum(self.completion_tokens.values())),
+        return with_cost(protocol.usage(self.prompt_tokens, sum(self.completion_tokens.values()),
+                                        sum(self.cached_tokens.values())),
                          self.version.pricing)
 
     def streams(self) -> AsyncIterator[tuple[int, Any]]:

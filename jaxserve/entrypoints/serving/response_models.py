@@ -21,10 +21,15 @@ Fingerprint = Annotated[str | None, Field(description=(
     "The answering model version's manifest id (null for a model served without one)"))]
 
 
+class PromptTokensDetails(Reply):
+    cached_tokens: int = Field(description="Prompt tokens read from the prefix cache.")
+
+
 class Usage(Reply):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class Citation(Reply):

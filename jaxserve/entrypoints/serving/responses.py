@@ -94,8 +94,10 @@ def chat_body(req: Any) -> dict:
 def _usage(usage: dict | None) -> dict | None:
     if usage is None:
         return None
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
     return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-            "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "total_tokens": usage["total_tokens"],
+            "input_tokens_details": {"cached_tokens": cached},
             "output_tokens_details": {"reasoning_tokens": 0}}
 
 
