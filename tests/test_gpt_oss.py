@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import ModelConfig
+from jaxserve.errors import ConfigError
 from jaxserve.executor.models import moe
 from jaxserve.model_registry import ModelSpec
 from jaxserve.weights import mxfp4
@@ -244,3 +245,35 @@ def test_forced_tool_calls_are_refused_for_harmony():
     with pytest.raises(InvalidRequest, match="not supported with gpt-oss's Harmony") as e:
         forced_tool_call(WEATHER, ToolChoice("required"), get_tool_parser("openai"))
     assert e.value.param == "tool_choice"
+
+
+def test_the_released_gpt_oss_20b_config_reads():
+    """gpt-oss-20b's config.json as released (transformers 4.55 spelling: rope_scaling, the MXFP4
+    quantization_config, experts_per_token, initial_context_length)."""
+    from jaxserve.weights.architectures import config_from_hf
+
+    cfg = {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+        "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+        "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+        "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+        "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+        "quantization_config": {"modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"], "quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05, "rope_scaling": {
+            "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+            "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+        "swiglu_limit": 7.0, "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0",
+        "use_cache": True, "vocab_size": 201088}
+    c = config_from_hf(cfg, "gpt-oss-20b")
+    assert (c.num_experts, c.experts_per_token, c.moe_intermediate_size) == (32, 4, 2880)
+    assert c.layer_windows[:2] == (128, None) and c.attention_sinks and c.moe_bias
+    assert c.rope_scaling.rope_type == "yarn" and not c.rope_scaling.truncate
+    assert c.rope_scaling.attention_factor == pytest.approx(0.1 * np.log(32.0) + 1)
+    assert (c.swiglu_limit, c.swiglu_alpha, c.rope_theta) == (7.0, 1.702, 150000.0)
+    with pytest.raises(ConfigError, match="experts_per_token=2 differs"):
+        config_from_hf({**cfg, "experts_per_token": 2}, "gpt-oss-20b")
