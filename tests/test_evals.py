@@ -201,3 +201,53 @@ def test_chromium_console_check_sees_errors(tmp_path):
                     "</script></body></html>")
     _, log = _chromium_dom(page, tmp_path)
     assert _console_errors(log)
+
+
+@pytest.mark.slow
+def test_multiple_choice_task_through_prompt_logprobs(server, tmp_path, capsys):
+    """A multiple-choice task: lm-eval scores each choice by its log-likelihood (completions
+    `echo` + `logprobs`, the server's tokenizer through /tokenizer_info + /tokenize); the same
+    version run twice stays quiet."""
+    shutil.copytree(TASK.parent, tmp_path / "tasks")
+    suite = tmp_path / "mc.toml"
+    suite.write_text(f"""
+name = "mc"
+[[tasks]]
+path = "tasks/capitals_mc.yaml"
+[[versions]]
+name = "a"
+url = "{server.url}/v1"
+model = "{SMOLLM2}"
+batch_size = 4
+[[versions]]
+name = "b"
+url = "{server.url}/v1"
+model = "{SMOLLM2}"
+""")
+    code, report = _run(suite, capsys)
+    assert code == 0 and not report["alert"]
+    (cmp,) = report["comparisons"]
+    assert cmp["metric"] == "acc" and cmp["paired"] == 20 and cmp["lost"] == []
+    assert all(r["score"] >= 0.5 for r in report["runs"])  # 4 choices: chance is 0.25
+    with open_store(tmp_path / "evals.sqlite") as store:
+        run = store.runs("mc")[0]
+        assert run.settings["tokenizer_backend"] == "remote"
+        assert {s.correct for s in store.samples(run.id)} <= {0.0, 1.0}
+
+
+@pytest.mark.slow
+def test_an_unreachable_server_or_unserved_model_is_one_line(server, tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    shutil.copytree(TASK.parent, tmp_path / "tasks")
+    for url, model, message in ((dead, SMOLLM2, "cannot reach the server"),
+                                (server.url, "nope", "not 'nope'")):
+        suite = tmp_path / "s.toml"
+        suite.write_text(f'[[tasks]]\npath = "tasks/capitals.yaml"\n[[versions]]\nname = "v"\n'
+                         f'url = "{url}/v1"\nmodel = "{model}"\n')
+        assert main(["eval", "run", str(suite)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("error: version v (") and message in err[-1], err[-3:]

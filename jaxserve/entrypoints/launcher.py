@@ -445,11 +445,13 @@ def _follow(model: str, settings: dict) -> int:
 def start_fleet(path: Path, *, progress: bool = True, stall_timeout: float | None = 60.0):
     """Every version of a deployment file loaded and compiled, its routes installed (a Fleet);
     one ConfigError naming the file and the field for any problem with it."""
+    from jaxserve.evals.gate import eval_gate_refusal
     from jaxserve.fleet.fleet import Fleet
     from jaxserve.fleet.loader import EngineLoader
 
     return Fleet.from_deployment(path, EngineLoader(progress=progress,
-                                                    stall_timeout=stall_timeout))
+                                                    stall_timeout=stall_timeout),
+                                 eval_gate=eval_gate_refusal)
 
 
 def one_version_fleet(args: argparse.Namespace, name: str, engine, loader=None):
@@ -457,6 +459,7 @@ def one_version_fleet(args: argparse.Namespace, name: str, engine, loader=None):
     it, with its manifest (its system_fingerprint) and pricing; `loader` (an EngineLoader) lets
     versions be loaded beside it."""
     from jaxserve.entrypoints.engine_flags import engine_args
+    from jaxserve.evals.gate import eval_gate_refusal
     from jaxserve.fleet.deployment import VersionSpec
     from jaxserve.fleet.fleet import Fleet
     from jaxserve.fleet.manifest import manifest_of
@@ -464,7 +467,8 @@ def one_version_fleet(args: argparse.Namespace, name: str, engine, loader=None):
 
     spec = VersionSpec.of(name, args.model, engine_args(args))
     return Fleet.of_engine(name, engine, manifest=manifest_of(spec),
-                           pricing=pricing_for(args.model), loader=loader)
+                           pricing=pricing_for(args.model), loader=loader,
+                           eval_gate=eval_gate_refusal)
 
 
 def _fleet_times(fleet) -> tuple[float, float]:

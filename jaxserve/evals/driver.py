@@ -11,12 +11,16 @@ choice ones, scored by log-likelihood, need the remote tokenizer and fail in lm-
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import json
 import os
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxserve.errors import InvalidRequest
+from jaxserve.errors import ConfigError, InvalidRequest
 from jaxserve.evals.store import Sample
 from jaxserve.evals.suite import Suite, TaskSpec, VersionSpec
 
@@ -76,8 +80,29 @@ def _local_data(base: Path, files):
     return str(path)
 
 
-def _server_root(url: str) -> str:
-    return url.removesuffix("/v1")
+def _api_key(version: VersionSpec) -> str:
+    key = os.environ.get(version.api_key_env, "") if version.api_key_env else ""
+    if version.api_key_env and not key:
+        raise InvalidRequest(f"version {version.name}: ${version.api_key_env} is not set")
+    return key
+
+
+def check_server(version: VersionSpec) -> None:
+    """Before lm-eval starts: the server answers GET /v1/models and serves the version's model
+    (one line naming the version, instead of lm-eval's retries and traceback)."""
+    request = urllib.request.Request(f"{version.url}/models", headers={
+        "Authorization": f"Bearer {_api_key(version) or 'none'}"})
+    where = f"version {version.name} ({version.url})"
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            listed = json.loads(resp.read(1 << 20))
+    except urllib.error.HTTPError as e:
+        raise ConfigError(f"{where}: GET /models answered {e.code}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise ConfigError(f"{where}: cannot reach the server: {getattr(e, 'reason', e)}") from None
+    served = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)]
+    if version.model not in served:
+        raise ConfigError(f"{where}: the server serves {served[:8]}, not {version.model!r}")
 
 
 def _model_args(version: VersionSpec, seed: int) -> tuple[str, dict]:
@@ -85,20 +110,18 @@ def _model_args(version: VersionSpec, seed: int) -> tuple[str, dict]:
 
     endpoint = "completions" if version.api == "completions" else "chat/completions"
     base_url = f"{version.url}/{endpoint}"
-    key = os.environ.get(version.api_key_env, "") if version.api_key_env else ""
-    if version.api_key_env and not key:
-        raise InvalidRequest(f"version {version.name}: ${version.api_key_env} is not set")
+    key = _api_key(version)
     args = {"model": version.model, "base_url": base_url, "num_concurrent":
-            version.num_concurrent, "max_gen_toks": version.max_gen_toks, "seed": seed,
+            version.num_concurrent, "batch_size": version.batch_size,
+            "max_gen_toks": version.max_gen_toks, "seed": seed,
             "max_retries": 3, "header": {"Authorization": f"Bearer {key or 'none'}"}}
-    if check_remote_tokenizer_support(base_url, auth_token=key or None):
-        args |= {"tokenizer_backend": "remote", "tokenized_requests": True}
-    else:
-        args |= {"tokenizer_backend": None, "tokenized_requests": False}
-    if version.api == "chat-completions":
+    if version.api == "chat-completions":  # messages go as text; lm-eval scores generations
         return "local-chat-completions", args | {"tokenizer_backend": None,
                                                  "tokenized_requests": False}
-    return "local-completions", args
+    if check_remote_tokenizer_support(base_url, auth_token=key or None):
+        return "local-completions", args | {"tokenizer_backend": "remote",
+                                            "tokenized_requests": True}
+    return "local-completions", args | {"tokenizer_backend": None, "tokenized_requests": False}
 
 
 def _metric_key(results: dict, task: TaskSpec) -> tuple[str, str]:
@@ -126,12 +149,20 @@ def run_task(suite: Suite, version: VersionSpec, task: TaskSpec) -> TaskResult:
     # A registered name needs lm-eval's task index; local configs need none of it.
     manager = TaskManager(include_defaults=task.path is None)
     chat = version.api == "chat-completions"
-    out = lm_eval.simple_evaluate(
-        model=model, model_args=model_args, tasks=[_task_argument(task)],
-        num_fewshot=task.num_fewshot, limit=suite.limit, log_samples=True, bootstrap_iters=0,
-        task_manager=manager, system_instruction=version.system_instruction,
-        apply_chat_template=chat, random_seed=suite.seed, numpy_random_seed=suite.seed,
-        torch_random_seed=suite.seed, fewshot_random_seed=suite.seed)
+    import aiohttp
+    import requests
+
+    try:
+        out = lm_eval.simple_evaluate(
+            model=model, model_args=model_args, tasks=[_task_argument(task)],
+            num_fewshot=task.num_fewshot, limit=suite.limit, log_samples=True,
+            bootstrap_iters=0, task_manager=manager,
+            system_instruction=version.system_instruction, apply_chat_template=chat,
+            random_seed=suite.seed, numpy_random_seed=suite.seed, torch_random_seed=suite.seed,
+            fewshot_random_seed=suite.seed)
+    except (aiohttp.ClientError, requests.RequestException, asyncio.TimeoutError) as e:
+        raise ConfigError(f"version {version.name}, task {task.name}: the server failed "
+                          f"during the run: {e}") from e
     results = out["results"][task.name]
     key, metric = _metric_key(results, task)
     filter_name = key.split(",", 1)[1]

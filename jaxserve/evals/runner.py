@@ -58,15 +58,19 @@ def _log(msg: str) -> None:
 
 def run_suite(suite: Suite, store: ResultsStore) -> SuiteResult:
     # lm-eval is imported only when a suite runs
-    from jaxserve.evals.driver import run_task, task_digest
+    from jaxserve.evals.driver import check_server, run_task, task_digest
 
     digests = {task.name: task_digest(task) for task in suite.tasks}
     runs, ran = {}, []
     for version in suite.versions:
+        checked = False
         for task in suite.tasks:
             key = run_key(suite, version, task, digests[task.name])
             run = store.run(key)
             if run is None:
+                if not checked:  # only versions with work left need their server up
+                    check_server(version)
+                    checked = True
                 _log(f"eval: {version.name} / {task.name}: running")
                 started = time.time()
                 result = run_task(suite, version, task)

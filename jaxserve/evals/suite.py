@@ -58,6 +58,7 @@ class VersionSpec:
     system_instruction: str | None = None
     api_key_env: str | None = None  # the name of an env var holding the key, never the key
     num_concurrent: int = 4
+    batch_size: int = 1  # prompts per request (lm-eval sends a list as `prompt`)
     max_gen_toks: int = 256
 
     @property
@@ -66,7 +67,7 @@ class VersionSpec:
 
     def settings(self) -> dict:
         return {"api": self.api, "system_instruction": self.system_instruction,
-                "max_gen_toks": self.max_gen_toks}
+                "max_gen_toks": self.max_gen_toks, "batch_size": self.batch_size}
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def _version(table: dict, i: int) -> VersionSpec:
     if not isinstance(table, dict):
         raise InvalidRequest(f"{where}: want a table")
     _check_keys(table, {"name", "url", "model", "api", "manifest_id", "system_instruction",
-                        "api_key_env", "num_concurrent", "max_gen_toks"}, where)
+                        "api_key_env", "num_concurrent", "batch_size", "max_gen_toks"}, where)
     for key in ("name", "url", "model"):
         if key not in table:
             raise InvalidRequest(f"{where}.{key}: required")
@@ -163,6 +164,9 @@ def _version(table: dict, i: int) -> VersionSpec:
     concurrent = _typed(table, "num_concurrent", int, where, 4)
     if not 1 <= concurrent <= 256:
         raise InvalidRequest(f"{where}.num_concurrent: want 1..256, got {concurrent}")
+    batch = _typed(table, "batch_size", int, where, 1)
+    if not 1 <= batch <= 256:
+        raise InvalidRequest(f"{where}.batch_size: want 1..256, got {batch}")
     gen = _typed(table, "max_gen_toks", int, where, 256)
     if not 1 <= gen <= 32768:
         raise InvalidRequest(f"{where}.max_gen_toks: want 1..32768, got {gen}")
@@ -173,7 +177,7 @@ def _version(table: dict, i: int) -> VersionSpec:
         manifest_id=manifest and _name(manifest, f"{where}.manifest_id"),
         system_instruction=_typed(table, "system_instruction", str, where),
         api_key_env=_typed(table, "api_key_env", str, where), num_concurrent=concurrent,
-        max_gen_toks=gen)
+        batch_size=batch, max_gen_toks=gen)
 
 
 def _regression(table: dict, base: Path) -> RegressionConfig:

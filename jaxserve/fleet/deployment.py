@@ -42,7 +42,7 @@ GENERATION_FIELDS = {
 }
 # A version's engine settings are those of jaxserve.engine_settings, by name.
 _VERSION_FIELDS = {"model", "generation", "pricing", *BY_NAME}
-_ROUTE_FIELDS = {"weights", "sticky", "shadow", "canary", "breaker"}
+_ROUTE_FIELDS = {"weights", "sticky", "shadow", "canary", "breaker", "gate"}
 _BREAKER_FIELDS = {"max_error_rate", "min_requests", "window_seconds", "open_seconds"}
 _CANARY_FIELDS = {"incumbent", "window_seconds", "min_requests", "max_error_rate_ratio",
                   "min_error_rate", "max_ttft_p99_ratio", "max_cost_ratio",
@@ -274,7 +274,21 @@ def parse_route(name: str, table: Any, prefix: str = "", base: Route | None = No
     if "breaker" in table:
         breaker = (None if table["breaker"] in (None, False)
                    else _parse_breaker(table["breaker"], f"{prefix}breaker"))
-    return Route(name, weights, sticky, shadow, canary, breaker)
+    eval_gate = base.eval_gate if base is not None else None
+    if "gate" in table:  # {eval = "suite.toml"}; false removes it
+        eval_gate = None if table["gate"] in (None, False) else _parse_gate(table["gate"],
+                                                                         f"{prefix}gate")
+    return Route(name, weights, sticky, shadow, canary, breaker, eval_gate)
+
+
+def _parse_gate(value: Any, field: str) -> str:
+    """The eval suite (a path) whose stored results gate weight increases (docs/evals.md)."""
+    table = _table(value, field)
+    _unknown(table, {"eval"}, f"{field}.")
+    suite = table.get("eval")
+    if not isinstance(suite, str) or not suite or len(suite) > 4096:
+        raise _bad(f"{field}.eval", "must be the path of an eval suite file (TOML)")
+    return suite
 
 
 # ---------------------------------------------------------------- the file

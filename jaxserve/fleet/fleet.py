@@ -50,8 +50,12 @@ _GONE = (VersionState.UNLOADED, VersionState.FAILED)
 
 class Fleet:
     def __init__(self, loader=None, *, headroom_fraction: float = 0.05,
-                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic):
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
+                 eval_gate: Callable[[str, str], str | None] | None = None):
+        """`eval_gate(suite, version)`: why a version may not get more traffic on a route gated
+        by that eval suite, or None (jaxserve.evals.gate, wired by the launcher)."""
         self._loader = loader if loader is not None else EngineLoader()
+        self._eval_gate = eval_gate
         # The budget the versions' kv_cache_memory_fraction split: what was free at the start.
         self.memory_budget_bytes = self._loader.free_bytes()
         self._headroom = int(headroom_fraction * self.memory_budget_bytes)
@@ -100,11 +104,11 @@ class Fleet:
 
     @classmethod
     def of_engine(cls, name: str, engine: ServingEngine, *, manifest=None, pricing=None,
-                  loader=None) -> "Fleet":
+                  loader=None, eval_gate=None) -> "Fleet":
         """A fleet of one version whose engine was built outside it (`serve --model`, which may
         be replicas or a multi-host leader; a test's engine): addressed by `name`, no route.
         `loader`: what loads further versions (the admin API); by default none can be loaded."""
-        fleet = cls(loader if loader is not None else _NoLoader())
+        fleet = cls(loader if loader is not None else _NoLoader(), eval_gate=eval_gate)
         fleet.adopt(VersionSpec(name, name), engine, manifest, pricing)
         return fleet
 
@@ -251,8 +255,23 @@ class Fleet:
         self._previous[route.name] = previous
         self._changed.notify_all()
 
+    def _check_eval_gate(self, route: Route) -> None:
+        """A gated route's weight on a version grows only once that version passed the suite
+        (its stored results: the gate reads them, it never runs an eval inside this call)."""
+        current = self._routes.get(route.name)
+        if route.eval_gate is None or current is None:  # a new route is installed as given
+            return
+        for name, weight in route.weights:
+            if weight > current.weight(name):
+                refusal = (self._eval_gate(route.eval_gate, name) if self._eval_gate is not None
+                           else "this server has no eval gate")
+                if refusal is not None:
+                    raise Conflict(f"route {route.name!r}: the weight of {name!r} may not grow: "
+                                   f"{refusal}", param=f"weights.{name}")
+
     def set_route(self, route: Route) -> Route:
         """Create or replace a route (all at once)."""
+        self._check_eval_gate(route)
         with self._lock:
             self._check_route(route)
             self._swap(route, self._routes.get(route.name))

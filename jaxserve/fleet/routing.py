@@ -48,6 +48,7 @@ class Route:
     shadow: tuple[tuple[str, float], ...] = ()  # (version, fraction in [0, 1]), sorted
     canary: CanaryGate | None = None
     breaker: BreakerConfig | None = None  # per-version circuit breakers (fleet/breaker.py)
+    eval_gate: str | None = None  # an eval suite a version must pass before its weight grows
 
     def weight(self, version: str) -> float:
         return dict(self.weights).get(version, 0.0)
@@ -65,7 +66,8 @@ class Route:
         return {"name": self.name, "weights": dict(self.weights), "sticky": self.sticky,
                 "shadow": dict(self.shadow),
                 "canary": self.canary.to_dict() if self.canary is not None else None,
-                "breaker": self.breaker.to_dict() if self.breaker is not None else None}
+                "breaker": self.breaker.to_dict() if self.breaker is not None else None,
+                "gate": {"eval": self.eval_gate} if self.eval_gate is not None else None}
 
 
 def sticky_unit(route: str, key: str) -> float:

@@ -1,0 +1,93 @@
+"""The fleet's eval gate (`[route.X.gate] eval = "suite.toml"`): a route's weight on a version grows
+only when the suite's stored results show that version passed (every task run, no regression
+against the version before it). The fleet with fake engines (tests/test_fleet.py), a real results
+store."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.errors import Conflict, InvalidRequest
+from jaxserve.evals.gate import eval_gate_refusal
+from jaxserve.evals.store import ResultsStore, Run, Sample
+from jaxserve.fleet.deployment import parse_deployment, parse_route
+from tests.test_fleet import ready_fleet
+
+SUITE = """
+name = "gate"
+store = "evals.sqlite"
+[[tasks]]
+name = "qa"
+[[versions]]
+name = "a"
+url = "http://127.0.0.1:1/v1"
+model = "a"
+[[versions]]
+name = "b"
+url = "http://127.0.0.1:1/v1"
+model = "b"
+"""
+
+
+def _store_run(path, version: str, correct: list[float]) -> None:
+    with ResultsStore(str(path)) as store:
+        samples = [Sample(i, f"h{i}", c, "t", "r") for i, c in enumerate(correct)]
+        store.add_run(Run(f"{version}-{sum(correct)}", "gate", version, version, "qa", "acc",
+                          sum(correct) / len(correct), len(correct), 1, {}, 1.0, 2.0), samples)
+
+
+@pytest.fixture
+def suite(tmp_path):
+    path = tmp_path / "suite.toml"
+    path.write_text(SUITE)
+    return path
+
+
+def _gated_fleet(suite):
+    fleet = ready_fleet("a", "b", eval_gate=eval_gate_refusal)
+    first = fleet.set_route(parse_route("r", {"weights": {"a": 100, "b": 0},
+                                              "gate": {"eval": str(suite)}}))
+    assert first.to_dict()["gate"] == {"eval": str(suite)}
+    return fleet, first
+
+
+def test_weight_grows_only_after_the_suite_passed(suite, tmp_path):
+    fleet, first = _gated_fleet(suite)
+    grow = parse_route("r", {"weights": {"a": 90, "b": 10}}, base=first)
+    with pytest.raises(Conflict, match="no stored run of 'b' on 'qa'") as e:
+        fleet.set_route(grow)
+    assert e.value.param == "weights.b" and fleet.route("r") == first
+    _store_run(tmp_path / "evals.sqlite", "a", [1.0] * 40)
+    _store_run(tmp_path / "evals.sqlite", "b", [1.0] * 30 + [0.0] * 10)  # 25 points lost
+    with pytest.raises(Conflict, match=r"regressed on 'qa'.*25.00 points below 'a' \(p = "):
+        fleet.set_route(grow)
+    _store_run(tmp_path / "evals.sqlite", "b", [1.0] * 39 + [0.0])  # a newer run: 1 lost, noise
+    assert fleet.set_route(grow).weight("b") == 10
+    # Shrinking a weight, or a route with no gate, is never held.
+    assert fleet.set_route(parse_route("r", {"weights": {"a": 100, "b": 0}}, base=grow))
+    ungated = parse_route("r", {"weights": {"a": 50, "b": 50}, "gate": False},
+                          base=fleet.route("r"))
+    assert fleet.set_route(ungated).eval_gate is None
+
+
+def test_a_version_outside_the_suite_or_a_broken_suite_is_held(suite, tmp_path):
+    assert "has no version 'c'" in eval_gate_refusal(str(suite), "c")
+    assert "cannot read" in eval_gate_refusal(str(tmp_path / "missing.toml"), "a")
+    fleet = ready_fleet("a", "b")  # no gate wired: a gated route cannot grow
+    first = fleet.set_route(parse_route("r", {"weights": {"a": 1, "b": 0},
+                                              "gate": {"eval": str(suite)}}))
+    with pytest.raises(Conflict, match="no eval gate"):
+        fleet.set_route(parse_route("r", {"weights": {"b": 1}}, base=first))
+
+
+def test_the_deployment_file_takes_a_gate():
+    deployment = parse_deployment({"version": {"a": {"model": "m"}},
+                                   "route": {"r": {"weights": {"a": 1},
+                                                   "gate": {"eval": "suite.toml"}}}})
+    assert deployment.routes[0].eval_gate == "suite.toml"
+    with pytest.raises(InvalidRequest, match=r"'route.r.gate.eval' must be the path"):
+        parse_deployment({"version": {"a": {"model": "m"}},
+                          "route": {"r": {"weights": {"a": 1}, "gate": {"eval": 3}}}})
+    with pytest.raises(InvalidRequest, match=r"'route.r.gate.evals' is not a known field"):
+        parse_deployment({"version": {"a": {"model": "m"}},
+                          "route": {"r": {"weights": {"a": 1}, "gate": {"evals": "x"}}}})
