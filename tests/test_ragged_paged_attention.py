@@ -262,19 +262,19 @@ def test_the_reference_s_sinks_are_hf_s():
             np.testing.assert_allclose(got[i, h], p @ kv[:5 + i, 1], atol=1e-12)
 
 
-@pytest.mark.parametrize("impl", ["xla", "cpu", "pallas_gpu"])
+@pytest.mark.parametrize("impl", ["xla", "cpu", "pallas_gpu", "pallas_tpu"])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 def test_sinks_match_the_reference(impl, sliding_window):
     # Decodes, a short query and a chunk in one batch; sinks large and small against the scores,
-    # one beside a query that sees one key. pallas_gpu: the Pallas kernels take no sinks, so the
-    # call runs the XLA path.
+    # one beside a query that sees one key. Pallas GPU in interpret mode; the Pallas TPU kernel
+    # takes no sinks, so that call runs the XLA path.
     rng = np.random.default_rng(8)
     args = make_case(rng, q_lens=[1, 4, 20, 1], ctx_lens=[30, 9, 3, 0], page_size=16, Hq=4,
                      Hkv=2, D=64, dtype="float32")
     sinks = jnp.asarray([4.0, -2.0, 0.5, 0.0])
     kw = dict(sm_scale=0.125, sliding_window=sliding_window, sinks=sinks)
-    got = np.asarray(jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl, **kw))(
-        *args))
+    got = np.asarray(jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl, **kw,
+                                               interpret=impl == "pallas_gpu"))(*args))
     want = reference.ragged_paged_attention(*args, **kw)
     np.testing.assert_allclose(got, want, atol=2e-5)
     assert not np.allclose(want, reference.ragged_paged_attention(
@@ -356,4 +356,9 @@ def test_gpu_kernel_kv_splits_merge_exactly(num_splits):
     kw = dict(sm_scale=0.125, sliding_window=150)
     got = gpu.ragged_paged_attention(*args, **kw, interpret=True, num_splits=num_splits)
     want = reference.ragged_paged_attention(*args, **kw)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-3 * np.abs(want).max())
+    sinks = jnp.asarray([1.5, -1.0, 0.0, 3.0])  # merged, then scaled by each head's sink
+    got = gpu.ragged_paged_attention(*args, **kw, sinks=sinks, interpret=True,
+                                     num_splits=num_splits)
+    want = reference.ragged_paged_attention(*args, **kw, sinks=sinks)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-3 * np.abs(want).max())

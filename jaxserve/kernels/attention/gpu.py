@@ -8,6 +8,10 @@ online in f32 and the dots accumulate in f32.
 
 The cache is passed twice with BlockSpecs that squeeze axis 2 at 2h (K) and 2h + 1 (V), so the
 kernel sees plain [pages, page_size, D] refs of its head and gathers pages by index.
+
+Attention sinks (gpt-oss) need no change inside the kernel: with the log-sum-exp L of a query's
+scores (the split path's), out * L / (L + e^sink) = out * sigmoid(lse - sink) puts the sink in
+the denominator, so a call with sinks takes that path and scales its merged output.
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ def _kernel(seq_ref, start_ref, rows_ref, first_ref, lo_ref, hi_ref, tables_ref,
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                           sliding_window=None, soft_cap=None, interpret=False,
+                           sliding_window=None, soft_cap=None, sinks=None, interpret=False,
                            tile_rows=None, kv_block_tokens=None,
                            num_warps=NUM_WARPS, num_stages=NUM_STAGES, num_splits=None):
     """Block sizes default to the values tuned on an H100 (benchmarks/kernels.py sweeps them).
@@ -130,7 +134,8 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
     meta = (items.seq, items.start, items.rows, items.first_pos, items.blk_lo, items.blk_hi)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, h, k: (0,) * len(shape))
     head_q = pl.BlockSpec((Tp, None, Gp, D), lambda i, h, k: (0, h, 0, 0))
-    if num_splits == 1:
+    with_lse = num_splits > 1 or sinks is not None
+    if not with_lse:
         out_specs = head_q
         out_shape = jax.ShapeDtypeStruct((Tp, Hkv, Gp, D), q.dtype)
     else:  # per split: normalized f32 partial outputs and their log-sum-exp
@@ -155,11 +160,16 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
         interpret=interpret,
         name="ragged_paged_attention_gpu",
     )(*meta, tables, qs, kv_cache, kv_cache)
-    if num_splits > 1:
+    if with_lse:
         parts, lse = out
         top = jnp.max(lse, axis=0)
-        w = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))
-        out = jnp.sum(w[..., None] * parts, axis=0) / jnp.maximum(w.sum(0), 1e-30)[..., None]
+        top = jnp.where(jnp.isfinite(top), top, 0.0)
+        w = jnp.exp(lse - top)
+        total = jnp.maximum(w.sum(0), 1e-30)
+        out = jnp.sum(w[..., None] * parts, axis=0) / total[..., None]
+        if sinks is not None:
+            sink = jnp.pad(sinks.astype(jnp.float32).reshape(Hkv, G), ((0, 0), (0, Gp - G)))
+            out = out * jax.nn.sigmoid(top + jnp.log(total) - sink)[..., None]
     out = out[:T, :, :G].reshape(T, Hq, D)
     live = jnp.arange(T) < cu_q_lens[num_seqs[0]]
     return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
