@@ -266,15 +266,14 @@ def test_the_reference_s_sinks_are_hf_s():
 @pytest.mark.parametrize("sliding_window", [None, 5])
 def test_sinks_match_the_reference(impl, sliding_window):
     # Decodes, a short query and a chunk in one batch; sinks large and small against the scores,
-    # one beside a query that sees one key. Pallas GPU in interpret mode; the Pallas TPU kernel
-    # takes no sinks, so that call runs the XLA path.
+    # one beside a query that sees one key. The Pallas kernels in interpret mode.
     rng = np.random.default_rng(8)
     args = make_case(rng, q_lens=[1, 4, 20, 1], ctx_lens=[30, 9, 3, 0], page_size=16, Hq=4,
                      Hkv=2, D=64, dtype="float32")
     sinks = jnp.asarray([4.0, -2.0, 0.5, 0.0])
     kw = dict(sm_scale=0.125, sliding_window=sliding_window, sinks=sinks)
     got = np.asarray(jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl, **kw,
-                                               interpret=impl == "pallas_gpu"))(*args))
+                                               interpret=impl.startswith("pallas")))(*args))
     want = reference.ragged_paged_attention(*args, **kw)
     np.testing.assert_allclose(got, want, atol=2e-5)
     assert not np.allclose(want, reference.ragged_paged_attention(

@@ -10,9 +10,8 @@ Contract (same layout as jax.experimental.pallas.ops.tpu.ragged_paged_attention)
 Query i of sequence s sits at position kv_lens[s] - q_len(s) + i and attends to cache positions
 <= that (and > that - sliding_window when a window is set). GQA: Hq // Hkv queries per KV head.
 `sinks` [Hq] (gpt-oss): a learned logit per query head that joins each softmax's denominator and
-carries no value. The reference, the XLA, the CPU (its decodes then on the XLA path) and the
-Pallas GPU paths take it; the Pallas TPU kernel does not yet, so a call with sinks on TPU runs
-the XLA path.
+carries no value. Every path takes it (the CPU path runs its decodes on the XLA path then: its
+C++ kernel has none).
 
 Implementations: reference.py (float64 numpy, what every other one is tested against), xla.py
 (the tuned pure-JAX path), cpu.py (xla.py with decodes and verifies through the C++ CPU kernel),
@@ -64,14 +63,14 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
         impl = auto_impl()
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     args = (q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
-    if impl == "xla" or (sinks is not None and impl == "pallas_tpu"):
+    if impl == "xla":
         return xla.ragged_paged_attention(*args, **kwargs, sinks=sinks)
     if impl == "cpu":
         from jaxserve.kernels.attention import cpu
         return cpu.ragged_paged_attention(*args, **kwargs, sinks=sinks)
     if impl == "pallas_tpu":
         from jaxserve.kernels.attention import tpu
-        return tpu.ragged_paged_attention(*args, **kwargs, interpret=interpret)
+        return tpu.ragged_paged_attention(*args, **kwargs, sinks=sinks, interpret=interpret)
     if impl == "pallas_gpu":
         from jaxserve.kernels.attention import gpu
         return gpu.ragged_paged_attention(*args, **kwargs, sinks=sinks, interpret=interpret)

@@ -9,6 +9,9 @@ block b + 1's DMAs before computing block b. Softmax is online, accumulated in f
 Queries and outputs travel in an item-major layout [items, Hkv, q_block * G, D] built by the
 wrapper, so every program owns its output block and items of neighbouring sequences never
 overwrite each other's rows.
+
+Attention sinks (gpt-oss) come in as one more block, each row's sink logit [Hkv, q_block * G, 1],
+folded into the online softmax's state after the last KV block.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ _MASKED = -1e30
 
 
 def _kernel(seq_ref, first_ref, rows_ref, lo_ref, hi_ref, tables_ref,  # scalar prefetch (SMEM)
-            q_ref, cache_hbm, o_ref, kv_buf, sems, m_ref, l_ref, acc_ref, *, q_block, group,
-            pages_per_block, pages_per_seq, sliding_window, soft_cap):
+            q_ref, cache_hbm, *refs, q_block, group, pages_per_block, pages_per_seq,
+            sliding_window, soft_cap, with_sinks):
+    sink_ref, refs = (refs[0], refs[1:]) if with_sinks else (None, refs)
+    o_ref, kv_buf, sems, m_ref, l_ref, acc_ref = refs
     item = pl.program_id(0)
     seq, first_pos, rows = seq_ref[item], first_ref[item], rows_ref[item]
     blk_lo, blk_hi = lo_ref[item], hi_ref[item]
@@ -89,12 +94,17 @@ def _kernel(seq_ref, first_ref, rows_ref, lo_ref, hi_ref, tables_ref,  # scalar 
         return 0
 
     lax.fori_loop(blk_lo, blk_hi, body, 0)
-    l = l_ref[...]
-    o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+    l, acc = l_ref[...], acc_ref[...]
+    if sink_ref is not None:  # the sink joins the denominator and carries no value
+        sink, m = sink_ref[...], m_ref[...]
+        top = jnp.maximum(m, sink)
+        scale = jnp.exp(m - top)
+        l, acc = l * scale + jnp.exp(sink - top), acc * scale
+    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
 def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                           sliding_window=None, soft_cap=None, interpret=False,
+                           sliding_window=None, soft_cap=None, sinks=None, interpret=False,
                            q_block=Q_BLOCK, kv_block_tokens=KV_BLOCK_TOKENS):
     T, Hq, D = q.shape
     P, ps, H2, _ = kv_cache.shape
@@ -119,14 +129,20 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
 
     kernel = functools.partial(_kernel, q_block=q_block, group=G,
                                pages_per_block=pages_per_block, pages_per_seq=padded_pages,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+                               sliding_window=sliding_window, soft_cap=soft_cap,
+                               with_sinks=sinks is not None)
     block = pl.BlockSpec((None, Hkv, M, D), lambda i, *_: (i, 0, 0, 0))
+    extra, extra_specs = (), []
+    if sinks is not None:  # row m of a head's tile is query head m % G of its group
+        extra = (jnp.tile(sinks.astype(jnp.float32).reshape(Hkv, 1, G), (1, q_block, 1))
+                 .reshape(Hkv, M, 1),)
+        extra_specs = [pl.BlockSpec((Hkv, M, 1), lambda i, *_: (0, 0, 0))]
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(num_items,),
-            in_specs=[block, pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[block, pl.BlockSpec(memory_space=pl.ANY), *extra_specs],
             out_specs=block,
             scratch_shapes=[
                 pltpu.VMEM((2, pages_per_block, ps, H2, D), kv_cache.dtype),
@@ -139,7 +155,8 @@ def ragged_paged_attention(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_se
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention_tpu",
-    )(items.seq, items.first_pos, items.rows, items.blk_lo, items.blk_hi, tables, qi, kv_cache)
+    )(items.seq, items.first_pos, items.rows, items.blk_lo, items.blk_hi, tables, qi, kv_cache,
+      *extra)
 
     # Back to flat rows: row t lives in item item_of[t] at offset t - start.
     out = out.reshape(num_items, Hkv, q_block, G, D).transpose(0, 2, 1, 3, 4)
