@@ -365,6 +365,9 @@ class ServerConfig:
     reasoning_parser: str = "auto"
     tenants_file: str | None = None  # --tenants: None serves one open tenant, `default`
     idempotency_ttl_s: float = 24 * 3600.0  # how long an Idempotency-Key's response is kept
+    # --data-dir: stored responses live here (responses.sqlite3); None: the default data dir.
+    data_dir: str | None = None
+    response_ttl_s: float = 7 * 24 * 3600.0  # --response-ttl: how long a stored response lives
     policy_file: str | None = None  # --policy: content policy packs (TOML)
     audit_log_dir: str | None = None  # --audit-log: hash-chained JSONL, one record per request
     audit_key_file: str | None = None  # --audit-key-file: HMAC-keyed chain
@@ -389,7 +392,7 @@ class ServerConfig:
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ConfigError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         for name in ("engine_stall_timeout", "shutdown_timeout", "idempotency_ttl_s",
-                     "stream_write_timeout_s"):
+                     "stream_write_timeout_s", "response_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.metrics_token is not None and not self.metrics_token:

@@ -11,7 +11,7 @@ import pytest
 from jaxserve.errors import InvalidRequest
 from jaxserve.entrypoints.serving.request_models import request_models
 from jaxserve.entrypoints.serving.responses import (ResponseEvents, ResponseObject, chat_body,
-                                                    rename_param)
+                                                    input_items, rename_param)
 from jaxserve.entrypoints.serving.tool_output import ToolCallOutput
 from jaxserve.entrypoints.serving.validation import validate
 from jaxserve.tool_calling.parsers import get_tool_parser
@@ -51,12 +51,39 @@ def test_chat_body_from_items_instructions_tools_and_format():
         "name": "x", "schema": {"type": "object"}}}
     assert (body["max_completion_tokens"], body["temperature"], body["parallel_tool_calls"]) \
         == (9, 0, False)
-    assert "stream" not in body
-    assert chat_body(responses(stream=True))["stream_options"] == {"include_usage": True}
+    # Every model turn is read as its stream (with usage), whether the client streams or not.
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    # A turn past max_tool_calls is offered no tool.
+    assert "tools" not in chat_body(req, tools_allowed=False)
+
+
+def test_input_items_and_a_conversation_with_a_server_tool_call():
+    from jaxserve.agents.file_search import FileSearch
+
+    req = responses(input="hi", tools=[{"type": "file_search", "vector_store_ids": ["docs"]}],
+                    tool_choice={"type": "file_search"})
+    (item,) = input_items(req)
+    assert item["id"].startswith("msg_") and item["content"] == [{"type": "input_text",
+                                                                 "text": "hi"}]
+    tool = FileSearch(None)
+    call = tool.item("fs_1", {"query": "cats"}, "completed",
+                     [{"file_id": "d", "filename": "d.txt", "score": 1.0, "text": "Cats nap."}])
+    body = chat_body(req, [item, call], {"file_search": tool})
+    assert body["messages"][1:] == [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "fs_1", "type": "function",
+            "function": {"name": "file_search", "arguments": '{"query": "cats"}'}}]},
+        {"role": "tool", "tool_call_id": "fs_1",
+         "content": '[{"file_id": "d", "filename": "d.txt", "text": "Cats nap."}]'}]
+    assert [t["function"]["name"] for t in body["tools"]] == ["file_search"]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "file_search"}}
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"store": True}, "store"), ({"previous_response_id": "r"}, "previous_response_id"),
+    ({"background": True, "store": False}, "background"),
+    ({"previous_response_id": ""}, "previous_response_id"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools"),
+    ({"max_tool_calls": 0}, "max_tool_calls"),
     ({"input": [{"type": "reasoning"}]}, "input"), ({"input": []}, "input"),
     ({"include": ["x"]}, "include"), ({"seed": 1}, "seed"),
 ])
@@ -218,9 +245,4 @@ def test_reasoning_becomes_a_reasoning_item_first():
     assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
     assert reasoning["content"] == [{"type": "reasoning_text", "text": "Two plus two."}]
     assert message["content"][0]["text"] == "4"
-    whole = ResponseObject(responses()).from_chat({
-        "choices": [{"message": {"role": "assistant", "content": "4",
-                                 "reasoning_content": "Two plus two."}, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}})
-    assert [i["type"] for i in whole["output"]] == ["reasoning", "message"]
-    assert whole["output"][0]["content"][0]["text"] == "Two plus two."
+    assert events[-1]["response"]["status"] == "completed"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import tempfile
 import threading
 import time
 import urllib.error
@@ -74,6 +75,9 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
+        # Stored responses and their background runs in a directory of this server's own, not
+        # the default data directory every other server (and a user's) shares.
+        config.setdefault("data_dir", tempfile.mkdtemp(prefix="jaxserve-data-"))
         self.app = build_app(ServerConfig(port=0, **config), model_name)
         self.rag = rag
         if rag is not None:  # a RagService: its routes too

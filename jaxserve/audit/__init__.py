@@ -2,8 +2,8 @@
 Host-side: no JAX."""
 
 from jaxserve.audit.log import AuditBacklogFull, AuditLog, AuditLogConfig, audit_log_config
-from jaxserve.audit.record import AdminRecord, AuditError, AuditRecord
+from jaxserve.audit.record import AdminRecord, AuditError, AuditRecord, StepRecord
 from jaxserve.audit.verify import PruneReport, VerifyReport, prune, verify
 
 __all__ = ["AdminRecord", "AuditBacklogFull", "AuditError", "AuditLog", "AuditLogConfig", "AuditRecord",
-           "PruneReport", "VerifyReport", "audit_log_config", "prune", "verify"]
+           "PruneReport", "StepRecord", "VerifyReport", "audit_log_config", "prune", "verify"]

@@ -38,8 +38,8 @@ from prometheus_client import Gauge
 
 from jaxserve.audit.refusals import RefusalCounts
 from jaxserve.audit.record import (GENESIS, AdminRecord, AuditError, AuditRecord, KeyMismatch,
-                                   data_file_name, decode, encode, list_files, read_key_file,
-                                   utc_now)
+                                   StepRecord, data_file_name, decode, encode, list_files,
+                                   read_key_file, utc_now)
 from jaxserve.errors import ConfigError, EngineOverloaded
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class AuditLog:
 
     # ---- the caller's side (any thread, never blocks) -----------------------------------------
 
-    def write(self, record: AuditRecord | AdminRecord) -> None:
+    def write(self, record: AuditRecord | AdminRecord | StepRecord) -> None:
         if self._closed:
             raise AuditError("the audit log is closed")
         self._queue.put({"type": record.kind, "ts": utc_now(), **record.to_dict()})

@@ -104,6 +104,29 @@ class AdminRecord:
                 "body": self.body, "body_sha256": self.body_sha256}
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One step of an agent run (agents/run.py) as it starts and as it ends: which response and
+    tenant, the step's id and kind (model_turn, tool_call), the tool, and its status (started,
+    completed, failed, cancelled). No content: the step log holds that, and is deleted with the
+    response."""
+
+    kind: ClassVar[str] = "step"
+    response_id: str
+    step_id: str
+    step_kind: str
+    status: str
+    tenant: str | None
+    tool: str | None = None
+    attempt: int = 1
+    duration_s: float | None = None
+
+    def to_dict(self) -> dict:
+        return {"response_id": self.response_id, "step_id": self.step_id,
+                "step_kind": self.step_kind, "status": self.status, "tenant": self.tenant,
+                "tool": self.tool, "attempt": self.attempt, "duration_s": self.duration_s}
+
+
 MAX_ADMIN_BODY = 4096
 
 

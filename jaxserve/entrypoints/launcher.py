@@ -154,7 +154,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long the response to an Idempotency-Key is kept for a retry "
                              "to replay (default: %(default)s, 24 h)")
     parser.add_argument("--data-dir", type=Path, default=None,
-                        help="retrieval collections live here (default: the jaxserve cache's rag/)")
+                        help="retrieval collections and stored responses live here (default: "
+                             "the jaxserve cache's rag/)")
+    parser.add_argument("--response-ttl", type=float, default=_DEFAULTS.response_ttl_s,
+                        metavar="SECONDS",
+                        help="how long a stored response (/v1/responses, store true) is kept, "
+                             "with its run's steps and events (default: %(default)s, 7 days)")
     parser.add_argument("--no-rag", action="store_true",
                         help="serve generation only: no embeddings, collections or chat 'rag'")
     quotas = parser.add_argument_group("retrieval quotas, per tenant (an upsert or a collection "
@@ -249,6 +254,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         reasoning_parser=args.reasoning_parser,
                         tenants_file=str(args.tenants) if args.tenants else None,
                         idempotency_ttl_s=args.idempotency_ttl,
+                        data_dir=str(args.data_dir) if args.data_dir else None,
+                        response_ttl_s=args.response_ttl,
                         policy_file=str(args.policy) if args.policy else None,
                         audit_log_dir=str(args.audit_log) if args.audit_log else None,
                         audit_key_file=str(args.audit_key_file) if args.audit_key_file else None,

@@ -20,7 +20,8 @@ from jaxserve.entrypoints.http.app_state import STATE_KEY, AppState
 from jaxserve.entrypoints.http.exposure import is_loopback
 from jaxserve.entrypoints.http.front_door import MIDDLEWARES, caller, ratelimit_headers
 from jaxserve.entrypoints.http import anthropic_routes
-from jaxserve.entrypoints.http.openai_routes import chat_completions, completions, responses
+from jaxserve.entrypoints.http import responses_routes
+from jaxserve.entrypoints.http.openai_routes import chat_completions, completions
 from jaxserve.entrypoints.http import tokenizer_routes
 from jaxserve.entrypoints.http.json_body import LIMITS_KEY
 from jaxserve.telemetry.metrics import CONTENT_TYPE
@@ -110,9 +111,7 @@ def _routes(config: ServerConfig) -> list[Route]:
         Route("POST", "/v1/completions", completions, "Text completion (OpenAI)",
               models.completion, out.Completion, chunk=out.CompletionChunk, errors=gen,
               tags=("openai",)),
-        Route("POST", "/v1/responses", responses, "Response (OpenAI Responses API; nothing "
-              "stored)", models.responses, out.Response, chunk=out.ResponseEvent, errors=gen,
-              tags=("openai",)),
+        *responses_routes.routes(models),
         *anthropic_routes.routes(config),
         Route("GET", "/v1/models", models_route, "The served model", ok=out.ModelList,
               errors=(401, 503), tags=("openai",)),
@@ -134,6 +133,7 @@ def build_app(config: ServerConfig, model_name: str) -> web.Application:
     app[STATE_KEY] = AppState(config, model_name)
     app.on_response_prepare.append(ratelimit_headers)
     app[LIMITS_KEY] = config.limits
+    responses_routes.add_responses(app, config)
     add_routes(app, _routes(config))
     return app
 
@@ -145,6 +145,7 @@ def attach_engine(app: web.Application, engine, rag=None,
     `fleet` (a jaxserve.fleet.Fleet, serve --deployment), requests are served by its versions
     and `engine` is None."""
     app[STATE_KEY].attach(engine, rag, pricing, fleet)
+    responses_routes.resume_runs(app)  # background runs a restart interrupted
 
 
 def serving_of(app: web.Application) -> OpenAIServing:
@@ -162,6 +163,7 @@ def close_app(app: web.Application) -> None:
     """After the last request: flush the audit log, stop the policy's classifiers, send the
     spans still queued."""
     state = app[STATE_KEY]
+    responses_routes.close_responses(app)
     if state.policy is not None:
         state.policy.close()
     if state.tracing is not None:

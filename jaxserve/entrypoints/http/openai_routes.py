@@ -1,5 +1,5 @@
-"""The generation routes: POST /v1/chat/completions, /v1/completions and /v1/responses (over
-the chat path: entrypoints/serving/responses.py). Each reads its body, hands it with its call to
+"""The generation routes: POST /v1/chat/completions and /v1/completions (the Responses API's
+routes are responses_routes.py, which share `keyed`). Each reads its body, hands it with its call to
 OpenAIServing (which parses and admits it, or ends the call refused) and answers the Generation
 whole or streamed, inside its `running()` (which ends the call); an Idempotency-Key's repeat
 replays the stored answer instead, and ends the call as a replay.
@@ -15,21 +15,16 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from jaxserve.errors import InvalidRequest
 from jaxserve.gateway import idempotency
 from jaxserve.entrypoints.serving import protocol
 from jaxserve.entrypoints.serving.admission import CallContext
 from jaxserve.entrypoints.http.app_state import STATE_KEY, AppState
-from jaxserve.entrypoints.http.front_door import call_context, call_of, logged_error_reply
+from jaxserve.entrypoints.http.front_door import call_context, call_of
 from jaxserve.entrypoints.serving.generation import Generation
 from jaxserve.entrypoints.http.json_body import read_json
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
 from jaxserve.entrypoints.serving.outcome import Outcome
-from jaxserve.entrypoints.serving.request_models import request_models
-from jaxserve.entrypoints.serving.responses import (ResponseEvents, ResponseObject, chat_body,
-                                                    rename_param)
-from jaxserve.entrypoints.http.sse import SSE_HEADERS, Keep, plain_error_event, sse, stream_response
-from jaxserve.entrypoints.serving.validation import validate
+from jaxserve.entrypoints.http.sse import SSE_HEADERS, Keep, plain_error_event, stream_response
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
@@ -108,36 +103,3 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "completion")
-
-
-async def responses(request: web.Request) -> web.StreamResponse:
-    """POST /v1/responses over the chat path (entrypoints/serving/responses.py)."""
-    state: AppState = request.app[STATE_KEY]
-    serving = state.require_serving()
-    req = validate(request_models(state.config.limits).responses, await read_json(request))
-    ctx = call_context(request)
-    return await keyed(request, ctx, "chat", req.model,
-                        lambda keep: _respond_responses(request, serving, req, ctx, keep))
-
-
-async def _respond_responses(request: web.Request, serving: OpenAIServing, req,
-                             ctx: CallContext, keep: Keep | None) -> web.StreamResponse:
-    state: AppState = request.app[STATE_KEY]
-    try:
-        gen = await serving.prepare_async("chat", chat_body(req), ctx, call_of(request))
-    except InvalidRequest as exc:
-        raise rename_param(exc) from None
-    response = ResponseObject(req)
-
-    async def whole():
-        return response.from_chat(await gen.response())
-
-    events = ResponseEvents(response)
-
-    def error_event(exc: Exception) -> bytes:
-        event = events.error(logged_error_reply(exc)[1])
-        return sse(event, event["type"])
-
-    return await _respond(gen, whole, lambda: stream_response(
-        request, gen, events.events(gen.chunks(state.config.keepalive_seconds)), error_event,
-        done=False, keep=keep), keep)

@@ -287,9 +287,23 @@ class ResponsesFunctionTool(Body):
     strict: bool | None = None
 
 
+class ResponsesFileSearchTool(Body):
+    """A server-side tool (agents/file_search.py): the tenant's retrieval collections named by
+    `vector_store_ids` are searched for the model's query."""
+
+    type: Literal["file_search"]
+    vector_store_ids: Annotated[list[Annotated[str, Field(min_length=1, max_length=128)]],
+                                Field(min_length=1, max_length=16)]
+    max_num_results: Annotated[Int, Field(ge=1, le=50)] | None = None
+
+
 class ResponsesNamedToolChoice(Body):
     type: Literal["function"]
     name: str
+
+
+class ResponsesHostedToolChoice(Body):
+    type: Literal["file_search"]
 
 
 class TextFormatText(Body):
@@ -443,7 +457,8 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
         return_token_strs: bool | None = Field(None, description="Each token's text too.")
 
     class ResponsesRequest(Body):
-        """Nothing is stored: `store` true and `previous_response_id` are refused."""
+        """Stored by default (`store`), chained (`previous_response_id`), run in the background
+        (`background`); server tools (`file_search`) beside the client's functions."""
 
         model: NonEmptyStr
         input: NonEmptyStr | Annotated[list[InputItem], Field(min_length=1,
@@ -452,14 +467,17 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
         max_output_tokens: Int | None = None
         temperature: float | None = None
         top_p: float | None = None
-        tools: Annotated[list[ResponsesFunctionTool], Field(max_length=MAX_TOOLS)] | None = None
-        tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
+        tools: Annotated[list[by_type(ResponsesFunctionTool, ResponsesFileSearchTool)],
+                         Field(max_length=MAX_TOOLS)] | None = None
+        tool_choice: (Literal["none", "auto", "required"]
+                      | by_type(ResponsesNamedToolChoice, ResponsesHostedToolChoice) | None) = None
+        max_tool_calls: Annotated[Int, Field(ge=1, le=128)] | None = None
         parallel_tool_calls: bool | None = None
         text: TextOptions | None = None
         stream: bool | None = None
-        store: bool | None = Field(None, description="Only false: nothing is stored.")
-        previous_response_id: None = Field(None, description="Not supported (nothing is "
-                                                             "stored).")
+        store: bool | None = Field(None, description="Keep the response (default true).")
+        previous_response_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+        background: bool | None = None
         include: Annotated[list[str], Field(max_length=0)] | None = neutral("[]")
         truncation: Literal["disabled"] | None = neutral('"disabled"')
         reasoning: None = neutral("null")
@@ -467,19 +485,12 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
         service_tier: None = neutral("null")
         user: str | None = Field(None, description="An opaque end-user id; not used.")
 
-        @model_validator(mode="before")
-        @classmethod
-        def _storage(cls, body: Any) -> Any:
-            if isinstance(body, dict):
-                if body.get("store") is True:
-                    raise InvalidRequest("'store': true is not supported: this server stores no "
-                                         "responses (send store false or leave it out)",
-                                         param="store")
-                if body.get("previous_response_id") is not None:
-                    raise InvalidRequest("'previous_response_id' is not supported: this server "
-                                         "stores no responses (send the whole conversation as "
-                                         "'input')", param="previous_response_id")
-            return body
+        @model_validator(mode="after")
+        def _storage(self):
+            if self.background and self.store is False:
+                raise InvalidRequest("'background': true needs the response stored (leave "
+                                     "'store' out or send true)", param="background")
+            return self
 
     return RequestModels(ChatCompletionRequest, CompletionRequest, TokenizeRequest,
                          ResponsesRequest)

@@ -350,6 +350,22 @@ class OutputFunctionCall(Reply):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
+class OutputFileSearchCall(Reply):
+    type: Literal["file_search_call"]
+    id: str  # "fi_..."
+    queries: list[str]
+    status: Literal["in_progress", "searching", "completed", "incomplete", "failed"]
+    results: list[dict[str, Any]] | None
+
+
+class OutputReasoning(Reply):
+    type: Literal["reasoning"]
+    id: str  # "rs_..."
+    status: Literal["in_progress", "completed", "incomplete"]
+    summary: list[Any]
+    content: list[dict[str, Any]]
+
+
 class ResponseUsage(Reply):
     input_tokens: int
     output_tokens: int
@@ -362,12 +378,12 @@ class Response(Reply):
     id: str  # "resp_..."
     object: Literal["response"]
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     model: str
-    output: list[OutputMessage | OutputFunctionCall]
+    output: list[OutputMessage | OutputFunctionCall | OutputFileSearchCall | OutputReasoning]
     usage: ResponseUsage | None
     incomplete_details: dict[str, str] | None
-    error: None
+    error: dict[str, str] | None  # {"code", "message"} of a failed run
     instructions: str | None
     max_output_tokens: int | None
     temperature: float | None
@@ -375,17 +391,36 @@ class Response(Reply):
     tools: list[dict[str, Any]]
     tool_choice: Any
     parallel_tool_calls: bool
+    max_tool_calls: int | None
+    background: bool
     text: dict[str, Any]
-    store: Literal[False]
-    previous_response_id: None
+    store: bool
+    previous_response_id: str | None
     metadata: dict[str, Any]
+
+
+class Deleted(Reply):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
+class ItemList(Reply):
+    """The input items of a stored response, a page of them (`after`, `limit`, `order`)."""
+
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
 
 
 class ResponseEvent(Reply):
     """One event of a streamed response (the SSE `event:` line repeats `type`): response.created,
     response.in_progress, response.output_item.added / .done, response.content_part.added / .done,
     response.output_text.delta / .done, response.function_call_arguments.delta / .done,
-    response.completed or response.incomplete."""
+    response.file_search_call.in_progress / .searching / .completed, then response.completed,
+    response.incomplete or response.failed; every event has its `sequence_number`."""
 
     model_config = ConfigDict(extra="allow")
     type: str

@@ -1,22 +1,25 @@
-"""POST /v1/responses: OpenAI's Responses API, the subset agents use, served by the chat path.
+"""POST /v1/responses: OpenAI's Responses API, served by the chat path, one model turn at a time.
 
-A validated ResponsesRequest becomes a chat completion body (`chat_body`): `instructions` a
-system message first; `input` text a user message, message items messages (text parts joined),
-consecutive `function_call` items one assistant message with those `tool_calls`, each
-`function_call_output` a `tool` message; `max_output_tokens`, `temperature`, `top_p`, function
-`tools`, `tool_choice`, `parallel_tool_calls` and `text.format` (json_schema / json_object) their
-chat equivalents. The chat path then does everything else (prompt, tools, constraints, limits),
-and its answer, whole or streamed, is turned back into a `response` object or the Responses
-event stream (`ResponseEvents`): a thinking model's `reasoning_content` becomes a `reasoning`
-item (its text a `reasoning_text` part) before the message and calls. An error the chat path raises names the Responses field
-(`rename_param`). Nothing is stored: ids are fresh, `store: true` and `previous_response_id` were
-refused by the request model.
+A model turn of a validated ResponsesRequest is a chat completion body (`chat_body`):
+`instructions` a system message first; the conversation's items (`input_items` of the request,
+after those of its previous_response_id chain and of the run so far) as chat messages
+(`chat_messages`: message items their text parts joined, consecutive `function_call` items one
+assistant message with those `tool_calls`, each `function_call_output` a `tool` message, a
+server tool's call and result a call and a `tool` message); `max_output_tokens`, `temperature`,
+`top_p`, function `tools` and server tools (as functions), `tool_choice`, `parallel_tool_calls`
+and `text.format` (json_schema / json_object) their chat equivalents. The chat path then does
+everything else (prompt, tools, constraints, limits), and each turn's streamed answer is turned
+into output items and the Responses event stream (`ResponseEvents`): a thinking model's
+`reasoning_content` becomes a `reasoning` item (its text a `reasoning_text` part) before the
+message and calls. An error the chat path raises names the Responses field (`rename_param`).
+The run around the turns (steps, tools, storage) is agents/run.py's; response_runs.py drives it.
 
-No I/O and no JAX: entrypoints/http/app.py owns the route.
+No I/O and no JAX.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any, AsyncIterator
 
@@ -43,51 +46,108 @@ def rename_param(exc: InvalidRequest) -> InvalidRequest:
     return type(exc)(str(exc).replace(f"'{param}", f"'{new}"), param=new)
 
 
-def chat_body(req: Any) -> dict:
-    """The chat completion body equivalent to a validated ResponsesRequest."""
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def input_items(req: Any) -> list[dict]:
+    """The request's `input` as Responses items (as GET .../input_items lists them): each with
+    an id, a message's content as parts."""
+    if isinstance(req.input, str):
+        raw = [{"type": "message", "role": "user", "content": req.input}]
+    else:
+        raw = [item.model_dump(exclude_none=True) for item in req.input]
+    items = []
+    for item in raw:
+        item.setdefault("type", "message")
+        item.setdefault("id", _id(_ITEM_PREFIX[item["type"]]))
+        if item["type"] == "message" and isinstance(item["content"], str):
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        items.append(item)
+    return items
+
+
+def chat_messages(items: list[dict], server_tools: dict | None = None,
+                  tool_texts: dict[str, str] | None = None) -> list[dict]:
+    """Responses items -> chat messages: a message's text parts joined; consecutive
+    `function_call` items one assistant message with those `tool_calls`; a
+    `function_call_output` a `tool` message; a server tool's call (`server_tools`: kind ->
+    agents.tools.ServerTool) an assistant call of the function named by its kind and a `tool`
+    message with what it returned (`tool_texts[item id]`, else read from the item); reasoning
+    items are not sent back."""
+    messages: list[dict] = []
+    by_item_type = {t.item_type: t for t in (server_tools or {}).values()}
+
+    def call(call_id: str, name: str, arguments: str) -> None:
+        entry = {"id": call_id, "type": "function",
+                 "function": {"name": name, "arguments": arguments}}
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+            last["tool_calls"].append(entry)  # parallel calls: one assistant turn
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [entry]})
+
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            call(item["call_id"], item["name"], item["arguments"])
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": item["output"]})
+        elif kind in by_item_type:
+            tool = by_item_type[kind]
+            call(item["id"], tool.kind, json.dumps(tool.arguments(item)))
+            text = (tool_texts or {}).get(item["id"])
+            messages.append({"role": "tool", "tool_call_id": item["id"],
+                             "content": text if text is not None else tool.model_text(item)})
+        elif kind == "message":
+            content = item["content"] if isinstance(item["content"], str) \
+                else "".join(p["text"] for p in item["content"])
+            messages.append({"role": item["role"], "content": content})
+    return messages
+
+
+def chat_body(req: Any, items: list[dict] | None = None, server_tools: dict | None = None,
+              tool_texts: dict[str, str] | None = None, tools_allowed: bool = True) -> dict:
+    """The chat completion body of one model turn of a validated ResponsesRequest: the
+    conversation `items` (default: its input), its function tools and `server_tools` offered as
+    functions (none when not `tools_allowed`)."""
     messages: list[dict] = []
     if req.instructions is not None:
         messages.append({"role": "system", "content": req.instructions})
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    for item in items:
-        if isinstance(item, dict):
-            messages.append(item)
-        elif item.type == "function_call":
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-                last["tool_calls"].append(call)  # parallel calls: one assistant turn
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif item.type == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.call_id,
-                             "content": item.output})
-        else:
-            content = item.content if isinstance(item.content, str) \
-                else "".join(p.text for p in item.content)
-            messages.append({"role": item.role, "content": content})
+    messages += chat_messages(input_items(req) if items is None else items, server_tools,
+                              tool_texts)
     body: dict[str, Any] = {"model": req.model, "messages": messages}
     for name, value in (("max_completion_tokens", req.max_output_tokens),
                         ("temperature", req.temperature), ("top_p", req.top_p),
                         ("parallel_tool_calls", req.parallel_tool_calls)):
         if value is not None:
             body[name] = value
-    if req.tools:
-        body["tools"] = [{"type": "function", "function": t.model_dump(
-            exclude={"type"}, exclude_none=True)} for t in req.tools]
-    if req.tool_choice is not None:
-        body["tool_choice"] = (req.tool_choice if isinstance(req.tool_choice, str) else
-                               {"type": "function", "function": {"name": req.tool_choice.name}})
+    tools = []
+    for t in req.tools or () if tools_allowed else ():
+        if t.type == "function":
+            tools.append({"type": "function", "function": t.model_dump(
+                exclude={"type"}, exclude_none=True)})
+        elif t.type in (server_tools or {}):
+            tool = server_tools[t.type]
+            tools.append({"type": "function", "function": {
+                "name": tool.kind, "description": tool.description,
+                "parameters": tool.parameters}})
+    if tools:
+        body["tools"] = tools
+        if req.tool_choice is not None:
+            body["tool_choice"] = (
+                req.tool_choice if isinstance(req.tool_choice, str) else
+                {"type": "function", "function": {"name": getattr(req.tool_choice, "name",
+                                                                  req.tool_choice.type)}})
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_object":
         body["response_format"] = {"type": "json_object"}
     elif fmt is not None and fmt.type == "json_schema":
         body["response_format"] = {"type": "json_schema", "json_schema": fmt.model_dump(
             exclude={"type"}, exclude_none=True, by_alias=True)}
-    if req.stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}  # response.completed carries usage
+    body["stream"] = True  # a turn is read as its stream, whether the client streams or not
+    body["stream_options"] = {"include_usage": True}  # response.completed carries usage
     return body
 
 
@@ -117,15 +177,17 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
 
 
 class ResponseObject:
-    """The `response` object of one request: the echo of its settings, and its outcome."""
+    """The `response` object of one request: the echo of its settings, and its outcome. `id` and
+    `created_at` are given for a stored response built again (a resumed run)."""
 
-    def __init__(self, req: Any):
+    def __init__(self, req: Any, response_id: str | None = None,
+                 created_at: int | None = None):
         self.req = req
-        self.id = _id("resp")
-        self.created_at = protocol.now()
+        self.id = response_id or _id("resp")
+        self.created_at = created_at if created_at is not None else protocol.now()
 
     def build(self, status: str, output: list[dict], usage: dict | None = None,
-              finish_reason: str | None = None) -> dict:
+              finish_reason: str | None = None, error: dict | None = None) -> dict:
         req = self.req
         text = {"format": {"type": "text"}}
         if req.text is not None and req.text.format is not None:
@@ -137,7 +199,7 @@ class ResponseObject:
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
             "status": status, "model": req.model, "output": output, "usage": _usage(usage),
-            "incomplete_details": incomplete, "error": None, "instructions": req.instructions,
+            "incomplete_details": incomplete, "error": error, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "temperature": req.temperature,
             "top_p": req.top_p,
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
@@ -145,40 +207,39 @@ class ResponseObject:
                             else req.tool_choice.model_dump() if req.tool_choice is not None
                             else "auto"),
             "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "text": text, "store": False, "previous_response_id": None, "metadata": {}}
-
-    def from_chat(self, completion: dict) -> dict:
-        """The whole response, from the chat completion body of the same request."""
-        choice = completion["choices"][0]
-        message, finish = choice["message"], choice["finish_reason"]
-        status = "completed" if finish in ("stop", "tool_calls") else "incomplete"
-        output = []
-        if message.get("reasoning_content") is not None:
-            output.append(_reasoning_item(_id("rs"), message["reasoning_content"], status))
-        if message.get("content"):
-            output.append(_message_item(_id("msg"), message["content"], status))
-        for call in message.get("tool_calls") or ():
-            output.append(_call_item(_id("fc"), call["id"], call["function"]["name"],
-                                     call["function"]["arguments"], status))
-        return self.build(status, output, completion["usage"], finish)
+            "max_tool_calls": req.max_tool_calls, "background": bool(req.background),
+            "text": text, "store": req.store is not False,
+            "previous_response_id": req.previous_response_id, "metadata": {}}
 
 
 class ResponseEvents:
-    """The chat path's streamed chunks -> the Responses event stream: response.created and
-    .in_progress; per output item .output_item.added, its deltas (output_text.delta, or
-    function_call_arguments.delta), their .done events and .output_item.done; then
-    response.completed (or response.incomplete when max_output_tokens cut it), with usage. A
-    thinking model's reasoning is an item of its own, first: .output_item.added, its
-    reasoning_text.delta events, .reasoning_text.done, .output_item.done."""
+    """A run's Responses event stream, every event numbered (`sequence_number`, from `sequence`
+    on: a resumed run goes on from its last recorded event). `opening` (response.created and
+    .in_progress, or .queued for a background run not started yet), then per model turn `turn`
+    over the chat path's streamed chunks: per output item .output_item.added, its deltas
+    (output_text.delta, or function_call_arguments.delta), their .done events and
+    .output_item.done (a thinking model's reasoning is an item of its own, first: its
+    reasoning_text.delta events, .reasoning_text.done); a server tool's call (`hidden`: the
+    function names of the server tools) is not streamed as a function call but, once the run
+    has made it its own item, by `tool_started` / `tool_done`; last `closing`:
+    response.completed, .incomplete (max_output_tokens cut it, or the deadline), or .failed
+    (failed or cancelled), with the whole response."""
 
-    def __init__(self, response: ResponseObject):
+    def __init__(self, response: ResponseObject, hidden: frozenset[str] = frozenset(),
+                 sequence: int = 0):
         self.response = response
-        self.sequence = 0
+        self.hidden = hidden
+        self.sequence = sequence
         self.output: list[dict] = []  # the items, as they stand
         self.open_message: int | None = None  # output index of the message being written
         self.open_reasoning: int | None = None  # output index of the reasoning being written
         self.calls: dict[int, int] = {}  # tool-call index -> output index
+        self.hidden_calls: dict[int, dict] = {}  # tool-call index -> a server tool's call
         self.open: list[int] = []  # output indexes not yet done
+        # What the last `turn` produced: its output items, usage and finish reason.
+        self.items: list[dict] = []
+        self.usage: dict | None = None
+        self.finish: str | None = None
 
     def _event(self, kind: str, **fields) -> dict:
         event = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -190,11 +251,25 @@ class ResponseEvents:
         return self._event("error", **{k: body["error"].get(k) for k in ("code", "message",
                                                                           "param")})
 
-    async def events(self, chunks: AsyncIterator[dict | None]) -> AsyncIterator[dict | None]:
-        """Events in order; None where a keep-alive should go out."""
-        yield self._event("response.created", response=self.response.build("in_progress", []))
-        yield self._event("response.in_progress",
-                          response=self.response.build("in_progress", []))
+    def opening(self, status: str = "in_progress") -> list[dict]:
+        first = self._event("response.created", response=self.response.build(status, []))
+        return [first, self.started()] if status == "in_progress" else [
+            first, self._event("response.queued", response=self.response.build(status, []))]
+
+    def started(self) -> dict:
+        return self._event("response.in_progress",
+                           response=self.response.build("in_progress", []))
+
+    def closing(self, response: dict) -> dict:
+        status = response["status"]
+        kind = status if status in ("completed", "incomplete") else "failed"
+        return self._event(f"response.{kind}", response=response)
+
+    async def turn(self, chunks: AsyncIterator[dict | None]) -> AsyncIterator[dict | None]:
+        """One model turn's events, None where a keep-alive should go out; after it, `items`,
+        `usage` and `finish` say what the turn produced."""
+        first = len(self.output)
+        self.calls, self.hidden_calls = {}, {}
         usage, finish = None, None
         async for chunk in chunks:
             if chunk is None:
@@ -218,8 +293,44 @@ class ResponseEvents:
         for index in list(self.open):
             for event in self._close(index, status):
                 yield event
-        final = self.response.build(status, self.output, usage, finish)
-        yield self._event(f"response.{status}", response=final)
+        self.items = self.output[first:] + [
+            _call_item(_id("fc"), c["call_id"], c["name"], c["arguments"], status)
+            for _, c in sorted(self.hidden_calls.items())]
+        self.usage, self.finish = usage, finish
+
+    async def events(self, chunks: AsyncIterator[dict | None]) -> AsyncIterator[dict | None]:
+        """A response of one model turn: its events in order."""
+        for event in self.opening():
+            yield event
+        async for event in self.turn(chunks):
+            yield event
+        status = "completed" if self.finish in ("stop", "tool_calls") else "incomplete"
+        yield self.closing(self.response.build(status, self.output, self.usage, self.finish))
+
+    def tool_started(self, item: dict) -> list[dict]:
+        """A server tool's call begins: its item added (its output index is the next)."""
+        index = len(self.output)
+        self.output.append(item)
+        kind = item["type"]
+        events = [self._event("response.output_item.added", output_index=index, item=dict(item)),
+                  self._event(f"response.{kind}.in_progress", item_id=item["id"],
+                              output_index=index)]
+        if kind == "file_search_call":  # OpenAI's stream says when the search itself runs
+            events.append(self._event("response.file_search_call.searching",
+                                      item_id=item["id"], output_index=index))
+        return events
+
+    def tool_done(self, item: dict) -> list[dict]:
+        index = next((i for i, it in enumerate(self.output) if it["id"] == item["id"]), None)
+        if index is None:  # started before a restart: its events were sent then
+            index = len(self.output)
+            self.output.append(item)
+        self.output[index] = item
+        done = [self._event("response.output_item.done", output_index=index, item=dict(item))]
+        if item["status"] == "completed":
+            done.insert(0, self._event(f"response.{item['type']}.completed",
+                                       item_id=item["id"], output_index=index))
+        return done
 
     def _add(self, item: dict) -> tuple[int, dict]:
         index = len(self.output)
@@ -260,6 +371,14 @@ class ResponseEvents:
                           content_index=0, delta=text, logprobs=[])
 
     def _call(self, call: dict):
+        hidden = self.hidden_calls.get(call["index"])
+        if hidden is None and call["index"] not in self.calls \
+                and (call.get("function") or {}).get("name") in self.hidden:
+            hidden = self.hidden_calls[call["index"]] = {
+                "call_id": call["id"], "name": call["function"]["name"], "arguments": ""}
+        if hidden is not None:  # a server tool's: the run makes it its own item
+            hidden["arguments"] += (call.get("function") or {}).get("arguments") or ""
+            return
         if call["index"] not in self.calls:
             for index in (self.open_reasoning, self.open_message):  # complete before the calls
                 if index is not None:

@@ -1,0 +1,209 @@
+"""The runs behind POST /v1/responses: a validated request -> a `ResponseJob` (its conversation
+rebuilt from its previous_response_id chain, its server tools, its deadline), and `execute`,
+which drives its agents.run.Run with model turns on the chat path (each turn one call through
+OpenAIServing: admitted, limited, counted and audited as any chat request) and sends its events
+to `emit`. A stored response is written as it starts and as it ends; its run's steps as they go
+(agents/store.py). Used alike by a request that waits for its answer and by a background run
+(entrypoints/http/responses_routes.py owns both). No JAX.
+
+How a run ends (the response's `status`): completed; incomplete (max_output_tokens, or the
+deadline: `incomplete_details.reason` "deadline"); failed (an error after the run started, in
+`error`); cancelled (a client's cancel, or a client that left while waiting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from jaxserve.agents.run import SHUTDOWN, Run, TurnResult
+from jaxserve.agents.store import UNFINISHED, ResponseStore
+from jaxserve.agents.tools import ServerTool, ToolRegistry
+from jaxserve.errors import DeadlineExceeded, InvalidRequest, error_reply, error_status
+from jaxserve.gateway import Principal
+from jaxserve.entrypoints.serving.admission import CallContext
+from jaxserve.entrypoints.serving.calls import Call
+from jaxserve.entrypoints.serving.responses import (ResponseEvents, ResponseObject, chat_body,
+                                                    input_items, rename_param)
+
+log = logging.getLogger(__name__)
+ROUTE = "/v1/responses"
+Emit = Callable[[dict | None], Awaitable[None]]  # an event (None: a keep-alive)
+
+
+@dataclass
+class ResponseJob:
+    req: Any  # the validated ResponsesRequest
+    response: ResponseObject
+    principal: Principal
+    input_items: list[dict]
+    conversation: list[dict]  # the chain's items, then input_items
+    server_tools: dict[str, tuple[ServerTool, dict]]  # kind -> (tool, its `tools` entry)
+    deadline_at: float | None  # unix time
+
+    @property
+    def tenant(self) -> str:
+        return self.principal.tenant.name
+
+    @property
+    def stored(self) -> bool:
+        return self.req.store is not False
+
+
+class ResponseRunner:
+    def __init__(self, serving, store: Callable[[], ResponseStore], tools: ToolRegistry,
+                 keepalive_s: float, audit=None):
+        """`serving`: the OpenAIServing; `store`: the store, opened on first use;
+        `audit`: an AuditLog (its `write`), or None."""
+        self.serving = serving
+        self._store = store
+        self.tools = tools
+        self.keepalive_s = keepalive_s
+        self.audit = audit
+
+    @property
+    def store(self) -> ResponseStore:
+        return self._store()
+
+    def job(self, req: Any, principal: Principal, timeout_s: float | None,
+            response: ResponseObject | None = None, items: list[dict] | None = None,
+            deadline_at: float | None = None) -> ResponseJob:
+        """The job of a new request (`timeout_s`: X-Request-Timeout), or of a stored one
+        resumed (`response`, `items` and `deadline_at` as stored). InvalidRequest naming the
+        field for a chain that cannot be followed or a server tool this server lacks."""
+        items = input_items(req) if items is None else items
+        history: list[dict] = []
+        if req.previous_response_id is not None:
+            chain = self.store.chain(principal.tenant.name, req.previous_response_id)
+            if chain[-1].status in UNFINISHED:
+                raise InvalidRequest(f"Previous response '{req.previous_response_id}' is still "
+                                     f"{chain[-1].status}: wait until it has ended",
+                                     param="previous_response_id")
+            for stored in chain:
+                history += stored.input_items + stored.response["output"]
+        server_tools = {}
+        for i, entry in enumerate(req.tools or ()):
+            if entry.type == "function":
+                continue
+            tool = self.tools.get(entry.type)
+            if tool is None:
+                raise InvalidRequest(f"the tool type {entry.type!r} is not available on this "
+                                     f"server", param=f"tools[{i}].type")
+            server_tools[entry.type] = (tool, entry.model_dump(exclude_none=True))
+        if deadline_at is None:
+            limits = [t for t in (timeout_s, principal.tenant.request_timeout_s)
+                      if t is not None]
+            deadline_at = time.time() + min(limits) if limits else None
+        return ResponseJob(req, response or ResponseObject(req), principal, items,
+                           history + items, server_tools, deadline_at)
+
+    async def execute(self, job: ResponseJob, emit: Emit, call: Call | None = None,
+                      sequence: int | None = None, client: str | None = None) -> dict:
+        """Run the job to its end; the final response (written to the store when stored).
+        `call`: the request's own call, ended by the first model turn (later turns are calls of
+        their own). A request's run (`sequence` None) sends response.created once its first
+        turn is admitted: an error before that propagates (the request's plain error reply).
+        A background run (its response.created went out at its creation; `sequence`: its next
+        event's number) starts with response.in_progress. After the first event, an error
+        ends the run `failed`."""
+        events = ResponseEvents(job.response, frozenset(job.server_tools), sequence or 0)
+        tools = {kind: entry[0] for kind, entry in job.server_tools.items()}
+        state = {"call": call, "opened": sequence is not None}
+        if sequence is not None:
+            if job.stored:
+                self.store.save(job.response.build("in_progress", []))
+            await emit(events.started())
+
+        async def turn(items: list[dict], tool_texts: dict[str, str],
+                       allowed: bool) -> TurnResult:
+            body = chat_body(job.req, items, tools, tool_texts, allowed)
+            remaining = None
+            if job.deadline_at is not None:
+                remaining = job.deadline_at - time.time()
+                if remaining <= 0:
+                    raise DeadlineExceeded("the response's deadline passed")
+            ctx = CallContext(job.principal, remaining, client=client, route=ROUTE)
+            this_call, state["call"] = state["call"] or Call(self.serving.sinks), None
+            try:
+                gen = await self.serving.prepare_async("chat", body, ctx, this_call)
+            except InvalidRequest as exc:
+                raise rename_param(exc) from None
+            if not state["opened"]:
+                state["opened"] = True
+                for event in events.opening():
+                    await emit(event)
+            async with gen.running():
+                async for event in events.turn(gen.chunks(self.keepalive_s)):
+                    await emit(event)
+            usage = events.usage or {}  # none: the stream ended before its usage chunk
+            return TurnResult(events.items, usage, events.finish)
+
+        run = Run(job.response.id, job.tenant, self.store if job.stored else None,
+                  job.server_tools, turn, _Events(events, emit),
+                  max_tool_calls=job.req.max_tool_calls, deadline_at=job.deadline_at,
+                  audit=self.audit.write if self.audit is not None else None)
+        try:
+            result = await run.execute(job.conversation)
+            status = "completed" if result.finish in ("stop", "tool_calls") else "incomplete"
+            final = job.response.build(status, result.output, result.usage, result.finish)
+        except BaseException as exc:
+            if not state["opened"]:  # refused: as a stored response it never existed
+                if job.stored:
+                    self.store.delete(job.tenant, job.response.id)
+                raise
+            if isinstance(exc, asyncio.CancelledError):
+                if exc.args != (SHUTDOWN,):  # a shutdown leaves it for the restarted server
+                    final = job.response.build("cancelled", events.output)
+                    self._end(job, final)
+                    with contextlib.suppress(Exception):  # a client that left reads nothing
+                        await emit(events.closing(final))
+                raise
+            if isinstance(exc, DeadlineExceeded):
+                final = job.response.build("incomplete", events.output,
+                                           finish_reason="deadline")
+            elif isinstance(exc, Exception):
+                if error_status(exc).http == 500:
+                    log.exception("the run of %s failed", job.response.id, exc_info=exc)
+                body = error_reply(exc)[1]["error"]
+                final = job.response.build("failed", events.output, error={
+                    "code": body.get("code") or body["type"], "message": body["message"]})
+            else:
+                raise
+        self._end(job, final)
+        await emit(events.closing(final))
+        return final
+
+    def _end(self, job: ResponseJob, final: dict) -> None:
+        if job.stored:
+            self.store.save(final)
+
+
+class _Events:
+    """agents.run.RunEvents: a server tool's call as Responses events."""
+
+    def __init__(self, events: ResponseEvents, emit: Emit):
+        self.events = events
+        self.emit = emit
+
+    async def tool_started(self, item: dict) -> None:
+        for event in self.events.tool_started(item):
+            await self.emit(event)
+
+    async def tool_done(self, item: dict) -> None:
+        for event in self.events.tool_done(item):
+            await self.emit(event)
+
+    def recorded(self, items: list[dict]) -> None:
+        """Their events went out before the restart; a call's item replaces its earlier
+        state."""
+        output = self.events.output
+        for item in items:
+            index = next((i for i, it in enumerate(output) if it["id"] == item["id"]), None)
+            if index is None:
+                output.append(item)
+            else:
+                output[index] = item
