@@ -122,6 +122,9 @@ def test_forced_tool_call_then_its_result(client):
     ({"model": "tiny", "max_tokens": 8, "messages": ASK, "tool_choice": {"type": "tool", "name": "nope"},
       "tools": [TOOL]}, "nope"),
     ({"model": "tiny", "max_tokens": 8, "messages": ASK, "temperature": 1.5}, "temperature"),
+    ({"model": "tiny", "max_tokens": 8, "messages": ASK, "system": [
+        {"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}] * 5},
+     "cache_control"),
 ])
 def test_bad_requests_are_anthropic_400s_naming_the_field(server, body, param_word):
     resp = _request("POST", f"{server.url}/v1/messages", body,
@@ -154,3 +157,36 @@ def test_openai_routes_report_cached_prompt_tokens_too(server):
                                            temperature=0)
     assert again.usage.prompt_tokens == first.usage.prompt_tokens
     assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+
+
+def _flood(client, n: int) -> None:
+    """Prompts of other text (about 300 tokens each) whose pages push the unpinned ones out of the
+    32-page pool."""
+    for i in range(n):
+        client.messages.create(
+            messages=[{"role": "user", "content": " ".join(f"flood{i} item{j}."
+                                                           for j in range(60))}],
+            thinking={"type": "disabled"}, **{**GREEDY, "max_tokens": 1})
+
+
+def test_cache_control_pins_the_system_prompt_through_a_flood(client):
+    """Last in the module: the pin it makes holds pool pages for 5 minutes."""
+    ask = {"messages": ASK, "thinking": {"type": "disabled"}, **{**GREEDY, "max_tokens": 1}}
+    plain = "Plain instructions: answer in one word, then stop. " * 4
+    first = client.messages.create(system=plain, **ask)
+    assert first.usage.cache_creation_input_tokens == 0
+    _flood(client, 3)
+    again = client.messages.create(system=plain, **ask)
+    assert again.usage.cache_read_input_tokens == 0  # evicted: no pin
+
+    pinned = [{"type": "text", "text": "Pinned instructions: answer briefly and kindly. " * 4,
+               "cache_control": {"type": "ephemeral", "ttl": "5m"}}]
+    made = client.messages.create(system=pinned, **ask)
+    created = made.usage.cache_creation_input_tokens
+    assert created > 0 and created % 16 == 0  # whole pages of the system prompt
+    _flood(client, 3)
+    read = client.messages.create(system=pinned, **ask)
+    assert read.usage.cache_read_input_tokens >= created
+    assert read.usage.cache_creation_input_tokens == 0  # the pin was renewed, not made again
+    assert (read.usage.input_tokens + read.usage.cache_read_input_tokens
+            == made.usage.input_tokens + created + made.usage.cache_read_input_tokens)

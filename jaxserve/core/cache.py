@@ -12,12 +12,24 @@ Prefix caching indexes FULL pages by a chained hash, hash(parent page's hash, th
 so a page is only reused behind the very prefix it was computed with. The hash is a keyed digest
 (blake2b) rather than Python's `hash` because prompts are user input and tuple hashes of ints can be
 collided on purpose; the page's token ids are still compared on every hit.
+
+Pins (Anthropic's `cache_control` breakpoints): a pin holds its own reference on the indexed full
+pages of one prompt prefix until it expires, so they stay "in use" and the LRU cannot evict them;
+a later request with the same prefix (same salt: pins are per tenant as the pages are) reads them
+as any cached page. A pin is keyed by the chained hash of its last page (the salt and the whole
+prefix): pinning the same prefix again renews it. Bounds: at most `max_pins_per_salt` pins per
+salt (past it the salt's oldest pin is released: a tenant's newest prefixes win over its older
+ones) and at most `pin_pool_fraction` of the usable pages pinned in all (past it the new pin is
+not made: no tenant's pins can push out another's). Pinned pages are counted per pin (a page two
+pins share counts twice: the bound errs on the safe side). Expired pins are released lazily, by
+`expire_pins` (the scheduler calls it every step); no thread.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -46,8 +58,23 @@ def extend_page_hashes(hashes: list[bytes], token_ids: Sequence[int], page_size:
     return hashes
 
 
+# Pin bounds (see the module docstring): a quarter of the pool at most stays pinned, so pins
+# never starve the requests that run; 16 prefixes per tenant (Anthropic allows 4 per request).
+PIN_POOL_FRACTION = 0.25
+MAX_PINS_PER_SALT = 16
+
+
+@dataclass
+class _Pin:
+    salt: str | None
+    pages: list[int]
+    expires: float  # the caller's clock (time.monotonic in the scheduler)
+
+
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, *,
+                 pin_pool_fraction: float = PIN_POOL_FRACTION,
+                 max_pins_per_salt: int = MAX_PINS_PER_SALT):
         if num_pages < 2:
             raise ConfigError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
         if page_size <= 0:
@@ -64,6 +91,11 @@ class KVCacheManager:
         self._page_tokens: dict[int, tuple[int, ...]] = {}
         self._holders: dict[str, Request] = {}  # requests holding pages, by id
         self._num_registered: dict[str, int] = {}  # leading pages of a holder already indexed
+        self._pins: OrderedDict[bytes, _Pin] = OrderedDict()  # oldest made or renewed first
+        self._num_pinned_pages = 0  # summed over pins
+        self._next_expiry = float("inf")
+        self.max_pinned_pages = int(pin_pool_fraction * self.num_usable_pages)
+        self.max_pins_per_salt = max_pins_per_salt
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of which served from the cache
 
@@ -77,6 +109,14 @@ class KVCacheManager:
     def num_free_pages(self) -> int:
         """Pages an allocation can take now: free plus evictable cached ones."""
         return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_pinned_pages(self) -> int:
+        return self._num_pinned_pages
+
+    @property
+    def num_pins(self) -> int:
+        return len(self._pins)
 
     @property
     def num_cached_free_pages(self) -> int:
@@ -170,6 +210,57 @@ class KVCacheManager:
                 self._page_tokens[page] = tuple(tokens[i * ps:(i + 1) * ps])
         self._num_registered[request.request_id] = num_full
 
+    # ---- pins --------------------------------------------------------------------------------
+
+    def pin(self, request: Request, num_tokens: int, ttl_s: float, now: float) -> int:
+        """Pin the indexed full pages of the request's first `num_tokens` tokens until now + ttl_s.
+
+        Returns the tokens the pin covers when it is new, 0 when it renewed a pin of the same
+        prefix, covers no full page, or is over the pool bound (not made)."""
+        if not self.enable_prefix_caching:
+            return 0
+        hashes = self._hashes(request, num_tokens // self.page_size)[:num_tokens // self.page_size]
+        pages = []
+        for h in hashes:  # the prefix's pages as indexed (maybe another request's copies)
+            page = self._hash_to_page.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        if not pages:
+            return 0
+        key = hashes[len(pages) - 1]
+        expires = now + ttl_s
+        old = self._pins.get(key)
+        if old is not None:
+            old.expires = max(old.expires, expires)
+            self._pins.move_to_end(key)
+            self._next_expiry = min(self._next_expiry, old.expires)
+            return 0
+        if self._num_pinned_pages + len(pages) > self.max_pinned_pages:
+            return 0
+        own = [k for k, p in self._pins.items() if p.salt == request.cache_salt]
+        for k in own[:max(0, len(own) - self.max_pins_per_salt + 1)]:
+            self._unpin(k)
+        for page in pages:
+            self._take(page)
+        self._pins[key] = _Pin(request.cache_salt, pages, expires)
+        self._num_pinned_pages += len(pages)
+        self._next_expiry = min(self._next_expiry, expires)
+        return len(pages) * self.page_size
+
+    def expire_pins(self, now: float) -> None:
+        """Release the pins whose time is up (cheap when none is due)."""
+        if now < self._next_expiry:
+            return
+        for key in [k for k, p in self._pins.items() if p.expires <= now]:
+            self._unpin(key)
+        self._next_expiry = min((p.expires for p in self._pins.values()), default=float("inf"))
+
+    def _unpin(self, key: bytes) -> None:
+        pin = self._pins.pop(key)
+        self._num_pinned_pages -= len(pin.pages)
+        self._release(pin.pages)
+
     # ---- allocation --------------------------------------------------------------------------
 
     def num_allocatable_tokens(self, request: Request, cached_pages: Sequence[int] = ()) -> int:
@@ -212,9 +303,15 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every page the request holds and forget it (pages of a shared prefix stay with
         their other holders; indexed pages stay cached until evicted)."""
+        self._release(request.page_table)
+        request.page_table = []
+        self._holders.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
+
+    def _release(self, pages: Sequence[int]) -> None:
         # Tail pages first, so LRU eviction drops the end of a prefix before its beginning (a page
         # is useless once its parent is gone).
-        for page in reversed(request.page_table):
+        for page in reversed(pages):
             self._refcount[page] -= 1
             if self._refcount[page] == 0:
                 self._num_in_use -= 1
@@ -222,9 +319,6 @@ class KVCacheManager:
                     self._cached_free[page] = None
                 else:
                     self._free.append(page)
-        request.page_table = []
-        self._holders.pop(request.request_id, None)
-        self._num_registered.pop(request.request_id, None)
 
     def _grow(self, request: Request, num_new_tokens: int) -> None:
         total = self.pages_for(request.num_computed_tokens + num_new_tokens)
@@ -267,6 +361,11 @@ class KVCacheManager:
             assert len(req.page_table) * self.page_size >= req.num_computed_tokens
             for p in req.page_table:
                 counts[p] += 1
+        for pin in self._pins.values():
+            for p in pin.pages:
+                counts[p] += 1
+        assert sum(len(p.pages) for p in self._pins.values()) == self._num_pinned_pages
+        assert self._num_pinned_pages <= max(self.max_pinned_pages, 0)
         assert counts == self._refcount, "refcounts disagree with the page tables"
         assert all(p in self._page_hash for p in cached), "an unindexed page is cached"
         assert {self._hash_to_page[h]: h for h in self._hash_to_page} == self._page_hash

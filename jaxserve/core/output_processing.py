@@ -116,6 +116,7 @@ class OutputProcessor:
                               kv_page_fraction=q.kv_page_fraction, deadline=q.deadline,
                               queue_deadline=q.queue_deadline, max_tokens=p.max_tokens,
                               cache_salt=q.cache_salt,
+                              cache_pins=p.cache_pins if i == 0 else (),  # the first pins for all n
                               # The first sequence scores the prompt for all n.
                               scores_prompt=p.prompt_logprobs is not None and i == 0)
             detok = IncrementalDetokenizer(self.tokenizer,
@@ -351,7 +352,8 @@ class OutputProcessor:
                 for s in group.seqs]
         return RequestOutput(prepared.request_id, prepared.prompt, prepared.prompt_token_ids, outs,
                              group.finished, group.seqs[0].request.num_cached_prompt_tokens,
-                             group.metrics, group.error, group.prompt_logprobs)
+                             group.metrics, group.error, group.prompt_logprobs,
+                             group.seqs[0].request.num_cache_creation_tokens)
 
     def _close(self, group: SequenceGroup) -> RequestOutput:
         m = group.metrics

@@ -78,3 +78,5 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one per prompt token, the first None (nothing comes
     # before it); set from the first output on (the prompt is scored by then).
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    # prompt tokens written under a prompt-cache pin this request made (SamplingParams.cache_pins)
+    num_cache_creation_tokens: int = 0

@@ -93,6 +93,10 @@ class Request:
     # Its prompt's logprobs are asked for: every prompt position goes through the step (no prefix
     # from the prefix cache) so the step can score it (SamplingParams.prompt_logprobs).
     scores_prompt: bool = False
+    # (prompt tokens, seconds): prefixes to pin in the prefix cache once computed
+    # (SamplingParams.cache_pins); the scheduler empties it as it pins them.
+    cache_pins: tuple[tuple[int, float], ...] = ()
+    num_cache_creation_tokens: int = 0  # prompt tokens under a pin this request made
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     page_table: list[int] = field(default_factory=list)  # owned by the KV cache manager

@@ -63,6 +63,8 @@ class SamplingParams:
     the sequence finishes with "stop" as soon as the constraint is complete.
     num_speculative_tokens: on an engine with speculative decoding, at most this many draft
     tokens per step for this request (0 opts out); None: the engine's setting.
+    cache_pins: (prompt tokens, seconds) pairs: pin that prompt prefix's full pages in the prefix
+    cache for that long (Anthropic's cache_control breakpoints; jaxserve.core.cache).
     """
 
     n: int = 1
@@ -85,6 +87,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     num_speculative_tokens: int | None = None
+    cache_pins: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -139,6 +142,10 @@ class SamplingParams:
             if self.num_speculative_tokens < 0:
                 raise _bad("num_speculative_tokens",
                            f"must be >= 0 (0 opts out), got {self.num_speculative_tokens}")
+        set_("cache_pins", tuple((_int("cache_pins", n), _float("cache_pins", t))
+                                 for n, t in self.cache_pins))
+        if any(n < 1 or not t > 0 for n, t in self.cache_pins):
+            raise _bad("cache_pins", "must be (tokens >= 1, seconds > 0) pairs")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputsParams):
             raise _bad("structured_outputs", f"must be StructuredOutputsParams, got "

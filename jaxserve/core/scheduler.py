@@ -18,6 +18,8 @@ Plain Python and numpy (no JAX): `schedule()` returns a padded `BatchPlan` and t
    its own tenant's budget, and a tenant holding no page may always start one request, so a
    request larger than the budget still runs). A request that scores its prompt
    (`Request.scores_prompt`) takes no prefix from the cache: every prompt position is computed.
+Prompt-cache pins (`Request.cache_pins`, Anthropic's cache_control) are made as soon as their
+prefix is computed, and expired pins are released at the start of each step (KVCacheManager.pin).
 When a running request cannot get a page, the least important running request not yet in this
 step (largest priority value, then most recently admitted) is preempted (possibly the request
 itself) instead of failing; then the step admits nobody (pages are short: admitting would only
@@ -212,7 +214,9 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput | None:
-        self._expire(self.clock())
+        now = self.clock()
+        self._expire(now)
+        self.cache.expire_pins(now)
         for r in list(self.running):
             if r.num_tokens > self.config.max_model_len:
                 self._end(r, RequestStatus.FINISHED_LENGTH)
@@ -264,6 +268,7 @@ class Scheduler:
             if not samples:
                 request.num_computed_tokens += n
                 self.cache.register_full_pages(request)
+                self._pin(request)
                 continue
             accepted = 0
             while accepted < len(drafts) and rows[accepted] == drafts[accepted]:
@@ -279,6 +284,7 @@ class Scheduler:
             request.num_computed_tokens += n + accepted
             request.output_token_ids.extend(tokens)
             self.cache.register_full_pages(request)  # after the extend: it hashes the tokens
+            self._pin(request)
             new_tokens.append((request, tokens))
         return new_tokens
 
@@ -296,6 +302,22 @@ class Scheduler:
             num_accepted_draft_tokens=self.num_accepted_draft_tokens)
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _pin(self, request: Request) -> None:
+        """Pin the request's prefixes (`Request.cache_pins`) whose tokens are computed now. The
+        tokens a new pin covers beyond what the request read from the cache were written for it
+        (Anthropic's cache_creation_input_tokens; overlapping pins count once)."""
+        if not request.cache_pins:
+            return
+        pending = []
+        for num_tokens, ttl_s in request.cache_pins:
+            if request.num_computed_tokens < num_tokens:
+                pending.append((num_tokens, ttl_s))
+                continue
+            pinned = self.cache.pin(request, num_tokens, ttl_s, self.clock())
+            request.num_cache_creation_tokens = max(
+                request.num_cache_creation_tokens, pinned - request.num_cached_prompt_tokens)
+        request.cache_pins = tuple(pending)
 
     def _add_drafts(self, step: _Step) -> None:
         """Give the step's decodes draft tokens in its spare room: the padding of its draft

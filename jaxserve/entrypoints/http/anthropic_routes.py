@@ -20,8 +20,8 @@ from jaxserve.entrypoints.http.openai_routes import keyed, respond
 from jaxserve.entrypoints.http.openapi import Route
 from jaxserve.entrypoints.http.sse import Keep, sse, stream_response
 from jaxserve.entrypoints.serving.admission import CallContext
-from jaxserve.entrypoints.serving.anthropic import (MessageEvents, MessageObject, chat_body,
-                                                    rename_param)
+from jaxserve.entrypoints.serving.anthropic import (MessageEvents, MessageObject,
+                                                    cache_breakpoints, chat_body, rename_param)
 from jaxserve.entrypoints.serving.anthropic_models import (AnthropicError, MessageEvent,
                                                            MessageOut, TokenCount,
                                                            messages_models)
@@ -42,13 +42,15 @@ async def _answer(request: web.Request, serving: OpenAIServing, req, ctx: CallCo
                   keep: Keep | None) -> web.StreamResponse:
     state: AppState = request.app[STATE_KEY]
     try:
-        gen = await serving.prepare_async("chat", chat_body(req), ctx, call_of(request))
+        gen = await serving.prepare_async("chat", chat_body(req), ctx, call_of(request),
+                                          pins=cache_breakpoints(req))
     except InvalidRequest as exc:
         raise rename_param(exc) from None
     message = MessageObject(req, gen.version.name)
 
     def finish_info():
-        return gen.stop_reasons.get(0), gen.cached_tokens.get(0, 0)
+        return (gen.stop_reasons.get(0), gen.cached_tokens.get(0, 0),
+                gen.cache_creation_tokens.get(0, 0))
 
     async def whole():
         completion = await gen.response()

@@ -9,7 +9,8 @@ its text blocks one user message; an assistant message's text its content, its `
 "none" (`disable_parallel_tool_use`: `parallel_tool_calls` false); `thinking` the template's
 `enable_thinking` (on for enabled and adaptive); `output_config.format` a strict json_schema
 response format; `stop_sequences`, `temperature`, `top_p`, `top_k`, `max_tokens` and
-`metadata.user_id` their chat equivalents. The chat path does everything else (template, tools,
+`metadata.user_id` their chat equivalents; `cache_control` breakpoints (`cache_breakpoints`) pin
+their prompt prefix in the prefix cache for their TTL (cache_pins.py). The chat path does everything else (template, tools,
 reasoning parser, constraints, limits), and its answer, whole or streamed, becomes a `message`
 or Anthropic's event stream (`MessageEvents`). An error the chat path raises names the Messages
 field (`rename_param`).
@@ -35,6 +36,9 @@ _PARAMS = {"max_tokens": "max_tokens", "stop": "stop_sequences", "user": "metada
 # stop_sequence when one of the request's stop sequences ended it).
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                  "content_filter": "refusal"}
+
+
+MAX_BREAKPOINTS = 4  # Anthropic's limit on cache_control blocks per request
 
 
 def new_id(prefix: str) -> str:
@@ -82,23 +86,66 @@ def _assistant(message: AssistantMessage) -> dict:
     return out
 
 
+def _system(req: Any, upto: int | None = None) -> list[dict]:
+    if req.system is None:
+        return []
+    blocks = req.system if isinstance(req.system, str) or upto is None else req.system[:upto + 1]
+    return [{"role": "system", "content": _text(blocks)}]
+
+
+def _chat_of(message: Any, upto: int | None = None) -> list[dict]:
+    """The chat messages of one Messages message; `upto`: only its blocks through that index
+    (a breakpoint's prefix; an assistant message stays whole)."""
+    if message.role == "assistant":
+        return [_assistant(message)]
+    if isinstance(message.content, str):
+        return [{"role": "user", "content": message.content}]
+    blocks = message.content if upto is None else message.content[:upto + 1]
+    out = [_tool_result(b) for b in blocks if isinstance(b, ToolResultBlock)]
+    texts = [b.text for b in blocks if isinstance(b, TextBlock)]
+    if texts:
+        out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
 def chat_messages(req: Any) -> list[dict]:
     """The chat messages of a validated MessagesRequest (or CountTokensRequest)."""
-    messages: list[dict] = []
-    if req.system is not None:
-        messages.append({"role": "system", "content": _text(req.system)})
+    messages = _system(req)
     for message in req.messages:
-        if message.role == "assistant":
-            messages.append(_assistant(message))
-        elif isinstance(message.content, str):
-            messages.append({"role": "user", "content": message.content})
-        else:
-            messages.extend(_tool_result(b) for b in message.content
-                            if isinstance(b, ToolResultBlock))
-            texts = [b.text for b in message.content if isinstance(b, TextBlock)]
-            if texts:
-                messages.append({"role": "user", "content": "".join(texts)})
+        messages.extend(_chat_of(message))
     return messages
+
+
+def _ttl_s(control: Any) -> float:
+    return 3600.0 if control.ttl == "1h" else 300.0  # Anthropic's default is 5 minutes
+
+
+def cache_breakpoints(req: Any) -> list[tuple[list[dict], float]]:
+    """Each `cache_control` as (the chat messages through the block that carries it, TTL s),
+    in prompt order (cache_pins.py finds its token position). A tool's breakpoint ends at the
+    system message (the templates render tools there, or before it); the top-level one at the
+    last message."""
+    out = []
+    system = _system(req)
+    if any(t.cache_control is not None for t in req.tools or ()):
+        out.append((system, min(_ttl_s(t.cache_control) for t in req.tools
+                                if t.cache_control is not None)))
+    if not isinstance(req.system, (str, type(None))):
+        out.extend((_system(req, i), _ttl_s(b.cache_control))
+                   for i, b in enumerate(req.system) if b.cache_control is not None)
+    messages = list(system)
+    for message in req.messages:
+        if not isinstance(message.content, str):
+            out.extend((messages + _chat_of(message, i), _ttl_s(b.cache_control))
+                       for i, b in enumerate(message.content)
+                       if getattr(b, "cache_control", None) is not None)
+        messages.extend(_chat_of(message))
+    if req.cache_control is not None:
+        out.append((messages, _ttl_s(req.cache_control)))
+    if len(out) > MAX_BREAKPOINTS:  # each one renders the prompt again
+        raise InvalidRequest(f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be "
+                             f"provided, got {len(out)}", param="cache_control")
+    return out
 
 
 def _tools(req: Any, body: dict) -> None:
@@ -157,10 +204,13 @@ def stop_reason(finish: str | None, matched: int | str | None,
     return _STOP_REASONS.get(finish, finish), None
 
 
-def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
-    """Anthropic's usage: input_tokens counts the prompt tokens not read from the cache."""
-    return {"input_tokens": input_tokens - cached_tokens, "output_tokens": output_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int,
+          created_tokens: int = 0) -> dict:
+    """Anthropic's usage: input_tokens counts the prompt tokens neither read from the cache nor
+    written under a new pin (`created_tokens`: cache_creation_input_tokens)."""
+    return {"input_tokens": input_tokens - cached_tokens - created_tokens,
+            "output_tokens": output_tokens, "cache_creation_input_tokens": created_tokens,
+            "cache_read_input_tokens": cached_tokens}
 
 
 class MessageObject:
@@ -177,7 +227,8 @@ class MessageObject:
                 "content": content, "stop_reason": reason[0], "stop_sequence": reason[1],
                 "usage": usage_}
 
-    def from_chat(self, completion: dict, matched: int | str | None, cached_tokens: int) -> dict:
+    def from_chat(self, completion: dict, matched: int | str | None, cached_tokens: int,
+                  created_tokens: int = 0) -> dict:
         """The whole message, from the chat completion body of the same request."""
         choice = completion["choices"][0]
         message = choice["message"]
@@ -193,7 +244,8 @@ class MessageObject:
         u = completion["usage"]
         return self.build(content, stop_reason(choice["finish_reason"], matched,
                                                self.req.stop_sequences),
-                          usage(u["prompt_tokens"], u["completion_tokens"], cached_tokens))
+                          usage(u["prompt_tokens"], u["completion_tokens"], cached_tokens,
+                                created_tokens))
 
 
 def _tool_use(call_id: str, name: str, arguments: dict) -> dict:
@@ -229,8 +281,8 @@ class MessageEvents:
 
     async def events(self, chunks: AsyncIterator[dict | None], finish_info
                      ) -> AsyncIterator[dict | None]:
-        """Events in order; `finish_info()` gives (what ended the choice, cached prompt tokens)
-        once the chunks are done."""
+        """Events in order; `finish_info()` gives (what ended the choice, cached prompt tokens,
+        prompt tokens written under a new pin) once the chunks are done."""
         yield {"type": "message_start", "message": self.message.build(
             [], (None, None), usage(self.input_tokens, 0, 0))}
         output_tokens, finish = 0, None
@@ -264,11 +316,12 @@ class MessageEvents:
                 finish = choice["finish_reason"] or finish
         for event in self._close():
             yield event
-        matched, cached = finish_info()
+        matched, cached, created = finish_info()
         reason = stop_reason(finish, matched, self.message.req.stop_sequences)
         yield {"type": "message_delta",
                "delta": {"stop_reason": reason[0], "stop_sequence": reason[1]},
-               "usage": {"output_tokens": output_tokens, "cache_read_input_tokens": cached}}
+               "usage": {"output_tokens": output_tokens, "cache_read_input_tokens": cached,
+                         "cache_creation_input_tokens": created}}
         yield {"type": "message_stop"}
 
     def _open(self, kind: str, block: dict, new: bool = False):

@@ -4,8 +4,8 @@ same strictness, unknown fields refused).
 
 What has no meaning here is refused by its type, naming the field: image and document blocks
 (text-only models), `redacted_thinking` (we never redact), server tools (a tool with a `type`).
-`cache_control` is accepted on the blocks and tools Anthropic allows it on: the prefix cache is
-automatic, so a breakpoint changes nothing but what usage reports (see docs/api.md).
+`cache_control` is accepted on the blocks and tools Anthropic allows it on: a breakpoint pins its
+prompt prefix in the prefix cache for its TTL (anthropic.cache_breakpoints, docs/anthropic.md).
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def messages_models(limits: RequestLimits = RequestLimits()) -> MessagesModels:
         thinking: by_type(ThinkingEnabled, ThinkingDisabled, ThinkingAdaptive) | None = None
         output_config: OutputConfig | None = None
         cache_control: CacheControl | None = Field(None, description=(
-            "Accepted: the prefix cache is automatic (usage says what it read)."))
+            "Pins the whole prompt's prefix in the prefix cache for its ttl (5m or 1h)."))
 
         @model_validator(mode="after")
         def _tool_choice(self):

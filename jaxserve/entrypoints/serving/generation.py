@@ -71,6 +71,7 @@ class Generation:
         self.finish_reasons: dict[int, str] = {}
         self.stop_reasons: dict[int, int | str | None] = {}  # the stop string / token id
         self.cached_tokens: dict[int, int] = {}  # per prompt: tokens served by the prefix cache
+        self.cache_creation_tokens: dict[int, int] = {}  # per prompt: written under a new pin
         self.completion_tokens: dict[int, int] = {}
         self.prompt_logprobs: dict[int, list] = {}  # per prompt, when the engine scored it
         self.arrival = ctx.arrival
@@ -182,6 +183,7 @@ class Generation:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[stream_index] = out.prompt_logprobs
         self.cached_tokens[stream_index] = out.num_cached_tokens
+        self.cache_creation_tokens[stream_index] = out.num_cache_creation_tokens
         for comp in out.outputs:
             choice = stream_index * self.n + comp.index
             if choice in self.finish_reasons:  # ended (by the engine or by the policy)

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from jaxserve.config import RequestLimits
 from jaxserve.core.serving_engine import ServingEngine
@@ -38,6 +38,7 @@ from jaxserve.gateway.pricing import Pricing
 from jaxserve.entrypoints.serving import protocol
 from jaxserve.entrypoints.serving.admission import (CallContext, admit, prepare_requests,
                                                     tenant_params)
+from jaxserve.entrypoints.serving.cache_pins import Breakpoint, pin_positions
 from jaxserve.entrypoints.serving.calls import Call, Sinks
 from jaxserve.entrypoints.serving.generation import Generation
 from jaxserve.entrypoints.serving.generation_defaults import with_defaults
@@ -108,7 +109,7 @@ class OpenAIServing:
                                  param=param)
 
     async def prepare_async(self, kind: str, body: Any, ctx: CallContext,
-                            call: Call) -> Generation:
+                            call: Call, pins: Sequence[Breakpoint] = ()) -> Generation:
         """Everything that can fail before generation starts: a failure here is the client's
         4xx (or 503 when the engine cannot take it), costs its tenant one request of its rate
         when it is a 4xx (nothing else is taken), and ends `call` here, naming the version
@@ -116,13 +117,14 @@ class OpenAIServing:
         run first (a classifier in its executor). A chat with "rag" has its collection
         searched for the last user message (in an executor: embedding and search block) and
         the results put into the prompt; the response then carries "citations". An admitted
-        request's call ends with its Generation."""
+        request's call ends with its Generation. `pins`: prompt-cache breakpoints to pin
+        (cache_pins.py)."""
         parsed = lease = None
         try:
             parsed = self._parse(kind, body, ctx)
             lease = self.fleet.select(parsed.model, user=parsed.user,
                                       api_key=ctx.principal.key_id)
-            return await self._prepare(kind, body, parsed, ctx, lease, call)
+            return await self._prepare(kind, body, parsed, ctx, lease, call, pins)
         except BaseException as e:  # refused, or its caller left meanwhile
             if ctx.principal is not None and 400 <= error_status(e).http < 500:
                 self.gateway.refused(ctx.principal)  # the client's fault costs a request
@@ -133,7 +135,8 @@ class OpenAIServing:
             raise
 
     async def _prepare(self, kind: str, body: Any, parsed: protocol.ParsedRequest,
-                       ctx: CallContext, lease: Lease, call: Call) -> Generation:
+                       ctx: CallContext, lease: Lease, call: Call,
+                       pins: Sequence[Breakpoint] = ()) -> Generation:
         defaults = lease.version.generation_defaults
         if defaults:  # parsed again: the defaults go through the same checks as the body
             parsed = self._parse_body(kind, with_defaults(body, kind, defaults))
@@ -164,7 +167,7 @@ class OpenAIServing:
         # M8). The tenant's admission is taken after it, here on the loop: taken in the
         # executor, it outlived a caller that left meanwhile and was never settled (review H3).
         prepared, tool_output = await asyncio.get_running_loop().run_in_executor(
-            None, self._prepare_prompts, parsed, ctx, engine, gen_id, tool_output)
+            None, self._prepare_prompts, parsed, ctx, engine, gen_id, tool_output, pins)
         if not engine.is_running:
             raise EngineDead("the engine is not running; the server cannot generate")
         if engine.is_stalled:  # a request now would only wait for nothing
@@ -191,8 +194,8 @@ class OpenAIServing:
         return parsed
 
     def _prepare_prompts(self, parsed: protocol.ParsedRequest, ctx: CallContext,
-                         engine: ServingEngine, gen_id: str, tool_output: ToolCallOutput
-                         ) -> tuple[list, ToolCallOutput]:
+                         engine: ServingEngine, gen_id: str, tool_output: ToolCallOutput,
+                         pins: Sequence[Breakpoint] = ()) -> tuple[list, ToolCallOutput]:
         """The engine requests of `parsed` (on any thread; takes nothing from anyone):
         tokenized once, checked against the context and the KV pool, grammars compiled."""
         prompt_ids = [protocol.prompt_ids(engine.tokenizer, parsed, p) for p in parsed.prompts]
@@ -202,6 +205,9 @@ class OpenAIServing:
         params = engine.check_fits([len(p) for p in prompt_ids], params)
         params = tenant_params(ctx.principal, params, parsed.max_tokens_given)
         tool_output, params = tool_output.after_prompt(engine.tokenizer, prompt_ids[0], params)
+        if pins:
+            params = params.replace(cache_pins=pin_positions(
+                engine.tokenizer, prompt_ids[0], pins, parsed.tools, parsed.chat_template_kwargs))
         constraint = params.structured_outputs
         # The engine's prepare compiles a constraint's grammar: that is most of its time.
         with (timed(ctx.trace, "grammar_compile", **{"jaxserve.grammar.kind": constraint.kind})
