@@ -127,3 +127,23 @@ def test_scheduler_pins_once_computed_counts_creation_and_expires_on_its_step():
     sched.schedule()
     assert sched.cache.num_pins == 0
     sched.cache.check_invariants()
+
+
+def test_pins_give_way_to_a_request_that_cannot_start_on_an_idle_engine():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                      max_model_len=64, enable_chunked_prefill=False),
+                      CacheConfig(page_size=4), num_pages=17, clock=lambda: 0.0)
+    kv = sched.cache  # 16 usable pages, at most 4 pinned
+    for i in range(2):
+        r = Request(f"p{i}", list(range(100 * i, 100 * i + 9)))
+        _run(kv, r)
+        assert kv.pin(r, 8, 3600, now=0) == 8
+        kv.free(r)
+    _flood(kv, 4)  # the cached-free pages: other prompts, not pinned
+    big = Request("big", list(range(5000, 5050)), max_tokens=1)  # 13 pages > 16 - 4 pinned
+    sched.add_request(big)
+    out = sched.schedule()
+    assert out is not None and big.status == RequestStatus.RUNNING
+    assert kv.num_pins == 1  # only the oldest gave way
+    assert len(kv.lookup_prefix(Request("p1again", list(range(100, 109))))) == 2
+    kv.check_invariants()

@@ -22,7 +22,9 @@ salt (past it the salt's oldest pin is released: a tenant's newest prefixes win 
 ones) and at most `pin_pool_fraction` of the usable pages pinned in all (past it the new pin is
 not made: no tenant's pins can push out another's). Pinned pages are counted per pin (a page two
 pins share counts twice: the bound errs on the safe side). Expired pins are released lazily, by
-`expire_pins` (the scheduler calls it every step); no thread.
+`expire_pins` (the scheduler calls it every step); no thread. Pins are a cache, not a
+reservation: when a request cannot start with nothing running, the scheduler releases pins,
+oldest first, until it can (`release_oldest_pin`), so pins never stall an idle engine.
 """
 
 from __future__ import annotations
@@ -255,6 +257,13 @@ class KVCacheManager:
         for key in [k for k, p in self._pins.items() if p.expires <= now]:
             self._unpin(key)
         self._next_expiry = min((p.expires for p in self._pins.values()), default=float("inf"))
+
+    def release_oldest_pin(self) -> bool:
+        """Release the pin made or renewed longest ago; False when there is none."""
+        if not self._pins:
+            return False
+        self._unpin(next(iter(self._pins)))
+        return True
 
     def _unpin(self, key: bytes) -> None:
         pin = self._pins.pop(key)

@@ -19,7 +19,8 @@ Plain Python and numpy (no JAX): `schedule()` returns a padded `BatchPlan` and t
    request larger than the budget still runs). A request that scores its prompt
    (`Request.scores_prompt`) takes no prefix from the cache: every prompt position is computed.
 Prompt-cache pins (`Request.cache_pins`, Anthropic's cache_control) are made as soon as their
-prefix is computed, and expired pins are released at the start of each step (KVCacheManager.pin).
+prefix is computed, and expired pins are released at the start of each step (KVCacheManager.pin);
+a waiting request that cannot start while nothing runs releases pins, oldest first, until it can.
 When a running request cannot get a page, the least important running request not yet in this
 step (largest priority value, then most recently admitted) is preempted (possibly the request
 itself) instead of failing; then the step admits nobody (pages are short: admitting would only
@@ -426,6 +427,13 @@ class Scheduler:
                 remaining = request.num_tokens - len(cached) * self.page_size
                 n = min(remaining, step.budget,
                         self.cache.num_allocatable_tokens(request, cached))
+                # Nothing running frees pages: the pins give way (they would stall it for their TTL).
+                while (n <= 0 or (n < remaining and not self.config.enable_chunked_prefill)) \
+                        and not self.running and self.cache.release_oldest_pin():
+                    cached = [] if request.scores_prompt else self.cache.lookup_prefix(request)
+                    remaining = request.num_tokens - len(cached) * self.page_size
+                    n = min(remaining, step.budget,
+                            self.cache.num_allocatable_tokens(request, cached))
                 if n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
                     break  # the queue waits for room in order; nobody overtakes for lack of pages
                 pages = self.cache.pages_for(len(cached) * self.page_size + n)
