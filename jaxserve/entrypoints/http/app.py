@@ -19,10 +19,10 @@ from jaxserve.entrypoints.serving import response_models as out
 from jaxserve.entrypoints.http.app_state import STATE_KEY, AppState
 from jaxserve.entrypoints.http.exposure import is_loopback
 from jaxserve.entrypoints.http.front_door import MIDDLEWARES, caller, ratelimit_headers
-from jaxserve.entrypoints.http import anthropic_routes
 from jaxserve.entrypoints.http import responses_routes
-from jaxserve.entrypoints.http.openai_routes import chat_completions, completions
+from jaxserve.entrypoints.http import anthropic_routes
 from jaxserve.entrypoints.http import tokenizer_routes
+from jaxserve.entrypoints.http.openai_routes import chat_completions, completions
 from jaxserve.entrypoints.http.json_body import LIMITS_KEY
 from jaxserve.telemetry.metrics import CONTENT_TYPE
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
