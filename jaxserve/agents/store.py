@@ -19,14 +19,13 @@ checkpoint and readers of other processes, such as `sqlite3` itself, run beside 
 from __future__ import annotations
 
 import json
-import sqlite3
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from jaxserve.errors import ConfigError, InvalidRequest, QuotaExceeded
+from jaxserve.sqlite_store import SqliteStore
 
 FILE_NAME = "responses.sqlite3"
 DEFAULT_TTL_S = 7 * 24 * 3600.0  # a week: shorter than OpenAI's 30 days (less kept by default)
@@ -98,45 +97,18 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-class ResponseStore:
+class ResponseStore(SqliteStore):
     def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time):
         self.config = config
         self.clock = clock
-        path = Path(config.data_dir).expanduser()
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(path / FILE_NAME, check_same_thread=False,
-                                       isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA secure_delete=ON")  # freed pages are zeroed
-            self._db.executescript(_SCHEMA)
-            columns = {r[1] for r in self._db.execute("PRAGMA table_info(responses)")}
-            if "owner" not in columns:  # a file from before runs had owners
-                self._db.execute("ALTER TABLE responses ADD COLUMN owner TEXT")
-        except (OSError, sqlite3.Error) as e:
-            raise ConfigError(f"cannot open the response store in {path}: {e}") from None
-        self._lock = threading.Lock()
+        super().__init__(Path(config.data_dir) / FILE_NAME, _SCHEMA, "response store",
+                         secure_delete=True)
         self.purge_expired()
 
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-    def _tx(self, fn):
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                out = fn(self._db)
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
-            return out
-
-    def _one(self, sql: str, args: tuple):
-        with self._lock:
-            return self._db.execute(sql, args).fetchone()
+    def _migrate(self, db) -> None:
+        columns = {r[1] for r in db.execute("PRAGMA table_info(responses)")}
+        if "owner" not in columns:  # a file from before runs had owners
+            db.execute("ALTER TABLE responses ADD COLUMN owner TEXT")
 
     # ---------------------------------------------------------------- responses
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import secrets
-import sqlite3
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from jaxserve.errors import ConfigError, Conflict, NotFound, QuotaExceeded
+from jaxserve.errors import Conflict, NotFound, QuotaExceeded
+from jaxserve.sqlite_store import SqliteStore
 
 FILE_NAME = "batches.sqlite"
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
@@ -78,44 +77,16 @@ def _jsonl(lines: list[str]) -> bytes:
     return "".join(line + "\n" for line in lines).encode()
 
 
-class BatchStore:
+class BatchStore(SqliteStore):
     def __init__(self, data_dir: Path, clock: Callable[[], float] = time.time):
         self.clock = clock
-        path = Path(data_dir).expanduser()
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(path / FILE_NAME, check_same_thread=False,
-                                       isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            # A commit survives the process being killed (the WAL is written before it
-            # returns); FULL also survives the machine losing power.
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(_SCHEMA)
-        except (OSError, sqlite3.Error) as e:
-            raise ConfigError(f"cannot open the batch store in {path}: {e}") from None
-        self._lock = threading.Lock()
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        # A commit survives the process being killed (the WAL is written before it returns);
+        # FULL also survives the machine losing power.
+        super().__init__(Path(data_dir) / FILE_NAME, _SCHEMA, "batch store",
+                         synchronous="FULL")
 
     def _now(self) -> int:
         return int(self.clock())
-
-    def _tx(self, fn):
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                out = fn(self._db)
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
-            return out
-
-    def _one(self, sql: str, args: tuple):
-        with self._lock:
-            return self._db.execute(sql, args).fetchone()
 
     # ---------------------------------------------------------------- files
 
