@@ -1,5 +1,6 @@
 """OpenAI's Batch API (/v1/files, /v1/batches) on the real server: the official `openai` client's
-flow (upload, create, retrieve, content, cancel) over chat, completions and embeddings lines;
+flow (upload, create, retrieve, content, cancel) over chat, completions, embeddings and responses
+lines;
 another tenant's files and batches are 404s; bad input is a 4xx naming the field, or a failed
 batch naming each bad line (as OpenAI validates); a cancelled and an expired batch keep their
 partial output; and `jaxserve serve` killed with SIGKILL mid-batch resumes it on restart,
@@ -23,6 +24,7 @@ from jaxserve.core.engine_factory import build_engine
 from jaxserve.entrypoints.batch_lines import ServingLines
 from jaxserve.entrypoints.http.app import serving_of
 from jaxserve.entrypoints.http.batch_routes import add_batch_routes
+from jaxserve.entrypoints.http.responses_routes import response_runner
 from jaxserve.entrypoints.process import ServerProcess
 from jaxserve.rag.config import ChunkerConfig, EmbedderConfig, RagConfig
 from jaxserve.rag.service import RagService
@@ -39,6 +41,8 @@ def _line(custom_id: str, url: str = "/v1/chat/completions", **body) -> dict:
         body = {"messages": [{"role": "user", "content": f"hi {custom_id}"}], **body}
     elif url == "/v1/completions":
         body = {"prompt": f"once {custom_id}", **body}
+    elif url == "/v1/responses":
+        body = {"input": f"hi {custom_id}", **body}
     return {"custom_id": custom_id, "method": "POST", "url": url,
             "body": {"model": "tiny", **body}}
 
@@ -71,7 +75,7 @@ def server(tiny_path, tmp_path_factory):
                                       max_num_batched_tokens=32, max_model_len=128,
                                       min_token_bucket=16, progress=False))
     srv.attach(engine)
-    srv._call(_start(batches, ServingLines(serving_of(srv.app), rag)))
+    srv._call(_start(batches, srv.app, rag))
     srv.batches = batches
     yield srv
     srv._call(batches.stop())
@@ -80,8 +84,9 @@ def server(tiny_path, tmp_path_factory):
     rag.close()
 
 
-async def _start(batches: BatchService, lines: ServingLines) -> None:
-    batches.start(lines)
+async def _start(batches: BatchService, app, rag) -> None:
+    """On the server's loop, after the engine's attach (queued before it): the runner is set."""
+    batches.start(ServingLines(serving_of(app), rag, response_runner(app)))
 
 
 def _client(server, tenant: str = "acme") -> openai.OpenAI:
@@ -102,7 +107,7 @@ def _results(client: openai.OpenAI, batch) -> list[dict]:
     return out
 
 
-def test_openai_client_flow_chat_completions_and_embeddings(server):
+def test_openai_client_flow_chat_completions_embeddings_and_responses(server):
     client = _client(server)
     lines = [_line(f"c{i}", max_tokens=4, temperature=0) for i in range(3)]
     lines.append(_line("bad-temp", temperature=-1))  # the request path's 400, in the error file
@@ -144,6 +149,28 @@ def test_openai_client_flow_chat_completions_and_embeddings(server):
     assert client.files.delete(up.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(up.id)
+
+    # /v1/responses: the line's body is the response, run as POST /v1/responses with store
+    # false (not retrievable); a body the Responses request model refuses is a 400 naming it.
+    url = "/v1/responses"
+    up = client.files.create(file=("r.jsonl", _jsonl([
+        _line("r0", url, max_output_tokens=4, temperature=0), _line("r-bad", url, input=[]),
+        _line("r-bg", url, background=True)])),
+        purpose="batch")
+    b = _ended(client, client.batches.create(input_file_id=up.id, endpoint=url,
+                                             completion_window="24h").id)
+    assert b.status == "completed" and b.model == "tiny", b
+    assert b.request_counts.model_dump() == {"total": 3, "completed": 1, "failed": 2}
+    ok, *errs = _results(client, b)
+    body = ok["response"]["body"]
+    assert ok["custom_id"] == "r0" and ok["response"]["request_id"] == body["id"]
+    assert (body["object"], body["store"]) == ("response", False), body
+    assert body["status"] in ("completed", "incomplete") and body["output"]
+    assert 0 < body["usage"]["output_tokens"] <= 4
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(body["id"])
+    assert [(e["custom_id"], e["response"]["status_code"], e["response"]["body"]["error"]["param"])
+            for e in errs] == [("r-bad", 400, "input"), ("r-bg", 400, "background")]
 
 
 def test_another_tenants_files_and_batches_are_404(server):

@@ -32,7 +32,7 @@ from jaxserve.batches.store import BatchStore, UNFINISHED, new_id
 from jaxserve.errors import Conflict, EngineDead, InvalidRequest
 
 log = logging.getLogger("jaxserve.batches")
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 MAX_LISTED_ERRORS = 100  # of a failed validation; the first ones, by line
 _METADATA_PAIRS, _METADATA_KEY, _METADATA_VALUE = 16, 64, 512  # OpenAI's bounds

@@ -7,7 +7,9 @@ request first). A line counts against its tenant's limits like any request; a ra
 will pass is waited out, and a line refused because the engine's queue is full (or shed for a
 more important request) waits and is tried again, so a batch yields to live traffic instead of
 failing. /v1/embeddings lines run on the retrieval service's encoder, as the route does
-(rag_routes.embeddings_response)."""
+(rag_routes.embeddings_response); /v1/responses lines on the server's ResponseRunner, as POST
+/v1/responses runs a request that waits for its answer (serving/response_runs.py), never stored:
+the output line's body is the `response` object."""
 
 from __future__ import annotations
 
@@ -22,14 +24,15 @@ from jaxserve.entrypoints.serving.admission import CallContext
 from jaxserve.entrypoints.serving.calls import Call
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
 from jaxserve.entrypoints.serving.outcome import call_outcome
-from jaxserve.entrypoints.serving.request_models import EmbeddingRequest
+from jaxserve.entrypoints.serving.request_models import EmbeddingRequest, request_models
+from jaxserve.entrypoints.serving.response_runs import ResponseRunner
 from jaxserve.entrypoints.serving.validation import validate
 from jaxserve.errors import (EngineDead, EngineOverloaded, InvalidRequest, JaxServeError,
                              RateLimitExceeded, error_reply)
 from jaxserve.gateway import Principal
 
 log = logging.getLogger("jaxserve.batches")
-ENDPOINT_KINDS = {**URL_KINDS, "/v1/embeddings": "embedding"}
+ENDPOINT_KINDS = {**URL_KINDS, "/v1/embeddings": "embedding", "/v1/responses": "response"}
 _OVERLOADED_RETRY_S = 0.5
 
 
@@ -41,11 +44,12 @@ def _batch_error(number: int, error: InvalidRequest) -> dict:
 
 class ServingLines:
     """The LineExecutor (batches/service.py) of a server: `serving` its OpenAIServing, `rag` its
-    RagService (None: no embeddings)."""
+    RagService (None: no embeddings), `responses` its ResponseRunner (None: no /v1/responses)."""
 
-    def __init__(self, serving: OpenAIServing, rag=None):
+    def __init__(self, serving: OpenAIServing, rag=None, responses: ResponseRunner | None = None):
         self.serving = serving
         self.rag = rag
+        self.responses = responses
 
     def parse(self, endpoint: str, number: int, text: str) -> Line:
         item = parse_line(number, text, ENDPOINT_KINDS)
@@ -71,7 +75,8 @@ class ServingLines:
                 return 200, await self._answer(line.payload, ctx)
             except EngineOverloaded:  # a full queue, or shed for live traffic: wait for room
                 await asyncio.sleep(_OVERLOADED_RETRY_S)
-            except RateLimitExceeded as e:  # an embeddings line's (generation waits in _answer)
+            # An embeddings or a responses line's (a generation line's is waited out in _answer).
+            except RateLimitExceeded as e:
                 if e.retry_after is None:
                     return error_reply(e)
                 await asyncio.sleep(e.retry_after)
@@ -86,7 +91,23 @@ class ServingLines:
     async def _answer(self, item: BatchLine, ctx: CallContext) -> dict:
         if item.kind == "embedding":
             return await self._embed(item, ctx)
+        if item.kind == "response":
+            return await self._respond(item, ctx)
         return await _answer(self.serving, item, ctx)
+
+    async def _respond(self, item: BatchLine, ctx: CallContext) -> dict:
+        """As POST /v1/responses with `store` false: the run's model turns are calls of their own
+        (admitted, limited, counted, audited), its events go nowhere, its final response is the
+        line's body. A refused first turn raises, as the route's plain error reply."""
+        if self.responses is None:
+            raise InvalidRequest("this server does not serve /v1/responses", "url")
+        req = validate(request_models(self.serving.limits).responses, item.body)
+        if req.background:  # a line runs to its end; nothing could fetch it later
+            raise InvalidRequest("batch requests run to their end; drop 'background'",
+                                 "background")
+        req = req.model_copy(update={"store": False})
+        job = self.responses.job(req, ctx.principal, None)
+        return await self.responses.execute(job, _discard)
 
     async def _embed(self, item: BatchLine, ctx: CallContext) -> dict:
         """As POST /v1/embeddings: one call under the tenant's limits, ended into the sinks."""
@@ -109,3 +130,7 @@ class ServingLines:
             raise
         finally:
             call.end(call_outcome(ctx, error, prompt_tokens=used[0]), tenant_hold=lease)
+
+
+async def _discard(event: dict | None) -> None:
+    """A batch line's events: only its final response is kept."""

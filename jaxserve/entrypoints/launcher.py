@@ -284,8 +284,9 @@ def _overdue() -> None:
 
 async def serve(args: argparse.Namespace, group_leader: bool = False, lines=None) -> int:
     """group_leader: this is process 0 of a multi-host group (jax.distributed initialised).
-    `lines(serving, rag)`: the Batch API's line executor (cli's: entrypoints/batch_lines.py,
-    which shares the `jaxserve batch` command's line parsing; None: no Batch API)."""
+    `lines(serving, rag, responses)`: the Batch API's line executor (cli's:
+    entrypoints/batch_lines.py, which shares the `jaxserve batch` command's line parsing; None:
+    no Batch API)."""
     from jaxserve.entrypoints.engine_flags import engine_args
     from jaxserve.fleet.loader import EngineLoader
     from jaxserve.entrypoints.grpc import start_grpc_server
@@ -293,6 +294,7 @@ async def serve(args: argparse.Namespace, group_leader: bool = False, lines=None
     from jaxserve.entrypoints.http.admin_routes import (add_admin_routes, admin_key,
                                                         set_admin_fleet)
     from jaxserve.entrypoints.http.batch_routes import add_batch_routes
+    from jaxserve.entrypoints.http.responses_routes import response_runner
     from jaxserve.entrypoints.tls import TlsConfig
 
     started = time.perf_counter()
@@ -361,7 +363,7 @@ async def serve(args: argparse.Namespace, group_leader: bool = False, lines=None
             await loop.run_in_executor(None, _warm_rag, rag)
         attach_engine(app, engine, rag, fleet=fleet)
         if batches is not None:  # and resume the unfinished ones
-            batches.start(lines(serving_of(app), rag))
+            batches.start(lines(serving_of(app), rag, response_runner(app)))
         if key is not None:
             set_admin_fleet(app, fleet)
         print(f"jaxserve: ready in {time.perf_counter() - started:.1f} s (load "

@@ -379,6 +379,12 @@ def add_responses(app: web.Application, config: ServerConfig) -> None:
                                                config.response_ttl_s))
 
 
+def response_runner(app: web.Application) -> ResponseRunner:
+    """The app's runner of POST /v1/responses (once the engine is attached), for the Batch API's
+    /v1/responses lines (entrypoints/batch_lines.py) to take the same path."""
+    return app[RESPONSES_KEY].runner
+
+
 def close_responses(app: web.Application) -> None:
     responses = app.get(RESPONSES_KEY)
     if responses is not None:
