@@ -368,6 +368,7 @@ class ServerConfig:
     # --data-dir: stored responses live here (responses.sqlite3); None: the default data dir.
     data_dir: str | None = None
     response_ttl_s: float = 7 * 24 * 3600.0  # --response-ttl: how long a stored response lives
+    code_interpreter: bool = False  # --code-interpreter: run model-written code (a sandbox)
     policy_file: str | None = None  # --policy: content policy packs (TOML)
     audit_log_dir: str | None = None  # --audit-log: hash-chained JSONL, one record per request
     audit_key_file: str | None = None  # --audit-key-file: HMAC-keyed chain

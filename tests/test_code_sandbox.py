@@ -2,7 +2,9 @@
 contained, reported to the model as a tool error or a clean result, and the host unaffected.
 Executor level: the real bwrap runs the code; no model."""
 
+import argparse
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -10,12 +12,18 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from jaxserve.agents.code_interpreter import CodeInterpreter
+from jaxserve.agents.run import Run, TurnResult
 from jaxserve.agents.sandbox import SandboxLimits
 from jaxserve.agents.tools import ToolContext, ToolError
+from jaxserve.entrypoints.serving.request_models import request_models
+from jaxserve.entrypoints.serving.response_models import OutputCodeInterpreterCall
+from jaxserve.entrypoints.serving.validation import validate
+from jaxserve.errors import InvalidRequest
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is absent")
 
@@ -240,3 +248,59 @@ def _processes_of(uid: int) -> list[int]:
         except OSError:
             pass
     return found
+
+
+def test_the_responses_api_types_the_tool():
+    models = request_models()
+    body = {"model": "m", "input": "hi", "tools": [
+        {"type": "code_interpreter", "container": {"type": "auto"}}],
+        "tool_choice": {"type": "code_interpreter"}}
+    req = validate(models.responses, body)
+    assert req.tools[0].model_dump(exclude_none=True) == {"type": "code_interpreter",
+                                                         "container": {"type": "auto"}}
+    assert req.tool_choice.type == "code_interpreter"
+    # A named (persistent) container is not served: a 400 naming the field.
+    with pytest.raises(InvalidRequest) as e:
+        validate(models.responses, {**body, "tools": [{"type": "code_interpreter",
+                                                       "container": "cntr_123"}]})
+    assert "container" in str(e.value)
+
+
+def test_a_run_feeds_the_sandbox_s_error_and_result_back_to_the_model(tool):
+    """Through the run machinery (agents/run.py): scripted model turns call the tool, the first
+    with code that fails, the second with code that works; the model reads each outcome."""
+    codes = ["1/0", "print(6 * 7)"]
+    seen = []
+
+    async def turns(items, tool_texts, tools_allowed):
+        seen.append(dict(tool_texts))
+        if tools_allowed and codes:
+            return TurnResult([{"type": "function_call", "id": "fc", "call_id": "c",
+                                "name": "code_interpreter", "status": "completed",
+                                "arguments": json.dumps({"code": codes.pop(0)})}],
+                              {}, "tool_calls")
+        return TurnResult([{"type": "message", "id": "msg", "role": "assistant",
+                            "status": "completed", "content": []}], {}, "stop")
+
+    config = {"type": "code_interpreter", "container": {"type": "auto"}}
+    run = Run("r", "acme", None, {"code_interpreter": (tool, config)}, turns)
+    result = asyncio.run(run.execute([]))
+    failed, done = result.output[0], result.output[1]
+    assert (failed["status"], done["status"]) == ("failed", "completed")
+    assert "ZeroDivisionError" in seen[1][failed["id"]]
+    assert json.loads(seen[2][done["id"]])["stdout"] == "42\n"
+    for item in (failed, done):  # the Responses API's output item type holds both
+        OutputCodeInterpreterCall.model_validate(item)
+
+
+def test_the_serve_flag_offers_the_tool():
+    """--code-interpreter reaches the server's tool registry (off by default)."""
+    from jaxserve.entrypoints.http.responses_routes import _server_tools
+    from jaxserve.entrypoints.launcher import add_serve_arguments, server_config
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    serving = SimpleNamespace(rag=None)
+    for argv, kinds in (([], []), (["--code-interpreter"], ["code_interpreter"])):
+        config = server_config(parser.parse_args(argv))
+        assert [t.kind for t in _server_tools(serving, config)] == kinds

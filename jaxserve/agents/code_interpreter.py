@@ -36,7 +36,10 @@ class CodeInterpreter:
             raise ToolError("code_interpreter needs non-empty 'code'")
         if len(code) > self.limits.code_chars:
             raise ToolError(f"the code is longer than {self.limits.code_chars} characters")
-        result = await run_code(code, self.limits)
+        try:
+            result = await run_code(code, self.limits)
+        except OSError as e:  # the runtime is missing or refused to start
+            raise ToolError(f"the sandbox could not start: {e.strerror or e}") from None
         failure = _failure(result, self.limits)
         if failure is not None:
             raise ToolError(failure)

@@ -160,6 +160,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="how long a stored response (/v1/responses, store true) is kept, "
                              "with its run's steps and events (default: %(default)s, 7 days)")
+    parser.add_argument("--code-interpreter", action="store_true",
+                        help="offer the code_interpreter tool on /v1/responses: the model's "
+                             "Python run in a bubblewrap sandbox (docs/agents.md; default: off)")
     parser.add_argument("--no-rag", action="store_true",
                         help="serve generation only: no embeddings, collections or chat 'rag'")
     quotas = parser.add_argument_group("retrieval quotas, per tenant (an upsert or a collection "
@@ -256,6 +259,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         idempotency_ttl_s=args.idempotency_ttl,
                         data_dir=str(args.data_dir) if args.data_dir else None,
                         response_ttl_s=args.response_ttl,
+                        code_interpreter=args.code_interpreter,
                         policy_file=str(args.policy) if args.policy else None,
                         audit_log_dir=str(args.audit_log) if args.audit_log else None,
                         audit_key_file=str(args.audit_key_file) if args.audit_key_file else None,

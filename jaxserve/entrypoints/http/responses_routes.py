@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 from pathlib import Path
 
 from aiohttp import web
 
 from jaxserve.agents.background import BackgroundRuns
+from jaxserve.agents.code_interpreter import CodeInterpreter
 from jaxserve.agents.file_search import FileSearch
 from jaxserve.agents.owners import RunOwner
 from jaxserve.agents.store import FILE_NAME, UNFINISHED, ResponseStore, StoreConfig
@@ -185,7 +187,7 @@ def resume_runs(app: web.Application) -> None:
     state: AppState = app[STATE_KEY]
     responses = app[RESPONSES_KEY]
     serving = state.serving
-    tools = ToolRegistry(_server_tools(serving))
+    tools = ToolRegistry(_server_tools(serving, state.config))
     audit = state.policy.audit if state.policy is not None else None
     responses.runner = ResponseRunner(serving, lambda: responses.store, tools,
                                       state.config.keepalive_seconds, audit)
@@ -215,8 +217,16 @@ def resume_runs(app: web.Application) -> None:
         _start(responses, job, store.last_event(rid) + 1)
 
 
-def _server_tools(serving) -> tuple:
-    return () if serving.rag is None else (FileSearch(serving.rag),)
+def _server_tools(serving, config: ServerConfig) -> tuple:
+    tools = () if serving.rag is None else (FileSearch(serving.rag),)
+    if config.code_interpreter:
+        code = CodeInterpreter()
+        if shutil.which(code.limits.command[0]) is None:  # a request naming it is then a 400
+            log.error("--code-interpreter: the sandbox command %r is not installed; the tool "
+                      "is not offered", code.limits.command[0])
+        else:
+            tools += (code,)
+    return tools
 
 
 # ---------------------------------------------------------------- GET, DELETE, cancel, items

@@ -297,6 +297,17 @@ class ResponsesFileSearchTool(Body):
     max_num_results: Annotated[Int, Field(ge=1, le=50)] | None = None
 
 
+class CodeInterpreterContainer(Body):
+    type: Literal["auto"]  # a fresh sandbox per call; named, persistent containers: not served
+
+
+class ResponsesCodeInterpreterTool(Body):
+    """A server-side tool (agents/code_interpreter.py): the model's Python run in a sandbox."""
+
+    type: Literal["code_interpreter"]
+    container: CodeInterpreterContainer
+
+
 class ResponsesNamedToolChoice(Body):
     type: Literal["function"]
     name: str
@@ -304,6 +315,10 @@ class ResponsesNamedToolChoice(Body):
 
 class ResponsesHostedToolChoice(Body):
     type: Literal["file_search"]
+
+
+class ResponsesCodeInterpreterChoice(Body):
+    type: Literal["code_interpreter"]
 
 
 class TextFormatText(Body):
@@ -458,7 +473,8 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
 
     class ResponsesRequest(Body):
         """Stored by default (`store`), chained (`previous_response_id`), run in the background
-        (`background`); server tools (`file_search`) beside the client's functions."""
+        (`background`); server tools (`file_search`, `code_interpreter`) beside the client's
+        functions."""
 
         model: NonEmptyStr
         input: NonEmptyStr | Annotated[list[InputItem], Field(min_length=1,
@@ -467,10 +483,12 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
         max_output_tokens: Int | None = None
         temperature: float | None = None
         top_p: float | None = None
-        tools: Annotated[list[by_type(ResponsesFunctionTool, ResponsesFileSearchTool)],
+        tools: Annotated[list[by_type(ResponsesFunctionTool, ResponsesFileSearchTool,
+                                      ResponsesCodeInterpreterTool)],
                          Field(max_length=MAX_TOOLS)] | None = None
         tool_choice: (Literal["none", "auto", "required"]
-                      | by_type(ResponsesNamedToolChoice, ResponsesHostedToolChoice) | None) = None
+                      | by_type(ResponsesNamedToolChoice, ResponsesHostedToolChoice,
+                                ResponsesCodeInterpreterChoice) | None) = None
         max_tool_calls: Annotated[Int, Field(ge=1, le=128)] | None = None
         parallel_tool_calls: bool | None = None
         text: TextOptions | None = None

@@ -358,6 +358,16 @@ class OutputFileSearchCall(Reply):
     results: list[dict[str, Any]] | None
 
 
+class OutputCodeInterpreterCall(Reply):
+    type: Literal["code_interpreter_call"]
+    id: str  # "co_..."
+    code: str | None
+    container_id: str | None  # None: a fresh sandbox per call
+    status: Literal["in_progress", "interpreting", "completed", "incomplete", "failed"]
+    outputs: list[dict[str, Any]] | None  # OpenAI's: [{"type": "logs", "logs": stdout}]
+    result: dict[str, Any] | None  # this server's: exit_code, stdout, stderr, files
+
+
 class OutputReasoning(Reply):
     type: Literal["reasoning"]
     id: str  # "rs_..."
@@ -380,7 +390,8 @@ class Response(Reply):
     created_at: int
     status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     model: str
-    output: list[OutputMessage | OutputFunctionCall | OutputFileSearchCall | OutputReasoning]
+    output: list[OutputMessage | OutputFunctionCall | OutputFileSearchCall
+                 | OutputCodeInterpreterCall | OutputReasoning]
     usage: ResponseUsage | None
     incomplete_details: dict[str, str] | None
     error: dict[str, str] | None  # {"code", "message"} of a failed run
@@ -419,8 +430,10 @@ class ResponseEvent(Reply):
     """One event of a streamed response (the SSE `event:` line repeats `type`): response.created,
     response.in_progress, response.output_item.added / .done, response.content_part.added / .done,
     response.output_text.delta / .done, response.function_call_arguments.delta / .done,
-    response.file_search_call.in_progress / .searching / .completed, then response.completed,
-    response.incomplete or response.failed; every event has its `sequence_number`."""
+    response.file_search_call.in_progress / .searching / .completed,
+    response.code_interpreter_call.in_progress / .interpreting / .completed, then
+    response.completed, response.incomplete or response.failed; every event has its
+    `sequence_number`."""
 
     model_config = ConfigDict(extra="allow")
     type: str

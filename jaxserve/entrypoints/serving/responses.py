@@ -47,6 +47,8 @@ def rename_param(exc: InvalidRequest) -> InvalidRequest:
 
 
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+# A server tool's event between its .in_progress and .completed, as OpenAI's stream sends it.
+RUNNING_EVENTS = {"file_search_call": "searching", "code_interpreter_call": "interpreting"}
 
 
 def input_items(req: Any) -> list[dict]:
@@ -315,9 +317,10 @@ class ResponseEvents:
         events = [self._event("response.output_item.added", output_index=index, item=dict(item)),
                   self._event(f"response.{kind}.in_progress", item_id=item["id"],
                               output_index=index)]
-        if kind == "file_search_call":  # OpenAI's stream says when the search itself runs
-            events.append(self._event("response.file_search_call.searching",
-                                      item_id=item["id"], output_index=index))
+        running = RUNNING_EVENTS.get(kind)  # OpenAI's stream says when the tool itself runs
+        if running is not None:
+            events.append(self._event(f"response.{kind}.{running}", item_id=item["id"],
+                                      output_index=index))
         return events
 
     def tool_done(self, item: dict) -> list[dict]:
