@@ -10,7 +10,7 @@ import shutil
 import socket
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,7 +23,8 @@ from jaxserve.agents.tools import ToolContext, ToolError
 from jaxserve.entrypoints.serving.request_models import request_models
 from jaxserve.entrypoints.serving.response_models import OutputCodeInterpreterCall
 from jaxserve.entrypoints.serving.validation import validate
-from jaxserve.errors import InvalidRequest
+from jaxserve.errors import ConfigError, InvalidRequest
+from jaxserve.gateway.tenants import CODE_LIMITS, load_tenants
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is absent")
 
@@ -293,14 +294,39 @@ def test_a_run_feeds_the_sandbox_s_error_and_result_back_to_the_model(tool):
         OutputCodeInterpreterCall.model_validate(item)
 
 
-def test_the_serve_flag_offers_the_tool():
-    """--code-interpreter reaches the server's tool registry (off by default)."""
+def test_the_serve_flag_offers_the_tool_with_each_tenant_s_limits(tmp_path):
+    """--code-interpreter reaches the server's tool registry (off by default), with the limits
+    of a tenant's [tenant.NAME.code_interpreter] table over the defaults."""
     from jaxserve.entrypoints.http.responses_routes import _server_tools
     from jaxserve.entrypoints.launcher import add_serve_arguments, server_config
 
+    path = tmp_path / "tenants.toml"
+    path.write_text('[tenant.acme]\napi_keys = ["sk-acme-0123456789abcdefghijkl"]\n'
+                    '[tenant.acme.code_interpreter]\nwall_s = 1.5\nprocesses = 4\n'
+                    '[tenant.other]\napi_keys = ["sk-other-0123456789abcdefghijk"]\n')
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    serving = SimpleNamespace(rag=None)
-    for argv, kinds in (([], []), (["--code-interpreter"], ["code_interpreter"])):
-        config = server_config(parser.parse_args(argv))
-        assert [t.kind for t in _server_tools(serving, config)] == kinds
+    state = SimpleNamespace(serving=SimpleNamespace(rag=None),
+                            gateway=SimpleNamespace(tenants=load_tenants(path)))
+    state.config = server_config(parser.parse_args([]))
+    assert _server_tools(state) == ()
+    state.config = server_config(parser.parse_args(["--code-interpreter"]))
+    (tool,) = _server_tools(state)
+    assert tool.kind == "code_interpreter" and tool.limits == SandboxLimits()
+    assert tool.by_tenant == {"acme": replace(SandboxLimits(), wall_s=1.5, processes=4)}
+    started = time.monotonic()
+    with pytest.raises(ToolError, match="wall-time limit of 1.5 s"):
+        asyncio.run(tool.execute(replace(CONTEXT, tenant="acme"), {"code": "import time\n"
+                                                                   "time.sleep(30)"}, {}))
+    assert time.monotonic() - started < 2.5
+
+
+def test_a_tenant_s_limits_are_checked_where_the_file_is_read(tmp_path):
+    assert set(CODE_LIMITS) <= {f.name for f in fields(SandboxLimits)}
+    path = tmp_path / "tenants.toml"
+    for table, field in (("python = '/bin/sh'", "python"), ("wall_s = -1", "wall_s"),
+                         ("processes = 1.5", "processes")):
+        path.write_text('[tenant.acme]\napi_keys = ["sk-acme-0123456789abcdefghijkl"]\n'
+                        f'[tenant.acme.code_interpreter]\n{table}\n')
+        with pytest.raises(ConfigError, match=field):
+            load_tenants(path)

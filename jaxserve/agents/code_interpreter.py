@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import signal
-from typing import Any
+from dataclasses import replace
+from typing import Any, Iterable, Mapping
 
 from jaxserve.agents.sandbox import SandboxLimits, SandboxResult, run_code
 from jaxserve.agents.tools import ToolContext, ToolError
@@ -24,8 +25,13 @@ class CodeInterpreter:
     description = ("Run Python 3 code in a sandbox without network access; print results. "
                    "Files written to the current directory are returned.")
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits()):
+    def __init__(self, limits: SandboxLimits = SandboxLimits(),
+                 tenant_limits: Mapping[str, Iterable[tuple[str, float]]] = {}):
+        """`tenant_limits`: a tenant's overrides of `limits` by name (the tenants file's
+        `[tenant.NAME.code_interpreter]`)."""
         self.limits = limits
+        self.by_tenant = {tenant: replace(limits, **dict(overrides))
+                          for tenant, overrides in tenant_limits.items() if overrides}
         self.parameters = {"type": "object", "properties": {"code": {
             "type": "string", "minLength": 1, "maxLength": limits.code_chars}},
             "required": ["code"], "additionalProperties": False}
@@ -36,11 +42,12 @@ class CodeInterpreter:
             raise ToolError("code_interpreter needs non-empty 'code'")
         if len(code) > self.limits.code_chars:
             raise ToolError(f"the code is longer than {self.limits.code_chars} characters")
+        limits = self.by_tenant.get(context.tenant, self.limits)
         try:
-            result = await run_code(code, self.limits)
+            result = await run_code(code, limits)
         except OSError as e:  # the runtime is missing or refused to start
             raise ToolError(f"the sandbox could not start: {e.strerror or e}") from None
-        failure = _failure(result, self.limits)
+        failure = _failure(result, limits)
         if failure is not None:
             raise ToolError(failure)
         return _json(result)

@@ -22,6 +22,10 @@ scheduling class. Without a file there is one open tenant, `default`, with no li
     budget_alert_thresholds = [0.8, 1.0]  # shares of a budget counted (and POSTed) once crossed
     budget_webhook = "https://ops.example/budget"  # where crossings are POSTed (JSON)
 
+    [tenant.acme.code_interpreter]    # its code sandbox's limits, over the defaults
+    wall_s = 10                       #   (agents/sandbox.py: SandboxLimits; docs/agents.md)
+    memory_bytes = 268435456
+
 Every value is checked where the file is read: a bad one is one ConfigError naming the file, the
 tenant and the field. Plain keys are hashed (sha256) as soon as they are read and only the digests
 are kept, so no key is ever in a repr, a log line or an error message.
@@ -75,6 +79,8 @@ class Tenant:
     budget_usd_per_month: float | None = None
     budget_alert_thresholds: tuple[float, ...] = (0.8, 1.0)
     budget_webhook: str | None = None  # an http(s) URL crossings are POSTed to
+    # The code_interpreter sandbox's limits it overrides, (name, value) sorted (CODE_LIMITS).
+    code_interpreter: tuple[tuple[str, float], ...] = ()
 
     def may_use(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
@@ -260,6 +266,23 @@ def _bool(value: Any, where: str) -> bool:
     return value
 
 
+# The code sandbox's limits a tenant may set (names of agents/sandbox.py's SandboxLimits fields).
+CODE_LIMITS: dict[str, Callable[[Any, str], Any]] = {
+    "wall_s": _positive, "cpu_s": _positive_int, "memory_bytes": _positive_int,
+    "processes": _positive_int, "file_bytes": _positive_int, "open_files": _positive_int,
+    "output_bytes": _positive_int}
+
+
+def _code_limits(value: Any, where: str) -> tuple[tuple[str, float], ...]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: must be a table of limits ({sorted(CODE_LIMITS)})")
+    unknown = set(value) - set(CODE_LIMITS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown limit(s) {sorted(unknown)}; known: "
+                          f"{sorted(CODE_LIMITS)}")
+    return tuple(sorted((k, CODE_LIMITS[k](v, f"{where}.{k}")) for k, v in value.items()))
+
+
 _FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "priority": _priority,
     "weight": _positive,
@@ -279,4 +302,5 @@ _FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "budget_usd_per_month": _positive,
     "budget_alert_thresholds": _thresholds,
     "budget_webhook": _webhook,
+    "code_interpreter": _code_limits,
 }

@@ -187,7 +187,7 @@ def resume_runs(app: web.Application) -> None:
     state: AppState = app[STATE_KEY]
     responses = app[RESPONSES_KEY]
     serving = state.serving
-    tools = ToolRegistry(_server_tools(serving, state.config))
+    tools = ToolRegistry(_server_tools(state))
     audit = state.policy.audit if state.policy is not None else None
     responses.runner = ResponseRunner(serving, lambda: responses.store, tools,
                                       state.config.keepalive_seconds, audit)
@@ -217,10 +217,11 @@ def resume_runs(app: web.Application) -> None:
         _start(responses, job, store.last_event(rid) + 1)
 
 
-def _server_tools(serving, config: ServerConfig) -> tuple:
-    tools = () if serving.rag is None else (FileSearch(serving.rag),)
-    if config.code_interpreter:
-        code = CodeInterpreter()
+def _server_tools(state: AppState) -> tuple:
+    tools = () if state.serving.rag is None else (FileSearch(state.serving.rag),)
+    if state.config.code_interpreter:
+        code = CodeInterpreter(tenant_limits={
+            name: t.code_interpreter for name, t in state.gateway.tenants.tenants.items()})
         if shutil.which(code.limits.command[0]) is None:  # a request naming it is then a 400
             log.error("--code-interpreter: the sandbox command %r is not installed; the tool "
                       "is not offered", code.limits.command[0])
