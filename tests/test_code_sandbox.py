@@ -77,6 +77,14 @@ def test_a_script_runs_and_its_files_come_back(tool):
     assert '"exit_code": 0' in tool.model_text(item)
 
 
+def test_many_files_and_odd_ones_come_back_bounded(tool):
+    result = run(tool, "import os\nos.mkfifo('fifo')\nos.symlink('/', 'root')\n"
+                       "for i in range(200):\n    open(f'f{i:03d}', 'w').write('x' * 5000)")
+    names = [f["name"] for f in result["files"]]
+    assert 0 < len(names) <= LIMITS.max_files and "fifo" not in names and "root" not in names
+    assert all(f["bytes"] == 5000 and f["text"] is None for f in result["files"])
+
+
 def test_bad_code_is_a_tool_error(tool):
     message, _ = timed_error(tool, "print('before')\nraise ValueError('boom')")
     assert "exited with status 1" in message and "ValueError: boom" in message
@@ -188,8 +196,9 @@ def test_an_infinite_loop_is_killed_at_the_cpu_limit(tool):
 
 def test_a_sleeping_loop_is_killed_at_the_wall_time(tool):
     tool = CodeInterpreter(replace(tool.limits, wall_s=1.5))
-    message, elapsed = timed_error(tool, "import time\nwhile True:\n    time.sleep(1)")
-    assert "wall-time limit of 1.5 s" in message
+    message, elapsed = timed_error(tool, "import time\nprint('started', flush=True)\n"
+                                         "while True:\n    time.sleep(1)")
+    assert "wall-time limit of 1.5 s" in message and "started" in message
     assert 1.5 <= elapsed < 2.5
 
 

@@ -78,10 +78,10 @@ def _json(result: SandboxResult) -> dict:
 def _failure(result: SandboxResult, limits: SandboxLimits) -> str | None:
     """What the model reads when its code did not end well; None when it did."""
     if result.timed_out:
-        return f"the code ran past the wall-time limit of {limits.wall_s:g} s and was killed"
-    if result.exit_code == 0:
+        detail = f"the code ran past the wall-time limit of {limits.wall_s:g} s and was killed"
+    elif result.exit_code == 0:
         return None
-    if result.signal is not None:
+    elif result.signal is not None:
         try:
             reason = SIGNAL_REASONS.get(signal.Signals(result.signal),
                                         signal.Signals(result.signal).name)

@@ -110,30 +110,28 @@ async def run_code(code: str, limits: SandboxLimits) -> SandboxResult:
             # Nothing of the server's environment (keys, tokens) reaches the code.
             env={"PATH": "/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8"},
             start_new_session=True, **drop)
+        out, err = _Capture(limits.output_bytes), _Capture(limits.output_bytes)
+        timed_out = False
         try:
-            timed_out = False
-            try:
-                async with asyncio.timeout(limits.wall_s):
-                    out, err, _ = await asyncio.gather(
-                        _bounded(proc.stdout, limits.output_bytes),
-                        _bounded(proc.stderr, limits.output_bytes),
-                        _feed(proc.stdin, code.encode()))
-                    await proc.wait()
-            except TimeoutError:
-                timed_out = True
-                out = err = ""
+            async with asyncio.timeout(limits.wall_s):
+                await asyncio.gather(out.read(proc.stdout), err.read(proc.stderr),
+                                     _feed(proc.stdin, code.encode()))
+                await proc.wait()
+        except TimeoutError:
+            timed_out = True  # what it printed until then is kept
         finally:
             if proc.returncode is None:
                 _kill(proc.pid)
                 await proc.wait()
-        code_status = proc.returncode
+        status = proc.returncode
         # bwrap reports a signal-ended child as 128 + the signal; a subprocess as -signal.
-        sig = -code_status if code_status < 0 else (code_status - 128 if code_status > 128
-                                                    else None)
-        return SandboxResult(None if timed_out else code_status, None if timed_out else sig,
-                             out, err, _files(rundir, limits), timed_out)
+        sig = -status if status < 0 else (status - 128 if status > 128 else None)
+        # Off the event loop: the code may have left many files.
+        files = await asyncio.to_thread(_files, rundir, limits)
+        return SandboxResult(None if timed_out else status, None if timed_out else sig,
+                             out.text(), err.text(), files, timed_out)
     finally:
-        shutil.rmtree(rundir, ignore_errors=True)
+        await asyncio.to_thread(shutil.rmtree, rundir, True)
 
 
 def _kill(pid: int) -> None:
@@ -152,17 +150,24 @@ async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
         pass  # the code ended (or was killed) before reading all of itself
 
 
-async def _bounded(stream: asyncio.StreamReader, limit: int) -> str:
+class _Capture:
     """The first `limit` bytes of a stream, then a marker with how many more there were (read
     and dropped, so the code never blocks on a full pipe)."""
-    kept = bytearray()
-    more = 0
-    while chunk := await stream.read(65536):
-        room = limit - len(kept)
-        kept += chunk[:room]
-        more += max(0, len(chunk) - room)
-    text = kept.decode("utf-8", "replace")
-    return text + TRUNCATED.format(more) if more else text
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.kept = bytearray()
+        self.more = 0
+
+    async def read(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(65536):
+            room = self.limit - len(self.kept)
+            self.kept += chunk[:room]
+            self.more += max(0, len(chunk) - room)
+
+    def text(self) -> str:
+        text = self.kept.decode("utf-8", "replace")
+        return text + TRUNCATED.format(self.more) if self.more else text
 
 
 def _files(rundir: str, limits: SandboxLimits) -> tuple[SandboxFile, ...]:
