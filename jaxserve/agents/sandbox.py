@@ -107,8 +107,10 @@ async def run_code(code: str, limits: SandboxLimits) -> SandboxResult:
         proc = await asyncio.create_subprocess_exec(
             *limits.argv(rundir), stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            # Nothing of the server's environment (keys, tokens) reaches the code.
-            env={"PATH": "/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8"},
+            # Nothing of the server's environment (keys, tokens) reaches the code; one BLAS
+            # thread, or a numpy import would spend the process limit on a thread per core.
+            env={"PATH": "/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8",
+                 "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"},
             start_new_session=True, **drop)
         out, err = _Capture(limits.output_bytes), _Capture(limits.output_bytes)
         timed_out = False
