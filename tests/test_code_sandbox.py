@@ -130,14 +130,14 @@ def test_nothing_outside_the_run_directory_is_readable(tool, tmp_path, monkeypat
 import os
 for path in {targets!r}:
     try:
-        print("READ", path, open(path).read() if os.path.isfile(path) else os.listdir(path))
+        print("GOT:", path, open(path).read() if os.path.isfile(path) else os.listdir(path))
     except OSError as e:
         print("denied", path, type(e).__name__)
 print(dict(os.environ))
 # A link to a host file, left for the server to read back: it must not follow it.
 os.symlink({str(data_dir / "keys.json")!r}, "link.txt")
 """)
-    assert "READ" not in result["stdout"]
+    assert "GOT:" not in result["stdout"]
     assert result["stdout"].count("denied") == len(targets)
     assert "SECRET" not in result["stdout"]
     assert all(f["name"] != "link.txt" for f in result["files"])
