@@ -101,17 +101,22 @@ class Budgets:
             p.key, p.spent_usd, p.crossed = key, 0.0, set()
         return p
 
+    def _budgeted(self, tenant: Tenant, now: float):
+        """(period, budget USD, its current spend) for each period the tenant has a budget for
+        (the caller holds the lock)."""
+        for period in PERIODS:
+            limit = self.limit(tenant, period)
+            if limit is not None:
+                yield period, limit, self._current(tenant.name, period, now)
+
     def check(self, tenant: Tenant) -> None:
         """QuotaExceeded (429 insufficient_quota) while the tenant's day or month is spent."""
         if tenant.name not in self._tenants:
             return
         with self._lock:
             now = self._clock()
-            for period in PERIODS:
-                limit = self.limit(tenant, period)
-                if limit is None:
-                    continue
-                spent = self._current(tenant.name, period, now).spent_usd
+            for period, limit, p in self._budgeted(tenant, now):
+                spent = p.spent_usd
                 if spent >= limit:
                     error = QuotaExceeded(
                         f"You exceeded your current quota: this API key's {_ADJECTIVE[period]} "
@@ -129,11 +134,7 @@ class Budgets:
         crossings = []
         with self._lock:
             now = self._clock()
-            for period in PERIODS:
-                limit = self.limit(tenant, period)
-                if limit is None:
-                    continue
-                p = self._current(tenant.name, period, now)
+            for period, limit, p in self._budgeted(tenant, now):
                 p.spent_usd += usd
                 for threshold in tenant.budget_alert_thresholds:
                     if threshold not in p.crossed and p.spent_usd >= threshold * limit:
@@ -156,8 +157,6 @@ class Budgets:
         [(tenant, period, threshold, times crossed)]), for the metrics."""
         with self._lock:
             now = self._clock()
-            rows = [(name, period, self.limit(t, period),
-                     self._current(name, period, now).spent_usd)
-                    for name, t in self._tenants.items() for period in PERIODS
-                    if self.limit(t, period) is not None]
+            rows = [(t.name, period, limit, p.spent_usd) for t in self._tenants.values()
+                    for period, limit, p in self._budgeted(t, now)]
             return rows, [(*k, n) for k, n in self._alerts.items()]
