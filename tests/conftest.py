@@ -18,6 +18,22 @@ GOLDEN_DIR = Path(os.environ.get("JAXSERVE_GOLDEN_DIR")
 SMOLLM2 = "smollm2-135m-instruct"
 
 
+@pytest.fixture(autouse=True)
+def _persistent_compile_cache_stays_with_its_test():
+    """A test that runs an engine command in-process (cli.main) turns on JAX's persistent
+    compilation cache for the whole process, and every later engine here would read and write it.
+    That crashed the suite in XLA's deserializer (a segfault under warmup's worker thread, CI of
+    stop 46), so the setting ends with the test that made it."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    if jax.config.jax_compilation_cache_dir != before:
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
+
+
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:
     return GOLDEN_DIR
