@@ -226,6 +226,38 @@ def test_structured_outputs_field_constrains_the_output(tiny):
     wait_idle(tiny.engine)
 
 
+def test_prompt_logprobs_echo_and_logprobs_are_the_engines(tiny):
+    """echo / logprobs / prompt_logprobs go through HTTP completions' parsing: the first message
+    carries the engine's own prompt scores (the first token without one), every message its
+    tokens' logprobs, bit for bit; max_tokens 0 with echo scores the prompt, generating nothing."""
+    ids = [700 + i for i in range(12)]
+    fields = dict(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+    expected = engine_output(tiny.engine, ids, SamplingParams(prompt_logprobs=3, **fields))
+    with Client(tiny.target) as client:
+        deltas = list(client.generate(TINY, ids, prompt_logprobs=3, **fields))
+        scored = client.complete(TINY, ids, max_tokens=0, echo=True, logprobs=1)
+        errors = [rpc_error(lambda: list(client.generate(TINY, ids, **bad)))
+                  for bad in (dict(prompt_logprobs=21), dict(max_tokens=0, prompt_logprobs=1),
+                              dict(logprobs=-1))]
+    assert deltas[0].prompt_logprobs and not any(d.prompt_logprobs for d in deltas[1:])
+    got = deltas[0].prompt_logprobs
+    assert [p.token_id for p in got] == ids and not got[0].HasField("logprob")
+    assert [(p.logprob, p.rank, [(t.token_id, t.logprob) for t in p.top_logprobs])
+            for p in got[1:]] == [(w.logprob, w.rank, w.top) for w in expected.prompt_logprobs[1:]]
+    generated = [lp for d in deltas for lp in d.logprobs]
+    assert [lp.token_id for lp in generated] == expected.outputs[0].token_ids
+    assert [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
+            for lp in generated] == [(w.logprob, w.top) for w in expected.outputs[0].logprobs]
+    assert scored.text == tiny.engine.tokenizer.decode(ids) and not scored.token_ids
+    assert (scored.finish_reason, scored.usage.completion_tokens) == ("length", 0)
+    assert [p.logprob for p in scored.prompt_logprobs[1:]] == [
+        w.logprob for w in expected.prompt_logprobs[1:]]
+    assert all(len(p.top_logprobs) == 1 for p in scored.prompt_logprobs[1:])
+    for err, param in zip(errors, ("prompt_logprobs", "max_tokens", "logprobs")):
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and param in err.details()
+    wait_idle(tiny.engine)
+
+
 def test_unknown_model_is_not_found_on_both_clients(tiny):
     with Client(tiny.target) as client:
         err = rpc_error(lambda: client.complete("nope", "hi"))

@@ -40,7 +40,8 @@ class AsyncClient:
 
     async def complete(self, model: str, prompt: str | list[int], *,
                        timeout: float | None = None, **sampling) -> pb.GenerateResponse:
-        """The whole generation joined into one response (text, token_ids, finish_reason, usage)."""
+        """The whole generation joined into one response (text, token_ids, logprobs,
+        prompt_logprobs, finish_reason, usage)."""
         return _join([r async for r in self.generate(model, prompt, timeout=timeout, **sampling)])
 
     async def list_models(self) -> list[pb.Model]:
@@ -86,7 +87,9 @@ class Client:
 
 def _join(deltas: list[pb.GenerateResponse]) -> pb.GenerateResponse:
     joined = pb.GenerateResponse(text="".join(d.text for d in deltas),
-                                 token_ids=[t for d in deltas for t in d.token_ids])
+                                 token_ids=[t for d in deltas for t in d.token_ids],
+                                 logprobs=[lp for d in deltas for lp in d.logprobs],
+                                 prompt_logprobs=[lp for d in deltas for lp in d.prompt_logprobs])
     if deltas:
         joined.finish_reason = deltas[-1].finish_reason
         joined.usage.CopyFrom(deltas[-1].usage)

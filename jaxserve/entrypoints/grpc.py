@@ -1,7 +1,9 @@
 """gRPC front end (package jaxserve.v1): streaming Generate, Embed, ListModels, health, reflection.
 
 Requests are translated into an OpenAI completion body and validated and admitted by the same
-OpenAIServing layer as HTTP, so both front ends accept and reject exactly the same things. The
+OpenAIServing layer as HTTP, so both front ends accept and reject exactly the same things (echo,
+logprobs and prompt_logprobs included: the Generation computes them, this module only frames
+them as messages). The
 caller's key is the metadata `authorization` ("Bearer KEY"); the call's deadline is the request's;
 a refusal that may pass later carries `retry-after` (seconds) in its trailing metadata."""
 
@@ -21,6 +23,7 @@ from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.entrypoints.serving.admission import CallContext
 from jaxserve.entrypoints.serving.calls import Call
+from jaxserve.entrypoints.serving.logprobs import wire_logprob
 from jaxserve.entrypoints.serving.offload import encoder_tokens, run_held
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
 from jaxserve.entrypoints.serving.outcome import call_outcome
@@ -40,7 +43,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # Proto3 `optional` scalars that map one-to-one onto OpenAI completion fields.
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-                    "num_speculative_tokens")
+                    "num_speculative_tokens", "echo", "logprobs", "prompt_logprobs")
 
 
 def completion_body(request: pb.GenerateRequest) -> dict:
@@ -67,6 +70,26 @@ def completion_body(request: pb.GenerateRequest) -> dict:
         if so.choice:
             body["structured_outputs"]["choice"] = list(so.choice)
     return body
+
+
+def _top_logprobs(top: list[tuple[int, float]]) -> list[pb.TopLogprob]:
+    return [pb.TopLogprob(token_id=i, logprob=wire_logprob(v)) for i, v in top]
+
+
+def token_logprobs(ids: list[int], logprobs) -> list[pb.TokenLogprob]:
+    """Generated tokens' logprobs (the engine's TokenLogprob per id; None: not asked for)."""
+    return [pb.TokenLogprob(token_id=t, logprob=wire_logprob(lp.logprob),
+                            top_logprobs=_top_logprobs(lp.top))
+            for t, lp in zip(ids, logprobs or ())]
+
+
+def prompt_logprobs(ids: list[int], scores) -> list[pb.TokenLogprob]:
+    """The prompt's tokens with the engine's PromptLogprob of each (None: the first token, or a
+    request that ended before its prompt was scored) as TokenLogprob messages."""
+    return [pb.TokenLogprob(token_id=t) if s is None else
+            pb.TokenLogprob(token_id=t, logprob=wire_logprob(s.logprob), rank=s.rank,
+                            top_logprobs=_top_logprobs(s.top))
+            for t, s in zip(ids, scores)]
 
 
 def status_for(error: Exception) -> grpc.StatusCode:
@@ -138,10 +161,18 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             async with gen.running():
                 try:
-                    async for _, text, ids, _, finish in gen.deltas():
+                    first = True
+                    async for _, text, ids, logprobs, finish in gen.deltas():
                         delta = pb.GenerateResponse(
                             text=text, token_ids=ids, model=gen.version.name,
-                            system_fingerprint=gen.version.fingerprint or "")
+                            system_fingerprint=gen.version.fingerprint or "",
+                            logprobs=token_logprobs(ids, logprobs))
+                        if first:  # the echoed prompt and its scores lead (one prompt, n 1)
+                            first = False
+                            delta.text = gen.echo_prefix(0) + text
+                            if gen.params.prompt_logprobs is not None:
+                                delta.prompt_logprobs.extend(prompt_logprobs(
+                                    gen.prompt_ids[0], gen.prompt_logprobs_of(0)))
                         if finish is not None:
                             delta.finish_reason = finish
                             delta.usage.prompt_tokens = gen.prompt_tokens

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n jaxserve/protos/generation.proto\x12\x0bjaxserve.v1\"\xe6\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\t\x88\x01\x01\x12:\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1e.jaxserve.v1.StructuredOutputs\x12#\n\x16num_speculative_tokens\x18\x10 \x01(\x05H\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_ignore_eosB\x19\n\x17_num_speculative_tokens\"\xa9\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05regex\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x14\n\x07grammar\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x18\n\x0bjson_object\x18\x05 \x01(\x08H\x03\x88\x01\x01\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammarB\x0e\n\x0c_json_object\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x98\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12\x1a\n\x12system_fingerprint\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\",\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05input\x18\x02 \x03(\t\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\";\n\rEmbedResponse\x12*\n\nembeddings\x18\x01 \x03(\x0b\x32\x16.jaxserve.v1.Embedding\"\x13\n\x11ListModelsRequest\"F\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x1a\n\x12system_fingerprint\x18\x03 \x01(\t\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.jaxserve.v1.Model2\xe6\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12>\n\x05\x45mbed\x12\x19.jaxserve.v1.EmbedRequest\x1a\x1a.jaxserve.v1.EmbedResponse\x12M\n\nListModels\x12\x1e.jaxserve.v1.ListModelsRequest\x1a\x1f.jaxserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n jaxserve/protos/generation.proto\x12\x0bjaxserve.v1\"\xd8\x05\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\t\x88\x01\x01\x12:\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1e.jaxserve.v1.StructuredOutputs\x12#\n\x16num_speculative_tokens\x18\x10 \x01(\x05H\n\x88\x01\x01\x12\x11\n\x04\x65\x63ho\x18\x11 \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x12 \x01(\x05H\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\r\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_ignore_eosB\x19\n\x17_num_speculative_tokensB\x07\n\x05_echoB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xa9\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05regex\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x14\n\x07grammar\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x18\n\x0bjson_object\x18\x05 \x01(\x08H\x03\x88\x01\x01\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammarB\x0e\n\x0c_json_object\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\x7f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12-\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprobB\n\n\x08_logprob\"\xf9\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12\x1a\n\x12system_fingerprint\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\",\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05input\x18\x02 \x03(\t\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\";\n\rEmbedResponse\x12*\n\nembeddings\x18\x01 \x03(\x0b\x32\x16.jaxserve.v1.Embedding\"\x13\n\x11ListModelsRequest\"F\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x1a\n\x12system_fingerprint\x18\x03 \x01(\t\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.jaxserve.v1.Model2\xe6\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12>\n\x05\x45mbed\x12\x19.jaxserve.v1.EmbedRequest\x1a\x1a.jaxserve.v1.EmbedResponse\x12M\n\nListModels\x12\x1e.jaxserve.v1.ListModelsRequest\x1a\x1f.jaxserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,25 +32,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxserve.protos.generation_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=50
-  _globals['_GENERATEREQUEST']._serialized_end=664
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=667
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=836
-  _globals['_USAGE']._serialized_start=838
-  _globals['_USAGE']._serialized_end=895
-  _globals['_GENERATERESPONSE']._serialized_start=898
-  _globals['_GENERATERESPONSE']._serialized_end=1050
-  _globals['_EMBEDREQUEST']._serialized_start=1052
-  _globals['_EMBEDREQUEST']._serialized_end=1096
-  _globals['_EMBEDDING']._serialized_start=1098
-  _globals['_EMBEDDING']._serialized_end=1125
-  _globals['_EMBEDRESPONSE']._serialized_start=1127
-  _globals['_EMBEDRESPONSE']._serialized_end=1186
-  _globals['_LISTMODELSREQUEST']._serialized_start=1188
-  _globals['_LISTMODELSREQUEST']._serialized_end=1207
-  _globals['_MODEL']._serialized_start=1209
-  _globals['_MODEL']._serialized_end=1279
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1281
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1337
-  _globals['_GENERATION']._serialized_start=1340
-  _globals['_GENERATION']._serialized_end=1570
+  _globals['_GENERATEREQUEST']._serialized_end=778
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=781
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=950
+  _globals['_USAGE']._serialized_start=952
+  _globals['_USAGE']._serialized_end=1009
+  _globals['_TOPLOGPROB']._serialized_start=1011
+  _globals['_TOPLOGPROB']._serialized_end=1058
+  _globals['_TOKENLOGPROB']._serialized_start=1060
+  _globals['_TOKENLOGPROB']._serialized_end=1187
+  _globals['_GENERATERESPONSE']._serialized_start=1190
+  _globals['_GENERATERESPONSE']._serialized_end=1439
+  _globals['_EMBEDREQUEST']._serialized_start=1441
+  _globals['_EMBEDREQUEST']._serialized_end=1485
+  _globals['_EMBEDDING']._serialized_start=1487
+  _globals['_EMBEDDING']._serialized_end=1514
+  _globals['_EMBEDRESPONSE']._serialized_start=1516
+  _globals['_EMBEDRESPONSE']._serialized_end=1575
+  _globals['_LISTMODELSREQUEST']._serialized_start=1577
+  _globals['_LISTMODELSREQUEST']._serialized_end=1596
+  _globals['_MODEL']._serialized_start=1598
+  _globals['_MODEL']._serialized_end=1668
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1670
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1726
+  _globals['_GENERATION']._serialized_start=1729
+  _globals['_GENERATION']._serialized_end=1959
 # @@protoc_insertion_point(module_scope)

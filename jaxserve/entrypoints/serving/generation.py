@@ -229,19 +229,19 @@ class Generation:
                 result.append((choice, text, ids, logprobs, finish))
         return result
 
-    def _echo_prefix(self, choice: int) -> str:
+    def echo_prefix(self, choice: int) -> str:
         if not self.parsed.echo:
             return ""
         return self.tokenizer.decode(self.prompt_ids[choice // self.n])
 
-    def _prompt_lps(self, choice: int) -> list:
+    def prompt_logprobs_of(self, choice: int) -> list:
         """The engine's prompt logprobs of the choice's prompt (all None if it never scored:
         the request ended first)."""
         prompt = choice // self.n
         return self.prompt_logprobs.get(prompt) or [None] * len(self.prompt_ids[prompt])
 
     def _echo_logprobs(self, choice: int) -> dict:
-        return echo_logprobs(self.tokenizer, self._prompt_lps(choice),
+        return echo_logprobs(self.tokenizer, self.prompt_logprobs_of(choice),
                              self.prompt_ids[choice // self.n], self.parsed.logprobs)
 
     async def response(self) -> dict:
@@ -264,7 +264,7 @@ class Generation:
                                 else None,
                                 "finish_reason": finish})
             else:
-                prefix = self._echo_prefix(i)
+                prefix = self.echo_prefix(i)
                 logprobs = None
                 if self.want_logprobs:
                     logprobs = completion_logprobs(tok, ids[i], lps[i], len(prefix))
@@ -274,12 +274,12 @@ class Generation:
                                 "finish_reason": self.finish_reasons.get(i)})
                 if self.parsed.prompt_logprobs is not None:  # vLLM's: per choice
                     choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(
-                        tok, self._prompt_lps(i), self.parsed.prompt_logprobs)
+                        tok, self.prompt_logprobs_of(i), self.parsed.prompt_logprobs)
         body = {"id": self.id, "object": self.object, "created": self.created,
                 "model": self.version.name, "system_fingerprint": self.version.fingerprint,
                 "choices": choices, "usage": self.usage()}
         if self.chat and self.parsed.prompt_logprobs is not None:  # vLLM's: one prompt
-            body["prompt_logprobs"] = vllm_prompt_logprobs(tok, self._prompt_lps(0),
+            body["prompt_logprobs"] = vllm_prompt_logprobs(tok, self.prompt_logprobs_of(0),
                                                            self.parsed.prompt_logprobs)
         if self.citations is not None:
             body["citations"] = self.citations
@@ -309,7 +309,7 @@ class Generation:
             yield first
         elif self.parsed.echo:
             for i in range(self.num_choices):
-                prefix = self._echo_prefix(i)
+                prefix = self.echo_prefix(i)
                 offsets[i] = len(prefix)
                 if self.want_logprobs:  # its logprobs come with the engine's first output
                     echo_pending.add(i)
@@ -323,7 +323,7 @@ class Generation:
             for choice, text, ids, lps, finish in self._deltas(*item):
                 if choice in echo_pending:
                     echo_pending.discard(choice)
-                    yield self._chunk([{"index": choice, "text": self._echo_prefix(choice),
+                    yield self._chunk([{"index": choice, "text": self.echo_prefix(choice),
                                         "logprobs": self._echo_logprobs(choice),
                                         "finish_reason": None}])
                 if self.chat:

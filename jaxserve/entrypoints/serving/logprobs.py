@@ -13,7 +13,7 @@ def _token_str(tokenizer, token_id: int) -> str:
 MIN_LOGPROB = -9999.0
 
 
-def _logprob(value: float) -> float:
+def wire_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
@@ -24,8 +24,8 @@ def chat_logprobs(tokenizer, ids: list[int], logprobs) -> dict:
         tops = []
         for i, v in lp.top:
             t = _token_str(tokenizer, i)
-            tops.append({"token": t, "logprob": _logprob(v), "bytes": list(t.encode("utf-8"))})
-        content.append({"token": tok, "logprob": _logprob(lp.logprob),
+            tops.append({"token": t, "logprob": wire_logprob(v), "bytes": list(t.encode("utf-8"))})
+        content.append({"token": tok, "logprob": wire_logprob(lp.logprob),
                         "bytes": list(tok.encode("utf-8")),
                         "top_logprobs": tops})
     return {"content": content}
@@ -36,8 +36,8 @@ def completion_logprobs(tokenizer, ids: list[int], logprobs, text_offset: int) -
     for tid, lp in zip(ids, logprobs):
         tok = _token_str(tokenizer, tid)
         tokens.append(tok)
-        token_lps.append(_logprob(lp.logprob))
-        tops.append({_token_str(tokenizer, i): _logprob(v) for i, v in lp.top})
+        token_lps.append(wire_logprob(lp.logprob))
+        tops.append({_token_str(tokenizer, i): wire_logprob(v) for i, v in lp.top})
         offsets.append(text_offset)
         text_offset += len(tok)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -54,9 +54,9 @@ def echo_logprobs(tokenizer, prompt_logprobs, prompt_ids: list[int], k: int) -> 
     for tid, lp in zip(prompt_ids, prompt_logprobs):
         tok = _token_str(tokenizer, tid)
         tokens.append(tok)
-        token_lps.append(None if lp is None else _logprob(lp.logprob))
+        token_lps.append(None if lp is None else wire_logprob(lp.logprob))
         tops.append(None if lp is None else
-                    {_token_str(tokenizer, i): _logprob(v) for i, v in lp.top[:k]})
+                    {_token_str(tokenizer, i): wire_logprob(v) for i, v in lp.top[:k]})
         offsets.append(offset)
         offset += 0 if tid in special else len(tok)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -75,10 +75,10 @@ def vllm_prompt_logprobs(tokenizer, prompt_logprobs, k: int) -> list[dict | None
         if lp is None:
             out.append(None)
             continue
-        entry = {str(lp.token_id): {"logprob": _logprob(lp.logprob), "rank": lp.rank,
+        entry = {str(lp.token_id): {"logprob": wire_logprob(lp.logprob), "rank": lp.rank,
                                     "decoded_token": _token_str(tokenizer, lp.token_id)}}
         for rank, (i, v) in enumerate(lp.top[:k], start=1):
-            entry.setdefault(str(i), {"logprob": _logprob(v), "rank": rank,
+            entry.setdefault(str(i), {"logprob": wire_logprob(v), "rank": rank,
                                       "decoded_token": _token_str(tokenizer, i)})
         out.append(entry)
     return out
