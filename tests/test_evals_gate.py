@@ -1,9 +1,11 @@
 """The fleet's eval gate (`[route.X.gate] eval = "suite.toml"`): a route's weight on a version grows
 only when the suite's stored results show that version passed (every task run, no regression
 against the version before it). The fleet with fake engines (tests/test_fleet.py), a real results
-store."""
+store, and the admin API's PUT over HTTP."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
@@ -68,6 +70,43 @@ def test_weight_grows_only_after_the_suite_passed(suite, tmp_path):
     ungated = parse_route("r", {"weights": {"a": 50, "b": 50}, "gate": False},
                           base=fleet.route("r"))
     assert fleet.set_route(ungated).eval_gate is None
+
+
+def test_the_admin_api_answers_409_until_the_suite_passed(suite, tmp_path):
+    """PUT /admin/v1/routes/{route} on a real HTTP server: the gate's refusal is a 409 naming
+    the weight and why; once the stored runs pass, the same PUT is a 200."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from jaxserve.config import ServerConfig
+    from jaxserve.entrypoints.http.admin_routes import add_admin_routes
+    from jaxserve.entrypoints.http.app import build_app
+
+    fleet, _ = _gated_fleet(suite)
+    auth = {"Authorization": "Bearer admin-key"}
+    grow = {"weights": {"a": 90, "b": 10}}
+
+    async def main():
+        app = build_app(ServerConfig(port=0), "unused")
+        add_admin_routes(app, fleet, "admin-key")
+        async with TestClient(TestServer(app, host="127.0.0.1", port=0)) as client:
+            r = await client.put("/admin/v1/routes/r", json=grow, headers=auth)
+            error = (await r.json())["error"]
+            assert r.status == 409 and error["param"] == "weights.b", error
+            assert "may not grow: eval suite 'gate' has no stored run of 'b'" in error["message"]
+            _store_run(tmp_path / "evals.sqlite", "a", [1.0] * 40)
+            _store_run(tmp_path / "evals.sqlite", "b", [1.0] * 30 + [0.0] * 10)
+            r = await client.put("/admin/v1/routes/r", json=grow, headers=auth)
+            error = (await r.json())["error"]
+            assert r.status == 409 and "regressed on 'qa'" in error["message"], error
+            listed = await (await client.get("/admin/v1/routes", headers=auth)).json()
+            assert [dict(x["weights"]) for x in listed["data"]] == [{"a": 100.0, "b": 0.0}]
+            _store_run(tmp_path / "evals.sqlite", "b", [1.0] * 39 + [0.0])
+            r = await client.put("/admin/v1/routes/r", json=grow, headers=auth)
+            assert r.status == 200, await r.text()
+            assert (await r.json())["weights"] == {"a": 90.0, "b": 10.0}
+
+    asyncio.run(main())
+    fleet.shutdown()
 
 
 def test_a_version_outside_the_suite_or_a_broken_suite_is_held(suite, tmp_path):
