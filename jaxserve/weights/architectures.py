@@ -203,12 +203,12 @@ ARCHITECTURES = {a.model_type: a for a in (
     Architecture("phi3", "phi3", fields=lambda cfg: _sliding_layers(cfg, lambda i: True),
                  keys=frozenset({"original_max_position_embeddings"}), fused_projections=True,
                  label="Phi-3 / 3.5 / 4-mini"),
-    # Mixture of experts (jaxserve.executor.models.moe). Their GGUF files (llama.cpp's stacked
-    # expert tensors) are not mapped yet.
+    # Mixture of experts (jaxserve.executor.models.moe). llama.cpp writes Mixtral as "llama"
+    # with an expert count (jaxserve.weights.gguf); its experts stacked per layer.
     Architecture("mixtral", None,
                  fields=lambda cfg: _moe(cfg, "intermediate_size", lambda i: True, True),
                  keys=_MOE_KEYS, label="Mixtral"),
-    Architecture("qwen3_moe", None, fields=_qwen3_moe,
+    Architecture("qwen3_moe", "qwen3moe", fields=_qwen3_moe,
                  keys=_MOE_KEYS | {"num_experts", "moe_intermediate_size", "norm_topk_prob",
                                    "mlp_only_layers", "decoder_sparse_step"},
                  label="Qwen3-MoE"),

@@ -15,6 +15,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError, WeightsError
 from jaxserve.weights.architectures import config_from_hf, gguf_architectures
 from jaxserve.weights.hf_layout import params_from_hf
+from jaxserve.weights.moe_layout import EXPERT_NAMES
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -45,13 +46,21 @@ _ARCH_LAYER_NAMES = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# Mixtures of experts: llama.cpp's converter stacks each layer's experts into one [E, out, in]
+# tensor per projection; they are handed out by the HF name of each expert's (an [out, in] slice).
+_EXPERTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+_EXPERT_RE = re.compile(r"(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
-def _hf_name(gguf_name: str, arch: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str, model_type: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if model_type in EXPERT_NAMES:  # the router, and each stacked projection (see _EXPERTS)
+        block, projections = EXPERT_NAMES[model_type]
+        names["ffn_gate_inp"] = f"{block}.gate"
+        names.update({k: f"{block}.experts.{projections[i]}" for k, i in _EXPERTS.items()})
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
@@ -106,6 +115,7 @@ def config_from_gguf(reader, path: Path, dtype: str = "float32") -> ModelConfig:
         raise WeightsError(
             f"{path}: unsupported GGUF architecture {arch!r} (supported: "
             f"{', '.join(model_types)})")
+    experts = _field(reader, f"{arch}.expert_count")
     tensor_names = {t.name for t in reader.tensors}
 
     def need(key: str):
@@ -126,7 +136,8 @@ def config_from_gguf(reader, path: Path, dtype: str = "float32") -> ModelConfig:
     eos = [_field(reader, k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     window = meta("attention.sliding_window")
     cfg = {
-        "model_type": model_types[arch],
+        # llama.cpp writes Mixtral as "llama" with experts.
+        "model_type": "mixtral" if arch == "llama" and experts else model_types[arch],
         "vocab_size": int(vocab), "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
@@ -139,6 +150,16 @@ def config_from_gguf(reader, path: Path, dtype: str = "float32") -> ModelConfig:
         "eos_token_id": list(dict.fromkeys(int(e) for e in eos if e is not None)),
         "sliding_window": int(window) if window else None,
     }
+    if experts:
+        # llama.cpp's qwen3moe and llama (Mixtral) renormalize the top-k weights unless the file
+        # says otherwise; every qwen3moe layer is sparse (it has no mlp_only_layers).
+        cfg["num_experts_per_tok"] = int(need("expert_used_count"))
+        if arch == "llama":  # (Mixtral renormalizes always)
+            cfg["num_local_experts"] = int(experts)
+        else:
+            cfg.update(num_experts=int(experts), norm_topk_prob=bool(meta("expert_weights_norm",
+                                                                         True)),
+                       moe_intermediate_size=int(need("expert_feed_forward_length")))
     if arch in ("gemma2", "gemma3"):
         # llama.cpp does not store query_pre_attn_scalar: it uses head_dim, but hidden / heads
         # for the 27B models (the only ones where they differ), and so does this.
@@ -192,17 +213,28 @@ def load_gguf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
     arch = _field(reader, "general.architecture")
     by_hf_name = {}
     for t in reader.tensors:
-        name = _hf_name(t.name, arch)
+        name = _hf_name(t.name, arch, config.architecture)
         if name is not None:
             by_hf_name[name] = t
     permute_heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+    stacked: dict[str, np.ndarray] = {}  # the experts' tensor being read (one at a time)
 
-    def get(name: str) -> np.ndarray:
-        t = by_hf_name[name]
+    def dequantize(t) -> np.ndarray:
         try:
-            w = quants.dequantize(t.data, t.tensor_type)
+            return quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise WeightsError(f"{path}: tensor {t.name} cannot be dequantized ({e})") from None
+
+    def get(name: str) -> np.ndarray:
+        expert = _EXPERT_RE.match(name)
+        if expert is not None:  # one expert of a stacked [E, out, in] tensor
+            key = f"{expert.group(1)}.{expert.group(3)}.weight"
+            if key not in stacked:
+                stacked.clear()
+                stacked[key] = dequantize(by_hf_name[key])
+            return stacked[key][int(expert.group(2))]
+        t = by_hf_name[name]
+        w = dequantize(t)
         proj = name.split(".")[-2]
         if arch == "llama" and proj in permute_heads:
             w = _unpermute_rope(w, permute_heads[proj])

@@ -12,8 +12,9 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 
-# Per family: the block's name in a layer, and its experts' gate / up / down projections' names.
-_NAMES = {
+# Per family: the block's name in a layer, and its experts' gate / up / down projections' names
+# (also how GGUF's stacked experts are named: jaxserve.weights.gguf).
+EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
@@ -33,7 +34,7 @@ def _gpt_oss(get: Callable[[str], np.ndarray], i: int) -> dict[str, np.ndarray]:
 def moe_params_from_hf(config: ModelConfig, get: Callable[[str], np.ndarray]) -> dict:
     if config.architecture == "gpt_oss":
         return {"moe": _stack([_gpt_oss(get, i) for i in config.sparse_layers])}
-    block, (gate, up, down) = _NAMES[config.architecture]
+    block, (gate, up, down) = EXPERT_NAMES[config.architecture]
     experts = range(config.num_experts)
 
     def sparse(i: int) -> dict[str, np.ndarray]:
