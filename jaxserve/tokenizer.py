@@ -21,7 +21,8 @@ from tokenizers import Tokenizer as Backend
 
 from jaxserve.errors import InvalidRequest, ModelNotFound, NoChatTemplate, TokenizerError
 from jaxserve.tool_calling.functions import FunctionTool
-from jaxserve.tool_calling.prompt import chat_messages, fallback_adds_system, template_uses_tools
+from jaxserve.tool_calling.prompt import (chat_messages, fallback_adds_system,
+                                          template_call_format, template_uses_tools)
 
 # ---------------------------------------------------------------- GGUF pre-tokenizers
 
@@ -387,6 +388,14 @@ class Tokenizer:
         tools and tool messages go through jaxserve's Hermes-style fallback."""
         return self.chat_template is not None and template_uses_tools(self.chat_template)
 
+    @cached_property
+    def template_call_format(self) -> str | None:
+        """The call format a template that does not list tools writes its history's calls in
+        (DeepSeek-V3's), which the tools prompt then teaches (tool_calling.prompt)."""
+        if self.chat_template is None or self.template_uses_tools:
+            return None
+        return template_call_format(self.chat_template)
+
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                             tokenize: bool = True, tools: Sequence[FunctionTool] = (),
                             template_kwargs: Mapping[str, Any] | None = None
@@ -401,7 +410,8 @@ class Tokenizer:
         if native:
             extra["tools"] = [t.to_openai() for t in tools] or None
         try:
-            text = self._render(chat_messages(messages, tools, native=native),
+            text = self._render(chat_messages(messages, tools, native=native,
+                                              call_format=self.template_call_format),
                                 add_generation_prompt, extra)
         except _TemplateRaised as e:
             if native or not fallback_adds_system(messages, tools):
@@ -410,7 +420,8 @@ class Tokenizer:
             # A template that refuses the system role (Gemma 2) gets the tools in the first
             # user message instead.
             text = self.apply_chat_template(
-                chat_messages(messages, tools, native=False, tools_in_user=True),
+                chat_messages(messages, tools, native=False, tools_in_user=True,
+                              call_format=self.template_call_format),
                 add_generation_prompt, tokenize=False, template_kwargs=template_kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 

@@ -168,3 +168,74 @@ def test_chat_template_kwargs_are_bounded(kwargs, match):
     with pytest.raises(InvalidRequest, match=match) as err:
         parse_chat_request({"model": "m", "messages": CHAT, "chat_template_kwargs": kwargs})
     assert err.value.param == "chat_template_kwargs"
+
+
+DEEPSEEK_SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                    "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
+                    "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]
+
+
+def deepseek_checkpoint_tokenizer(path: Path, vocab: Backend) -> Path:
+    """A checkpoint directory's tokenizer as DeepSeek-V3 ships it: its special tokens in
+    tokenizer.json, tokenizer_config.json with AddedToken dicts and the chat template."""
+    from tokenizers import AddedToken
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                              for t in DEEPSEEK_SPECIAL])
+    vocab.save(str(path / "tokenizer.json"))
+
+    def added(content: str) -> dict:
+        return {"__type": "AddedToken", "content": content, "lstrip": False,
+                "normalized": True, "rstrip": False, "single_word": False}
+
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "add_bos_token": False, "add_eos_token": False, "bos_token": added(DEEPSEEK_SPECIAL[0]),
+        "clean_up_tokenization_spaces": False, "eos_token": added(DEEPSEEK_SPECIAL[1]),
+        "legacy": True, "model_max_length": 131072, "pad_token": added(DEEPSEEK_SPECIAL[1]),
+        "sp_model_kwargs": {}, "unk_token": None, "tokenizer_class": "LlamaTokenizerFast",
+        "chat_template": (TEMPLATES / "deepseek_v3.jinja").read_text()}, ensure_ascii=False))
+    return path
+
+
+def test_deepseek_v3_template_from_the_checkpoint_directory_renders_and_parses_calls(tmp_path):
+    """DeepSeek-V3's template (from its tokenizer_config.json) renders the history's calls and
+    results itself but lists no tools: the tools prompt teaches its call format, the calls go to
+    it as OpenAI sends them (content null or ""), and `auto` parses its output."""
+    from jaxserve.model_registry import ModelSpec
+    from jaxserve.tokenizer import load_tokenizer
+
+    path = deepseek_checkpoint_tokenizer(tmp_path / "ds", Backend(models.WordLevel(
+        {"[UNK]": 0, "Weather": 1}, unk_token="[UNK]")))
+    tok = load_tokenizer(ModelSpec("ds", "hf", path))
+    assert tok.chat_template == (TEMPLATES / "deepseek_v3.jinja").read_text()
+    assert (tok.bos_token, tok.template_uses_tools) == ("<｜begin▁of▁sentence｜>", False)
+    assert _parsers(tok) == ("deepseek_v3", None)
+    assert tok.apply_chat_template(CHAT, tokenize=False) == (
+        "<｜begin▁of▁sentence｜>Be brief.<｜User｜>hi<｜Assistant｜>")
+    for content in (None, ""):
+        history = _history("call_1")
+        history[1]["content"] = content
+        text = tok.apply_chat_template(history, tokenize=False, tools=WEATHER)
+        tools, turns = text.split("<｜User｜>", 1)
+        assert tools.startswith("<｜begin▁of▁sentence｜># Tools\n") and '"get_weather"' in tools
+        assert tools.endswith("<｜tool▁call▁begin｜>function<｜tool▁sep｜><function-name>\n```json\n"
+                              "<arguments-object>\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>"
+                              "function<｜tool▁sep｜><another-function-name>\n```json\n"
+                              "<arguments-object>\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+        # (DeepSeek's template closes the calls only after a second one: as shipped.)
+        assert turns == ("Weather in Paris?<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
+                         "function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```"
+                         "<｜tool▁call▁end｜><｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>18C"
+                         "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>")
+    ids = tok.apply_chat_template(_history("c"), tools=WEATHER)
+    for marker in ("<｜tool▁calls▁begin｜>", "<｜tool▁output▁begin｜>"):
+        assert tok.encode(marker, add_special_tokens=False)[0] in ids  # one special token each
+    parsers = ParserChoice().for_tokenizer(tok)
+    output = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+              '```json\n{"city": "Oslo"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    message, finish = ToolCallOutput(parsers.tool, parsers.reasoning).message(output, "stop")
+    assert finish == "tool_calls" and message["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] \
+        == [("get_weather", '{"city": "Oslo"}')]

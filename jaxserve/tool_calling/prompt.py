@@ -2,8 +2,11 @@
 
 A chat template that reads the `tools` variable handles tools itself: it gets the tools, and the
 history as HF templates expect it (an assistant message's `tool_calls[].function.arguments` as an
-object, not OpenAI's JSON string). Any other template gets jaxserve's built-in fallback, in the
-Hermes style that the `hermes` tool parser reads:
+object, not OpenAI's JSON string). A template that writes the history's calls in its own format
+without listing tools (DeepSeek-V3's: `template_call_format`) gets the history as OpenAI sends it
+(arguments as JSON text, a call-only message's content null) and the tools listed in the system
+message as below, with its own call format taught instead of Hermes'. Any other template gets
+jaxserve's built-in fallback, in the Hermes style that the `hermes` tool parser reads:
 
 - the tools are listed in the system message (appended to the first system/developer message, or
   a new one in front; at the start of the first user message for a template that refuses the
@@ -25,8 +28,9 @@ import jinja2.meta
 
 from jaxserve.errors import InvalidRequest
 from jaxserve.tool_calling.functions import FunctionTool
+from jaxserve.tool_calling.parsers import detect
 
-FALLBACK_TOOLS_PROMPT = """# Tools
+TOOLS_PROMPT = """# Tools
 
 You may call one or more functions to answer the user. The functions are described by these JSON \
 signatures:
@@ -34,11 +38,25 @@ signatures:
 {tools}
 </tools>
 
-To call functions, reply with one block per call, each holding a JSON object with the function's \
-name and its arguments, and nothing else:
+"""
+# How to call, per format a template may write without listing tools (tool parser names).
+CALL_PROMPTS = {
+    "hermes": """To call functions, reply with one block per call, each holding a JSON object \
+with the function's name and its arguments, and nothing else:
 <tool_call>
-{{"name": <function-name>, "arguments": <arguments-object>}}
-</tool_call>"""
+{"name": <function-name>, "arguments": <arguments-object>}
+</tool_call>""",
+    "deepseek_v3": """To call functions, reply with the calls and nothing else, each call's \
+arguments a JSON object:
+<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜><function-name>
+```json
+<arguments-object>
+```<｜tool▁call▁end｜>
+<｜tool▁call▁begin｜>function<｜tool▁sep｜><another-function-name>
+```json
+<arguments-object>
+```<｜tool▁call▁end｜><｜tool▁calls▁end｜>""",
+}
 
 
 def template_uses_tools(source: str) -> bool:
@@ -49,19 +67,32 @@ def template_uses_tools(source: str) -> bool:
         return False  # compiling the template reports its error
 
 
+def template_call_format(source: str) -> str | None:
+    """The call format (a tool parser's name) a template that does not read `tools` writes the
+    history's tool calls in itself, where jaxserve can teach it (CALL_PROMPTS); else None."""
+    name = detect(source)
+    return name if name in CALL_PROMPTS and name != "hermes" else None
+
+
 def fallback_adds_system(messages: Sequence[dict], tools: Sequence[FunctionTool]) -> bool:
     """Whether the fallback puts its tool prompt in a system message of its own."""
     return bool(tools) and not (messages and messages[0].get("role") in ("system", "developer"))
 
 
 def chat_messages(messages: Sequence[dict], tools: Sequence[FunctionTool], *,
-                  native: bool, tools_in_user: bool = False) -> list[dict]:
+                  native: bool, tools_in_user: bool = False,
+                  call_format: str | None = None) -> list[dict]:
     """The messages to render: for a template that handles tools (`native`) with tool-call
-    arguments as objects; else with tools and tool calls written out in the fallback format.
+    arguments as objects; for one that writes calls in its own `call_format` (see
+    template_call_format) as OpenAI sends them, with the tools prompt teaching that format; else
+    with tools and tool calls written out in the fallback format.
     `tools_in_user`: with no system message, the tool prompt opens the first user message
     instead of a system message of its own (for templates that refuse the system role)."""
     if native:
         return [_native(m, i) for i, m in enumerate(messages)]
+    if call_format is not None:
+        out = [_openai_call(m, i) for i, m in enumerate(messages)]
+        return _with_tools_prompt(out, tools, CALL_PROMPTS[call_format], tools_in_user)
     out: list[dict] = []
     in_tool_run = False  # adjacent tool messages share one user message
     for i, m in enumerate(messages):
@@ -81,9 +112,14 @@ def chat_messages(messages: Sequence[dict], tools: Sequence[FunctionTool], *,
             out.append({**_plain(m), "content": "\n".join(([text] if text else []) + blocks)})
         else:
             out.append(_plain(m))
+    return _with_tools_prompt(out, tools, CALL_PROMPTS["hermes"], tools_in_user)
+
+
+def _with_tools_prompt(out: list[dict], tools: Sequence[FunctionTool], call_prompt: str,
+                       tools_in_user: bool) -> list[dict]:
     if tools:
-        prompt = FALLBACK_TOOLS_PROMPT.format(tools="\n".join(
-            json.dumps(t.to_openai(), ensure_ascii=False) for t in tools))
+        prompt = TOOLS_PROMPT.format(tools="\n".join(
+            json.dumps(t.to_openai(), ensure_ascii=False) for t in tools)) + call_prompt
         if out and out[0].get("role") in ("system", "developer"):
             out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}".lstrip()}
         elif tools_in_user and out and out[0].get("role") == "user":
@@ -132,6 +168,16 @@ def _calls(m: dict, i: int) -> list[tuple[str, dict]]:
                                  f"JSON object", param="messages")
         out.append((fn["name"], args))
     return out
+
+
+def _openai_call(m: dict, i: int) -> dict:
+    """A message as OpenAI sends it, checked; a call-only assistant message's content null
+    (DeepSeek's template renders the calls only for content null, which clients also send as
+    "")."""
+    if m.get("role") != "assistant" or not m.get("tool_calls"):
+        return dict(m)
+    _calls(m, i)  # the arguments are JSON objects (rendered as the client's text)
+    return {**m, "content": m.get("content") or None}
 
 
 def _native(m: dict, i: int) -> dict:
