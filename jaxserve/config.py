@@ -275,8 +275,17 @@ class CacheConfig:
     kv_cache_memory_fraction: float = 0.5  # of the memory left after weights load
     enable_prefix_caching: bool = True
     dtype: str | None = None  # None: the model's dtype
+    # GiB of host memory for the prefix cache's second tier (evicted pages copied there and
+    # back on a hit: jaxserve.core.kv_offload); 0: off. Per engine replica.
+    kv_offloading_size: float = 0.0
 
     def __post_init__(self):
+        if not 0.0 <= self.kv_offloading_size < float("inf"):
+            raise ConfigError(f"kv_offloading_size must be a number of GiB >= 0, got "
+                              f"{self.kv_offloading_size}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ConfigError("kv_offloading_size needs the prefix cache (it holds the pages "
+                              "the prefix cache evicts)")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:

@@ -69,6 +69,10 @@ SETTINGS = (
     Setting("kv_cache_memory_fraction", float, CACHE,
             help="fraction of the memory left after weights given to the KV cache"),
     Setting("enable_prefix_caching", bool, CACHE),
+    Setting("kv_offloading_size", float, CACHE, metavar="GIB",
+            help="GiB of host memory per engine replica for prefix-cache pages the device pool "
+                 "evicts: copied there, and back on a prefix hit instead of recomputed "
+                 "(default 0: off)"),
     Setting("enable_chunked_prefill", bool, SCHEDULER),
     Setting("speculative_ngram", int, SPECULATIVE, metavar="K",
             help="speculative decoding: up to K draft tokens per step copied from the "

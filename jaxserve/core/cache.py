@@ -25,6 +25,12 @@ pins share counts twice: the bound errs on the safe side). Expired pins are rele
 `expire_pins` (the scheduler calls it every step); no thread. Pins are a cache, not a
 reservation: when a request cannot start with nothing running, the scheduler releases pins,
 oldest first, until it can (`release_oldest_pin`), so pins never stall an idle engine.
+
+Host tier (`host_tier`, jaxserve.core.kv_offload): an indexed page the LRU evicts is saved to host
+memory, and `restore_prefix` (the scheduler calls it before looking a waiting request up) brings
+back the pages of a prompt's prefix that follow those still on the device into free device pages,
+indexed as cached pages, so admission takes them as any cached page and their prefill is skipped.
+The pages for them come from the free list or the LRU, never from the prefix being restored.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import numpy as np
 
 from jaxserve.executor.batch_plan import NULL_PAGE, pages_for
 from jaxserve.errors import ConfigError
+from jaxserve.core.kv_offload import HostTier
 from jaxserve.core.request import Request
 
 
@@ -76,7 +83,7 @@ class _Pin:
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, *,
                  pin_pool_fraction: float = PIN_POOL_FRACTION,
-                 max_pins_per_salt: int = MAX_PINS_PER_SALT):
+                 max_pins_per_salt: int = MAX_PINS_PER_SALT, host_tier: HostTier | None = None):
         if num_pages < 2:
             raise ConfigError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
         if page_size <= 0:
@@ -99,7 +106,11 @@ class KVCacheManager:
         self.max_pinned_pages = int(pin_pool_fraction * self.num_usable_pages)
         self.max_pins_per_salt = max_pins_per_salt
         self.prefix_cache_queries = 0  # tokens looked up at admission
-        self.prefix_cache_hits = 0  # of which served from the cache
+        self.prefix_cache_hits = 0  # of which served from the cache (either tier)
+        self.host_tier = host_tier if enable_prefix_caching else None
+        self._restored: set[int] = set()  # pages restored from the host tier, not yet admitted
+        self.host_tier_queries = 0  # full prompt-page tokens past the device's own hits
+        self.host_tier_hits = 0  # of which restored from the host tier
 
     # ---- sizes -------------------------------------------------------------------------------
 
@@ -207,10 +218,54 @@ class KVCacheManager:
             # Two requests may compute the same prefix at once; the first one indexed wins and
             # the other's copy goes back to the free list when released.
             if hashes[i] not in self._hash_to_page:
-                self._hash_to_page[hashes[i]] = page
-                self._page_hash[page] = hashes[i]
-                self._page_tokens[page] = tuple(tokens[i * ps:(i + 1) * ps])
+                self._index(page, hashes[i], tuple(tokens[i * ps:(i + 1) * ps]))
         self._num_registered[request.request_id] = num_full
+
+    def _index(self, page: int, page_hash: bytes, tokens: tuple[int, ...]) -> None:
+        self._hash_to_page[page_hash] = page
+        self._page_hash[page] = page_hash
+        self._page_tokens[page] = tokens
+
+    def restore_prefix(self, request: Request) -> int:
+        """Bring back from the host tier the pages of the request's prefix that follow those on
+        the device, into free device pages indexed as cached ones (admission then takes them
+        like any cached page; `lookup_prefix` finds them). Returns the pages restored. Their
+        copies run before the next step's forward (`take_page_copies`)."""
+        if self.host_tier is None:
+            return 0
+        max_pages = (request.num_tokens - 1) // self.page_size
+        hashes = self._hashes(request, max_pages)
+        tokens, ps = request.all_token_ids, self.page_size
+        held = []  # the prefix's device pages, taken so that the pops below cannot evict them
+        wanted = []  # (hash, tokens) of the prefix's pages the host holds
+        try:
+            for i in range(max_pages):
+                page_tokens = tuple(tokens[i * ps:(i + 1) * ps])
+                page = self._hash_to_page.get(hashes[i])
+                if page is not None and self._page_tokens[page] == page_tokens:
+                    self._take(page)
+                    held.append(page)
+                elif page is None and self.host_tier.holds(hashes[i], page_tokens):
+                    wanted.append((hashes[i], page_tokens))
+                else:
+                    break
+            wanted = wanted[:self.num_free_pages]
+            # The pops below may save evicted pages: they must not overwrite these slots.
+            self.host_tier.reserve([h for h, _ in wanted])
+            for page_hash, page_tokens in wanted:
+                page = self._pop_page()
+                self._index(page, page_hash, page_tokens)
+                self.host_tier.restore(page_hash, page)
+                self._restored.add(page)
+                held.append(page)
+        finally:
+            self._release(held)
+        self.host_tier.refresh([h for h, _ in reversed(wanted)])
+        return len(wanted)
+
+    def take_page_copies(self):
+        """The host tier's copies decided since the last call, in order (PageCopies runs)."""
+        return self.host_tier.take_copies() if self.host_tier is not None else ()
 
     # ---- pins --------------------------------------------------------------------------------
 
@@ -298,6 +353,13 @@ class KVCacheManager:
         self._grow(request, num_new_tokens)
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += request.num_computed_tokens
+        if self.host_tier is not None:
+            restored = self._restored.intersection(cached_pages)
+            self._restored -= restored
+            device_hits = len(cached_pages) - len(restored)
+            self.host_tier_queries += ((request.num_tokens - 1) // self.page_size
+                                       - device_hits) * self.page_size
+            self.host_tier_hits += len(restored) * self.page_size
         return True
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
@@ -345,8 +407,12 @@ class KVCacheManager:
             page = self._free.popleft()
         else:
             page, _ = self._cached_free.popitem(last=False)
-            del self._hash_to_page[self._page_hash.pop(page)]
-            del self._page_tokens[page]
+            page_hash = self._page_hash.pop(page)
+            del self._hash_to_page[page_hash]
+            tokens = self._page_tokens.pop(page)
+            if self.host_tier is not None:
+                self.host_tier.save(page_hash, tokens, page)
+                self._restored.discard(page)
         self._refcount[page] = 1
         self._num_in_use += 1
         return page
@@ -381,3 +447,6 @@ class KVCacheManager:
         assert self._page_tokens.keys() == self._page_hash.keys()
         if not self.enable_prefix_caching:
             assert not self._hash_to_page
+        if self.host_tier is not None:
+            self.host_tier.check_invariants()
+            assert self._restored <= self._page_hash.keys(), "a restored page is not indexed"

@@ -70,6 +70,16 @@ class EngineStats:
     expert_tokens: tuple[int, ...] = ()
     expert_steps: int = 0
     expert_parallel_size: int = 1
+    # The prefix cache's host tier (--kv-offloading-size; jaxserve.core.kv_offload): prompt
+    # tokens of full pages looked up past the device's hits and those restored; pages held and
+    # the pool's size in pages; bytes copied each way; host seconds spent on the copies.
+    kv_offload_queries: int = 0
+    kv_offload_hits: int = 0
+    kv_offload_pages: int = 0
+    kv_offload_capacity_pages: int = 0
+    kv_offload_bytes_to_host: int = 0
+    kv_offload_bytes_to_device: int = 0
+    kv_offload_seconds: float = 0.0
 
 
 class _SamplingRows(NamedTuple):
@@ -101,7 +111,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.runner.num_pages,
             drafter=self._draft if spec is not None else None,
-            num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            num_host_pages=self.runner.num_host_pages)
         self.output_processor = OutputProcessor(self.scheduler, tokenizer, self.eos_token_ids,
                                                 self.max_model_len)
         self.grammars = GrammarCompiler(tokenizer, vocab_size=config.model.vocab_size,
@@ -276,6 +287,7 @@ class LLMEngine:
         if out is not None:
             self.output_processor.mark_scheduled(out.scheduled, time.monotonic())
             rows = self._sampling_rows(out)
+            self.runner.copy_pages(out.page_copies)  # the host tier's, before the forward
             logits = self.runner.forward(out.plan)  # enqueued: the host goes on meanwhile
             result = self._sample(logits, rows)
             self._score_prompts(out)  # before update_from_output moves num_computed_tokens
@@ -368,5 +380,11 @@ class LLMEngine:
                            self.output_processor.generation_tokens,
                            self.output_processor.num_finished, s.num_new_by_priority,
                            s.num_draft_tokens, s.num_accepted_draft_tokens, expert_tokens,
-                           expert_steps, load.expert_parallel_size if load is not None else 1)
+                           expert_steps, load.expert_parallel_size if load is not None else 1,
+                           s.host_tier_queries, s.host_tier_hits, s.host_tier_pages,
+                           s.host_tier_slots, *self._host_pool_counts())
+
+    def _host_pool_counts(self) -> tuple[int, int, float]:
+        pool = self.runner.host_pool
+        return (pool.bytes_to_host, pool.bytes_to_device, pool.copy_seconds) if pool else (0, 0, 0.)
 

@@ -18,6 +18,10 @@ Plain Python and numpy (no JAX): `schedule()` returns a padded `BatchPlan` and t
    its own tenant's budget, and a tenant holding no page may always start one request, so a
    request larger than the budget still runs). A request that scores its prompt
    (`Request.scores_prompt`) takes no prefix from the cache: every prompt position is computed.
+With a host tier (`num_host_pages`, --kv-offloading-size), a waiting request's prefix pages that
+the device evicted and the host holds are brought back before it is looked up
+(KVCacheManager.restore_prefix); the step's copies to and from the host ride in its output
+(`page_copies`) and run before its forward.
 Prompt-cache pins (`Request.cache_pins`, Anthropic's cache_control) are made as soon as their
 prefix is computed, and expired pins are released at the start of each step (KVCacheManager.pin);
 a waiting request that cannot start while nothing runs releases pins, oldest first, until it can.
@@ -48,10 +52,12 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from jaxserve.executor.batch_plan import BatchPlan, SeqChunk, StepShapes, make_plan
+from jaxserve.executor.page_copies import PageCopies
 from jaxserve.core.cache import KVCacheManager
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import ConfigError
 from jaxserve.core.fair_queue import FairQueue
+from jaxserve.core.kv_offload import HostTier
 from jaxserve.core.request import Request, RequestStatus
 
 
@@ -76,6 +82,8 @@ class SchedulerOutput:
     plan: BatchPlan
     scheduled: list[ScheduledSeq]  # in plan row order: decodes, then prefill chunks
     preempted: list[Request] = field(default_factory=list)
+    # Copies between the device pool and the host tier, to run in order before the forward.
+    page_copies: tuple[PageCopies, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:
@@ -115,12 +123,17 @@ class SchedulerStats:
     num_new_by_priority: dict[int, int]  # waiting requests never admitted, per priority
     num_draft_tokens: int = 0  # proposed and verified, total since start
     num_accepted_draft_tokens: int = 0  # of which the model confirmed
+    host_tier_queries: int = 0  # prompt tokens of full pages looked up past the device's hits
+    host_tier_hits: int = 0  # of which restored from the host tier
+    host_tier_pages: int = 0  # pages the host tier holds
+    host_tier_slots: int = 0  # pages it can hold (0: no host tier)
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_pages: int, clock: Callable[[], float] = time.monotonic, *,
-                 drafter: Drafter | None = None, num_speculative_tokens: int = 0):
+                 drafter: Drafter | None = None, num_speculative_tokens: int = 0,
+                 num_host_pages: int = 0):
         if (not scheduler_config.enable_chunked_prefill
                 and scheduler_config.max_num_batched_tokens < scheduler_config.max_model_len):
             # Without chunking a prompt must fit one step, or it would wait forever.
@@ -130,8 +143,9 @@ class Scheduler:
                 f"({scheduler_config.max_model_len})")
         self.config = scheduler_config
         self.page_size = cache_config.page_size
-        self.cache = KVCacheManager(num_pages, cache_config.page_size,
-                                    cache_config.enable_prefix_caching)
+        self.cache = KVCacheManager(
+            num_pages, cache_config.page_size, cache_config.enable_prefix_caching,
+            host_tier=HostTier(num_host_pages) if num_host_pages else None)
         self.drafter = drafter
         self.num_speculative_tokens = num_speculative_tokens if drafter is not None else 0
         self.shapes = StepShapes.of(scheduler_config, cache_config.page_size, num_pages,
@@ -249,7 +263,8 @@ class Scheduler:
                          num_seqs_padded=self.shapes.seq_bucket(t_pad),
                          pages_per_seq=self.shapes.pages_per_seq, page_size=self.page_size,
                          num_rows_padded=self.shapes.logits_bucket(t_pad))
-        return SchedulerOutput(plan, step.scheduled, step.preempted)
+        return SchedulerOutput(plan, step.scheduled, step.preempted,
+                               self.cache.take_page_copies())
 
     def update_from_output(self, out: SchedulerOutput,
                            sampled_token_ids: np.ndarray) -> list[tuple[Request, list[int]]]:
@@ -290,6 +305,7 @@ class Scheduler:
         return new_tokens
 
     def stats(self) -> SchedulerStats:
+        tier = self.cache.host_tier
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             pages_in_use=self.cache.num_pages_in_use,
@@ -300,7 +316,11 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_new_by_priority=self.waiting.num_new_by_priority(),
             num_draft_tokens=self.num_draft_tokens,
-            num_accepted_draft_tokens=self.num_accepted_draft_tokens)
+            num_accepted_draft_tokens=self.num_accepted_draft_tokens,
+            host_tier_queries=self.cache.host_tier_queries,
+            host_tier_hits=self.cache.host_tier_hits,
+            host_tier_pages=tier.num_pages if tier is not None else 0,
+            host_tier_slots=tier.num_slots if tier is not None else 0)
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -419,6 +439,8 @@ class Scheduler:
                     self._end(request, RequestStatus.FINISHED_ERROR)
                     continue
                 # A request scoring its prompt computes every position of it itself.
+                if not request.scores_prompt:
+                    self.cache.restore_prefix(request)
                 cached = [] if request.scores_prompt else self.cache.lookup_prefix(request)
                 if not request.scores_prompt and self.cache.next_page_in_flight(
                         request, cached, in_flight):

@@ -47,6 +47,7 @@ import numpy as np
 from jaxserve.executor import sampler
 from jaxserve.executor.batch_plan import BatchPlan, StepShapes, pages_for
 from jaxserve.executor.expert_load import ExpertLoad
+from jaxserve.executor.kv_offload import HostKVPool, num_host_slots
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.errors import ConfigError
 from jaxserve.executor.models import decoder
@@ -254,7 +255,25 @@ class ModelRunner:
         self.expert_load = (ExpertLoad(config.num_experts, (
             mesh.shape[sharding.MODEL] if config.expert_parallel and mesh is not None else 1))
             if config.num_experts else None)
+        self.host_pool = self._host_pool(mesh) if cache_config.kv_offloading_size else None
         log.info("%s", paths.summary(matmul_off=decoder.why_matmul_off(config, mesh)))
+
+    def _host_pool(self, mesh) -> HostKVPool:
+        """The prefix cache's host tier (--kv-offloading-size): its slots and copy programs."""
+        if self.publish is not None:
+            raise ConfigError("--kv-offloading-size is not supported across hosts")
+        page_bytes = kv_page_bytes(self.config, self.page_size, self.kv_cache.dtype)
+        slots = num_host_slots(self.cache_config.kv_offloading_size, page_bytes,
+                               _host_available_bytes())
+        return HostKVPool(slots, self.kv_cache.shape, self.kv_cache.dtype, self.num_pages,
+                          self.shapes.pages_per_seq,
+                          kv_sharding=self.kv_cache.sharding if mesh is not None else None,
+                          replicated=self._replicated)
+
+    @property
+    def num_host_pages(self) -> int:
+        """Slots of the host tier (0: no host tier)."""
+        return 0 if self.host_pool is None else len(self.host_pool.buffer)
 
     @property
     def num_pages(self) -> int:
@@ -286,6 +305,8 @@ class ModelRunner:
                                     self._plan_spec(key[1]))[2]
             lowered = self._score_jit.lower(self.params, self._spec(hidden.shape, hidden.dtype),
                                             self._spec((key[1],), jnp.int32))
+        elif key[0] in HostKVPool.PROGRAMS:
+            lowered = self.host_pool.lower(key, self.kv_cache)
         elif key[0] == "bitmask":
             lowered = jax.jit(sampler.apply_token_bitmask, **self._sample_shardings).lower(
                 self._spec((key[1], self.config.vocab_size), jnp.float32),
@@ -322,6 +343,8 @@ class ModelRunner:
                  for h in (0, self.shapes.history_width) for k in (0, sampler.MAX_LOGPROBS)
                  for g in (False, True)]
         keys += [("bitmask", s) for s in self.shapes.row_buckets]
+        if self.host_pool is not None:
+            keys += self.host_pool.program_keys()
         return keys
 
     def warmup(self, progress: bool = True) -> None:
@@ -376,6 +399,11 @@ class ModelRunner:
         if expert_tokens.shape[0]:
             self.expert_load.add(expert_tokens)
         return logits
+
+    def copy_pages(self, copies) -> None:
+        """Run the host tier's copies (PageCopies, in order) before the step's forward."""
+        if copies:
+            self.kv_cache = self.host_pool.run(copies, self.kv_cache, self._program)
 
     def score(self, target_token_ids: np.ndarray) -> ScoreOutput:
         """Score the last forward's rows: row i's log-probability of target_token_ids[i]

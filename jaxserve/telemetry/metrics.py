@@ -64,12 +64,42 @@ class _EngineCollector:
                     ("counter", "spec_decode_num_accepted_tokens",
                      "Speculative draft tokens the model confirmed.",
                      s.num_accepted_draft_tokens)):
-                if name not in families:
-                    family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-                    families[name] = family(f"jaxserve:{name}", doc, labels=labels)
-                families[name].add_metric([version, "", str(replica)], float(value))
+                _family(families, labels, kind, name, doc).add_metric(
+                    [version, "", str(replica)], float(value))
             if s.expert_tokens:
                 _add_expert_load(families, labels, [version, "", str(replica)], s)
+            if s.kv_offload_capacity_pages:
+                _add_kv_offload(families, labels, [version, "", str(replica)], s)
+
+
+def _add_kv_offload(families: dict, labels: list[str], values: list[str], s) -> None:
+    """The prefix cache's host tier (--kv-offloading-size; jaxserve.core.kv_offload)."""
+    for kind, name, doc, value in (
+            ("counter", "kv_offload_hits",
+             "Prompt tokens restored from the host KV tier instead of recomputed.",
+             s.kv_offload_hits),
+            ("counter", "kv_offload_misses",
+             "Prompt tokens of full pages found in neither the device prefix cache nor the host "
+             "KV tier.", s.kv_offload_queries - s.kv_offload_hits),
+            ("counter", "kv_offload_bytes_to_host", "Bytes of KV pages copied to the host tier.",
+             s.kv_offload_bytes_to_host),
+            ("counter", "kv_offload_bytes_to_device",
+             "Bytes of KV pages copied back from the host tier.", s.kv_offload_bytes_to_device),
+            ("counter", "kv_offload_seconds",
+             "Host seconds spent issuing and landing the host tier's copies.",
+             s.kv_offload_seconds),
+            ("gauge", "kv_offload_pages", "KV pages the host tier holds.", s.kv_offload_pages),
+            ("gauge", "kv_offload_capacity_pages", "KV pages the host tier can hold.",
+             s.kv_offload_capacity_pages)):
+        _family(families, labels, kind, name, doc).add_metric(values, float(value))
+
+
+def _family(families: dict, labels: list[str], kind: str, name: str, doc: str):
+    """The family of this name, made on first use (a gauge or a counter)."""
+    if name not in families:
+        family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+        families[name] = family(f"jaxserve:{name}", doc, labels=labels)
+    return families[name]
 
 
 def _add_expert_load(families: dict, labels: list[str], values: list[str], s) -> None:

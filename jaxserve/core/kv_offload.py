@@ -1,0 +1,114 @@
+"""The prefix cache's host-memory tier (vLLM's `--kv-offloading-size`): which page goes where.
+
+Bookkeeping only, plain Python: the copies themselves are the executor's (PageCopies, run by
+jaxserve.executor.kv_offload before the step's forward). When the device pool's LRU evicts an
+indexed full page (KVCacheManager._pop_page) the page is saved here: a copy goes to a host slot,
+keyed by the page's chained hash (the salt and the whole prefix behind it, so tenants stay apart
+in this tier as in the device one) together with its token ids, which a hit compares as the
+device cache does. A page already held is not copied again. The slots are a fixed number (the
+pool's bytes over one page's): when all hold a page, the least recently used one is overwritten,
+so the pool never grows past its bound. The device cache evicts a prefix's tail first, so the
+tail is saved first and is the first to go here too (a page is useless once its parent is gone).
+A restore (KVCacheManager.restore_prefix) copies a slot back into a free device page, which the
+device cache then indexes as its own; the slot keeps its copy.
+
+Copies are taken once per step (`take_copies`): the saves, then the restores, which the runner
+runs in that order before the step's forward. That order is safe because a page restored in a step
+is not saved again in it (its hash is held here: a save only refreshes it) and a slot a restore
+reads is not overwritten in it (a save passes over it); a device page saved and then handed to a
+restore is read before it is overwritten, and a slot saved and then restored is landed first (the
+runner waits for that save).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from jaxserve.errors import ConfigError
+from jaxserve.executor.page_copies import PageCopies
+
+
+class HostTier:
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ConfigError(f"the host KV tier needs at least one page, got {num_slots}")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._slots: OrderedDict[bytes, int] = OrderedDict()  # page hash -> slot, LRU first
+        self._tokens: dict[bytes, tuple[int, ...]] = {}
+        self._saves: list[tuple[int, int]] = []  # (device page, slot) not yet taken
+        self._loads: list[tuple[int, int]] = []
+        self._reading: set[int] = set()  # slots of the restores not yet taken
+        self.pages_saved = 0  # device -> host copies, total since start
+        self.pages_restored = 0  # host -> device copies
+
+    @property
+    def num_pages(self) -> int:
+        """Pages held now (at most num_slots)."""
+        return len(self._slots)
+
+    def holds(self, page_hash: bytes, tokens: tuple[int, ...]) -> bool:
+        return self._tokens.get(page_hash) == tokens
+
+    def save(self, page_hash: bytes, tokens: tuple[int, ...], page: int) -> None:
+        """Keep a copy of device page `page`, evicted from the device cache (only refreshed when
+        this prefix page is held already)."""
+        if page_hash in self._slots:
+            self._slots.move_to_end(page_hash)
+            return
+        if self._free:
+            slot = self._free.pop()
+        else:
+            old = next((h for h, s in self._slots.items() if s not in self._reading), None)
+            if old is None:
+                return  # every slot is being read this step: the page is not kept
+            slot = self._slots.pop(old)
+            del self._tokens[old]
+        self._slots[page_hash] = slot
+        self._tokens[page_hash] = tokens
+        self._saves.append((page, slot))
+        self.pages_saved += 1
+
+    def reserve(self, page_hashes) -> None:
+        """Keep the slots of these held pages from being overwritten until the copies are taken
+        (they are about to be restored)."""
+        self._reading.update(self._slots[h] for h in page_hashes)
+
+    def restore(self, page_hash: bytes, page: int) -> None:
+        """Copy the held page of this hash into device page `page` (the caller checked `holds`
+        and reserved it)."""
+        slot = self._slots[page_hash]
+        assert slot in self._reading, "a restored slot is reserved first"
+        self._loads.append((page, slot))
+        self.pages_restored += 1
+
+    def refresh(self, page_hashes) -> None:
+        """Mark these held pages used now, the last one most recently (a restored prefix is
+        refreshed tail first, so its head is the last to go)."""
+        for page_hash in page_hashes:
+            if page_hash in self._slots:
+                self._slots.move_to_end(page_hash)
+
+    def take_copies(self) -> tuple[PageCopies, ...]:
+        """The copies recorded since the last call: the saves, then the restores."""
+        out = tuple(PageCopies(to_host, *map(tuple, zip(*copies)))
+                    for to_host, copies in ((True, self._saves), (False, self._loads)) if copies)
+        self._saves, self._loads, self._reading = [], [], set()
+        return out
+
+    def drop_unrun_copies(self) -> None:
+        """The device pool was freed before the recorded copies ran (a sleeping engine): forget
+        them, and the pages whose saves never ran (their slots would hold nothing)."""
+        unsaved = {slot for _, slot in self._saves}
+        for page_hash in [h for h, slot in self._slots.items() if slot in unsaved]:
+            self._free.append(self._slots.pop(page_hash))
+            del self._tokens[page_hash]
+        self._saves, self._loads, self._reading = [], [], set()
+
+    def check_invariants(self) -> None:
+        slots = list(self._slots.values())
+        assert len(slots) <= self.num_slots, "more pages than slots"
+        assert len(set(slots)) == len(slots) and not set(slots) & set(self._free), \
+            "a slot is held twice"
+        assert len(slots) + len(self._free) == self.num_slots, "a slot leaked"
+        assert self._tokens.keys() == self._slots.keys()

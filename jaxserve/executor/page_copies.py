@@ -1,0 +1,19 @@
+"""The copies between the device KV pool and the host tier's slots that a step asks for (no JAX).
+
+The prefix cache's host tier (jaxserve.core.kv_offload) decides which page goes to which slot;
+the runner (jaxserve.executor.kv_offload) does the copies, in the order given, before the step's
+forward, so a page saved before its reuse is read before the forward overwrites it, and a page
+restored is in place before the forward reads it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class PageCopies(NamedTuple):
+    """A run of copies in one direction: device page pages[i] <-> host slot slots[i]."""
+
+    to_host: bool  # True: the device pages are saved into the slots; False: restored from them
+    pages: tuple[int, ...]
+    slots: tuple[int, ...]
