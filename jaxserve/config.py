@@ -310,6 +310,10 @@ class SchedulerConfig:
     # a 16-row one; on an accelerator, whose small steps cost the same whatever their rows, 16
     # saves the extra programs' compile time.
     min_token_bucket: int = 1
+    # Batch-invariant numerics (--deterministic): one token bucket, so every step has the shape
+    # of a full one, and prefill chunks cut at fixed offsets of each prompt, so what a request
+    # computes does not depend on what else runs (docs/engine.md, "Deterministic mode").
+    deterministic: bool = False
 
     def __post_init__(self):
         for f in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -513,3 +517,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self):
+        if self.scheduler.deterministic and self.speculative is not None:
+            raise ConfigError("deterministic mode and speculative decoding cannot be combined: "
+                              "how many drafts a step verifies depends on what else runs in it")
+        if self.scheduler.deterministic and self.cache.enable_prefix_caching:
+            raise ConfigError("deterministic mode computes every prompt whole: turn prefix "
+                              "caching off (its default in deterministic mode)")

@@ -74,6 +74,12 @@ SETTINGS = (
                  "evicts: copied there, and back on a prefix hit instead of recomputed "
                  "(default 0: off)"),
     Setting("enable_chunked_prefill", bool, SCHEDULER),
+    Setting("deterministic", bool, SCHEDULER, switch_on=True,
+            help="batch-invariant numerics: every step padded to max-num-batched-tokens (one "
+                 "compiled shape) and each prompt cut into the same prefill chunks whatever else "
+                 "runs, so a request's log-probabilities and greedy tokens are bit-identical "
+                 "alone or in any batch; steps cost a full step's time (not with speculative "
+                 "decoding)"),
     Setting("speculative_ngram", int, SPECULATIVE, metavar="K",
             help="speculative decoding: up to K draft tokens per step copied from the "
                  "sequence's own prompt and output (n-gram lookup); 0 or absent: off"),
@@ -116,6 +122,8 @@ def make_engine_config(model_config, args: dict) -> EngineConfig:
     unknown = set(args) - set(BY_NAME)
     if unknown:
         raise InvalidRequest(f"unknown engine arguments: {sorted(unknown)}")
+    if args.get("deterministic"):  # a prefix-cache hit would move where a prompt's chunks fall
+        args.setdefault("enable_prefix_caching", False)
     max_len = args.setdefault("max_model_len", model_config.max_position_embeddings)
     if max_len > model_config.max_position_embeddings:
         raise ContextLengthExceeded(

@@ -19,10 +19,11 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from jaxserve.executor.batch_plan import next_power_of_two, pages_for
-from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.errors import ConfigError
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.engine_settings import make_engine_config
 
 VOCAB = 50
 _WEIGHTS = np.array([pow(31, i, 1_000_003) for i in range(512)], np.int64)
@@ -238,6 +239,38 @@ def test_speculation_keeps_outputs_and_takes_only_spare_room():
     assert any(plain == 32 for plain, _ in drafts_by_step)  # full steps happened, without drafts
     assert any(plain < 16 and drafts for plain, drafts in drafts_by_step)
     assert sum(drafts for _, drafts in drafts_by_step) == stats.num_draft_tokens
+
+
+def test_deterministic_cuts_a_prompt_at_the_same_places_in_any_batch():
+    """--deterministic: one token bucket, and a prompt's prefill chunks end at multiples of
+    max_num_batched_tokens - max_num_seqs + 1 (here 29) whatever else runs; outputs unchanged."""
+    def chunks_of_p(others: int) -> tuple[list[int], set]:
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32,
+                                          max_model_len=128, deterministic=True),
+                          CacheConfig(page_size=4, enable_prefix_caching=False), 96,
+                          clock=Clock())
+        run = Run(sched, {})
+        for i in range(others):  # decodes and other prompts sharing p's steps
+            run.add(Request(f"o{i}", prompt(10 + i, 5 + 9 * i)), max_tokens=6)
+        run.add(Request("p", prompt(1, 70)), max_tokens=3)
+        run.run()
+        for rid, r in run.requests.items():
+            assert r.output_token_ids == reference(r.prompt_token_ids, run.max_tokens[rid])
+        assert sched.shapes.token_buckets == (32,)
+        return [n for rows in run.steps for rid, n, decode in rows if rid == "p" and not decode]
+
+    alone = chunks_of_p(0)
+    assert alone == [29, 29, 12]
+    for others in (1, 3):
+        assert chunks_of_p(others) == alone
+    # Prefix caching defaults to off with it (a hit would move the chunks); on, or speculation,
+    # beside it is an error.
+    model = ModelConfig("m", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=128)
+    config = make_engine_config(model, {"deterministic": True})
+    assert config.scheduler.deterministic and not config.cache.enable_prefix_caching
+    for clash in ({"enable_prefix_caching": True}, {"speculative_ngram": 2}):
+        with pytest.raises(ConfigError, match="deterministic mode"):
+            make_engine_config(model, {"deterministic": True, **clash})
 
 
 def test_plan_shapes_come_from_the_buckets():

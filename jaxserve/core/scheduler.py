@@ -389,8 +389,19 @@ class Scheduler:
         remaining = request.num_tokens - request.num_computed_tokens
         if not self.config.enable_chunked_prefill:
             return remaining if remaining <= budget else 0
+        if self.config.deterministic:
+            n = self._fixed_chunk(request.num_computed_tokens, remaining)
+            return n if n <= budget else 0
         fit = self.cache.num_allocatable_tokens(request)
         return min(remaining, budget, fit if fit > 0 else self.page_size)
+
+    def _fixed_chunk(self, start: int, remaining: int) -> int:
+        """Deterministic mode's prefill chunk from prompt position `start`: up to the next
+        multiple of a fixed size, so a prompt is cut at the same places whatever else runs (the
+        attention path a chunk takes depends on its length). The size leaves room for every other
+        running sequence's decode, so the most important prefill always has its chunk."""
+        size = self.config.max_num_batched_tokens - self.config.max_num_seqs + 1
+        return min(remaining, size - start % size)
 
     def _make_room(self, request: Request, n: int, step: _Step) -> bool:
         """Get pages for n more tokens of a running request, preempting less important running
@@ -456,6 +467,9 @@ class Scheduler:
                     remaining = request.num_tokens - len(cached) * self.page_size
                     n = min(remaining, step.budget,
                             self.cache.num_allocatable_tokens(request, cached))
+                if self.config.deterministic and n > 0:  # its first chunk whole, or it waits
+                    chunk = self._fixed_chunk(len(cached) * self.page_size, remaining)
+                    n = chunk if n >= chunk else 0
                 if n <= 0 or (n < remaining and not self.config.enable_chunked_prefill):
                     break  # the queue waits for room in order; nobody overtakes for lack of pages
                 pages = self.cache.pages_for(len(cached) * self.page_size + n)

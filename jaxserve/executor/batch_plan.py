@@ -114,8 +114,11 @@ class StepShapes:
     @classmethod
     def of(cls, scheduler: SchedulerConfig, page_size: int, num_pages: int,
            num_speculative_tokens: int = 0) -> "StepShapes":
-        return cls(tuple(token_buckets(scheduler.max_num_batched_tokens,
-                                       scheduler.min_token_bucket)), scheduler.max_num_seqs,
+        # Deterministic: one bucket, so no step's numbers depend on how full it is.
+        smallest = (next_power_of_two(scheduler.max_num_batched_tokens)
+                    if scheduler.deterministic else scheduler.min_token_bucket)
+        return cls(tuple(token_buckets(scheduler.max_num_batched_tokens, smallest)),
+                   scheduler.max_num_seqs,
                    page_size, pages_for(scheduler.max_model_len, page_size), num_pages,
                    next_power_of_two(scheduler.max_model_len), num_speculative_tokens)
 
