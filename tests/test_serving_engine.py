@@ -33,7 +33,7 @@ def test_the_protocol_declares_what_the_front_ends_use():
     assert {"prepare", "admit", "generate", "abort", "abort_sequence", "check_fits", "stats",
             "replica_stats", "num_queued", "is_running", "is_stalled", "tokenizer",
             "max_model_len", "engine_thread_stack", "shutdown", "close", "load_seconds",
-            "compile_seconds"} == set(MEMBERS)
+            "compile_seconds", "sleep", "wake_up", "sleeping_tags"} == set(MEMBERS)
 
 
 @pytest.mark.parametrize("cls", [AsyncEngine, ReplicaSet])

@@ -41,6 +41,7 @@ import time
 import traceback
 import uuid
 from collections import deque
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import AsyncIterator, Callable, Sequence
 
 from jaxserve.core.engine import EngineStats, LLMEngine
@@ -113,6 +114,7 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._dead: BaseException | None = None
         self._stopping = False
+        self._sleeping = engine.sleeping_tags  # set when a sleep is asked, before it runs
         self._busy = False  # the loop has work (set and cleared by the engine thread)
         self._heartbeat = time.monotonic()  # last step completed, or woke with work
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
@@ -227,8 +229,12 @@ class AsyncEngine:
         request_id = prepared.request_id
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
-        stream = self._streams[request_id] = _Stream(asyncio.get_running_loop())
-        self._submit(lambda: self.engine.add_prepared(prepared), request_id, prepared.params.n)
+        with self._wake:  # under sleep()'s lock: queued before its command, or refused
+            if self._sleeping:
+                raise EngineOverloaded("the engine is asleep (POST /wake_up wakes it)")
+            stream = self._streams[request_id] = _Stream(asyncio.get_running_loop())
+            self._submit(lambda: self.engine.add_prepared(prepared), request_id,
+                         prepared.params.n)
         finished = False
         try:
             while True:
@@ -266,6 +272,51 @@ class AsyncEngine:
             self._inbox.append((command, request_id, sequences))
             self._unadded += sequences
             self._wake.notify()
+
+    # ---- sleep (LLMEngine.sleep / wake_up, run on the engine thread; call off the event loop) --
+
+    @property
+    def sleeping_tags(self) -> frozenset[str]:
+        return self._sleeping
+
+    def sleep(self, level: int) -> None:
+        """LLMEngine.sleep, blocking until done. New requests are refused (EngineOverloaded) from
+        this call on; one still running makes it a Conflict."""
+        with self._wake:  # every level frees the KV cache
+            self._sleeping = self._sleeping | {"kv_cache"}
+        try:
+            self._call(lambda: self.engine.sleep(level))
+        finally:
+            with self._wake:
+                self._sleeping = self.engine.sleeping_tags
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """LLMEngine.wake_up, blocking until done; requests are taken once nothing sleeps."""
+        try:
+            self._call(lambda: self.engine.wake_up(tags))
+        finally:
+            with self._wake:
+                self._sleeping = self.engine.sleeping_tags
+
+    def _call(self, fn: Callable[[], object]) -> None:
+        """Run fn on the engine thread between steps and wait for it (its error is raised here;
+        the engine goes on)."""
+        done: Future = Future()
+
+        def command():
+            try:
+                done.set_result(fn())
+            except Exception as e:  # noqa: BLE001 - the caller's error, not the engine's
+                done.set_exception(e)
+        if not self.is_running:
+            raise EngineDead(f"the engine is not running ({self._dead or 'shut down'})")
+        self._submit(command)
+        while True:
+            try:
+                return done.result(timeout=1.0)
+            except FutureTimeout:
+                if not self.is_running:  # it died or stopped before running the command
+                    raise EngineDead(f"the engine is not running ({self._dead or 'shut down'})")
 
     def shutdown(self, timeout: float = 30.0) -> bool:
         """Stop the loop; open streams end with EngineDead. False if the engine thread did not

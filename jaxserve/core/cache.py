@@ -320,6 +320,23 @@ class KVCacheManager:
         self._unpin(next(iter(self._pins)))
         return True
 
+    def forget_contents(self) -> None:
+        """The device pool was freed (a sleeping engine): release every pin and drop the prefix
+        index, so every page is free and no lookup finds a page whose contents are gone. Only
+        with no request holding a page."""
+        if self._holders:
+            raise ValueError(f"{len(self._holders)} requests still hold KV pages")
+        while self.release_oldest_pin():
+            pass
+        self._free.extend(self._cached_free)
+        self._cached_free.clear()
+        self._hash_to_page.clear()
+        self._page_hash.clear()
+        self._page_tokens.clear()
+        self._restored.clear()
+        if self.host_tier is not None:
+            self.host_tier.drop_unrun_copies()
+
     def _unpin(self, key: bytes) -> None:
         pin = self._pins.pop(key)
         self._num_pinned_pages -= len(pin.pages)

@@ -34,7 +34,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.errors import ContextLengthExceeded, InvalidRequest
+from jaxserve.errors import Conflict, ContextLengthExceeded, InvalidRequest
 from jaxserve.core.output_processing import OutputProcessor
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.preparation import PreparedRequest
@@ -46,6 +46,10 @@ from jaxserve.executor.batch_plan import pages_for
 from jaxserve.executor.sampling_rows import SamplingRow
 from jaxserve.structured.grammar import GrammarCompiler, GrammarMatcher
 from jaxserve.tokenizer import Tokenizer
+
+
+# What a sleeping engine has put away (vLLM's wake_up tags).
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,41 @@ class LLMEngine:
     def close(self) -> None:
         """Free the device memory (weights, KV cache, programs); the engine is unusable after."""
         self.runner.close()
+
+    # ---- sleep (POST /sleep, /wake_up) ---------------------------------------------------------
+
+    @property
+    def sleeping_tags(self) -> frozenset[str]:
+        """What sleeps: "kv_cache" (the pool is freed), "weights" (in host memory); empty: awake."""
+        return self.runner.sleeping_tags
+
+    def sleep(self, level: int) -> None:
+        """Level 1 frees the KV pool (its prefix cache is forgotten), level 2 also moves the
+        weights to host memory; the compiled programs stay. Only while no request is live
+        (Conflict otherwise), and not for a multi-host group (its followers hold the rest)."""
+        if level not in (1, 2):
+            raise InvalidRequest(f"level must be 1 or 2, got {level!r}", "level")
+        if self.runner.publish is not None:
+            raise Conflict("a multi-host engine cannot sleep")
+        if self.output_processor.groups:
+            raise Conflict(f"{len(self.output_processor.groups)} requests are still running; "
+                           f"a version sleeps once they end")
+        self.scheduler.cache.forget_contents()
+        self.runner.sleep_kv_cache()
+        if level == 2:
+            self.runner.sleep_weights()
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back what `tags` name ("weights", "kv_cache"; None: all); waking what is awake
+        does nothing."""
+        tags = set(SLEEP_TAGS if tags is None else tags)
+        if not tags <= set(SLEEP_TAGS):
+            raise InvalidRequest(f"tags are {', '.join(SLEEP_TAGS)}; got "
+                                 f"{', '.join(sorted(tags - set(SLEEP_TAGS)))}", "tags")
+        if "weights" in tags:
+            self.runner.wake_weights()
+        if "kv_cache" in tags:
+            self.runner.wake_kv_cache()
 
     # ---- requests in -------------------------------------------------------------------------
 

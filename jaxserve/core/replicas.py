@@ -166,6 +166,19 @@ class ReplicaSet:
         if replica is not None:
             await replica.abort_sequence(request_id, index)
 
+    @property
+    def sleeping_tags(self) -> frozenset[str]:
+        """What sleeps on any replica (a sleep that failed half-way leaves some asleep)."""
+        return frozenset().union(*(r.sleeping_tags for r in self.replicas))
+
+    def sleep(self, level: int) -> None:
+        for r in self.replicas:
+            r.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        for r in self.replicas:
+            r.wake_up(tags)
+
     def shutdown(self, timeout: float = 30.0) -> bool:
         """AsyncEngine.shutdown on every replica; False if any engine thread would not end."""
         return all([r.shutdown(timeout) for r in self.replicas])

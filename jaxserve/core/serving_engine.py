@@ -80,6 +80,19 @@ class ServingEngine(Protocol):
     def engine_thread_stack(self) -> str:
         """Where the engine thread(s) are now (for logs when one hangs)."""
 
+    # ---- sleep (POST /sleep, /wake_up; blocking: call off the event loop) ---------------------
+
+    @property
+    def sleeping_tags(self) -> frozenset[str]:
+        """What sleeps ("weights", "kv_cache"); empty: awake. Requests are refused while any."""
+
+    def sleep(self, level: int) -> None:
+        """Level 1 frees the KV cache, level 2 also moves the weights to host memory (LLMEngine
+        .sleep); refuses new requests from the call on; Conflict while a request runs."""
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back what `tags` name (None: all)."""
+
     # ---- the end -----------------------------------------------------------------------------
 
     def shutdown(self, timeout: float = 30.0) -> bool:

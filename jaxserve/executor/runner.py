@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.executor import sampler
+from jaxserve.executor import sampler, standby
 from jaxserve.executor.batch_plan import BatchPlan, StepShapes, pages_for
 from jaxserve.executor.expert_load import ExpertLoad
 from jaxserve.executor.kv_offload import HostKVPool, num_host_slots
@@ -224,7 +224,7 @@ class ModelRunner:
         score = functools.partial(_score, config=config)
         if mesh is None:
             self._replicated = None
-            self.kv_cache = jnp.zeros(shape, cache_dtype)
+            self._new_kv_cache = lambda: jnp.zeros(shape, cache_dtype)
             self._forward_jit = jax.jit(forward, donate_argnums=1)
             self._score_jit = jax.jit(score)
             self._sample_shardings = {}
@@ -233,8 +233,8 @@ class ModelRunner:
             # tensor-parallel sharding, in and out, so a step never moves them.
             self._replicated = sharding.replicated(mesh)
             kv_sharding = sharding.kv_cache_sharding(config, mesh, self.num_pages, self.page_size)
-            self.kv_cache = jax.jit(lambda: jnp.zeros(shape, cache_dtype),
-                                    out_shardings=kv_sharding)()
+            self._new_kv_cache = jax.jit(lambda: jnp.zeros(shape, cache_dtype),
+                                         out_shardings=kv_sharding)
             self._forward_jit = jax.jit(
                 forward, donate_argnums=1,
                 in_shardings=(decoder.param_shardings(config, mesh), kv_sharding,
@@ -246,6 +246,8 @@ class ModelRunner:
                                      self._replicated), out_shardings=self._replicated)
             self._sample_shardings = dict(in_shardings=self._replicated,
                                           out_shardings=self._replicated)
+        self.kv_cache = self._new_kv_cache()
+        self._param_shardings: list | None = None  # set while the weights sleep in host memory
         self.bitmask_width = sampler.bitmask_width(config.vocab_size)
         self._programs: dict[tuple, Callable] = {}
         self.program_compile_seconds: dict[tuple, float] = {}  # per program key, filled by warmup
@@ -364,6 +366,35 @@ class ModelRunner:
         for leaf in jax.tree.leaves((self.params, self.kv_cache)):
             leaf.delete()
         self._programs.clear()
+
+    # ---- sleep (POST /sleep, /wake_up): the compiled programs stay, so waking compiles nothing
+
+    @property
+    def sleeping_tags(self) -> frozenset[str]:
+        """What sleeps: "kv_cache" (the pool is freed), "weights" (they are in host memory)."""
+        return frozenset(tag for tag, asleep in (("kv_cache", self.kv_cache is None),
+                                                 ("weights", self._param_shardings is not None))
+                         if asleep)
+
+    def sleep_kv_cache(self) -> None:
+        """Free the KV pool; its contents are gone (the caller forgets its prefix cache)."""
+        if self.kv_cache is not None:
+            self.kv_cache.delete()
+            self.kv_cache, self._hidden = None, None
+
+    def wake_kv_cache(self) -> None:
+        if self.kv_cache is None:
+            self.kv_cache = self._new_kv_cache()
+
+    def sleep_weights(self) -> None:
+        """Move the weights to host memory (jaxserve.executor.standby)."""
+        if self._param_shardings is None:
+            self.params, self._param_shardings = standby.to_host(self.params)
+
+    def wake_weights(self) -> None:
+        if self._param_shardings is not None:
+            self.params = standby.to_device(self.params, self._param_shardings)
+            self._param_shardings = None
 
     # ---- one step ----------------------------------------------------------------------------
 

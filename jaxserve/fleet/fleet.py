@@ -16,6 +16,9 @@
   breaching its ratio gets weight 0 at once, logged and counted.
 - **Circuit breakers** (a route's `breaker`, fleet/breaker.py): a version whose faults pass the
   threshold, or whose engine stalls, gets none of the route's traffic until a probe answers.
+- **Sleep** (`sleep`, `wake_up`): a version no route sends traffic to frees its KV cache (and
+  moves its weights to host memory) once its requests end, keeping its compiled programs: a warm
+  standby that `wake_up` makes ready again without loading or compiling anything.
 
 Thread-safe: the admin API, request handlers and the loading and draining threads all call in.
 """
@@ -30,7 +33,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from jaxserve.core.serving_engine import ServingEngine
 from jaxserve.errors import (AlreadyExists, ConfigError, Conflict, EngineOverloaded,
@@ -146,9 +149,7 @@ class Fleet:
             if spec.name in self._routes:
                 raise InvalidRequest(f"{spec.name!r} is a route's name; a version needs its own",
                                      param="name")
-            reserved = sum(v.memory.total_bytes for v in self._versions.values()
-                           if v.state is VersionState.LOADING)
-            check_fits(spec.name, prepared.memory, self._loader.free_bytes(), reserved,
+            check_fits(spec.name, prepared.memory, self._loader.free_bytes(), self._reserved(),
                        self._headroom)
             version = self._versions[spec.name] = Version(spec, prepared.memory, prepared.pricing)
             for key in [k for k in self._counters if k[1] == spec.name]:
@@ -156,6 +157,11 @@ class Fleet:
         self._loading.submit(self._load, version, prepared)
         log.info("version %s: loading %s", spec.name, spec.model)
         return version
+
+    def _reserved(self) -> int:
+        """Memory promised to versions still loading (planned, not yet allocated)."""
+        return sum(v.memory.total_bytes for v in self._versions.values()
+                   if v.state is VersionState.LOADING)
 
     def _load(self, version: Version, prepared: Prepared) -> None:
         try:
@@ -192,9 +198,9 @@ class Fleet:
         while a route gives it weight or shadow traffic, or while it loads."""
         with self._lock:
             version = self._version(name)
-            if version.state is VersionState.LOADING:
-                raise Conflict(f"version {name!r} is loading; unload it once it is ready",
-                               param="name")
+            if version.state is VersionState.LOADING or version.changing:
+                raise Conflict(f"version {name!r} is loading, falling asleep or waking; unload "
+                               f"it once it is ready", param="name")
             if version.state in (VersionState.DRAINING, VersionState.UNLOADED):
                 return version
             users = sorted(r.name for r in self._routes.values() if r.names(name))
@@ -227,6 +233,72 @@ class Fleet:
             version.state = VersionState.UNLOADED
             self._changed.notify_all()
         log.info("version %s: unloaded", version.name)
+
+    # ---- sleep (POST /sleep, /wake_up): a warm standby -----------------------------------------
+
+    def sleep(self, name: str, level: int, timeout: float = 30.0) -> Version:
+        """Put a version to sleep (vLLM's POST /sleep): level 1 frees its KV cache, level 2 also
+        moves its weights to host memory; its compiled programs stay, so waking compiles
+        nothing. From this call on its new requests get 503; those in flight finish first (past
+        `timeout` seconds the version is as it was and the call a Conflict). Refused while a
+        route gives it traffic. Blocks: call off the event loop."""
+        if level not in (1, 2):
+            raise InvalidRequest(f"level must be 1 or 2, got {level!r}", param="level")
+        with self._changed:
+            version = self._changing(name, "sleep")
+            users = sorted(r.name for r in self._routes.values() if r.names(name))
+            if users:
+                raise Conflict(f"version {name!r} still gets traffic from route(s) "
+                               f"{', '.join(users)}; set its weight and shadow there to 0 first",
+                               param="name")
+            before, version.state, version.changing = version.state, VersionState.SLEEPING, True
+            deadline = time.monotonic() + timeout
+            while version.in_flight and (left := deadline - time.monotonic()) > 0:
+                self._changed.wait(left)
+            if version.in_flight:
+                version.state, version.changing = before, False
+                self._changed.notify_all()
+                raise Conflict(f"version {name!r} still has {version.in_flight} requests in "
+                               f"flight after {timeout:g} s", param="timeout")
+        self._settle(version, lambda: version.engine.sleep(level))
+        log.info("version %s: asleep (level %d: %s)", name, level, ", ".join(version.sleeping))
+        return version
+
+    def wake_up(self, name: str, tags: Sequence[str] | None = None) -> Version:
+        """Bring back what `tags` name ("weights", "kv_cache"; None: all) once the memory for
+        it is free; the version is ready again once nothing sleeps. Blocks."""
+        with self._changed:
+            version = self._changing(name, "wake")
+            if version.state is VersionState.READY:
+                return version
+            asleep = set(version.sleeping) & set(tags if tags is not None else version.sleeping)
+            needed = MemoryPlan(version.memory.weights_bytes if "weights" in asleep else 0,
+                                version.memory.kv_cache_bytes if "kv_cache" in asleep else 0, 0)
+            check_fits(name, needed, self._loader.free_bytes(), self._reserved(), self._headroom)
+            version.changing = True
+        self._settle(version, lambda: version.engine.wake_up(tags))
+        log.info("version %s: %s", name, version.state.value)
+        return version
+
+    def _changing(self, name: str, what: str) -> Version:
+        version = self._version(name)
+        if version.changing:
+            raise Conflict(f"version {name!r}: a sleep or wake is under way", param="name")
+        if version.state not in (VersionState.READY, VersionState.SLEEPING):
+            raise Conflict(f"version {name!r} is {version.state.value}; only a ready or "
+                           f"sleeping version can {what}", param="name")
+        return version
+
+    def _settle(self, version: Version, change: Callable[[], None]) -> None:
+        """Run a sleep or wake on the engine, then set the state from what sleeps there."""
+        try:
+            change()
+        finally:
+            with self._lock:
+                version.sleeping = tuple(sorted(version.engine.sleeping_tags))
+                version.state = VersionState.SLEEPING if version.sleeping else VersionState.READY
+                version.changing = False
+                self._changed.notify_all()
 
     def _version(self, name: str) -> Version:
         version = self._versions.get(name)
@@ -351,6 +423,9 @@ class Fleet:
             raise EngineOverloaded(f"version {name!r} is still loading")
         if version.state is VersionState.DRAINING:
             raise ModelNotFound(f"version {name!r} is being unloaded")
+        if version.state is VersionState.SLEEPING:
+            raise EngineOverloaded(f"version {name!r} is asleep; an operator wakes it "
+                                   f"(POST /wake_up)")
         return version
 
     def _lease(self, route: str | None, version: Version, shadow: bool) -> Lease:
@@ -421,11 +496,13 @@ class Fleet:
 
     def health(self) -> str:
         """"ready" while any serving version can answer (others may be loading or draining),
-        else "engine stopped" (every engine loop died: a balancer should move on) or "engine
-        stalled" (no step for the stall timeout while work waits). /ready and gRPC health."""
+        else "asleep" (every version that could answer sleeps: POST /wake_up), "engine stopped"
+        (every engine loop died: a balancer should move on) or "engine stalled" (no step for the
+        stall timeout while work waits). /ready and gRPC health."""
         running = [e for e in self.engines().values() if e.is_running]
         if not running:
-            return "engine stopped"
+            return "asleep" if any(v.state is VersionState.SLEEPING
+                                   for v in self._versions.values()) else "engine stopped"
         return "engine stalled" if all(e.is_stalled for e in running) else "ready"
 
     def counters(self) -> dict[tuple[str, str], Counters]:

@@ -1,6 +1,6 @@
-"""A version's life (loading -> ready -> draining -> unloaded, or failed), its counters, and the
-lease a request holds on it while it runs, so that draining knows when the last one finished.
-Host-side: no JAX (the engine is whatever the loader made)."""
+"""A version's life (loading -> ready <-> sleeping; ready -> draining -> unloaded, or failed), its
+counters, and the lease a request holds on it while it runs, so that draining knows when the last
+one finished. Host-side: no JAX (the engine is whatever the loader made)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 class VersionState(str, enum.Enum):
     LOADING = "loading"  # admitted, memory promised; weights loading and programs compiling
     READY = "ready"  # takes traffic
+    SLEEPING = "sleeping"  # takes none; KV cache freed (and weights in host memory): POST /sleep
     DRAINING = "draining"  # takes no new requests; unloads when the last in-flight one ends
     UNLOADED = "unloaded"  # memory freed
     FAILED = "failed"  # loading raised; `error` says why
@@ -63,6 +64,8 @@ class Version:
     load_seconds: float | None = None
     compile_seconds: float | None = None
     in_flight: int = 0
+    sleeping: tuple[str, ...] = ()  # what sleeps ("kv_cache", "weights"), while SLEEPING
+    changing: bool = False  # a sleep or wake is under way
 
     @property
     def name(self) -> str:
@@ -80,7 +83,8 @@ class Version:
     def to_dict(self) -> dict:
         return {"name": self.name, "model": self.spec.model, "state": self.state.value,
                 "system_fingerprint": self.fingerprint, "error": self.error,
-                "in_flight": self.in_flight, "memory": self.memory.to_dict(),
+                "in_flight": self.in_flight, "sleeping": list(self.sleeping),
+                "memory": self.memory.to_dict(),
                 "load_seconds": self.load_seconds, "compile_seconds": self.compile_seconds,
                 "settings": self.spec.to_dict(),
                 "pricing": dataclasses.asdict(self.pricing) if self.pricing is not None else None,

@@ -15,6 +15,12 @@ error bodies):
                                                "breaker"?}
     POST   /admin/v1/routes/{route}/rollback  the previous settings
     GET    /admin/v1/audit/head               the audit log's head: {"seq", "hash", "keyed"}
+    POST   /sleep?level=1|2&model=V&timeout=S  vLLM's: free V's KV cache (2: and move its weights
+                                              to host memory) once its requests end
+    POST   /wake_up?model=V&tags=T            bring back what tags name (weights, kv_cache; all)
+    GET    /is_sleeping?model=V               {"is_sleeping", "model", "state", "sleeping"}
+
+`model` names a version; it may be left out when the fleet has one.
 
 Every route needs `Authorization: Bearer KEY` (compared in constant time): 401 otherwise, and a
 client whose keys failed too often is refused (429) before its key is checked (the server's
@@ -237,6 +243,86 @@ async def rollback_route(request: web.Request) -> web.Response:
     return web.json_response(fleet.route_info(route.name))
 
 
+# POST /sleep waits at most this long for the version's requests in flight (the `timeout` query
+# parameter, default SLEEP_TIMEOUT_S).
+SLEEP_TIMEOUT_S, MAX_SLEEP_TIMEOUT_S = 30.0, 600.0
+
+
+def _query(request: web.Request, allowed: tuple[str, ...]) -> dict[str, list[str]]:
+    """The query parameters, each a list of its values; one not in `allowed` is a 400."""
+    params: dict[str, list[str]] = {}
+    for key, value in request.query.items():
+        if key not in allowed:
+            raise InvalidRequest(f"unknown query parameter {key!r} (this route takes "
+                                 f"{', '.join(allowed)})", param=key)
+        params.setdefault(key, []).append(value)
+    return params
+
+
+def _one(params: dict[str, list[str]], key: str) -> str | None:
+    values = params.get(key)
+    if values is not None and len(values) > 1:
+        raise InvalidRequest(f"give {key!r} once", param=key)
+    return values[0] if values else None
+
+
+def _sleep_target(fleet: Fleet, params: dict[str, list[str]]) -> str:
+    """The version `model` names, or the fleet's only live one."""
+    name = _one(params, "model")
+    if name is not None:
+        return name
+    live = [v["name"] for v in fleet.versions_info() if v["state"] in ("ready", "sleeping")]
+    if len(live) != 1:
+        raise InvalidRequest(f"name the version with ?model= (this server has {len(live)})",
+                             param="model")
+    return live[0]
+
+
+def _sleep_state(fleet: Fleet, name: str) -> dict:
+    info = fleet.version_info(name)
+    return {"model": name, "is_sleeping": info["state"] == "sleeping", "state": info["state"],
+            "sleeping": info["sleeping"]}
+
+
+@admin_only
+async def sleep(request: web.Request) -> web.Response:
+    fleet = _fleet(request)
+    params = _query(request, ("level", "model", "timeout"))
+    level = _one(params, "level") or "1"
+    if level not in ("1", "2"):
+        raise InvalidRequest(f"level is 1 (free the KV cache) or 2 (also move the weights to "
+                             f"host memory), got {level[:16]!r}", param="level")
+    try:
+        timeout = float(_one(params, "timeout") or SLEEP_TIMEOUT_S)
+    except ValueError:
+        timeout = -1.0
+    if not 0 <= timeout <= MAX_SLEEP_TIMEOUT_S:  # NaN fails too
+        raise InvalidRequest(f"timeout is seconds in [0, {MAX_SLEEP_TIMEOUT_S:g}]",
+                             param="timeout")
+    name = _sleep_target(fleet, params)
+    await _in_executor(fleet.sleep, name, int(level), timeout)
+    return web.json_response(_sleep_state(fleet, name))
+
+
+@admin_only
+async def wake_up(request: web.Request) -> web.Response:
+    fleet = _fleet(request)
+    params = _query(request, ("model", "tags"))
+    tags = params.get("tags")
+    if tags is not None and not set(tags) <= {"weights", "kv_cache"}:
+        raise InvalidRequest("tags are weights and kv_cache", param="tags")
+    name = _sleep_target(fleet, params)
+    await _in_executor(fleet.wake_up, name, tags)
+    return web.json_response(_sleep_state(fleet, name))
+
+
+@admin_only
+async def is_sleeping(request: web.Request) -> web.Response:
+    fleet = _fleet(request)
+    return web.json_response(_sleep_state(fleet, _sleep_target(fleet, _query(request,
+                                                                             ("model",)))))
+
+
 @admin_only
 async def audit_head(request: web.Request) -> web.Response:
     audit = _audit(request)
@@ -287,6 +373,12 @@ def add_admin_routes(app: web.Application, fleet: Fleet | None, admin_key: str,
         Route("GET", "/admin/v1/audit/head", audit_head,
               "The audit log's head (seq, hash), for `jaxserve audit verify --head`",
               errors=(401, 404, 429), tags=tags),
+        Route("POST", "/sleep", sleep, "Put a version to sleep (vLLM's sleep mode)",
+              errors=errors, tags=tags),
+        Route("POST", "/wake_up", wake_up, "Wake a sleeping version", errors=errors,
+              tags=tags),
+        Route("GET", "/is_sleeping", is_sleeping, "Whether a version sleeps", errors=errors,
+              tags=tags),
     ])
     app.on_startup.append(_check_guarded)
 

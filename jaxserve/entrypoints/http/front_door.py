@@ -138,8 +138,10 @@ async def _front_door(request: web.Request, handler):
     """Every route but the open ones needs the caller's key (401 `invalid_api_key`); each such
     request is one call, ended once (counted per tenant by outcome, audited): by the serving
     layer or its Generation, else here. The open routes and the admin API (its own key) are
-    neither: a 404 or 405 there is nobody's."""
-    if request.path in _OPEN_PATHS or request.path.startswith("/admin/"):
+    neither: a 404 or 405 there is nobody's. (vLLM's /sleep, /wake_up and /is_sleeping are admin
+    routes outside /admin/: their handlers say so.)"""
+    if request.path in _OPEN_PATHS or request.path.startswith("/admin/") or getattr(
+            request.match_info.handler, "admin_only", False):
         return await handler(request)
     state: AppState = request.app[STATE_KEY]
     call = request[_CALL] = Call(state.sinks)
