@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.errors import InvalidRequest
+from jaxserve.errors import ConfigError, InvalidRequest
 from jaxserve.evals.regression import compare, confidence_interval, mcnemar_exact
+from jaxserve.evals.runner import version_id
 from jaxserve.evals.store import ResultsStore, Run, Sample, open_store
 from jaxserve.evals.suite import RegressionConfig, load_suite
 
@@ -186,6 +187,18 @@ model = "m"
      "versions[1].api"),
     ("[[versions]]\nname = \"../x\"\nurl = \"http://h/v1\"\nmodel = \"m\"\n",
      "versions[1].name"),
+    ("[[versions]]\nname = \"v2\"\nurl = \"http://h/v1\"\npath = \"m.gguf\"\n",
+     "versions[1]: give exactly one of url"),
+    ("[[versions]]\nname = \"v2\"\n", "versions[1]: give exactly one of url"),
+    ("[[versions]]\nname = \"v2\"\nurl = \"http://h/v1\"\n", "versions[1].model: required"),
+    ("[[versions]]\nname = \"v2\"\npath = \"m.gguf\"\nmodel = \"m\"\n",
+     "versions[1].model: only with url"),
+    ("[[versions]]\nname = \"v2\"\npath = \"m.gguf\"\nengine = {max_len = 1}\n",
+     "versions[1].engine: unknown setting(s) max_len"),
+    ("[[versions]]\nname = \"v2\"\ndeployment = \"d.toml\"\nengine = {}\n",
+     "versions[1].engine: only with path"),
+    ("[[versions]]\nname = \"v2\"\ndeployment = \"missing.toml\"\n",
+     "versions[1].deployment: no file"),
 ])
 def test_suite_errors_name_the_field(tmp_path, change, message):
     text = GOOD.replace('name = "s"\n', 'name = "s"\n' + change) if change.startswith(
@@ -199,7 +212,34 @@ def test_suite_defaults(tmp_path):
     suite = load_suite(_suite(tmp_path, GOOD))
     assert suite.regression.min_drop_points == 1.0 and suite.regression.alpha == 0.05
     assert suite.store == "evals.sqlite" and suite.seed == 1234 and suite.limit is None
-    assert suite.versions[0].version_id == "m@http://127.0.0.1:8000/v1"
+    assert version_id(suite.versions[0], None) == "m@http://127.0.0.1:8000/v1"
+
+
+def test_in_process_versions_parse(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"")
+    (tmp_path / "deploy.toml").write_text("")
+    suite = load_suite(_suite(tmp_path, GOOD + """
+[[versions]]
+name = "local"
+path = "m.gguf"
+engine = {max_model_len = 512, deterministic = true}
+[[versions]]
+name = "registered"
+path = "smollm2-135m-instruct"
+[[versions]]
+name = "smol-v2"
+deployment = "deploy.toml"
+"""))
+    url, local, registered, fleet = suite.versions
+    assert not url.in_process and local.in_process and fleet.in_process
+    assert (local.path, local.model) == (str(tmp_path / "m.gguf"), "local")
+    assert local.engine == (("deterministic", True), ("max_model_len", 512))
+    assert registered.path == "smollm2-135m-instruct"  # no such file: a registered name
+    assert fleet.deployment == tmp_path / "deploy.toml" and fleet.model == "smol-v2"
+    assert local.settings()["engine"] == {"deterministic": True, "max_model_len": 512}
+    assert "url" not in url.settings()  # the run keys of stored url versions do not change
+    with pytest.raises(ConfigError, match="no url, and this runner serves no version"):
+        version_id(local, None)
 
 
 def test_example_suite_parses():

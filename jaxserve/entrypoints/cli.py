@@ -289,8 +289,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_policy_command(sub)
     add_slo_command(sub)
     add_kernels_command(sub)
-    add_eval_command(sub)
+    add_eval_command(sub, _eval_in_process)
     return p
+
+
+def _eval_in_process():
+    """`jaxserve eval run`'s in-process versions (the fleet and its engines: imported on use)."""
+    from jaxserve.entrypoints.eval_versions import InProcessVersions
+
+    return InProcessVersions(progress=True)
 
 
 def main(argv: list[str] | None = None) -> int:

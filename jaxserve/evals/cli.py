@@ -35,8 +35,10 @@ def cmd_run(args) -> int:
     _require_lm_eval()
     suite = load_suite(args.suite)
     config = suite.regression
+    in_process = (args.in_process() if args.in_process is not None
+                  and any(v.in_process for v in suite.versions) else None)
     with _store(args, suite) as store:
-        result = run_suite(suite, store)
+        result = run_suite(suite, store, in_process)
         report = result.to_dict(store)
     if config.report_file:
         write_report(report, config.report_file)
@@ -58,7 +60,9 @@ def cmd_report(args) -> int:
     return 0
 
 
-def add_eval_command(sub) -> None:
+def add_eval_command(sub, in_process=None) -> None:
+    """`in_process()`: what serves the suite versions that name no URL (an evals.runner.InProcess;
+    the entrypoints' InProcessVersions)."""
     e = sub.add_parser("eval", help="run eval suites (lm-evaluation-harness) against model "
                                     "versions, store results, alert on regressions")
     esub = e.add_subparsers(dest="eval_command", required=True)
@@ -68,7 +72,7 @@ def add_eval_command(sub) -> None:
                                     "each version with the one before it; exit 2 on a regression")
     r.add_argument("suite", type=Path, help="the suite file (TOML)")
     r.add_argument("--store", default=None, help=store_help)
-    r.set_defaults(func=cmd_run)
+    r.set_defaults(func=cmd_run, in_process=in_process)
     p = esub.add_parser("report", help="write a static HTML dashboard of SUITE's stored runs")
     p.add_argument("suite", type=Path, help="the suite file (TOML)")
     p.add_argument("--store", default=None, help=store_help)

@@ -14,8 +14,15 @@ compared with the one before it), where results go and when a drop is an alert.
 
     [[versions]]
     name = "v1"
-    url = "http://127.0.0.1:8000/v1"
+    url = "http://127.0.0.1:8000/v1"   # a running server ...
     model = "smollm2-135m-instruct"
+    [[versions]]
+    name = "v2"
+    path = "models/v2.gguf"            # ... a model path (or registered name), run in-process
+    engine = { max_model_len = 2048 }  #     with these engine settings
+    [[versions]]
+    name = "smol-v3"
+    deployment = "deploy.toml"         # ... or that deployment file's version of this name
 
     [regression]
     min_drop_points = 1.0
@@ -31,8 +38,10 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
+from jaxserve.engine_settings import BY_NAME
 from jaxserve.errors import InvalidRequest
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@/-]{0,127}$")
@@ -50,9 +59,12 @@ class TaskSpec:
 
 @dataclass(frozen=True)
 class VersionSpec:
+    """Where a version answers: a running server (`url`), or, started in-process for the run,
+    a model (`path`, with `engine` settings) or a deployment file's version of this name."""
+
     name: str
-    url: str  # the server's OpenAI base URL (…/v1)
-    model: str  # the `model` field sent
+    url: str | None  # a running server's OpenAI base URL (…/v1); None: served in-process
+    model: str  # the `model` field sent (an in-process version: its name)
     api: str = "completions"
     manifest_id: str | None = None
     system_instruction: str | None = None
@@ -60,14 +72,22 @@ class VersionSpec:
     num_concurrent: int = 4
     batch_size: int = 1  # prompts per request (lm-eval sends a list as `prompt`)
     max_gen_toks: int = 256
+    path: str | None = None  # a model path or registered name
+    engine: tuple[tuple[str, Any], ...] = ()  # a `path` version's engine settings, sorted
+    deployment: Path | None = None  # a deployment file holding [version.NAME]
 
     @property
-    def version_id(self) -> str:
-        return self.manifest_id or f"{self.model}@{self.url}"
+    def in_process(self) -> bool:
+        return self.url is None
 
     def settings(self) -> dict:
+        """What decides its results besides its id (a server's URL is in its default id; an
+        in-process version's id is its manifest, which the engine settings do not all enter)."""
+        source = ({} if self.url is not None else
+                  {"path": self.path, "engine": dict(self.engine)} if self.path is not None else
+                  {"deployment": str(self.deployment)})
         return {"api": self.api, "system_instruction": self.system_instruction,
-                "max_gen_toks": self.max_gen_toks, "batch_size": self.batch_size}
+                "max_gen_toks": self.max_gen_toks, "batch_size": self.batch_size, **source}
 
 
 @dataclass(frozen=True)
@@ -144,20 +164,61 @@ def _local_task_name(path: Path, where: str) -> str:
     return _name(match.group(1), f"{where}.path task")
 
 
-def _version(table: dict, i: int) -> VersionSpec:
+_SOURCES = ("url", "path", "deployment")
+
+
+def _source(table: dict, base: Path, where: str) -> dict:
+    """The version's one source: url (with the model it serves), or path (with engine settings,
+    checked by name here and by value when the engine is built), or deployment."""
+    given = [key for key in _SOURCES if key in table]
+    if len(given) != 1:
+        raise InvalidRequest(f"{where}: give exactly one of url (a running server), path (a "
+                             "model, run in-process) or deployment (a deployment file's "
+                             "version of this name, run in-process)")
+    if "engine" in table and "path" not in table:
+        raise InvalidRequest(f"{where}.engine: only with path (a deployment's version has its "
+                             "own settings; a server has its own)")
+    if "url" in table:
+        if "model" not in table:
+            raise InvalidRequest(f"{where}.model: required with url")
+        url = _typed(table, "url", str, where).rstrip("/")
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise InvalidRequest(f"{where}.url: want an http(s) base URL such as "
+                                 f"http://host:8000/v1, got {url!r}")
+        return {"url": url, "model": _name(table["model"], f"{where}.model")}
+    if "model" in table:
+        raise InvalidRequest(f"{where}.model: only with url (an in-process version is "
+                             "addressed by its name)")
+    name = _name(table.get("name"), f"{where}.name")
+    if "deployment" in table:
+        path = (base / _typed(table, "deployment", str, where)).resolve()
+        if not path.is_file():
+            raise InvalidRequest(f"{where}.deployment: no file {path}")
+        return {"url": None, "model": name, "deployment": path}
+    model = _typed(table, "path", str, where)
+    if not model or len(model) > 4096:
+        raise InvalidRequest(f"{where}.path: want a model path or a registered model name")
+    # A relative path is the suite's; a registered name (no such file) stays as written.
+    local = base / model
+    engine = _typed(table, "engine", dict, where, {})
+    unknown = sorted(set(engine) - set(BY_NAME))
+    if unknown:
+        raise InvalidRequest(f"{where}.engine: unknown setting(s) {', '.join(unknown)}")
+    return {"url": None, "model": name, "path": str(local.resolve()) if local.exists() else model,
+            "engine": tuple(sorted(engine.items()))}
+
+
+def _version(table: dict, base: Path, i: int) -> VersionSpec:
     where = f"versions[{i}]"
     if not isinstance(table, dict):
         raise InvalidRequest(f"{where}: want a table")
-    _check_keys(table, {"name", "url", "model", "api", "manifest_id", "system_instruction",
-                        "api_key_env", "num_concurrent", "batch_size", "max_gen_toks"}, where)
-    for key in ("name", "url", "model"):
-        if key not in table:
-            raise InvalidRequest(f"{where}.{key}: required")
-    url = _typed(table, "url", str, where).rstrip("/")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise InvalidRequest(f"{where}.url: want an http(s) base URL such as "
-                             f"http://host:8000/v1, got {url!r}")
+    _check_keys(table, {"name", "model", "api", "manifest_id", "system_instruction",
+                        "api_key_env", "num_concurrent", "batch_size", "max_gen_toks", "engine",
+                        *_SOURCES}, where)
+    if "name" not in table:
+        raise InvalidRequest(f"{where}.name: required")
+    source = _source(table, base, where)
     api = _typed(table, "api", str, where, "completions")
     if api not in APIS:
         raise InvalidRequest(f"{where}.api: want one of {', '.join(APIS)}, got {api!r}")
@@ -172,12 +233,11 @@ def _version(table: dict, i: int) -> VersionSpec:
         raise InvalidRequest(f"{where}.max_gen_toks: want 1..32768, got {gen}")
     manifest = _typed(table, "manifest_id", str, where)
     return VersionSpec(
-        name=_name(table["name"], f"{where}.name"), url=url,
-        model=_name(table["model"], f"{where}.model"), api=api,
+        name=_name(table["name"], f"{where}.name"), api=api,
         manifest_id=manifest and _name(manifest, f"{where}.manifest_id"),
         system_instruction=_typed(table, "system_instruction", str, where),
         api_key_env=_typed(table, "api_key_env", str, where), num_concurrent=concurrent,
-        batch_size=batch, max_gen_toks=gen)
+        batch_size=batch, max_gen_toks=gen, **source)
 
 
 def _regression(table: dict, base: Path) -> RegressionConfig:
@@ -220,7 +280,7 @@ def load_suite(path: str | Path) -> Suite:
     if not isinstance(versions, list) or not versions or len(versions) > 64:
         raise InvalidRequest("suite.versions: want 1..64 [[versions]] tables")
     task_specs = tuple(_task(t, base, i) for i, t in enumerate(tasks))
-    version_specs = tuple(_version(v, i) for i, v in enumerate(versions))
+    version_specs = tuple(_version(v, base, i) for i, v in enumerate(versions))
     for what, names in (("tasks", [t.name for t in task_specs]),
                         ("versions", [v.name for v in version_specs])):
         if len(set(names)) != len(names):
