@@ -382,6 +382,9 @@ class ServerConfig:
     data_dir: str | None = None
     response_ttl_s: float = 7 * 24 * 3600.0  # --response-ttl: how long a stored response lives
     code_interpreter: bool = False  # --code-interpreter: run model-written code (a sandbox)
+    # --mcp-allowed-hosts: the hosts (HOST or HOST:PORT) of remote MCP servers a request's `mcp`
+    # tool may name; empty: the tool is not offered (agents/mcp_tools.py).
+    mcp_allowed_hosts: tuple[str, ...] = ()
     policy_file: str | None = None  # --policy: content policy packs (TOML)
     audit_log_dir: str | None = None  # --audit-log: hash-chained JSONL, one record per request
     audit_key_file: str | None = None  # --audit-key-file: HMAC-keyed chain

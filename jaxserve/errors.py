@@ -99,7 +99,12 @@ class Unauthenticated(JaxServeError):
 
 class Forbidden(JaxServeError):
     """The request may not be made from where it comes: an open server's foreign Host or
-    browser Origin, or /metrics to a client it is not open to (HTTP 403 `forbidden`)."""
+    browser Origin, or /metrics to a client it is not open to; or by whom it comes: a tool the
+    tenant may not use, naming the field (HTTP 403 `forbidden`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class UnsupportedMediaType(JaxServeError):

@@ -90,6 +90,9 @@ def test_tenants_file_every_field(tmp_path):
     ('[tenant.a]\napi_keys = ["k"]\npriority = "urgent"', "tenant.a.priority: must be one of"),
     ('[tenant.a]\napi_keys = ["k"]\nkv_page_fraction = 1.5', "kv_page_fraction: must be > 0 and"),
     ('[tenant.a]\napi_keys = ["k"]\naudit_content = 1', "audit_content: must be true or false"),
+    ('[tenant.a]\napi_keys = ["k"]\ntools = ["web_search"]', "tenant.a.tools: unknown tool "
+                                                          "type(s) ['web_search']"),
+    ('[tenant.a]\napi_keys = ["k"]\ntools = "mcp"', "tenant.a.tools: must be a list"),
     ('[tenant.a]\napi_keys = ["k"]\n[tenant.b]\napi_keys = ["k"]', "tenant.b: an API key is also "
                                                                    "a key of tenant 'a'"),
     ('[tenant.a]\napi_keys = ["k"]\n[tenant.b]\napi_key_sha256 = ["'

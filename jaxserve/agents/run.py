@@ -13,6 +13,13 @@ a model turn started but not completed is run again; a tool call started but not
 issued again with the same step id (its idempotency key: ToolContext.step_id). So no completed
 tool call runs twice.
 
+A server tool is offered to the model as functions (`functions`: name -> the tool and its entry
+of the request's `tools`): a plain tool as one function named by its kind; a tool that lists what
+it offers (`listing_type`: remote MCP servers) as the functions of its listing, a step of its own
+before the first turn (a listing already in the conversation is used again). A function whose
+tool `needs_approval` is not called: the run ends with the tool's approval request item, and the
+call is made by a following run whose input approves it (the tool's `approved`).
+
 The model turn itself is the caller's (`TurnRunner`: the serving layer's request path, which
 this layer sits below); so are the events a streamed run sends (`RunEvents`).
 """
@@ -27,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
 from jaxserve.agents.store import ResponseStore, Step
-from jaxserve.agents.tools import ServerTool, ToolContext, ToolError
+from jaxserve.agents.tools import APPROVAL_ITEM, ServerTool, ToolContext, ToolError
 from jaxserve.audit import StepRecord
 
 DEFAULT_MAX_TOOL_CALLS = 16  # server tool calls of one run when the request names no bound
@@ -66,6 +73,9 @@ class RunEvents(Protocol):
 
     async def tool_done(self, item: dict) -> None: ...
 
+    async def added(self, item: dict) -> None:
+        """An item complete as it is made (an approval request)."""
+
     def recorded(self, items: list[dict]) -> None: ...
 
 
@@ -85,7 +95,8 @@ class Run:
                  deadline_at: float | None = None,
                  audit: Callable[[StepRecord], None] | None = None):
         """`store` None: a run nobody stores (store false), its step log in memory only;
-        `tools`: the request's server tools by kind, each with its entry of `tools`."""
+        `tools`: the request's server tools by a key of their own (the kind; an MCP server's
+        label), each with its entry of `tools`."""
         self.response_id = response_id
         self.tenant = tenant
         self.store = store
@@ -98,6 +109,10 @@ class Run:
         self.audit = audit
         self._steps: list[Step] = store.steps(response_id) if store is not None else []
         self._position = 0
+        # The functions offered to the model: name -> (tool, its entry of `tools`).
+        self.functions: dict[str, tuple[ServerTool, dict]] = {
+            tool.kind: (tool, config) for tool, config in tools.values()
+            if getattr(tool, "listing_type", None) is None}
 
     def step_id(self, position: int) -> str:
         return f"{self.response_id}.step{position:03d}"
@@ -106,6 +121,12 @@ class Run:
         result = RunResult()
         tool_texts: dict[str, str] = {}
         calls = 0
+        for tool, config in self.tools.values():
+            if getattr(tool, "listing_type", None) is not None:
+                await self._offer(tool, config, conversation, result)
+        for tool, config in self.tools.values():
+            if getattr(tool, "listing_type", None) is not None:
+                result.output += tool.approved(conversation, config, self.functions)
         while True:
             pending = [i for i, item in enumerate(result.output)
                        if item.get("status") == "in_progress" and self._tool_of(item)]
@@ -125,14 +146,42 @@ class Run:
             result.usage["prompt_tokens_details"]["cached_tokens"] += (
                 turn.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             result.output.extend(turn.items)
-            if not any(self._tool_of(item) for item in turn.items):
+            if not any(self._tool_of(item) for item in turn.items) or any(
+                    item["type"] == APPROVAL_ITEM for item in turn.items):
                 result.finish = turn.finish or "stop"
 
     def _tool_of(self, item: dict) -> tuple[ServerTool, dict] | None:
-        for tool, config in self.tools.values():
+        for tool, _ in self.functions.values():
             if item.get("type") == tool.item_type:
-                return tool, config
+                name = tool.call_name(item) if hasattr(tool, "call_name") else tool.kind
+                entry = self.functions.get(name)
+                return entry if entry is not None and entry[0].item_type == item["type"] \
+                    else None
         return None
+
+    async def _offer(self, tool: ServerTool, config: dict, conversation: list[dict],
+                     result: RunResult) -> None:
+        """The functions of a tool that lists them: from its listing in the conversation, else
+        from one it makes now (a step; its item goes to the output)."""
+        listing = tool.listing_in(conversation, config)
+        if listing is None:
+            async def work(step_id: str):
+                item_id = f"{tool.listing_type[:4]}_{secrets.token_hex(16)}"
+                if self.events is not None:
+                    await self.events.tool_started(tool.listing(item_id, config, "in_progress"))
+                context = ToolContext(self.tenant, self.response_id, step_id, self.deadline_at)
+                item = await tool.list(context, config, item_id)
+                if self.events is not None:
+                    await self.events.tool_done(item)
+                return item["status"], {"item": item}
+
+            listing = (await self._step("list_tools", tool.kind, {
+                "server": config.get("server_label")}, work))["item"]
+            result.output.append(listing)
+        for function in tool.functions(listing, config):
+            if function.name in self.functions:  # a name taken first keeps it
+                continue
+            self.functions[function.name] = (function, config)
 
     # ---------------------------------------------------------------- steps
 
@@ -183,27 +232,37 @@ class Run:
                          allowed: int) -> TurnResult:
         """A model turn that may make `allowed` more server tool calls (none: no tools)."""
         async def work(step_id: str):
-            turn = await self.turn(items, tool_texts, allowed > 0)
-            return "completed", self._with_tool_items(turn, allowed).to_json()
+            turn = self._with_tool_items(await self.turn(items, tool_texts, allowed > 0),
+                                         allowed)
+            for item in turn.items:
+                if item["type"] == APPROVAL_ITEM and self.events is not None:
+                    await self.events.added(item)
+            return "completed", turn.to_json()
 
         out = await self._step("model_turn", None, {"items": len(items),
                                                     "tools": allowed > 0}, work)
         return TurnResult(out["items"], out["usage"], out["finish"])
 
     def _with_tool_items(self, turn: TurnResult, allowed: int) -> TurnResult:
-        """A server tool's call, from the model's function call to its own item; one that
-        max_output_tokens cut is dropped (the run ends incomplete), and so are those past
-        max_tool_calls (as OpenAI's API ignores them)."""
+        """A server tool's call, from the model's function call to its own item (or, when the
+        tool needs approval, its approval request); one that max_output_tokens cut is dropped
+        (the run ends incomplete), and so are those past max_tool_calls (as OpenAI's API
+        ignores them)."""
         items = []
         for item in turn.items:
-            entry = self.tools.get(item.get("name")) if item["type"] == "function_call" else None
+            entry = self.functions.get(item.get("name")) \
+                if item["type"] == "function_call" else None
             if entry is not None and (turn.finish == "length" or allowed == 0):
                 continue
             if entry is not None:
-                allowed -= 1
                 tool = entry[0]
-                item = tool.item(f"{tool.item_type[:2]}_{secrets.token_hex(16)}",
-                                 _arguments(item["arguments"]), "in_progress", None)
+                arguments = _arguments(item["arguments"])
+                if getattr(tool, "needs_approval", False):
+                    item = tool.approval_request(f"mcpr_{secrets.token_hex(16)}", arguments)
+                else:
+                    allowed -= 1
+                    item = tool.item(f"{tool.item_type[:2]}_{secrets.token_hex(16)}",
+                                     arguments, "in_progress", None)
             items.append(item)
         return TurnResult(items, turn.usage, turn.finish)
 
@@ -231,18 +290,28 @@ class Run:
         timeout = TOOL_TIMEOUT_S
         if self.deadline_at is not None:
             timeout = max(0.0, min(timeout, self.deadline_at - time.time()))
+        detail = None
         try:
             async with asyncio.timeout(timeout):
                 result = await tool.execute(context, arguments, config)
         except ToolError as e:
-            error = f"error: {e}"
+            error, detail = f"error: {e}", e.detail
         except TimeoutError:
             error = f"error: the tool did not answer within {timeout:g} s"
         else:
-            done = tool.item(item["id"], arguments, "completed", result)
+            done = _with_fields_of(tool.item(item["id"], arguments, "completed", result), item)
             return "completed", {"item": done, "text": tool.model_text(done)}
-        return "failed", {"item": tool.item(item["id"], arguments, "failed", None),
-                          "text": error}
+        failed = _with_fields_of(tool.item(item["id"], arguments, "failed", None), item)
+        if "error" in failed:  # an item with a field for it carries the error too
+            failed["error"] = detail if detail is not None else error.removeprefix("error: ")
+        return "failed", {"item": failed, "text": error}
+
+
+def _with_fields_of(done: dict, started: dict) -> dict:
+    """A call's item as it ended, with what its started item said that the end leaves empty
+    (an approved MCP call's approval_request_id)."""
+    return {**done, **{k: v for k, v in started.items() if done.get(k) is None
+                       and v is not None and k in done}}
 
 
 def _arguments(text: str) -> dict:

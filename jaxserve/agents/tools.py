@@ -11,6 +11,12 @@ the tool's output, so the model can correct itself); the run bounds its time
 re-issued after a crash carries the same id, for a tool with side effects to use as its
 idempotency key.
 
+A kind whose functions are not known in advance (remote MCP servers: agents/mcp_tools.py) has a
+`listing_type` and lists them in a run (`list`, `listing`, `listing_in`, `functions`: each a
+ServerTool of its own, named by its function); a function may need the user's approval first
+(`needs_approval`, `approval_request`, and the kind's `approved` for the calls a later request's
+input approves).
+
 The run's step log (agents/run.py) knows nothing of any one tool: code execution, MCP and other
 kinds plug in by registering here.
 """
@@ -20,9 +26,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+# The output item of a call that waits for the user's approval (OpenAI's, of remote MCP tools).
+APPROVAL_ITEM = "mcp_approval_request"
+
 
 class ToolError(Exception):
-    """A tool call failed; its message is what the model reads as the tool's output."""
+    """A tool call failed; its message is what the model reads as the tool's output. `detail`:
+    the failed item's `error`, where the tool's item has one (else the message)."""
+
+    def __init__(self, message: str, detail: Any = None):
+        super().__init__(message)
+        self.detail = detail
 
 
 @dataclass(frozen=True)

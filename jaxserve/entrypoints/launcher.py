@@ -163,6 +163,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--code-interpreter", action="store_true",
                         help="offer the code_interpreter tool on /v1/responses: the model's "
                              "Python run in a bubblewrap sandbox (docs/agents.md; default: off)")
+    parser.add_argument("--mcp-allowed-hosts", type=_host_list, default=None,
+                        metavar="HOST[:PORT][,...]",
+                        help="offer the mcp tool on /v1/responses for remote MCP servers on these "
+                             "hosts only (a request naming another server_url: 400); the "
+                             "server connects to them, so list only hosts you trust it to reach "
+                             "(docs/agents.md; default: none, the tool is not offered)")
     parser.add_argument("--no-rag", action="store_true",
                         help="serve generation only: no embeddings, collections or chat 'rag'")
     quotas = parser.add_argument_group("retrieval quotas, per tenant (an upsert or a collection "
@@ -260,6 +266,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         data_dir=str(args.data_dir) if args.data_dir else None,
                         response_ttl_s=args.response_ttl,
                         code_interpreter=args.code_interpreter,
+                        mcp_allowed_hosts=args.mcp_allowed_hosts or (),
                         policy_file=str(args.policy) if args.policy else None,
                         audit_log_dir=str(args.audit_log) if args.audit_log else None,
                         audit_key_file=str(args.audit_key_file) if args.audit_key_file else None,

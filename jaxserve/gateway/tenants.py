@@ -21,6 +21,8 @@ scheduling class. Without a file there is one open tenant, `default`, with no li
     budget_usd_per_month = 1000.0     #   insufficient_quota until the UTC day / month resets
     budget_alert_thresholds = [0.8, 1.0]  # shares of a budget counted (and POSTed) once crossed
     budget_webhook = "https://ops.example/budget"  # where crossings are POSTed (JSON)
+    tools = ["file_search", "mcp"]    # server-side tools of /v1/responses it may use (default:
+                                      #   all the server offers); another one: 403 naming it
 
     [tenant.acme.code_interpreter]    # its code sandbox's limits, over the defaults
     wall_s = 10                       #   (agents/sandbox.py: SandboxLimits; docs/agents.md)
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from jaxserve.errors import ConfigError, InvalidRequest, ModelNotFound
+from jaxserve.errors import ConfigError, Forbidden, InvalidRequest, ModelNotFound
 
 log = logging.getLogger("jaxserve.gateway")
 MIN_KEY_CHARS = 24  # below this a key is warned of at load (review a70e490, L15)
@@ -81,6 +83,7 @@ class Tenant:
     budget_webhook: str | None = None  # an http(s) URL crossings are POSTed to
     # The code_interpreter sandbox's limits it overrides, (name, value) sorted (CODE_LIMITS).
     code_interpreter: tuple[tuple[str, float], ...] = ()
+    tools: tuple[str, ...] | None = None  # server-side tools it may use; None: all (TOOL_KINDS)
 
     def may_use(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
@@ -100,6 +103,12 @@ class Tenant:
             raise InvalidRequest(f"max_tokens is {requested} but this API key may ask for at "
                                  f"most {cap}", "max_tokens")
         return requested
+
+    def check_tool(self, kind: str, param: str) -> None:
+        """403 naming `param` for a server-side tool the tenant may not use."""
+        if self.tools is not None and kind not in self.tools:
+            raise Forbidden(f"this API key may not use the tool type {kind!r} (the tenant's "
+                            f"tools: {list(self.tools)})", param=param)
 
 
 DEFAULT_TENANT = Tenant("default")
@@ -273,6 +282,17 @@ CODE_LIMITS: dict[str, Callable[[Any, str], Any]] = {
     "output_bytes": _positive_int}
 
 
+# The server-side tools of /v1/responses a tenant's `tools` may name.
+TOOL_KINDS = ("code_interpreter", "file_search", "mcp")
+
+
+def _tools(value: Any, where: str) -> tuple[str, ...]:
+    unknown = sorted(set(_strings(value, where)) - set(TOOL_KINDS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown tool type(s) {unknown}; known: {list(TOOL_KINDS)}")
+    return tuple(sorted(set(value)))
+
+
 def _code_limits(value: Any, where: str) -> tuple[tuple[str, float], ...]:
     if not isinstance(value, dict):
         raise ConfigError(f"{where}: must be a table of limits ({sorted(CODE_LIMITS)})")
@@ -303,4 +323,5 @@ _FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "budget_alert_thresholds": _thresholds,
     "budget_webhook": _webhook,
     "code_interpreter": _code_limits,
+    "tools": _tools,
 }

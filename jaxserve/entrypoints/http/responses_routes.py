@@ -22,6 +22,7 @@ from aiohttp import web
 from jaxserve.agents.background import BackgroundRuns
 from jaxserve.agents.code_interpreter import CodeInterpreter
 from jaxserve.agents.file_search import FileSearch
+from jaxserve.agents.mcp_tools import McpLimits, McpTools
 from jaxserve.agents.owners import RunOwner
 from jaxserve.agents.store import FILE_NAME, UNFINISHED, ResponseStore, StoreConfig
 from jaxserve.agents.tools import ToolRegistry
@@ -113,9 +114,12 @@ async def _create(request: web.Request, runner: ResponseRunner, req, ctx, keep: 
 
 def _store_new(store: ResponseStore, job: ResponseJob, status: str,
                owner: str | None = None) -> None:
-    store.create(job.tenant, job.response.build(status, []),
-                 job.req.model_dump(mode="json", by_alias=True, exclude_none=True),
-                 job.input_items, bool(job.req.background), job.deadline_at, owner)
+    settings = job.req.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if not job.req.background:  # only a background run, resumed, needs an MCP tool's headers
+        for tool in settings.get("tools", ()):
+            tool.pop("headers", None)
+    store.create(job.tenant, job.response.build(status, []), settings, job.input_items,
+                 bool(job.req.background), job.deadline_at, owner)
 
 
 def _keep(keep: Keep | None, resp: web.Response) -> None:
@@ -227,6 +231,8 @@ def _server_tools(state: AppState) -> tuple:
                       "is not offered", code.limits.command[0])
         else:
             tools += (code,)
+    if state.config.mcp_allowed_hosts:
+        tools += (McpTools(McpLimits(tuple(h.lower() for h in state.config.mcp_allowed_hosts))),)
     return tools
 
 

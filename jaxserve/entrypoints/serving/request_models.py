@@ -265,18 +265,31 @@ class FunctionCallOutputItem(_Item):
     output: str
 
 
+class McpApprovalResponseItem(_Item):
+    """The user's answer to an `mcp_approval_request` of the previous response (agents/
+    mcp_tools.py): approved, the call is made."""
+
+    type: Literal["mcp_approval_response"]
+    approval_request_id: Annotated[str, Field(min_length=1, max_length=128)]
+    approve: bool
+    reason: Annotated[str, Field(max_length=1024)] | None = None
+
+
 def _item_tag(value: Any) -> str | None:
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
     return {"message": "InputMessage", None: "InputMessage", "function_call": "FunctionCallItem",
-            "function_call_output": "FunctionCallOutputItem"}.get(kind)
+            "function_call_output": "FunctionCallOutputItem",
+            "mcp_approval_response": "McpApprovalResponseItem"}.get(kind)
 
 
 InputItem = Annotated[Union[Annotated[InputMessage, Tag("InputMessage")],
                             Annotated[FunctionCallItem, Tag("FunctionCallItem")],
-                            Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")]],
+                            Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
+                            Annotated[McpApprovalResponseItem, Tag("McpApprovalResponseItem")]],
                       Discriminator(_item_tag, custom_error_type="invalid_type",
                                     custom_error_message="an input item's 'type' must be "
-                                    "'message', 'function_call' or 'function_call_output'")]
+                                    "'message', 'function_call', 'function_call_output' or "
+                                    "'mcp_approval_response'")]
 
 
 class ResponsesFunctionTool(Body):
@@ -306,6 +319,45 @@ class ResponsesCodeInterpreterTool(Body):
 
     type: Literal["code_interpreter"]
     container: CodeInterpreterContainer
+
+
+McpName = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class McpToolFilter(Body):
+    tool_names: Annotated[list[McpName], Field(max_length=64)] | None = None
+    read_only: bool | None = Field(None, description="Only the tools the server marks "
+                                                     "readOnlyHint.")
+
+
+class McpApprovalFilter(Body):
+    always: McpToolFilter | None = None
+    never: McpToolFilter | None = None
+
+
+_HEADER_NAME = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$"  # an HTTP token
+
+
+class ResponsesMcpTool(Body):
+    """A server-side tool (agents/mcp_tools.py): a remote MCP server's tools, on a host the
+    operator allows (--mcp-allowed-hosts)."""
+
+    type: Literal["mcp"]
+    server_label: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    server_url: Annotated[str, Field(min_length=1, max_length=2048)]
+    allowed_tools: Annotated[list[McpName], Field(max_length=64)] | McpToolFilter | None = None
+    require_approval: (Literal["always", "never"] | McpApprovalFilter | None) = Field(
+        None, description="Default \"always\", as OpenAI's.")
+    headers: Annotated[dict[Annotated[str, Field(pattern=_HEADER_NAME)],
+                            Annotated[str, Field(max_length=8192, pattern=r"^[^\r\n\x00]*$")]],
+                       Field(max_length=16)] | None = Field(
+        None, description="Sent to the server with each request; not echoed in the response.")
+
+
+class ResponsesMcpChoice(Body):
+    type: Literal["mcp"]
+    server_label: Annotated[str, Field(min_length=1, max_length=64)]
+    name: McpName  # required here: the chat path forces one function
 
 
 class ResponsesNamedToolChoice(Body):
@@ -473,8 +525,8 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
 
     class ResponsesRequest(Body):
         """Stored by default (`store`), chained (`previous_response_id`), run in the background
-        (`background`); server tools (`file_search`, `code_interpreter`) beside the client's
-        functions."""
+        (`background`); server tools (`file_search`, `code_interpreter`, `mcp`) beside the
+        client's functions."""
 
         model: NonEmptyStr
         input: NonEmptyStr | Annotated[list[InputItem], Field(min_length=1,
@@ -484,11 +536,12 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
         temperature: float | None = None
         top_p: float | None = None
         tools: Annotated[list[by_type(ResponsesFunctionTool, ResponsesFileSearchTool,
-                                      ResponsesCodeInterpreterTool)],
+                                      ResponsesCodeInterpreterTool, ResponsesMcpTool)],
                          Field(max_length=MAX_TOOLS)] | None = None
         tool_choice: (Literal["none", "auto", "required"]
                       | by_type(ResponsesNamedToolChoice, ResponsesHostedToolChoice,
-                                ResponsesCodeInterpreterChoice) | None) = None
+                                ResponsesCodeInterpreterChoice, ResponsesMcpChoice)
+                      | None) = None
         max_tool_calls: Annotated[Int, Field(ge=1, le=128)] | None = None
         parallel_tool_calls: bool | None = None
         text: TextOptions | None = None

@@ -368,6 +368,37 @@ class OutputCodeInterpreterCall(Reply):
     result: dict[str, Any] | None  # this server's: exit_code, stdout, stderr, files
 
 
+class OutputMcpListTools(Reply):
+    type: Literal["mcp_list_tools"]
+    id: str  # "mcpl_..."
+    server_label: str
+    tools: list[dict[str, Any]]  # name, description, input_schema, annotations
+    error: str | None  # why the listing failed
+    status: Literal["in_progress", "completed", "failed"]  # this server's addition
+
+
+class OutputMcpCall(Reply):
+    type: Literal["mcp_call"]
+    id: str
+    server_label: str
+    name: str
+    arguments: str
+    output: str | None
+    # OpenAI's: {type: mcp_tool_execution_error, content} | {type: mcp_protocol_error | http_error,
+    # code, message}
+    error: dict[str, Any] | None
+    approval_request_id: str | None
+    status: Literal["in_progress", "completed", "failed"]
+
+
+class OutputMcpApprovalRequest(Reply):
+    type: Literal["mcp_approval_request"]
+    id: str  # "mcpr_...": what an mcp_approval_response answers
+    server_label: str
+    name: str
+    arguments: str
+
+
 class OutputReasoning(Reply):
     type: Literal["reasoning"]
     id: str  # "rs_..."
@@ -391,7 +422,8 @@ class Response(Reply):
     status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     model: str
     output: list[OutputMessage | OutputFunctionCall | OutputFileSearchCall
-                 | OutputCodeInterpreterCall | OutputReasoning]
+                 | OutputCodeInterpreterCall | OutputMcpListTools | OutputMcpCall
+                 | OutputMcpApprovalRequest | OutputReasoning]
     usage: ResponseUsage | None
     incomplete_details: dict[str, str] | None
     error: dict[str, str] | None  # {"code", "message"} of a failed run
@@ -431,7 +463,9 @@ class ResponseEvent(Reply):
     response.in_progress, response.output_item.added / .done, response.content_part.added / .done,
     response.output_text.delta / .done, response.function_call_arguments.delta / .done,
     response.file_search_call.in_progress / .searching / .completed,
-    response.code_interpreter_call.in_progress / .interpreting / .completed, then
+    response.code_interpreter_call.in_progress / .interpreting / .completed,
+    response.mcp_list_tools.in_progress / .completed / .failed,
+    response.mcp_call.in_progress / .completed / .failed, then
     response.completed, response.incomplete or response.failed; every event has its
     `sequence_number`."""
 

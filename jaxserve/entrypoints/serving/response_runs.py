@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from jaxserve.agents.mcp_tools import APPROVAL_REQUEST, APPROVAL_RESPONSE
 from jaxserve.agents.run import SHUTDOWN, Run, TurnResult
 from jaxserve.agents.store import UNFINISHED, ResponseStore
 from jaxserve.agents.tools import ServerTool, ToolRegistry
@@ -42,7 +43,8 @@ class ResponseJob:
     principal: Principal
     input_items: list[dict]
     conversation: list[dict]  # the chain's items, then input_items
-    server_tools: dict[str, tuple[ServerTool, dict]]  # kind -> (tool, its `tools` entry)
+    # kind (an MCP server: "mcp:" + its label) -> (tool, its `tools` entry)
+    server_tools: dict[str, tuple[ServerTool, dict]]
     deadline_at: float | None  # unix time
 
     @property
@@ -89,11 +91,21 @@ class ResponseRunner:
         for i, entry in enumerate(req.tools or ()):
             if entry.type == "function":
                 continue
+            principal.tenant.check_tool(entry.type, f"tools[{i}].type")
             tool = self.tools.get(entry.type)
             if tool is None:
                 raise InvalidRequest(f"the tool type {entry.type!r} is not available on this "
                                      f"server", param=f"tools[{i}].type")
-            server_tools[entry.type] = (tool, entry.model_dump(exclude_none=True))
+            key = entry.type
+            if entry.type == "mcp":
+                tool.check(entry.model_dump(), f"tools[{i}]")
+                key = f"mcp:{entry.server_label}"
+                if key in server_tools:
+                    raise InvalidRequest(f"two mcp tools have the server_label "
+                                         f"{entry.server_label!r}",
+                                         param=f"tools[{i}].server_label")
+            server_tools[key] = (tool, entry.model_dump(exclude_none=True))
+        _check_approvals(items, history)
         if deadline_at is None:
             limits = [t for t in (timeout_s, principal.tenant.request_timeout_s)
                       if t is not None]
@@ -106,20 +118,29 @@ class ResponseRunner:
         """Run the job to its end; the final response (written to the store when stored).
         `call`: the request's own call, ended by the first model turn (later turns are calls of
         their own). A request's run (`sequence` None) sends response.created once its first
-        turn is admitted: an error before that propagates (the request's plain error reply).
+        turn is admitted (or its MCP listing starts): an error before that propagates (the
+        request's plain error reply).
         A background run (its response.created went out at its creation; `sequence`: its next
         event's number) starts with response.in_progress. After the first event, an error
         ends the run `failed`."""
-        events = ResponseEvents(job.response, frozenset(job.server_tools), sequence or 0)
-        tools = {kind: entry[0] for kind, entry in job.server_tools.items()}
+        events = ResponseEvents(job.response, sequence=sequence or 0)
         state = {"call": call, "opened": sequence is not None}
         if sequence is not None:
             if job.stored:
                 self.store.save(job.response.build("in_progress", []))
             await emit(events.started())
 
+        async def opened() -> None:
+            """response.created and .in_progress, before the run's first event."""
+            if not state["opened"]:
+                state["opened"] = True
+                for event in events.opening():
+                    await emit(event)
+
         async def turn(items: list[dict], tool_texts: dict[str, str],
                        allowed: bool) -> TurnResult:
+            tools = {name: entry[0] for name, entry in run.functions.items()}
+            events.hidden = frozenset(tools)  # read as the run's, not streamed as functions
             body = chat_body(job.req, items, tools, tool_texts, allowed)
             remaining = None
             if job.deadline_at is not None:
@@ -132,10 +153,7 @@ class ResponseRunner:
                 gen = await self.serving.prepare_async("chat", body, ctx, this_call)
             except InvalidRequest as exc:
                 raise rename_param(exc) from None
-            if not state["opened"]:
-                state["opened"] = True
-                for event in events.opening():
-                    await emit(event)
+            await opened()
             async with gen.running():
                 async for event in events.turn(gen.chunks(self.keepalive_s)):
                     await emit(event)
@@ -143,7 +161,7 @@ class ResponseRunner:
             return TurnResult(events.items, usage, events.finish)
 
         run = Run(job.response.id, job.tenant, self.store if job.stored else None,
-                  job.server_tools, turn, _Events(events, emit),
+                  job.server_tools, turn, _Events(events, emit, opened),
                   max_tool_calls=job.req.max_tool_calls, deadline_at=job.deadline_at,
                   audit=self.audit.write if self.audit is not None else None)
         try:
@@ -182,19 +200,37 @@ class ResponseRunner:
             self.store.save(final)
 
 
+def _check_approvals(items: list[dict], history: list[dict]) -> None:
+    """Each mcp_approval_response of the input answers an approval request of the chain."""
+    requests = {i["id"] for i in history if i.get("type") == APPROVAL_REQUEST}
+    for i, item in enumerate(items):
+        if item.get("type") == APPROVAL_RESPONSE and item["approval_request_id"] not in requests:
+            raise InvalidRequest(f"no mcp_approval_request {item['approval_request_id']!r} in "
+                                 f"the previous_response_id chain",
+                                 param=f"input[{i}].approval_request_id")
+
+
 class _Events:
     """agents.run.RunEvents: a server tool's call as Responses events."""
 
-    def __init__(self, events: ResponseEvents, emit: Emit):
+    def __init__(self, events: ResponseEvents, emit: Emit, opened: Callable[[], Awaitable]):
+        """`opened()`: the response's opening events, sent unless they were (an MCP listing
+        runs before the first model turn)."""
         self.events = events
         self.emit = emit
+        self.opened = opened
 
     async def tool_started(self, item: dict) -> None:
+        await self.opened()
         for event in self.events.tool_started(item):
             await self.emit(event)
 
     async def tool_done(self, item: dict) -> None:
         for event in self.events.tool_done(item):
+            await self.emit(event)
+
+    async def added(self, item: dict) -> None:
+        for event in self.events.added(item):
             await self.emit(event)
 
     def recorded(self, items: list[dict]) -> None:

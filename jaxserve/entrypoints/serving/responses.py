@@ -23,6 +23,7 @@ import json
 import secrets
 from typing import Any, AsyncIterator
 
+from jaxserve.agents.mcp_tools import APPROVAL_REQUEST, APPROVAL_RESPONSE, CALL_ITEM, call_text
 from jaxserve.errors import InvalidRequest
 from jaxserve.entrypoints.serving import protocol
 
@@ -46,9 +47,12 @@ def rename_param(exc: InvalidRequest) -> InvalidRequest:
     return type(exc)(str(exc).replace(f"'{param}", f"'{new}"), param=new)
 
 
-_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                APPROVAL_RESPONSE: "mcpa"}
 # A server tool's event between its .in_progress and .completed, as OpenAI's stream sends it.
 RUNNING_EVENTS = {"file_search_call": "searching", "code_interpreter_call": "interpreting"}
+# The server tool items whose failure OpenAI's stream says (.failed) rather than only ending them.
+FAILED_EVENTS = frozenset({"mcp_call", "mcp_list_tools"})
 
 
 def input_items(req: Any) -> list[dict]:
@@ -75,10 +79,15 @@ def chat_messages(items: list[dict], server_tools: dict | None = None,
     `function_call` items one assistant message with those `tool_calls`; a
     `function_call_output` a `tool` message; a server tool's call (`server_tools`: kind ->
     agents.tools.ServerTool) an assistant call of the function named by its kind and a `tool`
-    message with what it returned (`tool_texts[item id]`, else read from the item); reasoning
-    items are not sent back."""
+    message with what it returned (`tool_texts[item id]`, else read from the item); an MCP call
+    alike (named by its tool), and an approval request the user denied as a call whose result
+    says so (one approved is sent as its call; one unanswered, and MCP listings, not at all);
+    reasoning items are not sent back."""
     messages: list[dict] = []
-    by_item_type = {t.item_type: t for t in (server_tools or {}).values()}
+    by_item_type = {t.item_type: t for t in (server_tools or {}).values()
+                    if t.item_type != CALL_ITEM}
+    answers = {item["approval_request_id"]: item for item in items
+               if item.get("type") == APPROVAL_RESPONSE}
 
     def call(call_id: str, name: str, arguments: str) -> None:
         entry = {"id": call_id, "type": "function",
@@ -96,6 +105,18 @@ def chat_messages(items: list[dict], server_tools: dict | None = None,
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": item["output"]})
+        elif kind == CALL_ITEM:
+            call(item["id"], item["name"], item["arguments"])
+            text = (tool_texts or {}).get(item["id"])
+            messages.append({"role": "tool", "tool_call_id": item["id"],
+                             "content": text if text is not None else call_text(item)})
+        elif kind == APPROVAL_REQUEST:
+            answer = answers.get(item["id"])
+            if answer is not None and not answer["approve"]:
+                call(item["id"], item["name"], item["arguments"])
+                reason = f": {answer['reason']}" if answer.get("reason") else ""
+                messages.append({"role": "tool", "tool_call_id": item["id"], "content":
+                                 f"error: the user did not approve this call{reason}"})
         elif kind in by_item_type:
             tool = by_item_type[kind]
             call(item["id"], tool.kind, json.dumps(tool.arguments(item)))
@@ -112,8 +133,8 @@ def chat_messages(items: list[dict], server_tools: dict | None = None,
 def chat_body(req: Any, items: list[dict] | None = None, server_tools: dict | None = None,
               tool_texts: dict[str, str] | None = None, tools_allowed: bool = True) -> dict:
     """The chat completion body of one model turn of a validated ResponsesRequest: the
-    conversation `items` (default: its input), its function tools and `server_tools` offered as
-    functions (none when not `tools_allowed`)."""
+    conversation `items` (default: its input), its function tools and `server_tools` (function
+    name -> agents.tools.ServerTool) offered as functions (none when not `tools_allowed`)."""
     messages: list[dict] = []
     if req.instructions is not None:
         messages.append({"role": "system", "content": req.instructions})
@@ -125,16 +146,11 @@ def chat_body(req: Any, items: list[dict] | None = None, server_tools: dict | No
                         ("parallel_tool_calls", req.parallel_tool_calls)):
         if value is not None:
             body[name] = value
-    tools = []
-    for t in req.tools or () if tools_allowed else ():
-        if t.type == "function":
-            tools.append({"type": "function", "function": t.model_dump(
-                exclude={"type"}, exclude_none=True)})
-        elif t.type in (server_tools or {}):
-            tool = server_tools[t.type]
-            tools.append({"type": "function", "function": {
-                "name": tool.kind, "description": tool.description,
-                "parameters": tool.parameters}})
+    tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+             for t in req.tools or () if t.type == "function"] if tools_allowed else []
+    for name, tool in (server_tools or {}).items() if tools_allowed else ():
+        tools.append({"type": "function", "function": {
+            "name": name, "description": tool.description, "parameters": tool.parameters}})
     if tools:
         body["tools"] = tools
         if req.tool_choice is not None:
@@ -204,7 +220,9 @@ class ResponseObject:
             "incomplete_details": incomplete, "error": error, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "temperature": req.temperature,
             "top_p": req.top_p,
-            "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+            # An MCP tool's headers (credentials, as a rule) are not echoed.
+            "tools": [t.model_dump(exclude_none=True, exclude={"headers"})
+                      for t in req.tools or ()],
             "tool_choice": (req.tool_choice if isinstance(req.tool_choice, str)
                             else req.tool_choice.model_dump() if req.tool_choice is not None
                             else "auto"),
@@ -329,11 +347,21 @@ class ResponseEvents:
             index = len(self.output)
             self.output.append(item)
         self.output[index] = item
-        done = [self._event("response.output_item.done", output_index=index, item=dict(item))]
-        if item["status"] == "completed":
-            done.insert(0, self._event(f"response.{item['type']}.completed",
-                                       item_id=item["id"], output_index=index))
+        done = []  # numbered in the order they are sent
+        if item["status"] == "completed" or (item["status"] == "failed"
+                                             and item["type"] in FAILED_EVENTS):
+            done.append(self._event(f"response.{item['type']}.{item['status']}",
+                                    item_id=item["id"], output_index=index))
+        done.append(self._event("response.output_item.done", output_index=index,
+                                item=dict(item)))
         return done
+
+    def added(self, item: dict) -> list[dict]:
+        """An item complete as it is made (an MCP approval request)."""
+        index = len(self.output)
+        self.output.append(item)
+        return [self._event("response.output_item.added", output_index=index, item=dict(item)),
+                self._event("response.output_item.done", output_index=index, item=dict(item))]
 
     def _add(self, item: dict) -> tuple[int, dict]:
         index = len(self.output)

@@ -1,0 +1,317 @@
+"""Agent features of /v1/responses on one real server (so one engine warmup): remote MCP tools and
+the per-tenant tool allowlist.
+
+Remote MCP tools, against a real MCP server built with the official SDK
+(tests/mcp_server.py, streamable HTTP on loopback) and a real jaxserve server (a tiny random model
+with SmolLM2's tokenizer and chat template; the model's call forced by tool_choice), with the
+`openai` client: the server's tools listed (`mcp_list_tools`), a call made (`mcp_call`, its
+output the MCP server's answer to the arguments the model wrote) and logged as steps, the stream's
+MCP events, approval requests answered by a following request (approved: the call is made; denied:
+not), the bounds (hosts not allowed, duplicate labels, unknown approvals: 400 naming the field; a
+tenant's tool allowlist: 403), failures as the model reads them; and, host side with scripted
+model turns, an MCP call interrupted by a shutdown re-issued with the same step id on resume."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sqlite3
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from jaxserve.agents.mcp_tools import McpLimits, McpTools
+from jaxserve.agents.run import SHUTDOWN, Run, TurnResult
+from jaxserve.agents.store import FILE_NAME, ResponseStore, StoreConfig
+from jaxserve.agents.tools import ToolContext, ToolError
+from jaxserve.core.async_engine import AsyncEngine
+from jaxserve.core.engine_factory import build_engine
+from tests.test_cli import ROOT, tiny_gguf
+from tests.test_engine import assert_no_leaks
+from tests.test_server import ServerThread, _request, wait_for
+
+TENANTS = """
+[tenant.alice]
+api_keys = ["sk-alice-mcp-tools-0000000"]
+
+[tenant.bob]
+api_keys = ["sk-bob-mcp-tools-000000000"]
+tools = ["file_search"]
+"""
+ALICE, BOB = "sk-alice-mcp-tools-0000000", "sk-bob-mcp-tools-000000000"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class McpServer:
+    def __init__(self, directory):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.log = directory / "calls.jsonl"
+        self.log.touch()
+        self.stderr = (directory / "mcp_server.log").open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.mcp_server", str(self.port), str(self.log)],
+            cwd=ROOT, stdout=self.stderr, stderr=subprocess.STDOUT)
+
+        def listening():
+            assert self.process.poll() is None, "the MCP server exited"
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", self.port)) == 0
+        wait_for(listening, "the MCP server")
+
+    def calls(self) -> list[dict]:
+        return [json.loads(line) for line in self.log.read_text().splitlines()]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(10)
+        self.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def mcp_server(tmp_path_factory):
+    server = McpServer(tmp_path_factory.mktemp("mcp"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_tokenizer_fields, mcp_server):
+    d = tmp_path_factory.mktemp("mcp_responses")
+    tenants = d / "tenants.toml"
+    tenants.write_text(TENANTS)
+    llm = build_engine(str(tiny_gguf(d / "tiny.gguf", smollm2_tokenizer_fields,
+                                     max_position_embeddings=1024)),
+                       num_pages=80, max_num_seqs=4, max_num_batched_tokens=32,
+                       max_model_len=1024, min_token_bucket=16, strict_compile=True,
+                       progress=False)
+    engine = AsyncEngine(llm)
+    http = ServerThread("tiny", tenants_file=str(tenants), data_dir=str(d / "data"),
+                        mcp_allowed_hosts=("127.0.0.1",))
+    http.data_dir = d / "data"
+    http.attach(engine)
+    yield http
+    http.stop()
+    engine.shutdown()
+    assert llm.runner.num_serving_compiles == 0
+    assert_no_leaks(llm)
+
+
+def _client(server, key: str = ALICE) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+
+
+def _tool(mcp_server, **fields) -> dict:
+    return {"type": "mcp", "server_label": "calc", "server_url": mcp_server.url, **fields}
+
+
+def _steps(server, rid: str) -> list[tuple]:
+    with sqlite3.connect(server.data_dir / FILE_NAME) as db:
+        return db.execute("SELECT kind, tool, status, attempts FROM steps WHERE response_id=? "
+                          "ORDER BY position", (rid,)).fetchall()
+
+
+def test_a_forced_call_is_listed_made_streamed_and_logged(server, mcp_server):
+    alice = _client(server)
+    tools = [_tool(mcp_server, allowed_tools=["shout"], require_approval="never",
+                   headers={"X-Token": "secret-token-1"})]
+    events = list(alice.responses.create(
+        model="tiny", input="Shout a word.", tools=tools, max_tool_calls=1,
+        tool_choice={"type": "mcp", "server_label": "calc", "name": "shout"},
+        max_output_tokens=128, temperature=0, stream=True))
+    final = events[-1].response
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    # (the last turn, offered no tool, may be cut by max_output_tokens: incomplete)
+    assert [item.type for item in final.output] == ["mcp_list_tools", "mcp_call", "message"], \
+        final.model_dump()
+    listing, call = final.output[0], final.output[1]
+    assert [t.name for t in listing.tools] == ["shout"] and listing.error is None
+    # The answer is the MCP server's to the arguments the model wrote (under the schema).
+    arguments = json.loads(call.arguments)
+    assert (call.status, call.name, call.server_label) == ("completed", "shout", "calc")
+    assert call.output == arguments["text"].upper() + "!"
+    kinds = [e.type for e in events]
+    for kind in ("response.mcp_list_tools.in_progress", "response.mcp_list_tools.completed",
+                 "response.mcp_call.in_progress", "response.mcp_call.completed"):
+        assert kinds.count(kind) == 1, (kind, kinds)
+    # One call reached the server, with the step's id as its key and the request's header.
+    (made,) = [c for c in mcp_server.calls() if c["step_id"].startswith(final.id)]
+    assert made == {"tool": "shout", "arguments": arguments, "step_id": f"{final.id}.step002",
+                    "token": "secret-token-1"}
+    assert _steps(server, final.id) == [
+        ("list_tools", "mcp", "completed", 1), ("model_turn", None, "completed", 1),
+        ("tool_call", "mcp", "completed", 1), ("model_turn", None, "completed", 1)]
+    # The header is neither echoed nor kept (a response not run in the background).
+    assert "headers" not in final.tools[0].model_dump(exclude_none=True)
+    with sqlite3.connect(server.data_dir / FILE_NAME) as db:
+        (settings,), = db.execute("SELECT settings FROM responses WHERE id=?", (final.id,))
+    assert "secret-token-1" not in settings
+
+
+def test_approval_requests_are_answered_by_the_next_request(server, mcp_server):
+    alice = _client(server)
+    tools = [_tool(mcp_server, allowed_tools=["shout"])]  # require_approval: "always" by default
+    first = alice.responses.create(
+        model="tiny", input="Shout a word.", tools=tools, max_tool_calls=1,
+        tool_choice={"type": "mcp", "server_label": "calc", "name": "shout"},
+        max_output_tokens=128, temperature=0)
+    assert first.status == "completed"
+    assert [item.type for item in first.output] == ["mcp_list_tools", "mcp_approval_request"]
+    request = first.output[1]
+    assert not [c for c in mcp_server.calls() if c["step_id"].startswith(first.id)]
+
+    approved = alice.responses.create(
+        model="tiny", previous_response_id=first.id, tools=tools, max_tool_calls=1,
+        max_output_tokens=16, input=[{"type": "mcp_approval_response",
+                                      "approval_request_id": request.id, "approve": True}])
+    call = approved.output[0]
+    assert (call.type, call.status, call.approval_request_id) == ("mcp_call", "completed",
+                                                                  request.id)
+    arguments = json.loads(request.arguments)
+    assert call.output == arguments["text"].upper() + "!"
+    assert "mcp_list_tools" not in [item.type for item in approved.output]  # listed before
+    assert [c["arguments"] for c in mcp_server.calls()
+            if c["step_id"].startswith(approved.id)] == [arguments]
+
+    # A branch from the same response that denies it: no call.
+    denied = alice.responses.create(
+        model="tiny", previous_response_id=first.id, tools=tools, max_output_tokens=16,
+        input=[{"type": "mcp_approval_response", "approval_request_id": request.id,
+                "approve": False, "reason": "not now"}], tool_choice="none")
+    assert "mcp_call" not in [item.type for item in denied.output]
+    assert not [c for c in mcp_server.calls() if c["step_id"].startswith(denied.id)]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"tools": [{"type": "mcp", "server_label": "x", "server_url": "http://example.com/mcp"}]},
+     400, "tools[0].server_url"),
+    ({"tools": [{"type": "mcp", "server_label": "x", "server_url": "http://u:p@127.0.0.1/m"}]},
+     400, "tools[0].server_url"),
+    ({"tools": [{"type": "mcp", "server_label": "x", "server_url": "ftp://127.0.0.1/mcp"}]},
+     400, "tools[0].server_url"),
+    ({"tools": [{"type": "mcp", "server_label": "x", "server_url": "http://127.0.0.1/mcp"},
+                {"type": "mcp", "server_label": "x", "server_url": "http://127.0.0.1/mcp"}]},
+     400, "tools[1].server_label"),
+    ({"input": [{"type": "mcp_approval_response", "approval_request_id": "mcpr_nope",
+                 "approve": True}]}, 400, "input[0].approval_request_id"),
+])
+def test_refusals_name_the_field(server, body, status, param):
+    r = _request("POST", f"{server.url}/v1/responses", {"model": "tiny", "input": "hi", **body},
+                 headers={"Authorization": f"Bearer {ALICE}"})
+    assert (r.status_code, r.json()["error"]["param"]) == (status, param), r.text
+
+
+def test_a_tenant_uses_only_the_tools_it_may(server, mcp_server):
+    before = len(mcp_server.calls())
+    body = {"model": "tiny", "input": "hi", "tools": [_tool(mcp_server)]}
+    r = _request("POST", f"{server.url}/v1/responses", body,
+                 headers={"Authorization": f"Bearer {BOB}"})
+    assert r.status_code == 403 and r.json()["error"]["param"] == "tools[0].type", r.text
+    assert "'mcp'" in r.json()["error"]["message"]
+    assert len(mcp_server.calls()) == before
+
+
+def test_failures_are_what_the_model_reads(server, mcp_server):
+    alice = _client(server)
+    broken = alice.responses.create(
+        model="tiny", input="Break it.", max_tool_calls=1, max_output_tokens=128,
+        temperature=0,
+        tools=[_tool(mcp_server, allowed_tools=["broken"], require_approval="never")],
+        tool_choice={"type": "mcp", "server_label": "calc", "name": "broken"})
+    assert [item.type for item in broken.output] == ["mcp_list_tools", "mcp_call", "message"]
+    call = broken.output[1]
+    assert (call.type, call.status) == ("mcp_call", "failed")
+    assert call.error.type == "mcp_tool_execution_error"
+    assert "broken" in call.error.content[0]["text"]
+    # A server that does not answer: the listing fails, the run goes on without its tools.
+    gone = alice.responses.create(
+        model="tiny", input="hi", max_output_tokens=8,
+        tools=[{"type": "mcp", "server_label": "gone",
+                "server_url": f"http://127.0.0.1:{_free_port()}/mcp"}])
+    listing = gone.output[0]
+    assert (listing.type, listing.tools) == ("mcp_list_tools", [])
+    assert "failed to list its tools" in listing.error
+    assert gone.status in ("completed", "incomplete")
+
+
+# ---------------------------------------------------------------- host side
+
+
+class SlowAddTurns:
+    """Scripted model turns: each calls slow_add while tools are offered, else answers."""
+
+    async def __call__(self, items, tool_texts, tools_allowed):
+        if tools_allowed:
+            return TurnResult([{"type": "function_call", "id": "fc_1", "call_id": "c",
+                                "name": "slow_add", "arguments": '{"a": 2, "b": 40}',
+                                "status": "completed"}], {}, "tool_calls")
+        return TurnResult([{"type": "message", "id": "msg", "role": "assistant",
+                            "status": "completed", "content": []}], {}, "stop")
+
+
+def test_an_interrupted_call_is_reissued_with_its_step_id(tmp_path, mcp_server):
+    store = ResponseStore(StoreConfig(tmp_path))
+    limits = McpLimits(("127.0.0.1",))
+    config = {"type": "mcp", "server_label": "calc", "server_url": mcp_server.url,
+              "require_approval": "never"}
+
+    def run() -> Run:
+        return Run("resp_mcp", "acme", store, {"mcp:calc": (McpTools(limits), config)},
+                   SlowAddTurns(), max_tool_calls=1)
+
+    def made() -> list[dict]:
+        return [c for c in mcp_server.calls() if c["step_id"].startswith("resp_mcp.")]
+
+    async def interrupted():
+        task = asyncio.create_task(run().execute([]))
+        while not made():
+            await asyncio.sleep(0.02)
+        task.cancel(SHUTDOWN)  # a server going down: the started step stays `started`
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(interrupted())
+    steps = store.steps("resp_mcp")
+    assert [(s.kind, s.status) for s in steps] == [
+        ("list_tools", "completed"), ("model_turn", "completed"), ("tool_call", "started")]
+    result = asyncio.run(run().execute([]))
+    assert [(item["type"], item.get("status")) for item in result.output] == [
+        ("mcp_list_tools", "completed"), ("mcp_call", "completed"), ("message", "completed")]
+    assert result.output[1]["output"] == "42"
+    assert result.output[0] == steps[0].output["item"]  # the listing taken from the log
+    steps = store.steps("resp_mcp")
+    assert [(s.kind, s.status, s.attempts) for s in steps] == [
+        ("list_tools", "completed", 1), ("model_turn", "completed", 1),
+        ("tool_call", "completed", 2), ("model_turn", "completed", 1)]
+    assert [c["step_id"] for c in made()] == ["resp_mcp.step002"] * 2  # the same key again
+    asyncio.run(run().execute([]))  # completed: nothing runs again
+    assert len(made()) == 2
+    store.close()
+
+
+def test_bounds_on_what_a_server_sends(mcp_server):
+    config = {"type": "mcp", "server_label": "calc", "server_url": mcp_server.url}
+    context = ToolContext("acme", "resp_b", "resp_b.step001", None)
+
+    async def huge(limits: McpLimits):
+        tools = McpTools(limits)
+        listing = await tools.list(context, config, "mcpl_1")
+        (function,) = [f for f in tools.functions(listing, config) if f.name == "huge"]
+        return await function.execute(context, {}, config)
+
+    text = asyncio.run(huge(McpLimits(("127.0.0.1",), max_output_chars=1000)))
+    assert text.startswith("x" * 1000) and text.endswith("[cut: 100000 characters, 1000 kept]")
+    with pytest.raises(ToolError) as e:  # 100 kB answer, 20 kB read: the read stops
+        asyncio.run(huge(McpLimits(("127.0.0.1",), max_response_bytes=20_000)))
+    assert "more than this server reads" in e.value.detail["message"], e.value.detail
+    listing = asyncio.run(McpTools(McpLimits(("127.0.0.1",), max_tools=2)).list(
+        context, config, "mcpl_2"))
+    assert len(listing["tools"]) == 2
