@@ -89,3 +89,90 @@ def test_forced_call_cut_by_max_tokens_is_returned_with_length(client):
     assert call.function.arguments.startswith('{"city": "')
     with pytest.raises(ValueError):
         json.loads(call.function.arguments)  # cut: the arguments as far as they went
+
+
+# Forced calls in the formats that name the function in their markers, through the chat route of
+# a real server on a tiny random model: SmolLM2's vocabulary plus the family's special tokens,
+# the family's template as it ships (tests/chat_templates/).
+MARKED = {
+    "deepseek_v3": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>",
+                    "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+                    "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+                    "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                    "<｜tool▁output▁end｜>"],
+    "gpt_oss": ["<|startoftext|>", "<|return|>", "<|start|>", "<|end|>", "<|message|>",
+                "<|channel|>", "<|constrain|>", "<|call|>"],
+}
+# Bounded arguments: a random model fills whatever the schema leaves open. (gpt-oss's template
+# needs a description.)
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+    "required": ["city"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Sum", "parameters": {
+    "type": "object", "properties": {"a": {"enum": [1, 2]}, "b": {"enum": [3, 4]}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def _marked_gguf(path, fields: dict, family: str):
+    from pathlib import Path
+
+    from tests.test_weights import random_params, tiny, write_gguf
+
+    tokens = list(fields["tokenizer.ggml.tokens"]) + MARKED[family]
+    config = tiny(vocab_size=len(tokens), max_position_embeddings=1024,
+                  eos_token_ids=(len(tokens) - len(MARKED[family]) + 1,))  # the 2nd marker
+
+    def add_tokenizer(w):
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm")
+        w.add_token_list(tokens)
+        w.add_token_merges(fields["tokenizer.ggml.merges"])
+        w.add_token_types(list(fields["tokenizer.ggml.token_type"]) + [3] * len(MARKED[family]))
+        w.add_chat_template((Path(__file__).parent / "chat_templates" / f"{family}.jinja")
+                            .read_text())
+
+    return write_gguf(path, config, random_params(config), add_metadata=add_tokenizer)
+
+
+@pytest.mark.parametrize("family, parser", [("deepseek_v3", "deepseek_v3"),
+                                            ("gpt_oss", "openai")])
+def test_forced_calls_in_marker_formats_through_the_chat_route(
+        tmp_path, smollm2_tokenizer_fields, family, parser):
+    from jaxserve.tool_calling.parsers import detect
+
+    path = _marked_gguf(tmp_path / f"{family}.gguf", smollm2_tokenizer_fields, family)
+    engine = AsyncEngine(build_engine(str(path), num_pages=48, max_num_seqs=1,
+                                      max_num_batched_tokens=64, max_model_len=640,
+                                      min_token_bucket=64, warmup=False, progress=False))
+    assert detect(engine.tokenizer.chat_template) == parser
+    srv = ServerThread("tiny")  # --tool-call-parser auto
+    try:
+        srv.attach(engine)
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        ask = [{"role": "user", "content": "Weather in Paris, or 2 + 3?"}]
+        r = client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER, ADD],
+                                           tool_choice="required", temperature=0,
+                                           max_tokens=200, parallel_tool_calls=False)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        (call,) = r.choices[0].message.tool_calls  # (a random model repeats calls if let)
+        assert call.function.name in ("get_weather", "add")
+        assert set(json.loads(call.function.arguments)) == (
+            {"city"} if call.function.name == "get_weather" else {"a", "b"})
+        named = client.chat.completions.create(
+            model="tiny", messages=ask, tools=[WEATHER, ADD], temperature=0, max_tokens=200,
+            tool_choice={"type": "function", "function": {"name": "add"}}, stream=True)
+        name, arguments, finish = "", "", None
+        for chunk in named:
+            for choice in chunk.choices:
+                for d in choice.delta.tool_calls or ():
+                    assert d.index == 0
+                    name += (d.function and d.function.name) or ""
+                    arguments += (d.function and d.function.arguments) or ""
+                finish = choice.finish_reason or finish
+        assert (name, finish) == ("add", "tool_calls")
+        assert set(json.loads(arguments)) == {"a", "b"}
+    finally:
+        srv.stop()
+        engine.shutdown()

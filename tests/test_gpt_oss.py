@@ -235,18 +235,6 @@ def test_harmony_output_is_reasoning_content_and_tool_calls_whole_and_streamed(
     assert [(c["name"], c["arguments"]) for c in joined["calls"].values()] == calls
 
 
-def test_forced_tool_calls_are_refused_for_harmony():
-    from jaxserve.errors import InvalidRequest
-    from jaxserve.tool_calling.choice import forced_tool_call
-    from jaxserve.tool_calling.functions import ToolChoice
-    from jaxserve.tool_calling.parsers import get_tool_parser
-    from tests.test_chat_templates import WEATHER
-
-    with pytest.raises(InvalidRequest, match="not supported with gpt-oss's Harmony") as e:
-        forced_tool_call(WEATHER, ToolChoice("required"), get_tool_parser("openai"))
-    assert e.value.param == "tool_choice"
-
-
 def test_the_released_gpt_oss_20b_config_reads():
     """gpt-oss-20b's config.json as released (transformers 4.55 spelling: rope_scaling, the MXFP4
     quantization_config, experts_per_token, initial_context_length)."""

@@ -223,27 +223,17 @@ def grammar_accepts(tok_and_grammars, constraint, text: str) -> bool:
     return matcher.is_accepting
 
 
-def _forces_calls(name: str) -> bool:
-    """Whether the parser's format has a forced-call grammar (formats that keep the function's
-    name outside the arguments' JSON refuse tool_choice "required" / named instead)."""
-    try:
-        get_tool_parser(name).forced_grammar("call", False)
-    except InvalidRequest:
-        return False
-    return True
+# Formats whose call is one JSON object with the function's name inside, and those that name
+# the function in their markers (their grammars need the markers' special tokens).
+FORCING = ["hermes", "llama3_json", "mistral", "phi4_mini_json"]
+MARKED = {"openai": ["<|start|>", "<|end|>", "<|channel|>", "<|constrain|>", "<|message|>",
+                     "<|call|>"],
+          "deepseek_v3": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                          "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"]}
 
 
-FORCING = sorted(name for name in TOOL_PARSERS if _forces_calls(name))
-
-
-@pytest.mark.parametrize("parser", sorted(set(TOOL_PARSERS) - set(FORCING)))
-def test_formats_without_a_forced_call_grammar_refuse_forced_calls(parser):
-    tools = parse_tools([WEATHER])
-    p = get_tool_parser(parser)
-    assert forced_tool_call(tools, parse_tool_choice("auto", tools), p) is None
-    with pytest.raises(InvalidRequest, match="tool_choice") as err:
-        forced_tool_call(tools, parse_tool_choice("required", tools), p)
-    assert err.value.param == "tool_choice"
+def test_every_format_writes_forced_calls():
+    assert set(TOOL_PARSERS) == set(FORCING) | set(MARKED)
 
 
 @pytest.mark.parametrize("parser", FORCING)
@@ -279,6 +269,65 @@ def test_forced_call_grammar_accepts_exactly_valid_calls(parser, smollm2_grammar
         "type": "array", "uniqueItems": True}}}])
     with pytest.raises(InvalidRequest, match="uniqueItems") as err:
         grammars.compile(forced_tool_call(bad, parse_tool_choice("required", bad), p))
+    assert err.value.param == "tools"
+
+
+def with_special_tokens(tok: Tokenizer, tokens: list[str]) -> Tokenizer:
+    """SmolLM2's tokenizer with a format's markers added as special tokens (as its model's
+    vocabulary has them)."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    backend = Backend.from_str(tok.to_json())
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+    return Tokenizer(backend, source=tok.source, bos_token=tok.bos_token,
+                     eos_token=tok.eos_token, chat_template=tok.chat_template)
+
+
+@pytest.mark.parametrize("parser", sorted(MARKED))
+def test_forced_calls_in_formats_that_name_the_function_in_markers(parser, smollm2_tok):
+    """Harmony (`openai`) and DeepSeek (`deepseek_v3`): the call's markers are the vocabulary's
+    special tokens, the name between them, the arguments held to the function's schema."""
+    from jaxserve.structured.grammar import GrammarCompiler
+
+    tok = with_special_tokens(smollm2_tok, MARKED[parser])
+    grammars = (tok, GrammarCompiler(tok, vocab_size=tok.vocab_size,
+                                     eos_token_ids=tok.eos_token_ids))
+    tools = parse_tools([WEATHER, ADD])
+    p = get_tool_parser(parser)
+    named = forced_tool_call(tools, parse_tool_choice(
+        {"type": "function", "function": {"name": "add"}}, tools), p)
+    required = forced_tool_call(tools, parse_tool_choice("required", tools), p)
+    if parser == "openai":
+        one = "<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>{a}"
+        calls = "{}"
+    else:
+        one = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{n}\n```json\n{a}\n```<｜tool▁call▁end｜>"
+        calls = "<｜tool▁calls▁begin｜>{}<｜tool▁calls▁end｜>"
+    add = calls.format(one.format(n="add", a='{"a": 1, "b": 2}'))
+    weather = calls.format(one.format(n="get_weather", a='{"city": "Paris"}'))
+
+    def accepts(constraint, text):
+        return grammar_accepts(grammars, constraint, text)
+
+    assert accepts(named, add) and not accepts(named, weather)
+    assert accepts(required, add) and accepts(required, weather)
+    assert not accepts(required, weather.replace("city", "town"))
+    assert not accepts(required, weather.replace("get_weather", "get_time"))
+    assert [(c.name, c.arguments) for c in p.parse(weather).tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')]
+    if parser == "deepseek_v3":  # parallel calls, one a line; a named function: one call
+        both = calls.format(one.format(n="add", a='{"a": 1, "b": 2}') + "\n"
+                            + one.format(n="get_weather", a='{"city": "Paris"}'))
+        assert accepts(required, both) and not accepts(named, both)
+        assert [c.name for c in p.parse(both).tool_calls] == ["add", "get_weather"]
+        serial = forced_tool_call(tools, parse_tool_choice("required", tools), p,
+                                  parallel_tool_calls=False)
+        assert not accepts(serial, both)
+    # The markers must be the special tokens: a vocabulary without them cannot be held to it.
+    with pytest.raises(InvalidRequest) as err:
+        GrammarCompiler(smollm2_tok, vocab_size=smollm2_tok.vocab_size,
+                        eos_token_ids=smollm2_tok.eos_token_ids).compile(required)
     assert err.value.param == "tools"
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jaxserve.structured.grammar import lark_json
 from jaxserve.structured.params import StructuredOutputsParams
 from jaxserve.tool_calling.functions import FunctionTool, ToolChoice
 from jaxserve.tool_calling.parsers import ToolParser
@@ -22,13 +21,8 @@ def forced_tool_call(tools: Sequence[FunctionTool], choice: ToolChoice, parser: 
     "none" (the model writes what it wants; "none" is the caller's to honour by not parsing)."""
     if choice.mode not in ("required", "named"):
         return None
-    allowed = [t for t in tools if choice.mode == "required" or t.name == choice.name]
-    calls = [{"type": "object",
-              "properties": {"name": {"const": t.name},
-                             parser.arguments_key: t.enforced_schema()},
-              "required": ["name", parser.arguments_key], "additionalProperties": False}
-             for t in allowed]
-    call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schemas = {t.name: t.enforced_schema() for t in tools
+               if choice.mode == "required" or t.name == choice.name}
     parallel = parallel_tool_calls and choice.mode == "required"
-    return StructuredOutputsParams(grammar=parser.forced_grammar(lark_json(call), parallel),
+    return StructuredOutputsParams(grammar=parser.forced_calls_grammar(schemas, parallel),
                                    param="tools")

@@ -12,18 +12,17 @@ One parser per model family, chosen by name (vLLM's `--tool-call-parser` names):
   "arguments"}` objects.
 - `openai` (gpt-oss's Harmony, jaxserve.reasoning.harmony): each message to `functions.NAME` is
   a call, its body the arguments' JSON; content is the text before the first (as the
-  `openai_gptoss` reasoning parser passes on the final answer's text). Forced calls are not
-  written for it (tool_choice "required" / named: a 400).
+  `openai_gptoss` reasoning parser passes on the final answer's text).
 - `deepseek_v3` (DeepSeek-V3 / R1): content, then `<｜tool▁calls▁begin｜>` and calls
   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` with the arguments in a ```json fence, each
-  closed by `<｜tool▁call▁end｜>`. Special tokens; no forced calls (a 400), as `openai`.
+  closed by `<｜tool▁call▁end｜>`. Special tokens.
 `detect` picks one from a chat template (`--tool-call-parser auto`).
 
 A call's `arguments` is the JSON text of the arguments object exactly as the model wrote it (so
 the streamed fragments join to the same string). When any call is malformed (bad JSON, no name,
 arguments not an object, an unfinished call), `parse` returns the whole text as content and no
 calls, as vLLM does; but an output cut by max_tokens (`parse(text, cut=True)`) keeps its last,
-unfinished call, with the arguments written so far (OpenAI's answer to a call cut short). Each parser also knows its format the other way round: `forced_grammar`
+unfinished call, with the arguments written so far (OpenAI's answer to a call cut short). Each parser also knows its format the other way round: `forced_calls_grammar`
 (used by `jaxserve.tool_calling.choice`) writes the Lark grammar that makes a model emit calls.
 
 Pure Python: no JAX, no engine.
@@ -37,8 +36,9 @@ import string
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from jaxserve.errors import ConfigError, InvalidRequest
+from jaxserve.errors import ConfigError
 from jaxserve.reasoning import harmony
+from jaxserve.structured.grammar import lark_json
 
 
 def new_tool_call_id() -> str:
@@ -214,10 +214,21 @@ class ToolParser:
     def new_call_id() -> str:
         return new_tool_call_id()
 
+    def forced_calls_grammar(self, schemas: dict[str, dict], parallel: bool) -> str:
+        """A Lark grammar (llguidance's dialect) for output made only of calls in this format, to
+        the functions of `schemas` (name -> the JSON schema its arguments are held to). One
+        call, or with `parallel` one or more. Formats whose call is one JSON object (`{"name",
+        <arguments_key>}`) write it with `forced_grammar`; the others override this."""
+        calls = [{"type": "object",
+                  "properties": {"name": {"const": name}, self.arguments_key: schema},
+                  "required": ["name", self.arguments_key], "additionalProperties": False}
+                 for name, schema in schemas.items()]
+        return self.forced_grammar(lark_json(calls[0] if len(calls) == 1 else {"anyOf": calls}),
+                                   parallel)
+
     def forced_grammar(self, call: str, parallel: bool) -> str:
-        """A Lark grammar (llguidance's dialect) for output made only of calls in this format;
-        `call` is the Lark expression of one call's JSON object (`{"name", <arguments_key>}`).
-        One call, or with `parallel` one or more."""
+        """forced_calls_grammar's body for a JSON-object format: `call` is the Lark expression
+        of one call's JSON object."""
         raise NotImplementedError
 
     def parse(self, text: str, *, cut: bool = False) -> ParsedToolCalls:
@@ -408,10 +419,16 @@ class OpenAIToolParser(ToolParser):
                  for m in found if m.function is not None]
         return content_end, calls
 
-    def forced_grammar(self, call: str, parallel: bool) -> str:
-        raise InvalidRequest("tool_choice 'required' or a named function is not supported with "
-                             "gpt-oss's Harmony tool calls (the openai tool-call parser): use "
-                             "'auto'", param="tool_choice")
+    def forced_calls_grammar(self, schemas: dict[str, dict], parallel: bool) -> str:
+        # The call as gpt-oss writes it after the prompt's `<|start|>assistant`: a commentary
+        # message to functions.NAME, its body the JSON arguments. The markers are special tokens
+        # (llguidance's `<|name|>`). `<|call|>` is a stop token that ends the turn, so one call
+        # per turn whatever `parallel` says; the grammar ends at the arguments and the stop
+        # token follows. No analysis message first (a forced call is the whole answer).
+        return ('start: <|channel|> "commentary to=functions." call\n'
+                + _alternatives("call", {
+                    f'"{_lark(name)} " <|constrain|> "json" <|message|> {lark_json(schema)}'
+                    for name, schema in schemas.items()}))
 
 
 def _json_object(text: str) -> bool:
@@ -482,10 +499,15 @@ class DeepSeekV3ToolParser(ToolParser):
             ok = self.CLOSE.startswith(text[close:])
         return (_Call(name, (brace, end), False) if ok else _BAD), len(text)
 
-    def forced_grammar(self, call: str, parallel: bool) -> str:
-        raise InvalidRequest("tool_choice 'required' or a named function is not supported with "
-                             "DeepSeek's tool calls (the deepseek_v3 tool-call parser): use "
-                             "'auto'", param="tool_choice")
+    def forced_calls_grammar(self, schemas: dict[str, dict], parallel: bool) -> str:
+        # As DeepSeek's template writes calls, each marker one special token (llguidance's
+        # `<｜name｜>`), the calls on lines of their own inside the calls markers.
+        more = ' ("\\n" call)*' if parallel else ""
+        return (f"start: <｜tool▁calls▁begin｜> call{more} <｜tool▁calls▁end｜>\n"
+                "call: <｜tool▁call▁begin｜> \"function\" <｜tool▁sep｜> function <｜tool▁call▁end｜>\n"
+                + _alternatives("function", {
+                    f'"{_lark(name)}\\n```json\\n" {lark_json(schema)} "\\n```"'
+                    for name, schema in schemas.items()}))
 
 
 def _json_array(text: str, pos: int) -> list[_Call]:
@@ -505,6 +527,12 @@ def _json_array(text: str, pos: int) -> list[_Call]:
             break
         pos = _skip_ws(text, pos + 1)
     return calls
+
+
+def _alternatives(rule: str, bodies: set[str]) -> str:
+    """A Lark rule with one alternative per body (sorted: the same grammar text, and so the
+    same compiled grammar in the cache, for the same tools)."""
+    return f"{rule}: " + "\n    | ".join(sorted(bodies)) + "\n"
 
 
 def _lark(literal: str) -> str:
