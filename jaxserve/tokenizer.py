@@ -83,10 +83,10 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 
 
 def _gguf_fields(path: Path) -> dict:
-    from gguf import GGUFReader  # imported here: reading a tokenizer.json never needs it
+    from jaxserve.gguf_file import GGUFFile  # here: reading a tokenizer.json never needs gguf
 
     try:
-        reader = GGUFReader(str(path))
+        reader = GGUFFile(str(path))
     except (OSError, ValueError) as e:
         raise TokenizerError(f"{path}: not a readable GGUF file ({e})") from None
     return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}

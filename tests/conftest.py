@@ -64,9 +64,9 @@ def smollm2(smollm2_path):
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_fields(smollm2_path) -> dict:
     """SmolLM2's tokenizer metadata, for tiny random models that encode prompts for real."""
-    from gguf import GGUFReader
+    from jaxserve.gguf_file import GGUFFile
 
-    reader = GGUFReader(str(smollm2_path))
+    reader = GGUFFile(str(smollm2_path))
     keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
             "tokenizer.chat_template")
     return {k: reader.fields[k].contents() for k in keys}

@@ -33,14 +33,14 @@ LAYERS = (
     ("tool_calling", "audit"),
     ("structured", "safety", "telemetry", "reasoning"),
     ("engine_settings",),  # the engine settings table: flags, deployment fields, EngineConfig
-    ("model_registry", "config", "protos", "shapes", "sqlite_store"),
+    ("model_registry", "config", "protos", "shapes", "sqlite_store", "gguf_file"),
     ("errors",),
 )
 # Host side: scheduling, bookkeeping and request handling, tested without a device.
 HOST_SIDE = ("core", "gateway", "fleet", "agents", "evals", "batches", "entrypoints.serving",
              "tokenizer", "model_registry", "engine_settings", "config", "shapes", "errors",
              "structured", "tool_calling", "reasoning", "safety", "audit", "telemetry",
-             "sqlite_store")
+             "sqlite_store", "gguf_file")
 DEVICE_LIBRARIES = ("jax", "jaxlib", "flax", "orbax")
 # The package's face (lazy `jaxserve.LLM`) and `python -m jaxserve` stand above every layer.
 FACES = ("jaxserve", "jaxserve.__main__")

@@ -78,12 +78,12 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _open(path: Path):
-    from gguf import GGUFReader
+    from jaxserve.gguf_file import GGUFFile
 
     if not path.is_file():
         raise WeightsError(f"{path}: no such GGUF file")
     try:
-        return GGUFReader(str(path))
+        return GGUFFile(str(path))
     except Exception as e:  # the reader fails in many ways on bad bytes; the user needs one line
         raise WeightsError(
             f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); the file is corrupted or "
