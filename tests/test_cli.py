@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -36,10 +39,31 @@ def assert_one_line_error(rc: int, err: str, match: str):
 # ---------------------------------------------------------------- tiny models with a real tokenizer
 
 
+# A tiny GGUF's arguments (digest) -> a private copy of the file they wrote. The same arguments
+# write the same bytes (fixed seed), and writing SmolLM2's 49k tokens and merges takes seconds,
+# so later calls copy the first file (a private copy: a test may corrupt its own file), kept in
+# a directory removed when the process exits.
+_TINY_GGUFS: dict[str, Path] = {}
+_TINY_GGUF_DIR = tempfile.TemporaryDirectory(prefix="jaxserve-tiny-ggufs-")
+
+
 def tiny_gguf(path: Path, fields: dict | None, *, chat_template: bool = True,
               arch: str | None = None, **config_changes) -> Path:
     """A random 2-layer model carrying SmolLM2's tokenizer (so prompts encode for real);
     config_changes override `tiny()`'s fields (e.g. a longer max_position_embeddings)."""
+    key = hashlib.sha256(json.dumps([fields, chat_template, arch, config_changes],
+                                    sort_keys=True, default=repr).encode()).hexdigest()
+    if key in _TINY_GGUFS:
+        shutil.copyfile(_TINY_GGUFS[key], path)
+        return path
+    _write_tiny_gguf(path, fields, chat_template, arch, config_changes)
+    _TINY_GGUFS[key] = Path(_TINY_GGUF_DIR.name) / f"{key}.gguf"
+    shutil.copyfile(path, _TINY_GGUFS[key])
+    return path
+
+
+def _write_tiny_gguf(path: Path, fields: dict | None, chat_template: bool, arch: str | None,
+                     config_changes: dict) -> Path:
     config = tiny(vocab_size=49152 if fields else 64, **config_changes)
 
     def add_tokenizer(w):
