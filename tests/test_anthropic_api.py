@@ -1,18 +1,24 @@
 """Anthropic's Messages API through a real server, with the official `anthropic` client: a tiny
 random model whose template thinks (Qwen3-Thinking style), answered whole and streamed (the same
 greedy content), thinking on and off, a forced tool call and its tool_result turn, stop sequences,
-cached-prompt usage (on the OpenAI routes too), count_tokens, and Anthropic's error bodies (x-api-key authenticates)."""
+cached-prompt usage (on the OpenAI routes too) and its price, count_tokens, and Anthropic's error
+bodies (x-api-key authenticates)."""
 
 from __future__ import annotations
+
+import logging
 
 import anthropic
 import pytest
 
 from jaxserve.core.async_engine import AsyncEngine
 from jaxserve.core.engine_factory import build_engine
+from jaxserve.entrypoints.http.app import attach_engine
+from jaxserve.gateway.pricing import Pricing
 from tests.test_chat_formats_server import THINKING
 from tests.test_cli import tiny_gguf
-from tests.test_server import ServerThread, _request
+from tests.test_server import ServerThread, _request, access_records, http_get, wait_for
+from tests.test_tenancy_server import metric_values
 
 TENANTS = """
 [tenant.alice]
@@ -21,6 +27,8 @@ api_keys = ["sk-alice"]
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]
 # The current client has no sampling arguments; older ones and other clients send them.
 GREEDY = {"model": "tiny", "max_tokens": 8, "extra_body": {"temperature": 0.0}}
+# USD per million tokens; a cached prompt token costs a quarter of another one
+PRICES = Pricing(prompt_per_1m=2.0, completion_per_1m=8.0, cached_prompt_per_1m=0.5)
 TOOL = {"name": "add", "description": "Add two numbers",
         # small values: a random model's free integers could run to max_tokens
         "input_schema": {"type": "object", "properties": {"a": {"enum": [1, 2, 3]},
@@ -40,7 +48,8 @@ def server(tmp_path_factory, smollm2_tokenizer_fields):
                                       min_token_bucket=16, strict_compile=True, progress=False))
     srv = ServerThread("tiny", tenants_file=str(d / "tenants.toml"))
     try:
-        srv.attach(engine)
+        srv.loop.call_soon_threadsafe(attach_engine, srv.app, engine, None, PRICES)
+        wait_for(lambda: http_get(f"{srv.url}/ready").status_code == 200, "ready")
         yield srv
     finally:
         srv.stop()
@@ -157,6 +166,44 @@ def test_openai_routes_report_cached_prompt_tokens_too(server):
                                            temperature=0)
     assert again.usage.prompt_tokens == first.usage.prompt_tokens
     assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+
+
+def _priced(prompt: int, completion: int, cached: int) -> float:
+    return ((prompt - cached) * 2.0 + cached * 0.5 + completion * 8.0) / 1e6
+
+
+def test_cached_prompt_tokens_are_priced_at_their_own_rate(server, client, caplog):
+    caplog.set_level(logging.INFO, logger="jaxserve.access")
+    system = "You price tokens and nothing else. " * 6
+    body = {"model": "tiny", "messages": [{"role": "system", "content": system}, *ASK],
+            "max_tokens": 2, "temperature": 0}
+    auth = {"Authorization": "Bearer sk-alice"}
+    first, again = (_request("POST", f"{server.url}/v1/chat/completions", body,
+                             headers=auth).json()["usage"] for _ in range(2))
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0 and cached > 0
+    assert first["cost"] == pytest.approx(_priced(first["prompt_tokens"],
+                                                  first["completion_tokens"], 0))
+    assert again["cost"] == pytest.approx(_priced(again["prompt_tokens"],
+                                                  again["completion_tokens"], cached))
+    assert again["cost"] < first["cost"]
+    # Anthropic's usage of the same kind of request: what it reads from the cache is what is
+    # priced at the cached rate (the tenant's cost counter), and what the access log records.
+    records = wait_for(lambda: access_records(caplog, 2), "the access-log lines")
+    spent = metric_values(server.url)[("jaxserve:cost_usd_total", (("tenant", "alice"),))]
+    msg = client.messages.create(messages=ASK, system=system, thinking={"type": "disabled"},
+                                 **GREEDY)
+    u = msg.usage
+    assert u.cache_read_input_tokens > 0 and u.cache_creation_input_tokens == 0
+    prompt = u.input_tokens + u.cache_read_input_tokens
+    records = wait_for(lambda: access_records(caplog, 3), "the access-log lines")
+    assert (records[-1]["prompt_tokens"], records[-1]["cached_tokens"]) == (
+        prompt, u.cache_read_input_tokens)
+    assert records[1]["cached_tokens"] == cached
+    after = wait_for(lambda: (lambda v: v if v > spent else None)(metric_values(server.url)[
+        ("jaxserve:cost_usd_total", (("tenant", "alice"),))]), "the cost counter")
+    assert after - spent == pytest.approx(_priced(prompt, u.output_tokens,
+                                                  u.cache_read_input_tokens))
 
 
 def _flood(client, n: int) -> None:

@@ -359,6 +359,22 @@ def test_cost_from_the_models_pricing(tmp_path, monkeypatch):
         parse_pricing({"prompt_per_1k": 1}, "x")
 
 
+def test_cached_prompt_tokens_at_their_own_rate():
+    table = {"prompt_per_1m": 2.0, "completion_per_1m": 8.0}
+    plain = parse_pricing(table, "x")
+    cheap = parse_pricing({**table, "cached_prompt_per_1m": 0.5}, "x")
+    usage = {"prompt_tokens": 1_000, "completion_tokens": 100,
+             "prompt_tokens_details": {"cached_tokens": 600}}
+    assert with_cost(usage, cheap)["cost"] == pytest.approx((400 * 2 + 600 * 0.5 + 100 * 8) / 1e6)
+    # Without a cached rate, a cached token costs a prompt token (no discount by default).
+    assert with_cost(usage, plain)["cost"] == pytest.approx((1_000 * 2 + 100 * 8) / 1e6)
+    assert cheap.cost(10, 0, cached_tokens=50) == pytest.approx(10 * 0.5 / 1e6)  # clamped
+    # The cached rate shows only where it is set (manifests of unchanged prices stay the same).
+    assert plain.to_dict() == table and cheap.to_dict()["cached_prompt_per_1m"] == 0.5
+    with pytest.raises(ConfigError, match=r"x.cached_prompt_per_1m: must be a number"):
+        parse_pricing({**table, "cached_prompt_per_1m": -1}, "x")
+
+
 def test_no_secret_reaches_the_logs(tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     gateway = Gateway(load_tenants(write(tmp_path, TENANTS)))

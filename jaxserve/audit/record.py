@@ -66,13 +66,15 @@ class AuditRecord:
     idempotent_replay: bool = False
     prompt: Sequence[str] | None = None  # only with the tenant's audit_content, redacted
     outputs: Sequence[str] | None = None  # idem, one per choice
+    cached_tokens: int = 0  # of prompt_tokens, read from the prefix cache
 
     def to_dict(self) -> dict:
         d = {"request_id": self.request_id, "route": self.route, "status": self.status,
              "status_code": self.status_code, "tenant": self.tenant, "key_id": self.key_id,
              "model": self.model, "version": self.version, "client": self.client,
              "arrival": self.arrival, "prompt_tokens": self.prompt_tokens,
-             "completion_tokens": self.completion_tokens, "cost": self.cost,
+             "completion_tokens": self.completion_tokens,
+             "cached_tokens": self.cached_tokens, "cost": self.cost,
              "finish_reasons": list(self.finish_reasons),
              "interventions": [i.to_dict() for i in self.interventions],
              "deadline_exceeded": self.deadline_exceeded, "shed": self.shed,

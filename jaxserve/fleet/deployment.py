@@ -16,7 +16,6 @@ A bad value is an InvalidRequest whose `param` is the dotted field (`route.smoll
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import tomllib
@@ -70,7 +69,7 @@ class VersionSpec:
     def to_dict(self) -> dict:
         return {"name": self.name, "model": self.model, "dtype": self.dtype,
                 **dict(self.engine_args), "generation": dict(self.generation),
-                "pricing": dataclasses.asdict(self.pricing) if self.pricing is not None else None}
+                "pricing": self.pricing.to_dict() if self.pricing is not None else None}
 
 
 @dataclass(frozen=True)

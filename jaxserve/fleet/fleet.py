@@ -444,9 +444,9 @@ class Fleet:
 
     def _finish(self, lease: Lease, *, error: bool, ttft: float | None, prompt_tokens: int,
                 completion_tokens: int, token_agreement: float | None,
-                availability: str = "good") -> None:
+                availability: str = "good", cached_tokens: int = 0) -> None:
         version = lease.version
-        cost = (version.pricing.cost(prompt_tokens, completion_tokens)
+        cost = (version.pricing.cost(prompt_tokens, completion_tokens, cached_tokens)
                 if version.pricing is not None else None)
         with self._lock:
             probe = lease.probe

@@ -13,7 +13,6 @@ cache: a restart re-hashes only files that changed.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -156,7 +155,7 @@ def build_manifest(resolved: ResolvedVersion, chat_template: str | None,
             "tokenizer": tokenizer,
             "generation": {k: list(v) if k == "stop" else v for k, v in resolved.spec.generation},
             "engine": resolved.engine_settings,
-            "pricing": dataclasses.asdict(resolved.pricing) if resolved.pricing is not None
+            "pricing": resolved.pricing.to_dict() if resolved.pricing is not None
             else None}
     # What the id covers: contents, not where they are (a single file's name is left out; a
     # directory's layout is part of the checkpoint).

@@ -87,7 +87,7 @@ class Version:
                 "memory": self.memory.to_dict(),
                 "load_seconds": self.load_seconds, "compile_seconds": self.compile_seconds,
                 "settings": self.spec.to_dict(),
-                "pricing": dataclasses.asdict(self.pricing) if self.pricing is not None else None,
+                "pricing": self.pricing.to_dict() if self.pricing is not None else None,
                 "manifest": self.manifest.to_dict() if self.manifest is not None else None}
 
 
@@ -110,14 +110,15 @@ class Lease:
 
     def finish(self, *, error: bool = False, ttft: float | None = None, prompt_tokens: int = 0,
                completion_tokens: int = 0, token_agreement: float | None = None,
-               availability: str = "good") -> None:
+               availability: str = "good", cached_tokens: int = 0) -> None:
         """Record the outcome (a version's fault: `error`; a client's bad input or disconnect is
         not) and release the version. `token_agreement`: for a greedy shadow, the fraction of
         its tokens equal to the primary's; `availability`: the request's availability SLI event
-        (telemetry/sli.py), for the canary gate's burn-rate criterion."""
+        (telemetry/sli.py), for the canary gate's burn-rate criterion; `cached_tokens`: of the
+        prompt tokens, those read from the prefix cache (priced at the cached rate)."""
         self.fleet._finish(self, error=error, ttft=ttft, prompt_tokens=prompt_tokens,
                            completion_tokens=completion_tokens, token_agreement=token_agreement,
-                           availability=availability)
+                           availability=availability, cached_tokens=cached_tokens)
 
     def release(self) -> None:
         """End without an outcome (the request never ran, or its end says nothing about the

@@ -55,7 +55,7 @@ def access_log_sink(log_prompts: bool) -> Sink:
             "request_id": o.request_id, "model": o.version, "route": o.route, "kind": o.kind,
             "transport": o.ctx.transport, "tenant": o.tenant, "key_id": o.key_id,
             "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
-            "ttft_s": o.ttft_s, "total_s": round(o.total_s, 4),
+            "cached_tokens": o.cached_tokens, "ttft_s": o.ttft_s, "total_s": round(o.total_s, 4),
             "finish_reasons": sorted({r for r in o.finish_reasons if r}), "status": o.status}
         if log_prompts:
             record["prompt"] = (o.prompts if o.screening is None else
@@ -89,7 +89,7 @@ class Sinks:
 def _end_version_lease(lease: VersionLease, o: Outcome) -> None:
     if o.served:  # a version's fault (a 5xx) counts against it; a client's or a shed does not
         lease.finish(error=version_fault(o.error), ttft=o.ttft_s, prompt_tokens=o.prompt_tokens,
-                     completion_tokens=o.completion_tokens,
+                     completion_tokens=o.completion_tokens, cached_tokens=o.cached_tokens,
                      availability=sli.availability(o.status_code))
     else:  # it never ran there: released, with its shadow copies, saying nothing of the version
         lease.__exit__(None, None, None)

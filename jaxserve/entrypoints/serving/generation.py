@@ -386,7 +386,7 @@ class Generation:
             version=self.version.name, route=self.route, served=True,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=sum(self.completion_tokens.values()),
-            cost=self.usage().get("cost"),
+            cached_tokens=sum(self.cached_tokens.values()), cost=self.usage().get("cost"),
             finish_reasons=tuple(self.finish_reasons.get(i, "") for i in range(self.num_choices)),
             first_token_at=self.first_token_at, screening=self.screening,
             prompts=self.parsed.prompts, streamed=self.streamed)

@@ -37,6 +37,7 @@ class Outcome:
     # tenant's usage and latency count it
     prompt_tokens: int = 0  # of a served request, or the tokens an encoder read
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, read from the prefix cache (priced at its rate)
     cost: float | None = None  # USD; None without prices
     finish_reasons: tuple[str, ...] = ()  # per choice; "" for one that never finished
     first_token_at: float | None = None  # monotonic, as ctx.arrival
