@@ -95,8 +95,14 @@ class MlaConfig:
 
 
 MOE_SCORINGS = ("softmax", "sigmoid")
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "gguf")
 INT8_GROUP = 32  # contraction rows per int8 scale: a Q4_1 / Q4_0 block, so those load exactly
+# GGUF block formats kept as they are (quantization "gguf"; jaxserve.kernels.matmul.FORMATS).
+GGUF_FORMATS = ("q4_0", "q4_1", "q8_0")
+# What quantization "gguf" may keep as blocks: the layers' seven projections (all of them or none)
+# and the embedding / LM head.
+GGUF_TENSORS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "embed_tokens", "lm_head")
 
 
 @dataclass(frozen=True)
@@ -137,8 +143,13 @@ class ModelConfig:
     dtype: str = "float32"  # activations and weights
     # Weight storage of the decoder layers' projections: None stores them in `dtype`; "int8"
     # stores uint8 codes with a scale and a minimum per INT8_GROUP contraction rows (see
-    # jaxserve.weights.quantize), dequantized to `dtype` inside the step.
+    # jaxserve.weights.quantize), dequantized to `dtype` inside the step; "gguf" keeps the GGUF
+    # file's blocks of the tensors in `gguf_formats` as they are (jaxserve.weights.gguf), read in
+    # place by the CPU kernel or dequantized inside the step.
     quantization: str | None = None
+    # quantization "gguf": (tensor, block format) for each tensor kept as blocks (GGUF_TENSORS,
+    # GGUF_FORMATS), in GGUF_TENSORS' order.
+    gguf_formats: tuple[tuple[str, str], ...] = ()
     # Expert parallelism (--enable-expert-parallel): a mixture's experts sharded over the mesh's
     # model axis, tokens dispatched to their devices (jaxserve.executor.models.moe). A placement,
     # like dtype: set by the engine factory, never read from a checkpoint.
@@ -211,6 +222,15 @@ class ModelConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got "
                               f"{self.quantization!r}")
+        formats = dict(self.gguf_formats)
+        if ((self.quantization == "gguf") != bool(formats) or not set(formats) <= set(GGUF_TENSORS)
+                or 0 < len(set(formats) & set(GGUF_TENSORS[:7])) < 7
+                or not set(formats.values()) <= set(GGUF_FORMATS)):
+            raise ConfigError(f"quantization 'gguf' needs gguf_formats: block formats "
+                              f"({', '.join(GGUF_FORMATS)}) of the seven projections (all or "
+                              f"none), embed_tokens, lm_head; got {self.gguf_formats}")
+        if formats and self.dtype != "float32":
+            raise ConfigError(f"GGUF blocks are read into float32, not {self.dtype}")
         if self.num_experts and not (0 < self.experts_per_token <= self.num_experts
                                      and self.moe_intermediate_size > 0):
             raise ConfigError(f"a mixture of experts needs 0 < experts_per_token <= num_experts "
@@ -234,7 +254,7 @@ class ModelConfig:
                                      or self.num_kv_heads != self.num_heads
                                      or self.head_dim != self.mla.qk_rope_head_dim):
             raise ConfigError("latent attention needs num_kv_heads == num_heads, head_dim == "
-                              "qk_rope_head_dim (the rotated part) and no int8 quantization")
+                              "qk_rope_head_dim (the rotated part) and no quantization")
         if self.mla is not None and not self.num_experts:
             raise ConfigError("latent attention is served with DeepSeek-V3's mixture of experts "
                               "only (a model whose every layer is dense is not)")

@@ -1,8 +1,9 @@
 """The CPU kernels (jaxserve.kernels.cpu): the one switch and what it turns off, the library
 (jaxserve.kernels.cpu.library: its sources, handlers and cache), the sampler's top-k / top-p
 thresholds (jaxserve.kernels.sampling) against a float64 reference and the pure-JAX path, the
-stacked-weights matmul (jaxserve.kernels.matmul) against a float64 reference, and the library
-built for older x86 ISAs. The attention kernel's tests are in test_ragged_paged_attention.py; the
+stacked-weights matmul (jaxserve.kernels.matmul) against a float64 reference, the matmul on GGUF
+blocks (Q4_0 / Q4_1 / Q8_0) against the gguf package's dequantization, and the library built for
+older x86 ISAs. The attention kernel's tests are in test_ragged_paged_attention.py; the
 model through the matmul kernel in test_llama.py."""
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ def test_the_library_builds_every_source_and_registers_every_handler_they_define
     # them, and each wrapper's FFI target is one of theirs.
     from jaxserve.kernels.attention import cpu as attention_cpu
 
-    assert [p.name for p in cpu_library.sources()] == ["attention.cc", "matmul.cc", "sampling.cc"]
+    assert [p.name for p in cpu_library.sources()] == ["attention.cc", "matmul.cc",
+                                                       "quantized_matmul.cc", "sampling.cc"]
     handlers = cpu_library.handlers()
     assert handlers["jaxserve_paged_decode"] == "JaxservePagedDecode"
-    assert set(handlers) == {*attention_cpu.TARGETS, cpu_sampling._TARGET, cpu_matmul._TARGET}
+    assert set(handlers) == {*attention_cpu.TARGETS, cpu_sampling._TARGET, cpu_matmul._TARGET,
+                             cpu_matmul._QUANTIZED_TARGET}
     assert cpu_library.plan().path.name == f"cpu_kernels-{cpu_library.plan().key}.so"
 
 
@@ -206,14 +209,49 @@ def check_stacked_matmul(T: int, K: int, N: int) -> None:
         np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(K), rtol=0)
 
 
-# The library has a variant per x86 ISA (the attention's scores, attention.cc's Vec; the matmul's
+QUANTIZED_CASES = [  # T, K, N
+    (1, 64, 5),  # a decode row; one block pair; an output tail (tiles of 4 or 2)
+    (6, 96, 8),  # a row tail (tiles of 4 or 2 rows)
+    (9, 576, 36),  # SmolLM2's hidden size: 18 blocks
+]
+
+
+@needs_library
+@pytest.mark.parametrize("fmt", list(cpu_matmul.FORMATS))
+def test_quantized_matmul_matches_the_gguf_dequantization(fmt):
+    check_quantized_matmul(fmt)
+
+
+def check_quantized_matmul(fmt: str) -> None:
+    """The blocks as llama.cpp writes them (the gguf package's quantizer, on random weights):
+    `dequantize` gives the package's f32 values exactly, and the kernel their product with x
+    (f32 sums: ~1e-7 relative per term, far below a wrong block, nibble, row or layer)."""
+    from gguf import GGMLQuantizationType, quants
+
+    kind = GGMLQuantizationType[fmt.upper()]
+    run = jax.jit(cpu_matmul.quantized_matmul, static_argnums=3)
+    for T, K, N in QUANTIZED_CASES:
+        rng = np.random.default_rng(T + K + N)
+        w = rng.standard_normal((2, N, K)).astype(np.float32)
+        blocks = np.stack([quants.quantize(layer, kind) for layer in w])
+        values = np.stack([quants.dequantize(layer, kind) for layer in blocks])
+        np.testing.assert_array_equal(np.asarray(cpu_matmul.dequantize(blocks, fmt)), values)
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        for layer in range(2):
+            want = x.astype(np.float64) @ values[layer].T.astype(np.float64)
+            got = np.asarray(run(x, blocks, np.int32(layer), fmt))
+            np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(K), rtol=0)
+
+
+# The library has a variant per x86 ISA (the attention's scores, attention.cc's Vec; the matmuls'
 # tiles): AVX-512, AVX2, and the compiler's generic vectors. The suite's own build takes the
 # host's; these build the others (in a subprocess, with its own kernel cache, so this process
 # keeps its registered library) and check the attention and the matmul through them.
 _OLDER_X86_SCRIPT = """
 import numpy as np
 from jaxserve.kernels import cpu
-from tests.test_cpu_kernels import MATMUL_CASES, check_stacked_matmul
+from jaxserve.kernels.matmul import FORMATS
+from tests.test_cpu_kernels import MATMUL_CASES, check_quantized_matmul, check_stacked_matmul
 from tests.test_ragged_paged_attention import check, make_case
 assert cpu.enabled()
 rng = np.random.default_rng(0)
@@ -227,6 +265,8 @@ for D, (hq, hkv) in ((64, (9, 3)), (128, (8, 1))):
             check("cpu", args, dtype="float32", sliding_window=7, soft_cap=5.0)
 for case in MATMUL_CASES:
     check_stacked_matmul(*case)
+for fmt in FORMATS:
+    check_quantized_matmul(fmt)
 """
 
 

@@ -170,6 +170,49 @@ def _q4_1_exact(params: dict) -> dict:
     return {**params, "layers": layers}
 
 
+GGUF_FORMATS = (("q_proj", "q4_0"), ("k_proj", "q4_1"), ("v_proj", "q8_0"), ("o_proj", "q4_1"),
+                ("gate_proj", "q4_0"), ("up_proj", "q8_0"), ("down_proj", "q4_1"),
+                ("embed_tokens", "q4_1"), ("lm_head", "q8_0"))
+
+
+def _dequantized(params: dict, config) -> dict:
+    """GGUF-block params as the f32 tree of the same values (what loading with --quantization
+    none gives)."""
+    from jaxserve.kernels.matmul import dequantize
+
+    formats = dict(config.gguf_formats)
+    f32 = decoder.param_shapes(config.replace(quantization=None, gguf_formats=()))
+    layers = dict(params["layers"])
+    for name in decoder.PROJECTIONS:
+        w = np.asarray(dequantize(layers[name], formats[name]))  # [L, N, K]
+        layers[name] = w.transpose(0, 2, 1).reshape(f32["layers"][name].shape)
+    return {**params, "layers": layers,
+            "embed_tokens": np.asarray(dequantize(params["embed_tokens"], formats["embed_tokens"])),
+            "lm_head": np.asarray(dequantize(params["lm_head"], formats["lm_head"])).T}
+
+
+@pytest.mark.parametrize("weights", ["in_place", "sliced"])
+def test_gguf_blocks_give_the_forward_of_their_dequantized_weights(weights, monkeypatch):
+    # Every format on some projection, the embedding and the LM head. In place: the CPU kernel
+    # reads the blocks (16 tokens); sliced: each layer's blocks dequantized through XLA.
+    config = tiny_config(intermediate_size=64)
+    cfg_q = config.replace(quantization="gguf", gguf_formats=GGUF_FORMATS)
+    if weights == "sliced":
+        monkeypatch.setattr(decoder, "_projections_in_place", lambda *args: False)
+    elif not decoder._projections_in_place(cfg_q, None, 16):
+        pytest.skip("the CPU kernels are not built here")
+    jax.clear_caches()  # _step's trace depends on the choice
+    params = jax.tree.map(np.asarray, decoder.init_params(cfg_q, jax.random.key(4)))
+    assert params["layers"]["o_proj"].shape == (3, 32, 64 // 32 * 20)  # [L, N, K / 32 * bytes]
+    seq = np.random.default_rng(5).integers(0, config.vocab_size, 9).tolist()
+    steps = [[SeqChunk(seq[:8], 0, [3, 4])], [SeqChunk(seq[8:], 8, [3, 4, 6])]]
+    for (hq, lq), (h32, l32) in zip(run_steps(params, cfg_q, steps),
+                                    run_steps(_dequantized(params, cfg_q), config, steps)):
+        np.testing.assert_allclose(hq, h32, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(lq, l32, atol=1e-5, rtol=1e-5)
+    assert np.abs(l32).max() > 0.1  # real signal through the random blocks
+
+
 def test_int8_weights_give_the_f32_forward_of_q4_1_weights():
     from jaxserve.errors import ConfigError
     from jaxserve.weights.quantize import quantize_int8

@@ -115,8 +115,9 @@ def add_shape_metadata(w: GGUFWriter, config: ModelConfig) -> None:
 
 
 def write_gguf(path: Path, config: ModelConfig, params: dict, *, arch: str | None = None,
-               add_metadata=None) -> Path:
-    """A GGUF as llama.cpp's converter writes it; `add_metadata(writer)` adds more keys."""
+               add_metadata=None, projections: dict | None = None) -> Path:
+    """A GGUF as llama.cpp's converter writes it; `add_metadata(writer)` adds more keys;
+    `projections`: {GGUF name (attn_q, ...): GGML type} for layer weights quantized to it."""
     arch = arch or ("qwen2" if config.architecture == "qwen2" else "llama")
     w = GGUFWriter(str(path), arch)
     if add_metadata is not None:
@@ -141,6 +142,11 @@ def write_gguf(path: Path, config: ModelConfig, params: dict, *, arch: str | Non
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = config.num_heads if module.endswith("q_proj") else config.num_kv_heads
             t = _llama_cpp_permute(t, heads)
+        kind_type = (projections or {}).get(gguf_names[module]) if kind == "weight" else None
+        if kind_type is not None:
+            w.add_tensor(f"blk.{i}.{gguf_names[module]}.{kind}", quants.quantize(t, kind_type),
+                         raw_dtype=kind_type)
+            continue
         w.add_tensor(f"blk.{i}.{gguf_names[module]}.{kind}", t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -236,6 +242,37 @@ def test_gguf_round_trip_undoes_llama_cpp_permutation(tmp_path, config):
     assert_same_tree(loaded, params)
 
 
+def test_gguf_blocks_kept_are_the_dequantized_load(tmp_path):
+    # The seven projections of every layer in a supported type (a different one each), the
+    # embedding Q8_0: kept as blocks (quantization "gguf"), llama.cpp's Q/K row order undone on
+    # whole rows of blocks, they dequantize to exactly what the f32 load reads.
+    from jaxserve.kernels.matmul import dequantize
+
+    T = GGMLQuantizationType
+    types = {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0, "attn_output": T.Q4_1,
+             "ffn_gate": T.Q4_0, "ffn_up": T.Q8_0, "ffn_down": T.Q4_1}
+    path = write_gguf(tmp_path / "q.gguf", LLAMA, random_params(LLAMA), projections=types)
+    config, f32 = load_gguf(path)
+    config_q, kept = load_gguf(path, keep_blocks=True)
+    assert config_q == config.replace(quantization="gguf", gguf_formats=(
+        ("q_proj", "q4_0"), ("k_proj", "q4_1"), ("v_proj", "q8_0"), ("o_proj", "q4_1"),
+        ("gate_proj", "q4_0"), ("up_proj", "q8_0"), ("down_proj", "q4_1"),
+        ("embed_tokens", "q8_0")))
+    formats = dict(config_q.gguf_formats)
+    for name in decoder.PROJECTIONS:
+        w = np.asarray(dequantize(kept["layers"][name], formats[name]))  # [L, N, K]
+        np.testing.assert_array_equal(w.transpose(0, 2, 1).reshape(f32["layers"][name].shape),
+                                      f32["layers"][name], err_msg=name)
+    np.testing.assert_array_equal(np.asarray(dequantize(kept["embed_tokens"], "q8_0")),
+                                  f32["embed_tokens"])
+    assert jax.tree.map(lambda x: (x.shape, np.dtype(x.dtype)), kept) == jax.tree.map(
+        lambda x: (x.shape, np.dtype(x.dtype)), decoder.param_shapes(config_q))
+    # One layer in another type: the projections are all dequantized (the embedding still kept).
+    types["ffn_down"] = T.F16
+    path = write_gguf(tmp_path / "mixed.gguf", LLAMA, random_params(LLAMA), projections=types)
+    assert load_gguf(path, keep_blocks=True)[0].gguf_formats == (("embed_tokens", "q8_0"),)
+
+
 def test_gguf_bad_inputs(tmp_path):
     params = random_params(LLAMA)
     bad_arch = write_gguf(tmp_path / "bert.gguf", LLAMA, params, arch="bert")
@@ -309,7 +346,7 @@ def test_load_model_int8_quantization_and_where_it_is_refused(tmp_path):
     assert config8.quantization == "int8"
     assert params8["layers"]["q_proj"].dtype == jnp.uint8
     assert params8["embed_tokens"].dtype == jnp.float32  # the LM head stays in the model's dtype
-    assert config8.replace(quantization=None) == load_model(spec)[0]
+    assert config8.replace(quantization=None) == load_model(spec, quantization="none")[0]
     with pytest.raises(ConfigError, match="orbax"):
         load_model(ModelSpec("m", "orbax", tmp_path / "ckpt"), quantization="int8")
     with pytest.raises(ConfigError, match="quantization must be one of"):

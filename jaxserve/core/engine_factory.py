@@ -48,7 +48,7 @@ def build_engines(model: str, *, strict_compile: bool = False, warmup: bool = Tr
     dtype, quantization, chat_template = (args.pop(k, None)
                                           for k in ("dtype", "quantization", "chat_template"))
     sizes = parallel_config(args)
-    if quantization is not None and sizes.tensor_parallel_size > 1:
+    if quantization not in (None, "none") and sizes.tensor_parallel_size > 1:
         # The scales of a group span heads (o_proj): they do not shard with them.
         raise ConfigError(f"quantization {quantization!r} is not supported with "
                           f"tensor_parallel_size > 1")

@@ -37,6 +37,8 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "cache_pages": None,
     "page_offset": None,
     "quant_groups": None,  # int8 weights' scales (not with tensor parallelism)
+    "quant_rows": None,  # GGUF blocks' rows and bytes (not with tensor parallelism)
+    "quant_bytes": None,
     "expert": None,  # a mixture's per-expert weights: on "model" with expert parallelism
     "router": None,  # the router's per-expert columns: every device routes every token
     "latent": None,  # latent attention's low ranks (its cache is replicated: every head reads it)

@@ -1,5 +1,8 @@
 """One layer's projection read in place from the stacked layers' weights, on the CPU, through a
-C++ XLA FFI kernel (cpu/matmul.cc, in the CPU kernels' library: jaxserve.kernels.cpu.library).
+C++ XLA FFI kernel (cpu/matmul.cc, in the CPU kernels' library: jaxserve.kernels.cpu.library);
+and the same from GGUF quantized blocks (cpu/quantized_matmul.cc; `quantized_matmul`), with the
+blocks' format table and their dequantization in JAX (`dequantize`, the reference and the XLA
+path).
 
 The model's scan over the layers otherwise slices each layer's weights out of the stack, a copy
 XLA:CPU makes before the dots: in a decode step, whose matmuls have a row per sequence, that copy
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _TARGET = "jaxserve_stacked_matmul"  # matmul.cc's JaxserveStackedMatmul
 # The kernel's vector width divides its output columns: 16 floats covers AVX-512, AVX2 and SSE.
@@ -34,4 +38,67 @@ def stacked_matmul(x, w, layer):
     return call(x, w, jnp.asarray(layer, jnp.int32))
 
 
-__all__ = ["supports", "stacked_matmul"]
+# GGUF block formats read in place: bytes per block of BLOCK values along the contraction, and
+# the kernel's code for each (quantized_matmul.cc's Format). llama.cpp's layouts: Q4_0 is an f16
+# scale d and 16 bytes of nibbles (value j < 16 the low nibble of byte j, j + 16 its high one),
+# w = d * (nibble - 8); Q4_1 adds an f16 minimum m after d, w = d * nibble + m; Q8_0 is d and 32
+# signed bytes, w = d * byte.
+BLOCK = 32
+FORMATS = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+_FORMAT_CODES = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
+_QUANTIZED_TARGET = "jaxserve_quantized_matmul"  # quantized_matmul.cc's JaxserveQuantizedMatmul
+# Steps of up to this many tokens read the blocks in place; larger ones (prefill) dequantize each
+# layer through XLA and its dots, whose tiles reuse each weight across more rows than the kernel's
+# (measured: benchmarks/RESULTS.md, "GGUF blocks read in place").
+QUANTIZED_MAX_ROWS = 64
+
+
+def row_bytes(fmt: str, k: int) -> int:
+    """Bytes of one output row of `k` contraction values in format `fmt`."""
+    return k // BLOCK * FORMATS[fmt]
+
+
+def dequantize(blocks: jax.Array, fmt: str) -> jax.Array:
+    """uint8 blocks [..., N, K / 32 * bytes] -> f32 [..., N, K]: the values the gguf package's
+    dequantization gives (d * q exact in f32; Q4_1's + m rounded once)."""
+    size = FORMATS[fmt]
+    b = blocks.reshape(*blocks.shape[:-1], -1, size)
+    d = jax.lax.bitcast_convert_type(b[..., 0:2], jnp.float16).astype(jnp.float32)[..., None]
+    if fmt == "q8_0":
+        w = d * jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
+    else:
+        qs = b[..., size - 16:]
+        q = jnp.concatenate([qs & 15, qs >> 4], axis=-1).astype(jnp.float32)
+        if fmt == "q4_0":
+            w = d * (q - 8)
+        else:
+            m = jax.lax.bitcast_convert_type(b[..., 2:4], jnp.float16).astype(jnp.float32)
+            w = d * q + m[..., None]
+    return w.reshape(*blocks.shape[:-1], -1)
+
+
+def random_blocks(key: jax.Array, rows: int, k: int, fmt: str, scale: float) -> jax.Array:
+    """uint8 [rows, row_bytes] of valid blocks: random codes, d such that the values spread over
+    about [-scale, scale] (random test models)."""
+    size, blocks = FORMATS[fmt], k // BLOCK
+    levels = 256 if fmt == "q8_0" else 16
+    d = np.frombuffer(np.float16(2 * scale / levels).tobytes(), np.uint8)
+    head = [d] + ([np.frombuffer(np.float16(-scale).tobytes(), np.uint8)] if fmt == "q4_1"
+                  else [])
+    head = jnp.broadcast_to(jnp.asarray(np.concatenate(head)), (rows, blocks, 2 * len(head)))
+    codes = jax.random.randint(key, (rows, blocks, size - head.shape[-1]), 0, 256).astype(
+        jnp.uint8)
+    return jnp.concatenate([head, codes], axis=-1).reshape(rows, blocks * size)
+
+
+def quantized_matmul(x, w, layer, fmt: str):
+    """x f32[T, K] @ dequantize(w[layer], fmt).T for blocks w u8[L, N, K / 32 * bytes] and a
+    scalar layer index: f32[T, N], read in place by the CPU kernel. Where
+    `jaxserve.kernels.cpu.enabled()`."""
+    call = jax.ffi.ffi_call(_QUANTIZED_TARGET,
+                            jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
+    return call(x, w, jnp.asarray(layer, jnp.int32), format=np.int32(_FORMAT_CODES[fmt]))
+
+
+__all__ = ["BLOCK", "FORMATS", "dequantize", "quantized_matmul", "random_blocks", "row_bytes",
+           "supports", "stacked_matmul"]

@@ -10,12 +10,15 @@ from jaxserve.errors import ConfigError, WeightsError
 from jaxserve.model_registry import ModelSpec
 
 
-def load_host(spec: ModelSpec, dtype: str = "float32") -> tuple[ModelConfig, dict]:
-    """GGUF or HF weights as host numpy arrays (before placement); what `convert` saves."""
+def load_host(spec: ModelSpec, dtype: str = "float32",
+              keep_blocks: bool = False) -> tuple[ModelConfig, dict]:
+    """GGUF or HF weights as host numpy arrays (before placement); what `convert` saves.
+    keep_blocks: a GGUF file's quantized blocks stay as they are where they can
+    (jaxserve.weights.gguf.block_formats; config.quantization "gguf" if any do)."""
     if spec.format == "gguf":
         from jaxserve.weights.gguf import load_gguf
 
-        return load_gguf(spec.path, dtype)
+        return load_gguf(spec.path, dtype, keep_blocks)
     if spec.format == "hf":
         from jaxserve.weights.safetensors import load_hf
 
@@ -57,15 +60,37 @@ def param_bytes(config: ModelConfig) -> int:
                for s in jax.tree.leaves(decoder.param_shapes(config)))
 
 
+def resolve_quantization(spec: ModelSpec, quantization: str | None, dtype: str | None,
+                         mesh: jax.sharding.Mesh | None) -> str | None:
+    """The weight storage a load uses. None (unset): "gguf" for a GGUF file served in float32 on
+    one device where the CPU kernels run (its blocks read in place; on an accelerator the file
+    is dequantized at load, as before), else the source's dtype. "none": the source's dtype,
+    whatever it is; "int8" / "gguf" as asked (gguf needs a GGUF file)."""
+    if quantization == "none":
+        return None
+    if quantization == "gguf" and spec.format != "gguf":
+        raise ConfigError(f"quantization 'gguf' needs a GGUF file, not a {spec.format!r} "
+                          f"source ({spec.name})")
+    if quantization is None and spec.format == "gguf" and mesh is None \
+            and (dtype or "float32") == "float32":
+        from jaxserve.kernels import cpu
+
+        return "gguf" if cpu.enabled() else None
+    return quantization
+
+
 def load_model(spec: ModelSpec, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None,
                quantization: str | None = None,
                expert_parallel: bool = False) -> tuple[ModelConfig, dict]:
     """(config, params on device). dtype None keeps the source's (f32 for GGUF / HF, as saved for
     orbax); with a mesh, params are sharded for tensor parallelism (jaxserve.executor.sharding),
     a mixture's experts by expert with `expert_parallel`.
-    quantization "int8": the layers' projections stored as int8 groups (weights.quantize)."""
+    quantization (`resolve_quantization`): "int8": the layers' projections stored as int8 groups
+    (weights.quantize); "gguf": a GGUF file's blocks kept as they are (weights.gguf); None: the
+    default for the source; "none": no quantization."""
     from jaxserve.executor.models import decoder
 
+    quantization = resolve_quantization(spec, quantization, dtype, mesh)
     if quantization is not None and spec.format == "orbax":
         raise ConfigError(f"quantization {quantization!r} needs a GGUF or HF source, not an orbax "
                           f"checkpoint ({spec.name})")
@@ -79,8 +104,10 @@ def load_model(spec: ModelSpec, dtype: str | None = None, mesh: jax.sharding.Mes
                 dtype=dtype or config.dtype, expert_parallel=expert_parallel), mesh)
         config, params = load_checkpoint(spec.path, dtype, shardings)
         return config.replace(expert_parallel=expert_parallel), params
-    config, params = load_host(spec, dtype or "float32")
-    config = config.replace(quantization=quantization, expert_parallel=expert_parallel)
+    config, params = load_host(spec, dtype or "float32", keep_blocks=quantization == "gguf")
+    if quantization != "gguf":  # (else the loader's: "gguf" if it kept any blocks)
+        config = config.replace(quantization=quantization)
+    config = config.replace(expert_parallel=expert_parallel)
     if config.quantization == "int8":
         from jaxserve.weights.quantize import quantize_int8
 

@@ -1,7 +1,11 @@
 """GGUF (llama.cpp) checkpoints: metadata -> ModelConfig, dequantized tensors -> parameter tree.
 
 Tensors are dequantized with the `gguf` package (the same routine HF transformers uses, so golden
-outputs computed from this file are reproducible bit for bit up to float32 arithmetic).
+outputs computed from this file are reproducible bit for bit up to float32 arithmetic). With
+`keep_blocks` (quantization "gguf"), the seven projections of every layer, when all are Q4_0,
+Q4_1 or Q8_0 (one format per projection across the layers), and the embedding / LM head when it
+is, stay the file's blocks as they are (`block_formats`): llama.cpp's [N rows, K / 32 blocks]
+layout, which jaxserve.kernels.matmul reads in place and dequantizes to the same f32 values.
 """
 
 from __future__ import annotations
@@ -11,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import GGUF_TENSORS, ModelConfig
 from jaxserve.errors import ConfigError, WeightsError
-from jaxserve.weights.architectures import config_from_hf, gguf_architectures
+from jaxserve.weights.architectures import architecture, config_from_hf, gguf_architectures
 from jaxserve.weights.hf_layout import params_from_hf
 from jaxserve.weights.moe_layout import EXPERT_NAMES
 
@@ -50,6 +54,20 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # tensor per projection; they are handed out by the HF name of each expert's (an [out, in] slice).
 _EXPERTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 _EXPERT_RE = re.compile(r"(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weight$")
+# GGML tensor types kept as blocks (quantization "gguf") -> jaxserve.kernels.matmul's formats.
+_BLOCK_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+# The HF name of each tensor GGUF_TENSORS may keep: a layer's (with {i}) or a global one.
+_KEPT_HF_NAMES = {
+    "q_proj": "model.layers.{i}.self_attn.q_proj.weight",
+    "k_proj": "model.layers.{i}.self_attn.k_proj.weight",
+    "v_proj": "model.layers.{i}.self_attn.v_proj.weight",
+    "o_proj": "model.layers.{i}.self_attn.o_proj.weight",
+    "gate_proj": "model.layers.{i}.mlp.gate_proj.weight",
+    "up_proj": "model.layers.{i}.mlp.up_proj.weight",
+    "down_proj": "model.layers.{i}.mlp.down_proj.weight",
+    "embed_tokens": "model.embed_tokens.weight",
+    "lm_head": "lm_head.weight",
+}
 
 
 def _hf_name(gguf_name: str, arch: str, model_type: str) -> str | None:
@@ -203,9 +221,38 @@ def read_gguf_config(path: Path, dtype: str = "float32") -> ModelConfig:
     return config_from_gguf(_open(Path(path)), Path(path), dtype)
 
 
-def load_gguf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
-    """Read a GGUF file: (ModelConfig, parameter tree of host numpy arrays in `dtype`)."""
+def block_formats(config: ModelConfig, by_hf_name: dict) -> dict[str, str]:
+    """The tensors (GGUF_TENSORS) a float32 dense model keeps as blocks, and their formats: the
+    seven projections if every layer's are of one supported type each (else none of them), and
+    embed_tokens / lm_head if theirs is supported. Empty for what the loader re-lays out (fused
+    projections, experts, latent attention)."""
+    c = config
+    if (c.dtype != "float32" or c.num_experts or c.mla is not None
+            or architecture(c.architecture).fused_projections):
+        return {}
+    formats = {}
+    for name in GGUF_TENSORS[:7]:
+        types = {getattr(by_hf_name.get(_KEPT_HF_NAMES[name].format(i=i)), "tensor_type", None)
+                 for i in range(c.num_layers)}
+        kind = types.pop().name if len(types) == 1 and None not in types else None
+        if kind not in _BLOCK_TYPES:
+            formats = {}
+            break
+        formats[name] = _BLOCK_TYPES[kind]
+    for name in GGUF_TENSORS[7:]:
+        t = by_hf_name.get(_KEPT_HF_NAMES[name])
+        if t is not None and t.tensor_type.name in _BLOCK_TYPES:
+            formats[name] = _BLOCK_TYPES[t.tensor_type.name]
+    return formats
+
+
+def load_gguf(path: Path, dtype: str = "float32",
+              keep_blocks: bool = False) -> tuple[ModelConfig, dict]:
+    """Read a GGUF file: (ModelConfig, parameter tree of host numpy arrays in `dtype`).
+    keep_blocks: the tensors of `block_formats` stay blocks (config.quantization "gguf")."""
     from gguf import quants
+
+    from jaxserve.kernels.matmul import row_bytes
 
     path = Path(path)
     reader = _open(path)
@@ -217,6 +264,10 @@ def load_gguf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
         if name is not None:
             by_hf_name[name] = t
     permute_heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+    formats = block_formats(config, by_hf_name) if keep_blocks else {}
+    if formats:
+        config = config.replace(quantization="gguf", gguf_formats=tuple(
+            (name, formats[name]) for name in GGUF_TENSORS if name in formats))
     stacked: dict[str, np.ndarray] = {}  # the experts' tensor being read (one at a time)
 
     def dequantize(t) -> np.ndarray:
@@ -242,4 +293,31 @@ def load_gguf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
             w = w - config.norm_offset  # llama.cpp's Gemma converter stores (1 + w)
         return w
 
-    return config, params_from_hf(config, get, str(path))
+    def blocks(name: str, hf_name: str, rows: int, k: int) -> np.ndarray:
+        """One tensor's blocks [rows, k / 32 * bytes], llama.cpp's rope rows undone."""
+        t = by_hf_name[hf_name]
+        data = np.asarray(t.data, np.uint8)
+        if data.shape != (rows, row_bytes(formats[name], k)):
+            raise WeightsError(f"{path}: tensor {t.name} holds {data.shape} bytes of blocks, "
+                               f"expected {(rows, row_bytes(formats[name], k))}")
+        if arch == "llama" and name in permute_heads:
+            data = _unpermute_rope(data, permute_heads[name])
+        return data
+
+    params = params_from_hf(config, get, str(path), frozenset(formats))
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {"q_proj": (q, c.hidden_size), "k_proj": (kv, c.hidden_size),
+              "v_proj": (kv, c.hidden_size), "o_proj": (c.hidden_size, q),
+              "gate_proj": (c.intermediate_size, c.hidden_size),
+              "up_proj": (c.intermediate_size, c.hidden_size),
+              "down_proj": (c.hidden_size, c.intermediate_size)}  # (N, K) of each projection
+    for name, (rows, k) in shapes.items():
+        if name in formats:
+            params["layers"][name] = np.stack([
+                blocks(name, _KEPT_HF_NAMES[name].format(i=i), rows, k)
+                for i in range(c.num_layers)])
+    for name in GGUF_TENSORS[7:]:
+        if name in formats:
+            params[name] = blocks(name, _KEPT_HF_NAMES[name], c.vocab_size, c.hidden_size)
+    return config, params

@@ -20,7 +20,8 @@ from jaxserve.weights.moe_layout import moe_params_from_hf
 GetTensor = Callable[[str], np.ndarray]
 
 
-def _layer(config: ModelConfig, get: GetTensor, i: int) -> dict[str, np.ndarray]:
+def _layer(config: ModelConfig, get: GetTensor, i: int,
+           skip: frozenset[str]) -> dict[str, np.ndarray]:
     H, Hq, Hkv, D = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
     pre = f"model.layers.{i}."
     attn, mlp = pre + "self_attn.", pre + "mlp."
@@ -32,18 +33,16 @@ def _layer(config: ModelConfig, get: GetTensor, i: int) -> dict[str, np.ndarray]
         # Phi-3: q, k, v stacked in qkv_proj's rows, gate then up in gate_up_proj's.
         q, k, v = np.split(get(attn + "qkv_proj.weight"), [Hq * D, (Hq + Hkv) * D])
         gate, up = np.split(get(mlp + "gate_up_proj.weight"), 2)
-    else:
+    elif not skip:
         q, k, v = (get(attn + f"{n}_proj.weight") for n in "qkv")
         if not config.num_experts:  # (a mixture of experts' MLPs: jaxserve.weights.moe_layout)
             gate, up = get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")
-    out = {
-        "input_norm": get(pre + "input_layernorm.weight"),
-        "q_proj": q.T.reshape(H, Hq, D),
-        "k_proj": k.T.reshape(H, Hkv, D),
-        "v_proj": v.T.reshape(H, Hkv, D),
-        "o_proj": get(attn + "o_proj.weight").T.reshape(Hq, D, H),
-    }
-    if not config.num_experts:
+    out = {"input_norm": get(pre + "input_layernorm.weight")}
+    if not skip:  # else the caller keeps the seven projections as they are (GGUF blocks)
+        out.update(q_proj=q.T.reshape(H, Hq, D), k_proj=k.T.reshape(H, Hkv, D),
+                   v_proj=v.T.reshape(H, Hkv, D),
+                   o_proj=get(attn + "o_proj.weight").T.reshape(Hq, D, H))
+    if not config.num_experts and not skip:
         out.update(gate_proj=gate.T, up_proj=up.T, down_proj=get(mlp + "down_proj.weight").T)
     if config.sandwich_norms:
         # Gemma's post_attention_layernorm norms the attention's output; its pre-MLP norm is
@@ -67,10 +66,13 @@ def _layer(config: ModelConfig, get: GetTensor, i: int) -> dict[str, np.ndarray]
     return out
 
 
-def params_from_hf(config: ModelConfig, get: GetTensor, source: str) -> dict:
+def params_from_hf(config: ModelConfig, get: GetTensor, source: str,
+                   skip: frozenset[str] = frozenset()) -> dict:
     """Build the parameter tree (host numpy, in the model's dtype) from HF-named tensors.
 
-    `source` names the file or directory in errors (a missing or mis-shaped tensor).
+    `source` names the file or directory in errors (a missing or mis-shaped tensor). `skip`:
+    parameters the caller fills itself and that are not read (GGUF blocks kept as they are:
+    all seven projections or none, embed_tokens, lm_head).
     """
     dtype = np.dtype(config.dtype) if config.dtype != "bfloat16" else _bfloat16()
 
@@ -81,16 +83,20 @@ def params_from_hf(config: ModelConfig, get: GetTensor, source: str) -> dict:
             raise WeightsError(f"{source}: tensor {name!r} is missing") from None
 
     try:
-        layers = [_layer(config, fetch, i) for i in range(config.num_layers)]
+        layer_skip = skip & {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                             "down_proj"}
+        layers = [_layer(config, fetch, i, frozenset(layer_skip))
+                  for i in range(config.num_layers)]
         params = {
-            "embed_tokens": fetch("model.embed_tokens.weight").reshape(config.vocab_size,
-                                                                       config.hidden_size),
             "norm": fetch("model.norm.weight").reshape(config.hidden_size),
             "layers": {k: np.stack([layer[k] for layer in layers]) for k in layers[0]},
         }
+        if "embed_tokens" not in skip:
+            params["embed_tokens"] = fetch("model.embed_tokens.weight").reshape(
+                config.vocab_size, config.hidden_size)
         if config.num_experts:
             params.update(moe_params_from_hf(config, fetch))
-        if not config.tie_word_embeddings:
+        if not config.tie_word_embeddings and "lm_head" not in skip:
             params["lm_head"] = fetch("lm_head.weight").T.reshape(config.hidden_size,
                                                                   config.vocab_size)
     except ValueError as e:  # a reshape that does not fit: the tensor disagrees with the config

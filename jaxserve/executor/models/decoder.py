@@ -26,6 +26,9 @@ Layout choices:
   `moe` and `dense_mlp` groups of jaxserve.executor.models.moe, which the block calls.
   With config.quantization "int8" the seven projections are uint8 codes of those shapes plus
   `{name}_scale` and `{name}_min` [L, K / 32, *out] (see `_weight`, jaxserve.weights.quantize).
+  With config.quantization "gguf" the tensors of config.gguf_formats are the GGUF file's blocks as
+  they are, uint8 [L, N, K / 32 * bytes] for a projection (N its flattened output axes, K its
+  contraction axes) and [V, H / 32 * bytes] for embed_tokens / lm_head (jaxserve.weights.gguf).
   Every parameter carries logical axis names (`param_logical_axes`), which `param_shardings` maps
   to mesh axes through the rule table in jaxserve.executor.sharding.
 - All layers share one KV cache array [L * num_pages, page_size, 2 * Hkv, D] that rides in the scan
@@ -35,7 +38,9 @@ Layout choices:
 - Where the CPU kernels are enabled (jaxserve.kernels.cpu), steps of jaxserve.kernels.matmul's
   MIN_ROWS to MAX_ROWS tokens keep the seven projection weights out of the scan: the kernel reads
   layer `layer` of each stack in place, where the scan would copy each layer's slice out first
-  (see `_projections_in_place`; `why_matmul_off` says why a model never does).
+  (see `_projections_in_place`; `why_matmul_off` says why a model never does). GGUF blocks are
+  read in place by the quantized kernel in steps of up to QUANTIZED_MAX_ROWS tokens (one token
+  included) and for the LM head's rows; larger steps dequantize each layer inside the step.
 - RoPE uses the HF "rotate half" convention; the GGUF loader undoes llama.cpp's interleaved layout.
   Fused checkpoints (Phi-3's qkv_proj and gate_up_proj) are split by the loader, so tensor
   parallelism shards them like any other family.
@@ -81,6 +86,18 @@ def _uniform_codes(key, shape, dtype):
     return jax.random.randint(key, shape, 0, 256).astype(dtype)
 
 
+def _gguf_format(config: ModelConfig, name: str) -> str | None:
+    """The block format `name` is kept in (quantization "gguf"), or None."""
+    return dict(config.gguf_formats).get(name)
+
+
+def _blocks(module: nn.Module, name: str, rows: int, k: int, fmt: str, scale: float) -> jax.Array:
+    """A tensor kept as GGUF blocks: uint8 [rows, k / 32 * bytes] (random ones for tests)."""
+    return _param(module, name, (rows, cpu_matmul.row_bytes(fmt, k)),
+                  ("quant_rows", "quant_bytes"), jnp.uint8,
+                  lambda key, shape, dtype: cpu_matmul.random_blocks(key, rows, k, fmt, scale))
+
+
 def _weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
             init) -> jax.Array:
     """A projection weight (its first PROJECTIONS[name] axes contract) in the model's dtype.
@@ -90,9 +107,14 @@ def _weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[st
     memory (XLA:CPU writes the dequantized layer to a buffer the dot reads: it fits in cache)."""
     c = module.config
     dt = jnp.dtype(c.dtype)
-    if c.quantization is None:
+    if c.quantization is None or c.quantization == "gguf" and _gguf_format(c, name) is None:
         return _param(module, name, shape, axes, dt, init)
     num_contract = PROJECTIONS[name]
+    if c.quantization == "gguf":
+        k = math.prod(shape[:num_contract])
+        w = _blocks(module, name, math.prod(shape[num_contract:]), k, _gguf_format(c, name),
+                    3 * k ** -0.5)
+        return cpu_matmul.dequantize(w, _gguf_format(c, name)).T.reshape(shape)
     out_shape, out_axes = shape[num_contract:], axes[num_contract:]
     groups = math.prod(shape[:num_contract]) // INT8_GROUP
     codes = _param(module, name, shape, axes, jnp.uint8, _uniform_codes)
@@ -115,7 +137,9 @@ def why_matmul_off(config: ModelConfig, mesh: jax.sharding.Mesh | None) -> str |
         return "latent attention"
     if c.num_experts:
         return "mixture of experts"
-    if c.quantization is not None:
+    if _gguf_format(c, "q_proj") is not None:
+        return None  # the quantized kernel: any output width
+    if c.quantization not in (None, "gguf"):  # (gguf keeping only the embedding: f32 layers)
         return f"{c.quantization} weights"
     if jnp.dtype(c.dtype) != jnp.float32:
         return f"{c.dtype} weights (the kernel takes float32)"
@@ -134,16 +158,23 @@ def _projections_in_place(config: ModelConfig, mesh: jax.sharding.Mesh | None,
                           num_tokens: int) -> bool:
     """Whether a step of `num_tokens` reads the projection weights in place from the layers'
     stack through the CPU kernel (jaxserve.kernels.matmul) instead of a slice per layer."""
+    if _gguf_format(config, "q_proj") is not None:
+        return (why_matmul_off(config, mesh) is None and cpu_kernels.enabled()
+                and num_tokens <= cpu_matmul.QUANTIZED_MAX_ROWS)
     return (why_matmul_off(config, mesh) is None and cpu_kernels.enabled()
             and cpu_matmul.supports(num_tokens, _projection_shapes(config), config.dtype))
 
 
 def _project(x: jax.Array, w: jax.Array, num_contract: int, layer: jax.Array, in_place: bool,
-             precision: jax.lax.Precision) -> jax.Array:
-    """x [T, *K] @ w [*K, *N] -> [T, *N] (K: w's first num_contract axes). `in_place`: w is the
-    stack of all layers' weights [L, *K, *N] and `layer` picks one, read where it lies."""
+             precision: jax.lax.Precision, shape: tuple[int, ...], fmt: str | None) -> jax.Array:
+    """x [T, *K] @ w [*K, *N] -> [T, *N] (K: the first num_contract axes of the weight's
+    `shape`). `in_place`: w is the stack of all layers' weights [L, *K, *N], or with `fmt` their
+    GGUF blocks [L, N, bytes], and `layer` picks one, read where it lies."""
     if not in_place:
         return jnp.tensordot(x, w, num_contract, precision=precision)
+    if fmt is not None:
+        out = cpu_matmul.quantized_matmul(x.reshape(x.shape[0], -1), w, layer, fmt)
+        return out.reshape(x.shape[0], *shape[num_contract:])
     k_shape, n_shape = w.shape[1:1 + num_contract], w.shape[1 + num_contract:]
     out = cpu_matmul.stacked_matmul(x.reshape(x.shape[0], math.prod(k_shape)),
                                     w.reshape(w.shape[0], math.prod(k_shape), -1), layer)
@@ -315,9 +346,9 @@ class DecoderLayer(nn.Module):
                 return stacked_projections[name]
             return _weight(self, name, shape, axes, _fan_in_normal(fan_in))
 
-        def project(x, w, name):
+        def project(x, w, name, shape):
             return _project(x, w, PROJECTIONS[name], layer, stacked_projections is not None,
-                            _precision(c))
+                            _precision(c), shape, _gguf_format(c, name))
 
         def norm(name, x, size=H, axis="embed"):
             # Stored as HF stores it: Gemma's (1 + w) norms start from w = 0.
@@ -329,9 +360,9 @@ class DecoderLayer(nn.Module):
         wq = weight("q_proj", (H, Hq, D), ("embed", "heads", "head_dim"), H)
         wk = weight("k_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"), H)
         wv = weight("v_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"), H)
-        q = project(h, wq, "q_proj")
-        k = project(h, wk, "k_proj")
-        v = project(h, wv, "v_proj")
+        q = project(h, wq, "q_proj", (H, Hq, D))
+        k = project(h, wk, "k_proj", (H, Hkv, D))
+        v = project(h, wv, "v_proj", (H, Hkv, D))
         if c.attention_bias:
             # Random biases larger than typical so a test of a tiny model notices a dropped bias.
             bias_init = nn.initializers.normal(stddev=0.1)
@@ -354,7 +385,7 @@ class DecoderLayer(nn.Module):
         else:
             attn, kv_cache = paged_attention(c, self.mesh, q, k, v, kv_cache, batch, layer, sinks)
         wo = weight("o_proj", (Hq, D, H), ("heads", "head_dim", "embed"), Hq * D)
-        h = project(attn.astype(dt), wo, "o_proj")
+        h = project(attn.astype(dt), wo, "o_proj", (Hq, D, H))
         if c.o_proj_bias:
             h = h + _param(self, "o_bias", (H,), ("embed",), dt, nn.initializers.normal(stddev=0.1))
         if c.sandwich_norms:
@@ -370,9 +401,9 @@ class DecoderLayer(nn.Module):
             w_gate = weight("gate_proj", (H, I), ("embed", "mlp"), H)
             w_up = weight("up_proj", (H, I), ("embed", "mlp"), H)
             w_down = weight("down_proj", (I, H), ("mlp", "embed"), I)
-            mlp = _ACTIVATIONS[c.hidden_act](project(h, w_gate, "gate_proj")) * project(
-                h, w_up, "up_proj")
-            h = project(mlp, w_down, "down_proj")
+            mlp = _ACTIVATIONS[c.hidden_act](project(h, w_gate, "gate_proj", (H, I))) * project(
+                h, w_up, "up_proj", (H, I))
+            h = project(mlp, w_down, "down_proj", (I, H))
         if c.sandwich_norms:
             h = norm("mlp_output_norm", h)
         x = x + h
@@ -435,19 +466,30 @@ def _boxed_init(config: ModelConfig, rng: jax.Array) -> dict:
                                            lambda h, layer: h)["params"])(
         jax.random.split(k_layers, c.num_layers))
     params = {
-        "embed_tokens": nn.Partitioned(
+        "embed_tokens": _vocab_param(c, "embed_tokens", k_embed, nn.Partitioned(
             nn.initializers.normal(stddev=1.0)(k_embed, (c.vocab_size, c.hidden_size), dt),
-            names=("vocab", "embed")),
+            names=("vocab", "embed"))),
         "norm": nn.Partitioned(jnp.full((c.hidden_size,), 1.0 - c.norm_offset, dt),
                                names=("embed",)),
         "layers": nn.meta.add_axis(layers, 0, {nn.PARTITION_NAME: "layers"}),
         **(moe.boxed_init(c, jax.random.fold_in(rng, 1)) if c.num_experts else {}),
     }
     if not c.tie_word_embeddings:
-        params["lm_head"] = nn.Partitioned(
+        params["lm_head"] = _vocab_param(c, "lm_head", k_head, nn.Partitioned(
             _fan_in_normal(c.hidden_size)(k_head, (c.hidden_size, c.vocab_size), dt),
-            names=("embed", "vocab"))
+            names=("embed", "vocab")))
     return params
+
+
+def _vocab_param(config: ModelConfig, name: str, key: jax.Array, dense):
+    """embed_tokens / lm_head: `dense`, or random GGUF blocks [V, H / 32 * bytes] where the
+    config keeps it as blocks."""
+    fmt = _gguf_format(config, name)
+    if fmt is None:
+        return dense
+    scale = 1.0 if name == "embed_tokens" else 3 * config.hidden_size ** -0.5
+    return nn.Partitioned(cpu_matmul.random_blocks(key, config.vocab_size, config.hidden_size,
+                                                   fmt, scale), names=("quant_rows", "quant_bytes"))
 
 
 _jit_boxed_init = jax.jit(_boxed_init, static_argnums=0)
@@ -517,6 +559,8 @@ def _layers(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: Batch
                            moe_counts)
 
     x = jnp.take(params["embed_tokens"], batch.token_ids, axis=0)
+    if (fmt := _gguf_format(config, "embed_tokens")) is not None:
+        x = cpu_matmul.dequantize(x, fmt)
     if config.embedding_multiplier != 1.0:
         # In the activations' dtype, as HF rounds it (Gemma: sqrt(hidden) in bf16).
         x = x * jnp.asarray(config.embedding_multiplier, x.dtype)
@@ -527,8 +571,17 @@ def _layers(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: Batch
 
 def compute_logits(params: dict, config: ModelConfig, hidden_rows: jax.Array) -> jax.Array:
     """LM head on the rows that sample (hidden[batch.logits_indices]): f32 logits [N, vocab],
-    soft-capped where the family does (Gemma 2)."""
-    if config.tie_word_embeddings:
+    soft-capped where the family does (Gemma 2). GGUF blocks (quantization "gguf") are read in
+    place by the CPU kernel for up to QUANTIZED_MAX_ROWS rows, else dequantized whole."""
+    name = "embed_tokens" if config.tie_word_embeddings else "lm_head"
+    if (fmt := _gguf_format(config, name)) is not None:
+        w = params[name]  # [V, H / 32 * bytes] either way
+        if cpu_kernels.enabled() and hidden_rows.shape[0] <= cpu_matmul.QUANTIZED_MAX_ROWS:
+            logits = cpu_matmul.quantized_matmul(hidden_rows, w[None], 0, fmt)
+        else:
+            logits = jnp.einsum("nh,vh->nv", hidden_rows, cpu_matmul.dequantize(w, fmt),
+                                precision=_precision(config), preferred_element_type=jnp.float32)
+    elif config.tie_word_embeddings:
         logits = jnp.einsum("nh,vh->nv", hidden_rows, params["embed_tokens"],
                             precision=_precision(config), preferred_element_type=jnp.float32)
     else:

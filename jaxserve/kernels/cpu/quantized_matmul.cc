@@ -1,0 +1,258 @@
+// One layer's projection read in place from GGUF quantized blocks for XLA:CPU, an XLA FFI custom
+// call (built and registered by jaxserve/kernels/cpu/library.py; used by
+// jaxserve/kernels/matmul.py): out[T, N] = x[T, K] @ dequantize(w[layer]).T, where w is
+// [L, N, K / 32 * bytes]: llama.cpp's layout, each output row's 32-value blocks along K, as the
+// GGUF file holds them (Q4_0 18 bytes, Q4_1 20, Q8_0 34; jaxserve/kernels/matmul.py FORMATS).
+//
+// Why: a decode step of a few sequences is bound by the weights' bytes it streams from memory;
+// Q4_1 is 5 bits a weight where f32 is 32. The blocks are dequantized in registers, a vector of
+// weights at a time, and never written anywhere (a kernel that widened each block into an f32
+// buffer first ran slower than XLA: benchmarks/RESULTS.md, "int8 through the in-place kernel").
+//
+// Arithmetic: each weight as the f32 value the gguf package's dequantization gives (d * q for
+// Q4_0 / Q8_0, exact in f32; d * q + m for Q4_1, d * q exact, one rounding of the sum either
+// way), then f32 FMAs: each output's lanes sum every kLanes-th product in order along K, the
+// lanes are added at the end. The activations stay f32: VNNI / BF16 dot products would need them
+// rounded to int8 or bf16, which moves the logits (llama.cpp rounds them to Q8).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kTileRows = 4, kTileOutputs = 4;
+#elif defined(__AVX2__)
+constexpr int kLanes = 8, kTileRows = 2, kTileOutputs = 4;
+#else
+constexpr int kLanes = 4, kTileRows = 2, kTileOutputs = 2;
+#endif
+constexpr int kBlock = 32;                   // values per block, every format
+constexpr int kVecsPerBlock = kBlock / kLanes;
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t I32 __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint8_t U8 __attribute__((vector_size(kLanes)));
+typedef int8_t I8 __attribute__((vector_size(kLanes)));
+
+// The formats' codes, as jaxserve/kernels/matmul.py FORMATS numbers them.
+enum Format : int32_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+
+// The f16 at p broadcast to every lane as f32.
+inline Vec BroadcastHalf(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+#if defined(__AVX512F__)
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
+#elif defined(__AVX2__) && defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(h)));
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1f,
+                 mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in f32
+    const float f = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &f, sizeof(bits));
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = out;
+  return v;
+#endif
+}
+
+// One format's block: its bytes, and its weights [v * kLanes, (v + 1) * kLanes) as f32.
+template <Format F>
+struct Block;
+
+// Q4_0: f16 d, then 16 bytes: value j < 16 is the low nibble of byte j, value j + 16 its high
+// nibble; weight = d * (nibble - 8).
+template <>
+struct Block<kQ4_0> {
+  static constexpr int kBytes = 18;
+  struct Scale {
+    Vec d;
+  };
+  static Scale ScaleOf(const uint8_t* b) { return {BroadcastHalf(b)}; }
+  static Vec Weights(const uint8_t* b, int v, const Scale& s) {
+    const int j = v * kLanes;
+    U8 q;
+    std::memcpy(&q, b + 2 + (j & 15), sizeof(q));
+    q = (q >> (j >= 16 ? 4 : 0)) & 15;
+    const I32 code = __builtin_convertvector(q, I32) - 8;
+    return __builtin_convertvector(code, Vec) * s.d;
+  }
+};
+
+// Q4_1: f16 d, f16 m, then the nibbles as Q4_0's; weight = d * nibble + m.
+template <>
+struct Block<kQ4_1> {
+  static constexpr int kBytes = 20;
+  struct Scale {
+    Vec d, m;
+  };
+  static Scale ScaleOf(const uint8_t* b) {
+    return {BroadcastHalf(b), BroadcastHalf(b + 2)};
+  }
+  static Vec Weights(const uint8_t* b, int v, const Scale& s) {
+    const int j = v * kLanes;
+    U8 q;
+    std::memcpy(&q, b + 4 + (j & 15), sizeof(q));
+    q = (q >> (j >= 16 ? 4 : 0)) & 15;
+    return __builtin_convertvector(__builtin_convertvector(q, I32), Vec) * s.d + s.m;
+  }
+};
+
+// Q8_0: f16 d, then 32 signed bytes; weight = d * byte.
+template <>
+struct Block<kQ8_0> {
+  static constexpr int kBytes = 34;
+  struct Scale {
+    Vec d;
+  };
+  static Scale ScaleOf(const uint8_t* b) { return {BroadcastHalf(b)}; }
+  static Vec Weights(const uint8_t* b, int v, const Scale& s) {
+    I8 q;
+    std::memcpy(&q, b + 2 + v * kLanes, sizeof(q));
+    return __builtin_convertvector(__builtin_convertvector(q, I32), Vec) * s.d;
+  }
+};
+
+inline float Sum(Vec v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// out[R, O] = x[R, K] @ w[O rows, K].T: R rows of x (stride K) against O output rows of blocks
+// (stride row_bytes); out's row stride ldo.
+template <Format F, int R, int O>
+void Tile(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float* out,
+          int64_t ldo) {
+  using B = Block<F>;
+  Vec acc[R][O] = {};
+  const int64_t blocks = K / kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    typename B::Scale scale[O];
+#pragma GCC unroll 4
+    for (int o = 0; o < O; ++o) scale[o] = B::ScaleOf(w + o * row_bytes + b * B::kBytes);
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecsPerBlock; ++v) {
+      Vec wv[O];
+#pragma GCC unroll 4
+      for (int o = 0; o < O; ++o) wv[o] = B::Weights(w + o * row_bytes + b * B::kBytes, v, scale[o]);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        Vec xv;
+        std::memcpy(&xv, x + r * K + b * kBlock + v * kLanes, sizeof(xv));
+#pragma GCC unroll 4
+        for (int o = 0; o < O; ++o) acc[r][o] += xv * wv[o];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int o = 0; o < O; ++o) out[r * ldo + o] = Sum(acc[r][o]);
+  }
+}
+
+template <Format F>
+using TileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t);
+
+// Tiles<F>::fn[r][o]: the tile of r rows of x and o output rows.
+template <Format F>
+struct Tiles {
+  TileFn<F> fn[kTileRows + 1][kTileOutputs + 1] = {};
+  constexpr Tiles() {
+    Fill(std::make_integer_sequence<int, kTileRows>());
+  }
+  template <int... R>
+  constexpr void Fill(std::integer_sequence<int, R...>) {
+    (FillOutputs<R + 1>(std::make_integer_sequence<int, kTileOutputs>()), ...);
+  }
+  template <int R, int... O>
+  constexpr void FillOutputs(std::integer_sequence<int, O...>) {
+    ((fn[R][O + 1] = &Tile<F, R, O + 1>), ...);
+  }
+};
+
+// Output rows [n0, n1) of out[T, N] = x[T, K] @ dequantize(w[N, K]).T.
+template <Format F>
+void Rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, float* out,
+          int64_t n0, int64_t n1) {
+  static constexpr Tiles<F> kTiles;
+  const int64_t row_bytes = K / kBlock * Block<F>::kBytes;
+  for (int64_t n = n0; n < n1; n += kTileOutputs) {
+    const int64_t outputs = std::min<int64_t>(kTileOutputs, n1 - n);
+    for (int64_t m = 0; m < T; m += kTileRows) {
+      const int64_t rows = std::min<int64_t>(kTileRows, T - m);
+      kTiles.fn[rows][outputs](x + m * K, K, w + n * row_bytes, row_bytes, out + m * N + n, N);
+    }
+  }
+}
+
+template <Format F>
+void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w,
+         int64_t N, float* out) {
+  const int64_t groups = (N + kTileOutputs - 1) / kTileOutputs;
+  // One contiguous run of output rows per thread: each streams its own part of the weights.
+  const int64_t chunks = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), groups);
+  jaxserve_cpu::ParallelFor(pool, chunks, [&](int64_t i) {
+    Rows<F>(x, T, K, w, N, out, std::min(N, groups * i / chunks * kTileOutputs),
+            std::min(N, groups * (i + 1) / chunks * kTileOutputs));
+  });
+}
+
+ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
+                           int32_t format) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || layer.element_count() != 1) {
+    return ffi::Error::InvalidArgument("quantized matmul: x [T, K], w [L, N, bytes], layer []");
+  }
+  const int64_t T = xd[0], K = xd[1], L = wd[0], N = wd[1];
+  int64_t block_bytes;
+  switch (format) {
+    case kQ4_0: block_bytes = Block<kQ4_0>::kBytes; break;
+    case kQ4_1: block_bytes = Block<kQ4_1>::kBytes; break;
+    case kQ8_0: block_bytes = Block<kQ8_0>::kBytes; break;
+    default: return ffi::Error::InvalidArgument("quantized matmul: unknown format");
+  }
+  if (K % kBlock != 0 || wd[2] != K / kBlock * block_bytes) {
+    return ffi::Error::InvalidArgument("quantized matmul: K must be whole blocks of w's rows");
+  }
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("quantized matmul: layer out of range");
+  if (T == 0 || N == 0) return ffi::Error::Success();
+  const uint8_t* wl = w.typed_data() + l * N * wd[2];
+  switch (format) {
+    case kQ4_0: Run<kQ4_0>(pool, x.typed_data(), T, K, wl, N, out->typed_data()); break;
+    case kQ4_1: Run<kQ4_1>(pool, x.typed_data(), T, K, wl, N, out->typed_data()); break;
+    default: Run<kQ8_0>(pool, x.typed_data(), T, K, wl, N, out->typed_data()); break;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmul, QuantizedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // w [L, N, K / 32 * bytes]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, N]
+                                  .Attr<int32_t>("format"));
