@@ -1,5 +1,10 @@
-"""Agent features of /v1/responses on one real server (so one engine warmup): remote MCP tools and
-the per-tenant tool allowlist.
+"""Agent features of /v1/responses on one real server (so one engine warmup): remote MCP tools,
+the per-tenant tool allowlist and conversations.
+
+Conversations (/v1/conversations with the `openai` client): created with items, named by
+responses (their prompt is the whole conversation; their input and output join it), items added,
+read, deleted and paged, metadata replaced, another tenant's a 404, deletion removing the content
+from the database file.
 
 Remote MCP tools, against a real MCP server built with the official SDK
 (tests/mcp_server.py, streamable HTTP on loopback) and a real jaxserve server (a tiny random model
@@ -315,3 +320,65 @@ def test_bounds_on_what_a_server_sends(mcp_server):
     listing = asyncio.run(McpTools(McpLimits(("127.0.0.1",), max_tools=2)).list(
         context, config, "mcpl_2"))
     assert len(listing["tools"]) == 2
+
+
+# ---------------------------------------------------------------- conversations
+
+
+def _tokens(server, messages: list[dict]) -> int:
+    r = _request("POST", f"{server.url}/tokenize", {"model": "tiny", "messages": messages},
+                 headers={"Authorization": f"Bearer {ALICE}"})
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
+
+
+def test_a_conversation_is_the_history_of_the_responses_naming_it(server):
+    alice, bob = _client(server), _client(server, BOB)
+    conv = alice.conversations.create(metadata={"topic": "zebra-conv-marker"}, items=[
+        {"type": "message", "role": "user", "content": "Hello there."}])
+    assert conv.id.startswith("conv_") and conv.metadata == {"topic": "zebra-conv-marker"}
+    first = alice.responses.create(model="tiny", input="Tell me more.", conversation=conv.id,
+                                   max_output_tokens=8, temperature=0)
+    assert first.conversation.id == conv.id
+    items = alice.conversations.items.list(conv.id, order="asc").data
+    text = "".join(p.text for p in items[2].content)
+    assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "user"),
+                                                 ("message", "assistant")]
+    # The next response's prompt is the whole conversation (its token count equals /tokenize's).
+    second = alice.responses.create(model="tiny", input="And then?", conversation=conv.id,
+                                    max_output_tokens=4, temperature=0)
+    assert second.usage.input_tokens == _tokens(server, [
+        {"role": "user", "content": "Hello there."}, {"role": "user", "content": "Tell me more."},
+        {"role": "assistant", "content": text}, {"role": "user", "content": "And then?"}])
+    # Items: added, read one, deleted (the answer is the conversation), paged.
+    added = alice.conversations.items.create(conv.id, items=[
+        {"type": "message", "role": "user", "content": "An aside."}])
+    (aside,) = added.data
+    assert alice.conversations.items.retrieve(aside.id, conversation_id=conv.id).id == aside.id
+    assert alice.conversations.items.delete(aside.id, conversation_id=conv.id).id == conv.id
+    every = [i.id for i in alice.conversations.items.list(conv.id, order="asc").data]
+    assert len(every) == 5 and aside.id not in every
+    page = alice.conversations.items.list(conv.id, limit=2, order="asc")
+    assert len(page.data) == 2 and page.has_more
+    rest = alice.conversations.items.list(conv.id, limit=10, order="asc", after=page.data[-1].id)
+    assert [i.id for i in page.data + rest.data] == every and not rest.has_more
+    newest = alice.conversations.items.list(conv.id, limit=2)  # desc by default
+    assert [i.id for i in newest.data] == every[::-1][:2]
+    assert alice.conversations.update(conv.id, metadata={"topic": "t2"}).metadata == {
+        "topic": "t2"}
+    # Another tenant's: not found, by the routes and by /v1/responses.
+    with pytest.raises(openai.NotFoundError):
+        bob.conversations.retrieve(conv.id)
+    r = _request("POST", f"{server.url}/v1/responses", {"model": "tiny", "input": "x",
+                                                        "conversation": conv.id},
+                 headers={"Authorization": f"Bearer {BOB}"})
+    assert (r.status_code, r.json()["error"]["param"]) == (404, "conversation"), r.text
+    r = _request("POST", f"{server.url}/v1/responses", {
+        "model": "tiny", "input": "x", "conversation": conv.id,
+        "previous_response_id": first.id}, headers={"Authorization": f"Bearer {ALICE}"})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "conversation"), r.text
+    # Deleted: gone, its content out of the file.
+    assert alice.conversations.delete(conv.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        alice.conversations.retrieve(conv.id)
+    assert b"Hello there." not in (server.data_dir / "conversations.sqlite3").read_bytes()

@@ -29,7 +29,9 @@ from jaxserve.agents.tools import ToolRegistry
 from jaxserve.config import ServerConfig
 from jaxserve.errors import InvalidRequest, NotFound
 from jaxserve.gateway import Principal, idempotency
+from jaxserve.entrypoints.http import conversation_routes
 from jaxserve.entrypoints.http.app_state import STATE_KEY, AppState
+from jaxserve.entrypoints.http.conversation_routes import CONVERSATIONS_KEY, Conversations
 from jaxserve.entrypoints.http.front_door import call_context, call_of, caller
 from jaxserve.entrypoints.http.json_body import read_json
 from jaxserve.entrypoints.http.openai_routes import keyed
@@ -193,8 +195,10 @@ def resume_runs(app: web.Application) -> None:
     serving = state.serving
     tools = ToolRegistry(_server_tools(state))
     audit = state.policy.audit if state.policy is not None else None
+    conversations = app[CONVERSATIONS_KEY]
     responses.runner = ResponseRunner(serving, lambda: responses.store, tools,
-                                      state.config.keepalive_seconds, audit)
+                                      state.config.keepalive_seconds, audit,
+                                      lambda: conversations.store)
     if not responses.stored_any():
         return
     models = request_models(state.config.limits)
@@ -384,6 +388,7 @@ def routes(models) -> list[Route]:
               ok=out.Response, errors=(400, 401, 404), tags=("openai",)),
         Route("GET", one + "/input_items", input_items, "The input items of a stored response",
               ok=out.ItemList, errors=(400, 401, 404), tags=("openai",)),
+        *conversation_routes.routes(),
     ]
 
 
@@ -392,8 +397,9 @@ def add_responses(app: web.Application, config: ServerConfig) -> None:
     directory."""
     from jaxserve.rag.config import default_data_dir
 
-    app[RESPONSES_KEY] = Responses(StoreConfig(Path(config.data_dir or default_data_dir()),
-                                               config.response_ttl_s))
+    data_dir = Path(config.data_dir or default_data_dir())
+    app[RESPONSES_KEY] = Responses(StoreConfig(data_dir, config.response_ttl_s))
+    app[CONVERSATIONS_KEY] = Conversations(data_dir)
 
 
 def response_runner(app: web.Application) -> ResponseRunner:
@@ -406,3 +412,6 @@ def close_responses(app: web.Application) -> None:
     responses = app.get(RESPONSES_KEY)
     if responses is not None:
         responses.close()
+    conversations = app.get(CONVERSATIONS_KEY)
+    if conversations is not None:
+        conversations.close()

@@ -322,6 +322,28 @@ class ResponsesCodeInterpreterTool(Body):
 
 
 McpName = Annotated[str, Field(min_length=1, max_length=128)]
+# OpenAI's metadata: up to 16 keys of at most 64 characters, values of at most 512.
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)],
+                          Annotated[str, Field(max_length=512)]], Field(max_length=16)]
+
+
+class ConversationRef(Body):
+    id: Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class ConversationCreate(Body):
+    """POST /v1/conversations (agents/conversations.py)."""
+
+    items: Annotated[list[InputItem], Field(max_length=20)] | None = None
+    metadata: Metadata | None = None
+
+
+class ConversationUpdate(Body):
+    metadata: Metadata
+
+
+class ConversationItemsAdd(Body):
+    items: Annotated[list[InputItem], Field(min_length=1, max_length=20)]
 
 
 class McpToolFilter(Body):
@@ -548,6 +570,10 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
         stream: bool | None = None
         store: bool | None = Field(None, description="Keep the response (default true).")
         previous_response_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+        conversation: (Annotated[str, Field(min_length=1, max_length=128)] | ConversationRef
+                       | None) = Field(None, description="A conversation (/v1/conversations): "
+                                       "its items are the history; the response's input and "
+                                       "output are added to it.")
         background: bool | None = None
         include: Annotated[list[str], Field(max_length=0)] | None = neutral("[]")
         truncation: Literal["disabled"] | None = neutral('"disabled"')
@@ -561,7 +587,15 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
             if self.background and self.store is False:
                 raise InvalidRequest("'background': true needs the response stored (leave "
                                      "'store' out or send true)", param="background")
+            if self.conversation is not None and self.previous_response_id is not None:
+                raise InvalidRequest("'conversation' and 'previous_response_id' cannot both be "
+                                     "given", param="conversation")
             return self
+
+        @property
+        def conversation_id(self) -> str | None:
+            return self.conversation if isinstance(self.conversation, str | None) \
+                else self.conversation.id
 
     return RequestModels(ChatCompletionRequest, CompletionRequest, TokenizeRequest,
                          ResponsesRequest)

@@ -439,7 +439,29 @@ class Response(Reply):
     text: dict[str, Any]
     store: bool
     previous_response_id: str | None
+    conversation: dict[str, str] | None  # {"id": "conv_..."}
     metadata: dict[str, Any]
+
+
+class Conversation(Reply):
+    id: str  # "conv_..."
+    object: Literal["conversation"]
+    created_at: int
+    metadata: dict[str, str]
+
+
+class ConversationItem(Reply):
+    """An item of a conversation: an input item, or an output item of a response."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    id: str
+
+
+class ConversationDeleted(Reply):
+    id: str
+    object: Literal["conversation.deleted"]
+    deleted: Literal[True]
 
 
 class Deleted(Reply):

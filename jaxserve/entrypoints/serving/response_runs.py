@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from jaxserve.agents.conversations import ConversationStore
 from jaxserve.agents.mcp_tools import APPROVAL_REQUEST, APPROVAL_RESPONSE
 from jaxserve.agents.run import SHUTDOWN, Run, TurnResult
 from jaxserve.agents.store import UNFINISHED, ResponseStore
@@ -58,11 +59,14 @@ class ResponseJob:
 
 class ResponseRunner:
     def __init__(self, serving, store: Callable[[], ResponseStore], tools: ToolRegistry,
-                 keepalive_s: float, audit=None):
+                 keepalive_s: float, audit=None,
+                 conversations: Callable[[], ConversationStore] | None = None):
         """`serving`: the OpenAIServing; `store`: the store, opened on first use;
-        `audit`: an AuditLog (its `write`), or None."""
+        `audit`: an AuditLog (its `write`), or None; `conversations`: the conversation store,
+        opened on first use (None: `conversation` is not served)."""
         self.serving = serving
         self._store = store
+        self._conversations = conversations
         self.tools = tools
         self.keepalive_s = keepalive_s
         self.audit = audit
@@ -70,6 +74,12 @@ class ResponseRunner:
     @property
     def store(self) -> ResponseStore:
         return self._store()
+
+    @property
+    def conversations(self) -> ConversationStore:
+        if self._conversations is None:
+            raise InvalidRequest("conversations are not served here", param="conversation")
+        return self._conversations()
 
     def job(self, req: Any, principal: Principal, timeout_s: float | None,
             response: ResponseObject | None = None, items: list[dict] | None = None,
@@ -87,6 +97,9 @@ class ResponseRunner:
                                      param="previous_response_id")
             for stored in chain:
                 history += stored.input_items + stored.response["output"]
+        elif req.conversation_id is not None:
+            history = self.conversations.items(principal.tenant.name, req.conversation_id,
+                                               param="conversation")
         server_tools = {}
         for i, entry in enumerate(req.tools or ()):
             if entry.type == "function":
@@ -168,6 +181,9 @@ class ResponseRunner:
             result = await run.execute(job.conversation)
             status = "completed" if result.finish in ("stop", "tool_calls") else "incomplete"
             final = job.response.build(status, result.output, result.usage, result.finish)
+            if job.req.conversation_id is not None:  # the turn joins the conversation
+                self.conversations.add(job.tenant, job.req.conversation_id,
+                                       job.input_items + result.output, param="conversation")
         except BaseException as exc:
             if not state["opened"]:  # refused: as a stored response it never existed
                 if job.stored:

@@ -56,12 +56,14 @@ FAILED_EVENTS = frozenset({"mcp_call", "mcp_list_tools"})
 
 
 def input_items(req: Any) -> list[dict]:
-    """The request's `input` as Responses items (as GET .../input_items lists them): each with
-    an id, a message's content as parts."""
+    """The request's `input` as Responses items (as GET .../input_items lists them)."""
     if isinstance(req.input, str):
-        raw = [{"type": "message", "role": "user", "content": req.input}]
-    else:
-        raw = [item.model_dump(exclude_none=True) for item in req.input]
+        return as_items([{"type": "message", "role": "user", "content": req.input}])
+    return as_items([item.model_dump(exclude_none=True) for item in req.input])
+
+
+def as_items(raw: list[dict]) -> list[dict]:
+    """Validated input items as stored items: each with an id, a message's content as parts."""
     items = []
     for item in raw:
         item.setdefault("type", "message")
@@ -229,7 +231,9 @@ class ResponseObject:
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "max_tool_calls": req.max_tool_calls, "background": bool(req.background),
             "text": text, "store": req.store is not False,
-            "previous_response_id": req.previous_response_id, "metadata": {}}
+            "previous_response_id": req.previous_response_id,
+            "conversation": None if req.conversation_id is None else {
+                "id": req.conversation_id}, "metadata": {}}
 
 
 class ResponseEvents:
