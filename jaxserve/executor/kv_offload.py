@@ -1,7 +1,8 @@
 """The host tier's page copies on the device side (vLLM's `--kv-offloading-size`).
 
-A host buffer of slots, each one KV page of every layer ([slots, layers, *page row]), and two
-programs per page-count bucket: `save_pages` gathers pages of the pool (layer l's page p is row
+A host buffer of slots, each one KV page of every layer, stored layer-major ([layers, slots,
+*page row], so a copy's rows are one fancy index of it, in the pool's order), and two programs per
+page-count bucket: `save_pages` gathers pages of the pool (layer l's page p is row
 l * num_pages + p) and `load_pages` scatters slots back into the donated pool. Which page goes to
 which slot is the host tier's (jaxserve.core.kv_offload); this module runs the copies
 (PageCopies), in the order given.
@@ -10,8 +11,9 @@ A save is only enqueued: the gathered pages come to the host asynchronously (cop
 and are written into their slots at the next step's copies, so the copy overlaps the step's
 forward. A load of a slot with a save still on its way waits for it first; a load reads
 the buffer at once, so a later save into the same slot cannot change what it loaded. Counts are
-padded to power-of-two buckets (the null page fills the rest: its contents are never read), so the
-programs are compiled at warmup like every other.
+padded to power-of-two buckets (the null page fills the rest: its contents are never read, and a
+load pads with copies of its first slot), so the programs are compiled at warmup like every
+other.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class HostKVPool:
         pages one program copies (rounded up to a power of two, at most MAX_COPY_BUCKET)."""
         self.num_pages = num_pages
         self.num_layers = cache_shape[0] // num_pages
-        self.buffer = np.empty((num_slots, self.num_layers, *cache_shape[1:]), dtype)
+        self.num_slots = num_slots
+        self.buffer = np.empty((self.num_layers, num_slots, *cache_shape[1:]), dtype)
         top = min(next_power_of_two(max_pages), MAX_COPY_BUCKET)
         self.buckets = tuple(1 << i for i in range(top.bit_length()))
         self._replicated = replicated
@@ -80,7 +83,7 @@ class HostKVPool:
 
     @property
     def page_bytes(self) -> int:
-        return self.buffer[0].nbytes
+        return self.buffer[:, 0].nbytes
 
     def program_keys(self) -> list[tuple]:
         return [(name, n) for name in self.PROGRAMS for n in self.buckets]
@@ -132,10 +135,9 @@ class HostKVPool:
         if any(np.isin(slots, s).any() for s, _ in self._pending):
             self.land()
         n, rows = self._rows(pages)
-        values = np.zeros((n, *self.buffer.shape[1:]), self.buffer.dtype)
-        values[:len(slots)] = self.buffer[slots]
-        # [n, layers, ...] -> the rows' layer-major order
-        values = values.swapaxes(0, 1).reshape(self.num_layers * n, *self.buffer.shape[2:])
+        padded = np.full(n, slots[0])
+        padded[:len(slots)] = slots
+        values = self.buffer[:, padded].reshape(self.num_layers * n, *self.buffer.shape[2:])
         self.bytes_to_device += len(pages) * self.page_bytes
         return program(("load_pages", n))(kv_cache, self._put(rows), self._put(values))
 
@@ -145,7 +147,7 @@ class HostKVPool:
         for slots, out in self._pending:
             pages = np.asarray(out).reshape(self.num_layers, -1, *self.buffer.shape[2:])
             last = len(slots) - 1 - np.unique(slots[::-1], return_index=True)[1]
-            self.buffer[slots[last]] = pages[:, last].swapaxes(0, 1)
+            self.buffer[:, slots[last]] = pages[:, last]
         self._pending.clear()
 
     def _put(self, x):

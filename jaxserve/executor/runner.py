@@ -275,7 +275,7 @@ class ModelRunner:
     @property
     def num_host_pages(self) -> int:
         """Slots of the host tier (0: no host tier)."""
-        return 0 if self.host_pool is None else len(self.host_pool.buffer)
+        return 0 if self.host_pool is None else self.host_pool.num_slots
 
     @property
     def num_pages(self) -> int:
