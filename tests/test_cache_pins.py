@@ -123,10 +123,27 @@ def test_scheduler_pins_once_computed_counts_creation_and_expires_on_its_step():
     out = sched.schedule()
     sched.update_from_output(out, [5])
     assert again.num_cached_prompt_tokens == 8 and again.num_cache_creation_tokens == 0
+    stats = sched.stats()
+    assert (stats.num_pins, stats.pinned_pages, stats.pins_expired) == (1, 2, 0)
     now[0] = 301.0
     sched.schedule()
     assert sched.cache.num_pins == 0
+    stats = sched.stats()
+    assert (stats.num_pins, stats.pinned_pages, stats.pins_expired) == (0, 0, 1)
     sched.cache.check_invariants()
+
+
+def test_pin_metrics():
+    from jaxserve.core.engine import EngineStats
+    from jaxserve.telemetry.metrics import ServerMetrics
+
+    stats = EngineStats(0, 0, 2, 0, 16, 0, 0, 0, 0, 0, 0, {}, num_pins=1, pinned_pages=2,
+                        pins_expired=3)
+    text = ServerMetrics(lambda: {"tiny": [stats]}).render().decode()
+    samples = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("jaxserve:kv_cache_pin")}
+    assert samples == {"jaxserve:kv_cache_pins": 1, "jaxserve:kv_cache_pinned_pages": 2,
+                       "jaxserve:kv_cache_pins_expired_total": 3}
 
 
 def test_pins_give_way_to_a_request_that_cannot_start_on_an_idle_engine():

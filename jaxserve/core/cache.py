@@ -111,6 +111,7 @@ class KVCacheManager:
         self._restored: set[int] = set()  # pages restored from the host tier, not yet admitted
         self.host_tier_queries = 0  # full prompt-page tokens past the device's own hits
         self.host_tier_hits = 0  # of which restored from the host tier
+        self.pins_expired = 0  # pins released at their TTL, total since start
 
     # ---- sizes -------------------------------------------------------------------------------
 
@@ -311,6 +312,7 @@ class KVCacheManager:
             return
         for key in [k for k, p in self._pins.items() if p.expires <= now]:
             self._unpin(key)
+            self.pins_expired += 1
         self._next_expiry = min((p.expires for p in self._pins.values()), default=float("inf"))
 
     def release_oldest_pin(self) -> bool:

@@ -84,6 +84,10 @@ class EngineStats:
     kv_offload_bytes_to_host: int = 0
     kv_offload_bytes_to_device: int = 0
     kv_offload_seconds: float = 0.0
+    # Prompt-cache pins (Anthropic's cache_control): held now, their pages, expired in all.
+    num_pins: int = 0
+    pinned_pages: int = 0
+    pins_expired: int = 0
 
 
 class _SamplingRows(NamedTuple):
@@ -421,7 +425,8 @@ class LLMEngine:
                            s.num_draft_tokens, s.num_accepted_draft_tokens, expert_tokens,
                            expert_steps, load.expert_parallel_size if load is not None else 1,
                            s.host_tier_queries, s.host_tier_hits, s.host_tier_pages,
-                           s.host_tier_slots, *self._host_pool_counts())
+                           s.host_tier_slots, *self._host_pool_counts(), num_pins=s.num_pins,
+                           pinned_pages=s.pinned_pages, pins_expired=s.pins_expired)
 
     def _host_pool_counts(self) -> tuple[int, int, float]:
         pool = self.runner.host_pool

@@ -127,6 +127,9 @@ class SchedulerStats:
     host_tier_hits: int = 0  # of which restored from the host tier
     host_tier_pages: int = 0  # pages the host tier holds
     host_tier_slots: int = 0  # pages it can hold (0: no host tier)
+    num_pins: int = 0  # prompt-cache pins held now
+    pinned_pages: int = 0  # pages they hold (a page two pins share counts twice)
+    pins_expired: int = 0  # pins released at their TTL, total since start
 
 
 class Scheduler:
@@ -320,7 +323,9 @@ class Scheduler:
             host_tier_queries=self.cache.host_tier_queries,
             host_tier_hits=self.cache.host_tier_hits,
             host_tier_pages=tier.num_pages if tier is not None else 0,
-            host_tier_slots=tier.num_slots if tier is not None else 0)
+            host_tier_slots=tier.num_slots if tier is not None else 0,
+            num_pins=self.cache.num_pins, pinned_pages=self.cache.num_pinned_pages,
+            pins_expired=self.cache.pins_expired)
 
     # ---- internals ---------------------------------------------------------------------------
 
