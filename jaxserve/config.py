@@ -334,6 +334,10 @@ class SchedulerConfig:
     # of a full one, and prefill chunks cut at fixed offsets of each prompt, so what a request
     # computes does not depend on what else runs (docs/engine.md, "Deterministic mode").
     deterministic: bool = False
+    # Launch step N+1 before reading step N's tokens (they reach N+1's forward on the device),
+    # so scheduling and output processing overlap the device's work (vLLM's --async-scheduling;
+    # LLMEngine.step says which steps overlap).
+    async_scheduling: bool = True
 
     def __post_init__(self):
         for f in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -77,6 +77,11 @@ SETTINGS = (
                  "evicts: copied there, and back on a prefix hit instead of recomputed "
                  "(default 0: off)"),
     Setting("enable_chunked_prefill", bool, SCHEDULER),
+    Setting("async_scheduling", bool, SCHEDULER,
+            help="turn off async scheduling (vLLM's --async-scheduling, on here by default): "
+                 "each step launched before the previous one's tokens are read, so the host's "
+                 "scheduling and output processing overlap the device; steps with grammar, "
+                 "penalty or speculative rows wait for their tokens either way"),
     Setting("deterministic", bool, SCHEDULER, switch_on=True,
             help="batch-invariant numerics: every step padded to max-num-batched-tokens (one "
                  "compiled shape) and each prompt cut into the same prefill chunks whatever else "

@@ -178,6 +178,35 @@ def test_keepalive_fills_silence_and_stops_with_the_stream():
     assert items[-2:] == ["a", "b"] and None in items and set(items[:-2]) == {None}
 
 
+def test_keepalive_forwards_an_error_and_closes_the_stream_its_reader_leaves():
+    closed = []
+
+    async def failing():
+        yield "a"
+        raise ValueError("engine said no")
+
+    async def endless():
+        try:
+            while True:
+                yield "x"
+                await asyncio.sleep(0)
+        finally:
+            closed.append(True)  # where AsyncEngine.generate aborts the request
+
+    async def main():
+        got = []
+        with pytest.raises(ValueError, match="engine said no"):
+            async for x in with_keepalive(failing(), 10.0):
+                got.append(x)
+        async for x in with_keepalive(endless(), 10.0):
+            break
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return got
+
+    assert asyncio.run(main()) == ["a"] and closed == [True]
+
+
 # ---------------------------------------------------------------- real SmolLM2 behind the server
 
 

@@ -42,6 +42,7 @@ from jaxserve.core.request import QoS, Request, RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.core.speculation import NgramProposer
+from jaxserve.core.step_gaps import StepGaps
 from jaxserve.executor.batch_plan import pages_for
 from jaxserve.executor.sampling_rows import SamplingRow
 from jaxserve.structured.grammar import GrammarCompiler, GrammarMatcher
@@ -88,6 +89,11 @@ class EngineStats:
     num_pins: int = 0
     pinned_pages: int = 0
     pins_expired: int = 0
+    # The host's gaps between steps (jaxserve.core.step_gaps): how many were measured, their
+    # seconds, and the steps launched before the previous one finished (async scheduling).
+    num_step_gaps: int = 0
+    step_gap_seconds: float = 0.0
+    num_steps_queued_ahead: int = 0
 
 
 class _SamplingRows(NamedTuple):
@@ -96,6 +102,19 @@ class _SamplingRows(NamedTuple):
     rows: list[SamplingRow | None]  # None: the row of a prefill chunk that does not sample
     constrained: list[tuple[GrammarMatcher, Sequence[int], int]]  # (matcher, drafts, first row)
     first_row: dict[str, int]  # scheduler request id -> its first logits row
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A step on the device, until its tokens are processed."""
+
+    out: SchedulerOutput
+    rows: _SamplingRows
+    pending: object | None  # the runner's PendingStep; None when no row samples
+    chunks: list  # its prefill chunks, ended when its tokens are read
+    overlaps: bool  # stays in flight while the next step is launched
+    # While in flight: update_from_output's (request, placeholders), resolved once read.
+    new_tokens: list | None = None
 
 
 class LLMEngine:
@@ -125,6 +144,8 @@ class LLMEngine:
                                                 self.max_model_len)
         self.grammars = GrammarCompiler(tokenizer, vocab_size=config.model.vocab_size,
                                         eos_token_ids=self.eos_token_ids)
+        self._in_flight: _Launched | None = None  # launched, its tokens not read yet
+        self.gaps = StepGaps()
         started = time.perf_counter()
         if warmup:
             self.runner.warmup(progress)
@@ -319,26 +340,67 @@ class LLMEngine:
         return list(chosen)
 
     def has_unfinished(self) -> bool:
-        return self.output_processor.has_unfinished()
+        return self.output_processor.has_unfinished() or self._in_flight is not None
 
     # ---- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return an output for every request that changed."""
+        """Run one scheduled batch; return an output for every request that changed.
+
+        With async scheduling this step is launched first, and the previous step's tokens are
+        read and processed while it runs; it stays on the device until the next call (its
+        requests hold placeholders for its tokens: see `_launch`)."""
+        if self._in_flight is not None and self._in_flight.pending.done():
+            self.gaps.ready()
         out = self.scheduler.schedule()
         changed = self.output_processor.collect_finished(self.scheduler.take_finished())
-        if out is not None:
-            self.output_processor.mark_scheduled(out.scheduled, time.monotonic())
-            rows = self._sampling_rows(out)
-            self.runner.copy_pages(out.page_copies)  # the host tier's, before the forward
-            logits = self.runner.forward(out.plan)  # enqueued: the host goes on meanwhile
-            result = self._sample(logits, rows)
-            self._score_prompts(out)  # before update_from_output moves num_computed_tokens
-            sampled = result.token_ids if result is not None else ()
-            new_tokens = self.scheduler.update_from_output(out, sampled)
-            self.output_processor.end_step(time.monotonic())  # the forward and sampling are done
-            self.output_processor.process_tokens(new_tokens, result, rows.first_row, changed)
+        launched = self._launch(out) if out is not None else None
+        if self._in_flight is not None:
+            self._finish(self._in_flight, changed)
+            self._in_flight = None
+        if launched is not None:
+            if launched.overlaps:
+                launched.new_tokens = self.scheduler.update_from_output(
+                    launched.out, -1 - np.arange(len(launched.rows.rows)))
+                self._in_flight = launched
+            else:
+                self._finish(launched, changed)
+        if not self.has_unfinished():
+            self.gaps.idle()
         return self.output_processor.take_outputs(changed)
+
+    def _launch(self, out: SchedulerOutput) -> _Launched:
+        """Launch the step's forward and sampler; the device computes while the host goes on.
+        It overlaps the next step (stays in flight) when async scheduling is on and none of its
+        sampling rows needs its tokens on the host before the next step can be built: a
+        grammar's mask for the next token follows the matcher, penalties read the history, and
+        speculative drafts come from the tokens, so such steps are read before the next one is
+        scheduled. A step whose rows do not sample is never waited for."""
+        chunks = self.output_processor.mark_scheduled(out.scheduled, time.monotonic())
+        rows = self._sampling_rows(out)
+        self.runner.copy_pages(out.page_copies)  # the host tier's, before the forward
+        logits = self.runner.forward(out.plan)  # enqueued: the host goes on meanwhile
+        self.gaps.launched(self._in_flight is not None and not self._in_flight.pending.done())
+        pending = self._sample(logits, rows)
+        self._score_prompts(out)  # before update_from_output moves num_computed_tokens
+        overlaps = (self.config.scheduler.async_scheduling and pending is not None
+                    and self.proposer is None and not rows.constrained
+                    and not any(r is not None and r.params.uses_penalties for r in rows.rows))
+        return _Launched(out, rows, pending, chunks, overlaps)
+
+    def _finish(self, launched: _Launched, changed: dict) -> None:
+        """Read a launched step's tokens (waiting for the device) and process them."""
+        result = launched.pending.result() if launched.pending is not None else None
+        if result is not None:
+            self.gaps.ready()
+        if launched.new_tokens is None:
+            new_tokens = self.scheduler.update_from_output(
+                launched.out, result.token_ids if result is not None else ())
+        else:
+            new_tokens = self.scheduler.resolve_placeholders(launched.new_tokens,
+                                                             result.token_ids)
+        self.output_processor.end_step(launched.chunks, time.monotonic())
+        self.output_processor.process_tokens(new_tokens, result, launched.rows.first_row, changed)
 
     def _sampling_rows(self, out: SchedulerOutput) -> _SamplingRows:
         """A row per logits row: a sampling sequence's last token, and with drafts one per draft
@@ -361,11 +423,12 @@ class LLMEngine:
         return _SamplingRows(rows, constrained, first_row)
 
     def _sample(self, logits, rows: _SamplingRows):
-        """The runner's StepOutput for the rows that sample; None when none does."""
+        """The runner's PendingStep for the rows that sample (launched, not waited for); None
+        when none does."""
         if all(r is None for r in rows.rows):
             return None
-        return self.runner.sample(logits, rows.rows,
-                                  self._token_bitmask(rows.constrained, logits.shape[0]))
+        return self.runner.sample_async(logits, rows.rows,
+                                        self._token_bitmask(rows.constrained, logits.shape[0]))
 
     def _score_prompts(self, out: SchedulerOutput) -> None:
         """Score the prompt positions of this step's chunks whose requests ask for prompt
@@ -426,7 +489,10 @@ class LLMEngine:
                            expert_steps, load.expert_parallel_size if load is not None else 1,
                            s.host_tier_queries, s.host_tier_hits, s.host_tier_pages,
                            s.host_tier_slots, *self._host_pool_counts(), num_pins=s.num_pins,
-                           pinned_pages=s.pinned_pages, pins_expired=s.pins_expired)
+                           pinned_pages=s.pinned_pages, pins_expired=s.pins_expired,
+                           num_step_gaps=self.gaps.num_gaps,
+                           step_gap_seconds=self.gaps.gap_seconds,
+                           num_steps_queued_ahead=self.gaps.num_queued_ahead)
 
     def _host_pool_counts(self) -> tuple[int, int, float]:
         pool = self.runner.host_pool

@@ -88,7 +88,6 @@ class OutputProcessor:
         self.groups: dict[str, SequenceGroup] = {}  # by the user's request id
         self._by_seq: dict[str, tuple[SequenceGroup, SequenceState]] = {}  # by scheduler id
         self._pending: list[RequestOutput] = []  # final outputs of aborts, sent with the next step
-        self._chunks: list[PrefillChunk] = []  # the current step's prefill chunks
         self._seq_ids = itertools.count()
         self.prompt_tokens = 0  # of requests that produced their first token
         self.generation_tokens = 0
@@ -158,11 +157,12 @@ class OutputProcessor:
             changed[group.prepared.request_id] = group
         return changed
 
-    def mark_scheduled(self, scheduled: Sequence[ScheduledSeq], now: float) -> None:
+    def mark_scheduled(self, scheduled: Sequence[ScheduledSeq], now: float
+                       ) -> list[PrefillChunk]:
         """A request's first scheduled step starts it: no longer "queued" (its queue deadline
-        no longer applies). The step's prefill chunks are noted (times only; `end_step` closes
-        them), for the request's trace."""
-        self._chunks.clear()
+        no longer applies). The step's prefill chunks are noted, for the request's trace, and
+        returned (times only; `end_step` closes them)."""
+        chunks = []
         for s in scheduled:
             group, _ = self._by_seq[s.request.request_id]
             if group.metrics.first_scheduled_time is None:
@@ -173,11 +173,13 @@ class OutputProcessor:
             if request.num_computed_tokens < request.num_tokens - 1:  # not a plain decode
                 chunk = PrefillChunk(now, now, s.num_tokens)
                 group.metrics.prefill_chunks.append(chunk)
-                self._chunks.append(chunk)
+                chunks.append(chunk)
+        return chunks
 
-    def end_step(self, now: float) -> None:
+    @staticmethod
+    def end_step(chunks: Sequence[PrefillChunk], now: float) -> None:
         """The step's tokens are sampled: its prefill chunks end now."""
-        for chunk in self._chunks:
+        for chunk in chunks:
             chunk.end = now
 
     def record_prompt_logprobs(self, request_id: str, first_pos: int, scores, rows: slice
@@ -346,7 +348,7 @@ class OutputProcessor:
     def _output(self, group: SequenceGroup) -> RequestOutput:
         """A snapshot: the consumer may be another thread while the engine goes on."""
         prepared = group.prepared
-        outs = [CompletionOutput(s.index, s.text, list(s.request.output_token_ids),
+        outs = [CompletionOutput(s.index, s.text, _shown_tokens(s.request.output_token_ids),
                                  s.finish_reason, s.stop_reason,
                                  list(s.logprobs) if s.logprobs is not None else None)
                 for s in group.seqs]
@@ -363,6 +365,12 @@ class OutputProcessor:
         del self.groups[group.prepared.request_id]
         self.num_finished += 1
         return self._output(group)
+
+
+def _shown_tokens(token_ids: list[int]) -> list[int]:
+    """A copy of the output tokens without the last one while it is a placeholder (a step
+    launched before its tokens were read: jaxserve.core.scheduler)."""
+    return token_ids[:-1] if token_ids and token_ids[-1] < 0 else list(token_ids)
 
 
 def _find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:

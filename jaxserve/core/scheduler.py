@@ -36,6 +36,11 @@ step (`StepShapes.draft_bucket`), and of that bucket's logits rows; never pages 
 preemption, never past max_tokens or max_model_len. So speculation backs off by itself as the
 batch fills (a full batch gets no drafts) and never needs a program warmup did not compile.
 `update_from_output` keeps the drafts the sampled tokens confirm.
+Async scheduling (LLMEngine): a step may be scheduled before the previous one's tokens are read.
+`update_from_output` then takes placeholders, token -(r + 1) for logits row r, which the runner
+replaces on the device, and `resolve_placeholders` puts the real tokens in once read. A request
+whose placeholder is its last token by length (max_tokens, max_model_len) is not scheduled again:
+the engine ends it when the token is read.
 The engine decides when a request stops (eos, max_tokens, stop strings) and calls
 `finish_request`; the scheduler itself ends requests that can never run (FINISHED_ERROR), outgrow
 max_model_len (FINISHED_LENGTH) or run out of time (above): see `take_finished`.
@@ -244,7 +249,8 @@ class Scheduler:
         for r in by_importance:
             # A request preempted earlier in this loop, to make room for a more important one, is
             # no longer running.
-            if r.num_tokens - r.num_computed_tokens == 1 and r.status == RequestStatus.RUNNING:
+            if r.num_tokens - r.num_computed_tokens == 1 and r.status == RequestStatus.RUNNING \
+                    and not self._has_last_token(r):
                 if self._make_room(r, 1, step):
                     step.add(r, 1)
         for r in by_importance:
@@ -306,6 +312,22 @@ class Scheduler:
             self._pin(request)
             new_tokens.append((request, tokens))
         return new_tokens
+
+    def resolve_placeholders(self, new_tokens: list[tuple[Request, list[int]]],
+                             sampled_token_ids: np.ndarray) -> list[tuple[Request, list[int]]]:
+        """Put a step's sampled tokens (one per logits row) in place of the placeholders
+        `update_from_output` appended for it; returns the new tokens as it would have."""
+        out = []
+        for request, placeholders in new_tokens:
+            tokens = [int(sampled_token_ids[-t - 1]) for t in placeholders]
+            n = len(tokens)
+            assert request.output_token_ids[-n:] == placeholders, "placeholders are the last"
+            request.output_token_ids[-n:] = tokens
+            # Page hashes memoized over a placeholder (KVCacheManager.pages_in_flight hashes up
+            # to num_tokens) are stale: hashed again when needed.
+            del request.page_hashes[(request.num_tokens - n) // self.page_size:]
+            out.append((request, tokens))
+        return out
 
     def stats(self) -> SchedulerStats:
         tier = self.cache.host_tier
@@ -383,6 +405,13 @@ class Scheduler:
             if count > 0 and self.cache.allocate(r, n + count):
                 step.scheduled[i] = ScheduledSeq(r, n, samples, tuple(proposals[i][:count]))
                 step.budget -= count
+
+    def _has_last_token(self, request: Request) -> bool:
+        """Whether the request's last token, still a placeholder, is its last by length
+        (max_tokens, max_model_len): the engine ends it when that token is read."""
+        out = request.output_token_ids
+        return bool(out) and out[-1] < 0 and (request.num_tokens >= self.config.max_model_len or (
+            request.max_tokens is not None and len(out) >= request.max_tokens))
 
     def _victim_key(self, request: Request) -> tuple[int, int]:
         """Sorts running requests most important first; the last one is preempted first."""

@@ -159,10 +159,15 @@ class SampleInputs(NamedTuple):
     token_bitmask: np.ndarray | None  # i32[S, bitmask_width] when a row is constrained
 
 
-def _forward(params: dict, kv_cache: jax.Array, plan: BatchPlan, *, config: ModelConfig,
-             mesh: jax.sharding.Mesh | None) -> tuple[jax.Array, ...]:
+def _forward(params: dict, kv_cache: jax.Array, plan: BatchPlan, last_tokens: jax.Array, *,
+             config: ModelConfig, mesh: jax.sharding.Mesh | None) -> tuple[jax.Array, ...]:
     """(kv_cache, logits of the sampling rows, hidden, a mixture's expert counts i32 [E] or
-    [0]: jaxserve.executor.expert_load)."""
+    [0]: jaxserve.executor.expert_load). A token id -(r + 1) in the plan is a placeholder for
+    the token the last sampler drew on its row r (`last_tokens`, still on the device): what
+    lets the host launch a step before it has read the previous one's tokens."""
+    placeholder = plan.token_ids < 0
+    plan = plan._replace(token_ids=jnp.where(
+        placeholder, last_tokens[jnp.where(placeholder, -plan.token_ids - 1, 0)], plan.token_ids))
     expert_tokens = jnp.zeros((0,), jnp.int32)
     if config.num_experts:
         hidden, kv_cache, expert_tokens = decoder.forward_with_expert_tokens(
@@ -192,6 +197,36 @@ def _score(params: dict, hidden: jax.Array, targets: jax.Array, *,
     out = jax.lax.map(one, (hidden.reshape(num_rows // chunk, chunk, -1),
                             targets.reshape(num_rows // chunk, chunk)))
     return tuple(x.reshape(num_rows, *x.shape[2:]) for x in out)
+
+
+def _sample_and_keep(logits: jax.Array, md: sampler.SamplingMetadata, *, num_top_logprobs: int,
+                     all_greedy: bool, keep_rows: int) -> tuple:
+    """The sampler's outputs, and its token ids padded to keep_rows (the most logits rows of any
+    step): the next forward's `last_tokens`, one shape whatever this step's rows."""
+    out = sampler.sample(logits, md, num_top_logprobs=num_top_logprobs, all_greedy=all_greedy)
+    return out, jnp.zeros((keep_rows,), jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)
+
+
+class PendingStep:
+    """A launched step's sampled tokens, on the device until `result()` waits for them and brings
+    them to the host (once). The host side holds this between launching a step and processing
+    its tokens without touching JAX."""
+
+    def __init__(self, arrays: tuple[jax.Array, ...]):
+        self._arrays: tuple[jax.Array, ...] | None = arrays
+        self._host: StepOutput | None = None
+
+    def done(self) -> bool:
+        """Whether the device has finished it (never waits)."""
+        return self._host is not None or all(a.is_ready() for a in self._arrays)
+
+    def result(self) -> StepOutput:
+        if self._host is None:
+            # np.asarray per array: a few times cheaper than jax.device_get's batched path for
+            # these few small arrays (RESULTS.md, "Host gap between steps").
+            self._host = StepOutput(*(np.asarray(a) for a in self._arrays))
+            self._arrays = None
+        return self._host
 
 
 class ModelRunner:
@@ -238,7 +273,7 @@ class ModelRunner:
             self._forward_jit = jax.jit(
                 forward, donate_argnums=1,
                 in_shardings=(decoder.param_shardings(config, mesh), kv_sharding,
-                              self._replicated),
+                              self._replicated, self._replicated),
                 out_shardings=(kv_sharding, self._replicated, self._replicated,
                                self._replicated))
             self._score_jit = jax.jit(
@@ -249,6 +284,9 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache()
         self._param_shardings: list | None = None  # set while the weights sleep in host memory
         self.bitmask_width = sampler.bitmask_width(config.vocab_size)
+        # The last sampler's tokens, padded to the most rows: what plan placeholders read.
+        self._last_tokens = jax.device_put(np.zeros(self.shapes.row_buckets[-1], np.int32),
+                                           self._replicated)
         self._programs: dict[tuple, Callable] = {}
         self.program_compile_seconds: dict[tuple, float] = {}  # per program key, filled by warmup
         self.num_serving_compiles = 0
@@ -300,11 +338,12 @@ class ModelRunner:
 
     def _compile(self, key: tuple) -> Callable:
         if key[0] == "forward":
-            lowered = self._forward_jit.lower(self.params, self.kv_cache, self._plan_spec(key[1]))
+            lowered = self._forward_jit.lower(self.params, self.kv_cache, self._plan_spec(key[1]),
+                                              self._last_tokens)
         elif key[0] == "score":
             # The hidden states as that bucket's forward returns them (shape and dtype).
             hidden = jax.eval_shape(self._forward_jit, self.params, self.kv_cache,
-                                    self._plan_spec(key[1]))[2]
+                                    self._plan_spec(key[1]), self._last_tokens)[2]
             lowered = self._score_jit.lower(self.params, self._spec(hidden.shape, hidden.dtype),
                                             self._spec((key[1],), jnp.int32))
         elif key[0] in HostKVPool.PROGRAMS:
@@ -318,8 +357,9 @@ class ModelRunner:
             md = sampler.make_sampling_metadata([], rows, eos_token_ids=self.eos_token_ids)
             md = md._replace(history_token_ids=np.zeros((rows, history_width), np.int32))
             logits = self._spec((rows, self.config.vocab_size), jnp.float32)
-            sample = jax.jit(functools.partial(sampler.sample, num_top_logprobs=top_width,
-                                               all_greedy=all_greedy),
+            sample = jax.jit(functools.partial(_sample_and_keep, num_top_logprobs=top_width,
+                                               all_greedy=all_greedy,
+                                               keep_rows=self.shapes.row_buckets[-1]),
                              **self._sample_shardings)
             lowered = sample.lower(logits, jax.tree.map(lambda x: self._spec(x.shape, x.dtype), md))
         return lowered.compile()
@@ -399,7 +439,11 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------
 
     def _put(self, tree):
-        return jax.device_put(tree, self._replicated)
+        """A step's host inputs, for a compiled program. On one device they go as they are:
+        the program's call moves numpy arguments itself, in C++, where jax.device_put costs a
+        Python dispatch per array (about 20 arrays a step: RESULTS.md, "Host gap between
+        steps"); over a mesh they are replicated here."""
+        return tree if self._replicated is None else jax.device_put(tree, self._replicated)
 
     def forward(self, plan: BatchPlan) -> jax.Array:
         """Enqueue the model over the plan; the logits of its sampling rows, f32[S, V] on the
@@ -410,9 +454,15 @@ class ModelRunner:
 
     def sample(self, logits: jax.Array, rows: Sequence[sampler.SamplingRow | None],
                token_bitmask: np.ndarray | None = None) -> StepOutput:
-        """Draw a token for each row that is not None (row i is the plan's logits row i).
-        token_bitmask: i32[S, bitmask_width] for the S rows of `logits` (all bits set on the
-        unconstrained ones), or None when no row is constrained."""
+        """Draw a token for each row that is not None (row i is the plan's logits row i) and
+        wait for them. token_bitmask: i32[S, bitmask_width] for the S rows of `logits` (all bits
+        set on the unconstrained ones), or None when no row is constrained."""
+        return self.sample_async(logits, rows, token_bitmask).result()
+
+    def sample_async(self, logits: jax.Array, rows: Sequence[sampler.SamplingRow | None],
+                     token_bitmask: np.ndarray | None = None) -> PendingStep:
+        """`sample`, only launched: the next forward may be launched before its tokens are read
+        (its plan's placeholders take them on the device)."""
         num_rows = logits.shape[0]
         inputs = SampleInputs(
             sampler.make_sampling_metadata(rows, num_rows, eos_token_ids=self.eos_token_ids,
@@ -426,7 +476,7 @@ class ModelRunner:
         """`forward` without publishing (what a multi-host follower runs)."""
         forward = self._program(("forward", plan.token_ids.shape[0]))
         self.kv_cache, logits, self._hidden, expert_tokens = forward(
-            self.params, self.kv_cache, self._put(plan))
+            self.params, self.kv_cache, self._put(plan), self._last_tokens)
         if expert_tokens.shape[0]:
             self.expert_load.add(expert_tokens)
         return logits
@@ -453,8 +503,8 @@ class ModelRunner:
         return ScoreOutput(*jax.device_get(program(self.params, self._hidden,
                                                    self._put(targets))))
 
-    def run_sample(self, logits: jax.Array, inputs: SampleInputs) -> StepOutput:
-        """`sample` from its host inputs, without publishing. The sampler metadata and the
+    def run_sample(self, logits: jax.Array, inputs: SampleInputs) -> PendingStep:
+        """`sample_async` from its host inputs, without publishing. The sampler metadata and the
         bitmask go to the device in one transfer."""
         md, token_bitmask, num_rows = inputs.metadata, inputs.token_bitmask, logits.shape[0]
         # From the host metadata, so a multi-host follower picks the same program.
@@ -469,5 +519,5 @@ class ModelRunner:
             logits = self._program(("bitmask", num_rows))(logits, token_bitmask)
         sample = self._program(("sample", num_rows, md.history_token_ids.shape[1],
                                 inputs.top_width, all_greedy))
-        out = sample(logits, md)
-        return StepOutput(*jax.device_get(tuple(out)))
+        out, self._last_tokens = sample(logits, md)
+        return PendingStep(tuple(out))

@@ -70,7 +70,15 @@ class _EngineCollector:
                      "Speculative draft tokens proposed and verified.", s.num_draft_tokens),
                     ("counter", "spec_decode_num_accepted_tokens",
                      "Speculative draft tokens the model confirmed.",
-                     s.num_accepted_draft_tokens)):
+                     s.num_accepted_draft_tokens),
+                    ("counter", "engine_step_gaps",
+                     "Gaps between consecutive engine steps measured.", s.num_step_gaps),
+                    ("counter", "engine_step_gap_seconds",
+                     "Host seconds between a step's tokens being ready and the next step's "
+                     "launch (the device waiting for Python).", s.step_gap_seconds),
+                    ("counter", "engine_steps_queued_ahead",
+                     "Steps launched before the previous one finished (async scheduling).",
+                     s.num_steps_queued_ahead)):
                 _family(families, labels, kind, name, doc).add_metric(
                     [version, "", str(replica)], float(value))
             if s.expert_tokens:

@@ -26,24 +26,37 @@ async def write_within(write: Awaitable, timeout_s: float) -> None:
 
 
 async def with_keepalive(agen: AsyncIterator, interval: float) -> AsyncIterator:
-    """Yield the generator's items, and None whenever `interval` passes without one."""
-    pending = None
+    """Yield the generator's items, and None whenever `interval` passes without one. One task
+    pulls the generator for the whole stream: a task and an asyncio.wait per item cost several
+    times an item's own handling (RESULTS.md, "Host gap between steps"). Its queue holds one
+    item, so it pulls no further ahead of its reader than that."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
+    end = object()
+
+    async def pump():
+        try:
+            async for item in agen:
+                await queue.put((item, None))
+            await queue.put((end, None))
+        except Exception as exc:  # noqa: BLE001 - forwarded to the reader
+            await queue.put((end, exc))
+
+    task = asyncio.ensure_future(pump())
     try:
         while True:
-            if pending is None:
-                pending = asyncio.ensure_future(agen.__anext__())
-            done, _ = await asyncio.wait({pending}, timeout=interval)
-            if not done:
+            try:
+                async with asyncio.timeout(interval):
+                    item, error = await queue.get()
+            except TimeoutError:
                 yield None
                 continue
-            task, pending = pending, None
-            try:
-                yield task.result()
-            except StopAsyncIteration:
+            if error is not None:
+                raise error
+            if item is end:
                 return
+            yield item
     finally:
-        if pending is not None:
-            pending.cancel()
+        task.cancel()
 
 
 async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
