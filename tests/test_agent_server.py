@@ -33,9 +33,9 @@ from jaxserve.agents.run import SHUTDOWN, Run, TurnResult
 from jaxserve.agents.store import FILE_NAME, ResponseStore, StoreConfig
 from jaxserve.agents.tools import ToolContext, ToolError
 from jaxserve.core.async_engine import AsyncEngine
-from jaxserve.core.engine_factory import build_engine
-from tests.test_cli import ROOT, tiny_gguf
+from tests.test_cli import ROOT
 from tests.test_engine import assert_no_leaks
+from tests.test_responses_store import tiny_chat_engine
 from tests.test_server import ServerThread, _request, wait_for
 
 TENANTS = """
@@ -93,11 +93,7 @@ def server(tmp_path_factory, smollm2_tokenizer_fields, mcp_server):
     d = tmp_path_factory.mktemp("mcp_responses")
     tenants = d / "tenants.toml"
     tenants.write_text(TENANTS)
-    llm = build_engine(str(tiny_gguf(d / "tiny.gguf", smollm2_tokenizer_fields,
-                                     max_position_embeddings=1024)),
-                       num_pages=80, max_num_seqs=4, max_num_batched_tokens=32,
-                       max_model_len=1024, min_token_bucket=16, strict_compile=True,
-                       progress=False)
+    llm = tiny_chat_engine(d, smollm2_tokenizer_fields)
     engine = AsyncEngine(llm)
     http = ServerThread("tiny", tenants_file=str(tenants), data_dir=str(d / "data"),
                         mcp_allowed_hosts=("127.0.0.1",))

@@ -51,16 +51,22 @@ class Server:
         return sqlite3.connect(self.data_dir / FILE_NAME)
 
 
+def tiny_chat_engine(directory, tokenizer_fields):
+    """The agent tests' engine: a tiny random model with SmolLM2's tokenizer and chat template,
+    strict compile (tests/test_agent_server.py uses it too)."""
+    return build_engine(str(tiny_gguf(directory / "tiny.gguf", tokenizer_fields,
+                                      max_position_embeddings=1024)),
+                        num_pages=80, max_num_seqs=4, max_num_batched_tokens=32,
+                        max_model_len=1024, min_token_bucket=16, strict_compile=True,
+                        progress=False)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_tokenizer_fields):
     d = tmp_path_factory.mktemp("responses")
     tenants = d / "tenants.toml"
     tenants.write_text(TENANTS)
-    llm = build_engine(str(tiny_gguf(d / "tiny.gguf", smollm2_tokenizer_fields,
-                                     max_position_embeddings=1024)),
-                       num_pages=80, max_num_seqs=4, max_num_batched_tokens=32,
-                       max_model_len=1024, min_token_bucket=16, strict_compile=True,
-                       progress=False)
+    llm = tiny_chat_engine(d, smollm2_tokenizer_fields)
     engine = AsyncEngine(llm)
     rag = RagService(RagConfig(d / "rag", EmbedderConfig(max_batch=4, max_length=64),
                                ChunkerConfig(chunk_tokens=48, overlap_tokens=8)), tiny_embedder())
