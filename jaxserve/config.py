@@ -426,6 +426,11 @@ class ServerConfig:
     metrics_tenant_labels: str = "names"
     # --otlp-traces-endpoint: OTLP/HTTP URL spans are exported to; None: no tracing at all.
     otlp_traces_endpoint: str | None = None
+    # --capacity-rates: `jaxserve capacity measure`'s file; with it /metrics has the capacity
+    # model's jaxserve:desired_replicas (telemetry/capacity.py) at --capacity-headroom / -zones.
+    capacity_rates_file: str | None = None
+    capacity_headroom: float = 0.2
+    capacity_zones: int = 1
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

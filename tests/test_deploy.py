@@ -121,3 +121,45 @@ def test_manifest_holds_together(path):
                 names = {p["name"] for c in template["spec"]["containers"]
                          for p in c.get("ports", [])}
                 assert port["targetPort"] in names, (service["metadata"]["name"], port)
+
+
+def _exported_metrics() -> set[str]:
+    """The metric names a server with --capacity-rates exports for one engine (its real
+    collectors over one EngineStats)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jaxserve.core.engine import EngineStats
+    from jaxserve.telemetry.capacity import CapacityCollector, Rates
+    from jaxserve.telemetry.metrics import ServerMetrics
+
+    stats = EngineStats(*[0] * 11, num_new_by_priority={})
+    metrics = ServerMetrics(lambda: {"m": [stats]})
+    metrics.registry.register(CapacityCollector(lambda: {"m": [stats]}, Rates(1.0, 1.0), 0.2, 3))
+    return {f.name for f in text_string_to_metric_families(metrics.render().decode())}
+
+
+def test_scaled_objects_scale_a_deployment_on_metrics_its_servers_export():
+    exported, found = _exported_metrics(), 0
+    for path in MANIFESTS:
+        docs = documents(path)
+        for scaled in (d for d in docs if d["kind"] == "ScaledObject"):
+            found += 1
+            spec = scaled["spec"]
+            target, = [d for d in docs if d["kind"] == "Deployment"
+                       and d["metadata"]["name"] == spec["scaleTargetRef"]["name"]]
+            container, = target["spec"]["template"]["spec"]["containers"]
+            args = jaxserve_args(container, {})
+            assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+            assert spec["minReplicaCount"] >= args.capacity_zones  # a replica in every zone
+            queries = []
+            for trigger in spec["triggers"]:
+                assert trigger["type"] == "prometheus" and float(
+                    trigger["metadata"]["threshold"]) > 0
+                query = trigger["metadata"]["query"]
+                names = re.findall(r"jaxserve:\w+", query)
+                assert names and set(names) <= exported, (query, exported)
+                assert set(re.findall(r'model_name="([^"]+)"', query)) == {args.model}
+                queries.append(query)
+            if any("jaxserve:desired_replicas" in q for q in queries):
+                assert args.capacity_rates is not None  # the gauge exists only with it
+    assert found, "no ScaledObject example under deploy/"

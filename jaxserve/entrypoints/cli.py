@@ -1,5 +1,5 @@
 """`jaxserve fetch | convert | generate | serve | batch | manifest | index | search | audit |
-policy | kernels | eval | slo`.
+policy | kernels | eval | slo | capacity`.
 
 Every error a user can cause surfaces as a JaxServeError and is printed as one line on stderr with
 exit code 1 — never a traceback. Progress goes to stderr so stdout carries only the result (with
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from jaxserve.audit.cli import add_audit_command
 from jaxserve.entrypoints.batch import add_batch_arguments
+from jaxserve.entrypoints.capacity import add_capacity_command
 from jaxserve.engine_settings import DTYPES
 from jaxserve.entrypoints.engine_flags import add_engine_arguments, add_engine_flags
 from jaxserve.entrypoints.kernels import add_kernels_command, configure_cpu_kernels
@@ -290,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_slo_command(sub)
     add_kernels_command(sub)
     add_eval_command(sub, _eval_in_process)
+    add_capacity_command(sub)
     return p
 
 

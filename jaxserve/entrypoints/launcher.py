@@ -149,6 +149,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="export a trace per request over OTLP/HTTP (protobuf) to URL, e.g. "
                              "http://collector:4318/v1/traces; the caller's W3C traceparent is "
                              "its parent (default: no tracing)")
+    parser.add_argument("--capacity-rates", type=Path, default=None, metavar="FILE",
+                        help="the rates `jaxserve capacity measure` wrote: /metrics then has "
+                             "jaxserve:desired_replicas, the capacity model at the load served "
+                             "(for KEDA; docs/operations.md) (default: none)")
+    parser.add_argument("--capacity-headroom", type=float, default=_DEFAULTS.capacity_headroom,
+                        metavar="SHARE", help="share of each replica the capacity model keeps "
+                                              "free (default: %(default)s)")
+    parser.add_argument("--capacity-zones", type=int, default=_DEFAULTS.capacity_zones,
+                        metavar="Z", help="zones the replicas spread over: the desired "
+                                          "replicas survive losing one (default: %(default)s)")
     parser.add_argument("--idempotency-ttl", type=float, default=_DEFAULTS.idempotency_ttl_s,
                         metavar="SECONDS",
                         help="how long the response to an Idempotency-Key is kept for a retry "
@@ -276,7 +286,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         allowed_hosts=args.allowed_hosts or (),
                         metrics_token=_metrics_token(args.metrics_token_file),
                         metrics_tenant_labels=args.metrics_tenant_labels,
-                        otlp_traces_endpoint=args.otlp_traces_endpoint)
+                        otlp_traces_endpoint=args.otlp_traces_endpoint,
+                        capacity_rates_file=(str(args.capacity_rates) if args.capacity_rates
+                                             else None),
+                        capacity_headroom=args.capacity_headroom,
+                        capacity_zones=args.capacity_zones)
 
 
 def _exit_now(code: int) -> None:

@@ -6,6 +6,7 @@ file fails the start."""
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 from aiohttp import web
 
@@ -15,6 +16,7 @@ from jaxserve.errors import EngineOverloaded
 from jaxserve.gateway import Gateway, load_tenants
 from jaxserve.gateway.idempotency import IdempotencyStore
 from jaxserve.gateway.pricing import Pricing
+from jaxserve.telemetry.capacity import CapacityCollector, read_rates
 from jaxserve.telemetry.metrics import PolicyMetrics, ServerMetrics, tenant_pseudonyms
 from jaxserve.entrypoints.serving.calls import Sinks
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
@@ -50,6 +52,10 @@ class AppState:
         # Each request's cost is spent from its tenant's budgets (gateway/budgets.py).
         self.sinks.add(lambda o: self.gateway.budgets.spend(o.tenant, o.cost))
         self.metrics.register_budgets(self.gateway.budgets.snapshot)
+        if config.capacity_rates_file:  # read at build time: a bad file fails the start
+            self.metrics.registry.register(CapacityCollector(
+                self._stats, read_rates(Path(config.capacity_rates_file)),
+                config.capacity_headroom, config.capacity_zones))
         self.tracing = None  # OpenTelemetry is imported only when traces are exported
         if config.otlp_traces_endpoint:
             from jaxserve.telemetry.tracing import Tracing
