@@ -194,20 +194,21 @@ def _dequantized(params: dict, config) -> dict:
 @pytest.mark.parametrize("weights", ["in_place", "sliced"])
 def test_gguf_blocks_give_the_forward_of_their_dequantized_weights(weights, monkeypatch):
     # Every format on some projection, the embedding and the LM head. In place: the CPU kernel
-    # reads the blocks (16 tokens); sliced: each layer's blocks dequantized through XLA.
+    # reads the blocks (8 tokens); sliced: each layer's blocks dequantized through XLA.
     config = tiny_config(intermediate_size=64)
     cfg_q = config.replace(quantization="gguf", gguf_formats=GGUF_FORMATS)
     if weights == "sliced":
         monkeypatch.setattr(decoder, "_projections_in_place", lambda *args: False)
-    elif not decoder._projections_in_place(cfg_q, None, 16):
+    elif not decoder._projections_in_place(cfg_q, None, 8):
         pytest.skip("the CPU kernels are not built here")
     jax.clear_caches()  # _step's trace depends on the choice
     params = jax.tree.map(np.asarray, decoder.init_params(cfg_q, jax.random.key(4)))
     assert params["layers"]["o_proj"].shape == (3, 32, 64 // 32 * 20)  # [L, N, K / 32 * bytes]
     seq = np.random.default_rng(5).integers(0, config.vocab_size, 9).tolist()
     steps = [[SeqChunk(seq[:8], 0, [3, 4])], [SeqChunk(seq[8:], 8, [3, 4, 6])]]
-    for (hq, lq), (h32, l32) in zip(run_steps(params, cfg_q, steps),
-                                    run_steps(_dequantized(params, cfg_q), config, steps)):
+    for (hq, lq), (h32, l32) in zip(run_steps(params, cfg_q, steps, num_tokens_padded=8),
+                                    run_steps(_dequantized(params, cfg_q), config, steps,
+                                              num_tokens_padded=8)):
         np.testing.assert_allclose(hq, h32, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(lq, l32, atol=1e-5, rtol=1e-5)
     assert np.abs(l32).max() > 0.1  # real signal through the random blocks
