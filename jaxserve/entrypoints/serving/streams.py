@@ -32,31 +32,33 @@ async def with_keepalive(agen: AsyncIterator, interval: float) -> AsyncIterator:
     item, so it pulls no further ahead of its reader than that."""
     queue: asyncio.Queue = asyncio.Queue(maxsize=1)
     end = object()
-
-    async def pump():
-        try:
-            async for item in agen:
-                await queue.put((item, None))
-            await queue.put((end, None))
-        except Exception as exc:  # noqa: BLE001 - forwarded to the reader
-            await queue.put((end, exc))
-
-    task = asyncio.ensure_future(pump())
+    task = asyncio.ensure_future(_pump(queue, None, agen, end))
     try:
         while True:
             try:
                 async with asyncio.timeout(interval):
-                    item, error = await queue.get()
+                    _, item = await queue.get()
             except TimeoutError:
                 yield None
                 continue
-            if error is not None:
-                raise error
             if item is end:
                 return
+            if isinstance(item, BaseException):
+                raise item
             yield item
     finally:
         task.cancel()
+
+
+async def _pump(queue: asyncio.Queue, key, agen: AsyncIterator, end) -> None:
+    """Put (key, item) for each of agen's items, then (key, end), or (key, the error it
+    raised); a cancelled pump closes agen (AsyncEngine.generate then aborts its request)."""
+    try:
+        async for item in agen:
+            await queue.put((key, item))
+        await queue.put((key, end))
+    except Exception as exc:  # noqa: BLE001 - forwarded to the reader
+        await queue.put((key, exc))
 
 
 async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
@@ -70,16 +72,7 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
         return
     queue: asyncio.Queue = asyncio.Queue(maxsize=1)
     done = object()
-
-    async def pump(i, s):
-        try:
-            async for out in s:
-                await queue.put((i, out))
-            await queue.put((i, done))
-        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
-            await queue.put((i, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    tasks = [asyncio.ensure_future(_pump(queue, i, s, done)) for i, s in enumerate(streams)]
     try:
         remaining = len(streams)
         while remaining:
