@@ -177,9 +177,8 @@ class LLMEngine:
             raise InvalidRequest(f"level must be 1 or 2, got {level!r}", "level")
         if self.runner.publish is not None:
             raise Conflict("a multi-host engine cannot sleep")
-        if self.output_processor.groups:
-            raise Conflict(f"{len(self.output_processor.groups)} requests are still running; "
-                           f"a version sleeps once they end")
+        if self.has_unfinished():  # a live request, an output not yet handed out, a step
+            raise Conflict("requests are still running; a version sleeps once they end")
         self.scheduler.cache.forget_contents()
         self.runner.sleep_kv_cache()
         if level == 2:

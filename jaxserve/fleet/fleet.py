@@ -260,7 +260,17 @@ class Fleet:
                 self._changed.notify_all()
                 raise Conflict(f"version {name!r} still has {version.in_flight} requests in "
                                f"flight after {timeout:g} s", param="timeout")
-        self._settle(version, lambda: version.engine.sleep(level))
+        def sleep() -> None:
+            # The leases are back; the engine may still hand out the last outputs or finish a
+            # launched step (new requests are refused), so a Conflict is retried until then.
+            while True:
+                try:
+                    return version.engine.sleep(level)
+                except Conflict:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.02)
+        self._settle(version, sleep)
         log.info("version %s: asleep (level %d: %s)", name, level, ", ".join(version.sleeping))
         return version
 
