@@ -7,7 +7,8 @@
 // Why: a decode step of a few sequences is bound by the weights' bytes it streams from memory;
 // Q4_1 is 5 bits a weight where f32 is 32. The blocks are dequantized in registers, a vector of
 // weights at a time, and never written anywhere (a kernel that widened each block into an f32
-// buffer first ran slower than XLA: benchmarks/RESULTS.md, "int8 through the in-place kernel").
+// buffer first ran slower than XLA: benchmarks/RESULTS.md, "The layers' projections read in
+// place", "Tried and dropped").
 //
 // Arithmetic: each weight as the f32 value the gguf package's dequantization gives (d * q for
 // Q4_0 / Q8_0, exact in f32; d * q + m for Q4_1, d * q exact, one rounding of the sum either
@@ -79,8 +80,17 @@ inline Vec BroadcastHalf(const uint8_t* p) {
 template <Format F>
 struct Block;
 
-// Q4_0: f16 d, then 16 bytes: value j < 16 is the low nibble of byte j, value j + 16 its high
-// nibble; weight = d * (nibble - 8).
+// Values [v * kLanes, (v + 1) * kLanes) of 16 bytes of nibbles at qs as int32: value j < 16 is
+// the low nibble of byte j, value j + 16 its high nibble (Q4_0's and Q4_1's layout).
+inline I32 Nibbles(const uint8_t* qs, int v) {
+  const int j = v * kLanes;
+  U8 q;
+  std::memcpy(&q, qs + (j & 15), sizeof(q));
+  q = (q >> (j >= 16 ? 4 : 0)) & 15;
+  return __builtin_convertvector(q, I32);
+}
+
+// Q4_0: f16 d, then 16 bytes of nibbles (`Nibbles`); weight = d * (nibble - 8).
 template <>
 struct Block<kQ4_0> {
   static constexpr int kBytes = 18;
@@ -89,12 +99,7 @@ struct Block<kQ4_0> {
   };
   static Scale ScaleOf(const uint8_t* b) { return {BroadcastHalf(b)}; }
   static Vec Weights(const uint8_t* b, int v, const Scale& s) {
-    const int j = v * kLanes;
-    U8 q;
-    std::memcpy(&q, b + 2 + (j & 15), sizeof(q));
-    q = (q >> (j >= 16 ? 4 : 0)) & 15;
-    const I32 code = __builtin_convertvector(q, I32) - 8;
-    return __builtin_convertvector(code, Vec) * s.d;
+    return __builtin_convertvector(Nibbles(b + 2, v) - 8, Vec) * s.d;
   }
 };
 
@@ -109,11 +114,7 @@ struct Block<kQ4_1> {
     return {BroadcastHalf(b), BroadcastHalf(b + 2)};
   }
   static Vec Weights(const uint8_t* b, int v, const Scale& s) {
-    const int j = v * kLanes;
-    U8 q;
-    std::memcpy(&q, b + 4 + (j & 15), sizeof(q));
-    q = (q >> (j >= 16 ? 4 : 0)) & 15;
-    return __builtin_convertvector(__builtin_convertvector(q, I32), Vec) * s.d + s.m;
+    return __builtin_convertvector(Nibbles(b + 4, v), Vec) * s.d + s.m;
   }
 };
 
