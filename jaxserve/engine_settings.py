@@ -54,9 +54,9 @@ SETTINGS = (
     Setting("dtype", str, LOAD, choices=DTYPES, grouped=False),
     Setting("quantization", str, LOAD, choices=(*QUANTIZATIONS[1:], "none"), short="-q",
             grouped=False,
-            help="gguf (the default for a GGUF file on the CPU): its Q4_0 / Q4_1 / Q8_0 blocks "
-                 "kept as they are and read in place by the CPU kernel; none: dequantized to "
-                 "--dtype at load; int8: the decoder layers' weights stored as int8 groups of 32 "
+            help="gguf: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks kept as they are and read in "
+                 "place by the CPU kernel (faster for one or a few sequences); none (the "
+                 "default): dequantized to --dtype at load; int8: the decoder layers' weights stored as int8 groups of 32 "
                  "(a quarter of the f32 bytes)"),
     Setting("kv_cache_dtype", str, CACHE, field="dtype", choices=DTYPES, grouped=False,
             help="the KV cache's element type (default: the model's dtype); bfloat16 halves its "

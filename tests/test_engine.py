@@ -75,8 +75,6 @@ def assert_golden(outs, golden) -> None:
 @pytest.mark.slow
 def test_golden_alone_mixed_and_prefix_cached(smollm2_llm, smollm2_golden):
     llm, engine = smollm2_llm, smollm2_llm.engine
-    if jax.default_backend() == "cpu":  # the GGUF's Q4_1 / Q8_0 blocks read in place (default)
-        assert engine.config.model.quantization == "gguf"
     with count_compiles() as compiles:
         # (a) each case alone
         for prompt, case in zip(golden_prompts(smollm2_golden), smollm2_golden["cases"]):
@@ -101,15 +99,16 @@ def test_golden_alone_mixed_and_prefix_cached(smollm2_llm, smollm2_golden):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", [dict(quantization="int8"),
+                                    dict(quantization="gguf"),
                                     dict(quantization="none", kv_cache_dtype="bfloat16"),
                                     dict(quantization="int8", kv_cache_dtype="bfloat16")],
-                         ids=["int8-weights", "f32-weights-bf16-kv-cache", "both"])
+                         ids=["int8-weights", "gguf-blocks", "f32-weights-bf16-kv-cache", "both"])
 def test_golden_with_int8_weights_or_a_bf16_kv_cache(smollm2_golden, engine):
     # int8: the GGUF's Q4_1 blocks land on int8 codes exactly (jaxserve.weights.quantize), from a
-    # quarter of the layers' f32 weight bytes. bf16 KV cache: K and V rounded to bf16, attention
-    # still in f32; here with the blocks dequantized to f32 at load (--quantization none; the
-    # default, the blocks read in place, is the other golden tests'). Either way, and both
-    # together, the golden tokens stay equal.
+    # quarter of the layers' f32 weight bytes. gguf: the Q4_1 / Q8_0 blocks read in place by the
+    # CPU kernel in decodes of up to 8 rows (the prefills here dequantize through XLA). bf16 KV
+    # cache: K and V rounded to bf16, attention still in f32. Each way, and int8 with bf16, the
+    # golden tokens stay equal.
     llm = LLM(SMOLLM2, **engine, num_pages=64, max_num_seqs=8, max_num_batched_tokens=256,
               max_model_len=512, strict_compile=True, progress=False)
     assert llm.engine.config.model.quantization == {"none": None}.get(engine["quantization"],
