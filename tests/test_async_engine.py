@@ -33,6 +33,7 @@ class ScriptedEngine:
         self.gate = threading.Event()
         self.gate.set()
         self.hang = threading.Event()
+        self.sleeping_tags: frozenset[str] = frozenset()  # never asleep
 
     def prepare(self, request_id, prompt, params, priority=0, *, qos=None,
                 fitted=False) -> PreparedRequest:
