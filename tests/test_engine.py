@@ -324,7 +324,7 @@ def test_bf16_kv_cache_through_the_cpu_kernel_library(tmp_path, smollm2_tokenize
         runner = llm.engine.runner
         assert runner.kv_cache.dtype == "bfloat16"
         program = runner._forward_jit.lower(runner.params, runner.kv_cache,
-                                            runner._plan_spec(32)).as_text()
+                                            runner._plan_spec(32), runner._last_tokens).as_text()
         return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)], program
 
     assert cpu_kernels.enabled()
