@@ -23,15 +23,16 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 from urllib.parse import urlsplit
 
 import httpx2
-from mcp import Client, MCPError
-from mcp.client.streamable_http import streamable_http_client
 
 from jaxserve.agents.tools import APPROVAL_ITEM, ToolContext, ToolError
 from jaxserve.errors import InvalidRequest
+
+if TYPE_CHECKING:  # the SDK is imported on first use: it loads OpenTelemetry, which a server
+    from mcp import Client  # without --otlp-traces-endpoint must not (tests/test_tracing.py)
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,9 @@ class _Counted(httpx2.AsyncByteStream):
 
 
 def _client(config: dict, limits: McpLimits) -> Client:
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
     http = httpx2.AsyncClient(headers=config.get("headers") or {},
                               timeout=httpx2.Timeout(limits.timeout_s),
                               transport=_Bounded(limits.max_response_bytes))
@@ -117,6 +121,8 @@ async def _session(config: dict, limits: McpLimits, what: str, work):
     a bound, is a ToolError naming the server, its detail the error as OpenAI's mcp_call
     item has it: the server's JSON-RPC error (`mcp_protocol_error`), or an `http_error` (the
     server's HTTP status; 504 for a timeout, 502 for any other failure to get an answer)."""
+    from mcp import MCPError
+
     label = config["server_label"]
     try:
         async with asyncio.timeout(limits.timeout_s):
