@@ -6,12 +6,14 @@ bucket below 16 is one more forward, and one more row count of samplers, to comp
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
 
 import jax
 import pytest
+from aiohttp import web_app
 
 # JAXSERVE_GOLDEN_DIR: where a checkout has no ../shared beside it (benchmarks/accelerator_check.py)
 GOLDEN_DIR = Path(os.environ.get("JAXSERVE_GOLDEN_DIR")
@@ -24,6 +26,20 @@ SMOLLM2 = "smollm2-135m-instruct"
 # (segfaults in deserialize_executable and in backend_compile_and_load under runner.warmup, CI of
 # stop 46 and a rerun). Servers the tests start as subprocesses still use it, as users' do.
 jax.config.update("jax_enable_compilation_cache", False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_module_servers():
+    """After each module: its servers' engines, and their compiled programs, are freed.
+
+    aiohttp caches each app's middleware chain (an lru_cache of 1024 entries keyed by the app),
+    so every in-process test server's app, and through it its engine, outlived its module. XLA's
+    CPU programs each hold memory mappings, and at ~90% of the suite the process ran past
+    vm.max_map_count (65,530): compiling then aborted inside XLA (the crashes of stop 46 and 47's
+    CI, in runner.warmup)."""
+    yield
+    web_app._cached_build_middleware.cache_clear()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

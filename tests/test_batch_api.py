@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import threading
 import time
 
 import openai
@@ -71,9 +72,12 @@ def server(tiny_path, tmp_path_factory):
                                                          max_concurrent_lines=1))
     srv = ServerThread("tiny", rag=rag, setup=lambda app: add_batch_routes(app, batches),
                        tenants_file=str(tenants))
-    engine = AsyncEngine(build_engine(str(tiny_path), num_pages=48, max_num_seqs=4,
-                                      max_num_batched_tokens=32, max_model_len=128,
-                                      min_token_bucket=16, progress=False))
+    llm = build_engine(str(tiny_path), num_pages=48, max_num_seqs=4, max_num_batched_tokens=32,
+                       max_model_len=128, min_token_bucket=16, progress=False)
+    step = llm.step
+    srv.slow = threading.Event()  # set: each engine step takes 50 ms longer
+    llm.step = lambda: (time.sleep(0.05) if srv.slow.is_set() else None, step())[1]
+    engine = AsyncEngine(llm)
     srv.attach(engine)
     srv._call(_start(batches, srv.app, rag))
     srv.batches = batches
@@ -277,9 +281,15 @@ def test_cancel_and_expiry_keep_partial_output(server):
     assert 1 <= batch.request_counts.completed < 16 and unrun
     assert {r["error"]["code"] for r in unrun} == {"batch_cancelled"}
 
-    batch = client.batches.create(input_file_id=up.id, endpoint="/v1/chat/completions",
-                                  completion_window="2s")
-    batch = _ended(client, batch.id)
+    # Slowed, the 16 lines' 1,024 steps take over 50 s: a 2 s window ends with lines left (at
+    # full speed they once all ended inside it).
+    server.slow.set()
+    try:
+        batch = client.batches.create(input_file_id=up.id, endpoint="/v1/chat/completions",
+                                      completion_window="2s")
+        batch = _ended(client, batch.id)
+    finally:
+        server.slow.clear()
     assert batch.status == "expired" and batch.expired_at, batch
     results = _each_line_once(client, batch, 16)
     assert {r["error"]["code"] for r in results if r["error"]} == {"batch_expired"}
