@@ -20,11 +20,10 @@ GOLDEN_DIR = Path(os.environ.get("JAXSERVE_GOLDEN_DIR")
                   or Path(__file__).resolve().parents[2] / "shared" / "golden")
 SMOLLM2 = "smollm2-135m-instruct"
 
-# JAX's persistent compilation cache stays off in the suite's own process: tests that run an
-# engine command in-process (cli.main) turn it on for the whole process (`--compile-cache-dir`'s
-# default), and engines built after that in worker threads crashed XLA twice on a clean clone
-# (segfaults in deserialize_executable and in backend_compile_and_load under runner.warmup, CI of
-# stop 46 and a rerun). Servers the tests start as subprocesses still use it, as users' do.
+# JAX's persistent compilation cache stays off in the suite's own process: a test that runs an
+# engine command in-process (cli.main) would turn it on for the whole process
+# (`--compile-cache-dir`'s default), and every later test's engines would share one cache.
+# Servers the tests start as subprocesses still use it, as users' do.
 jax.config.update("jax_enable_compilation_cache", False)
 
 
@@ -35,11 +34,18 @@ def _release_module_servers():
     aiohttp caches each app's middleware chain (an lru_cache of 1024 entries keyed by the app),
     so every in-process test server's app, and through it its engine, outlived its module. XLA's
     CPU programs each hold memory mappings, and at ~90% of the suite the process ran past
-    vm.max_map_count (65,530): compiling then aborted inside XLA (the crashes of stop 46 and 47's
-    CI, in runner.warmup)."""
+    vm.max_map_count (65,530): compiling then aborted inside XLA (both CI runs of stop 46 crashed
+    so, in runner.warmup)."""
     yield
     web_app._cached_build_middleware.cache_clear()
     gc.collect()
+    # A leak shows here as an error naming the module, not later as a crash in some compile.
+    maps, limit = Path("/proc/self/maps"), Path("/proc/sys/vm/max_map_count")
+    if maps.exists() and limit.exists():
+        held, most = len(maps.read_text().splitlines()), int(limit.read_text())
+        if held > most // 2:
+            pytest.fail(f"{held} memory mappings (of vm.max_map_count {most}) are left after the "
+                        f"module's teardown: something keeps its engines' programs alive")
 
 
 @pytest.fixture(scope="session")
