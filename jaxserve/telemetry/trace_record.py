@@ -29,9 +29,12 @@ class RequestTrace:
     """`exporter`: the Tracing that started it (its `span` and `export`); `span`: the request's
     span, parent of every phase's."""
 
-    def __init__(self, exporter: Any, span: Any):
+    def __init__(self, exporter: Any, span: Any, offset_ns: int = 0):
         self.exporter = exporter
         self.span = span
+        # Wall clock minus monotonic clock, read once: every span of the request is placed by the
+        # same conversion (read per span, a child at the request's arrival started before it).
+        self.offset_ns = offset_ns
         self.phases: list[Phase] = []  # list.append is atomic: executor threads record too
         self.engine: list[tuple[int, Any, int]] = []  # (prompt index, RequestMetrics, tokens)
         self.attributes: dict[str, Any] = {}  # the request's own (its sampling parameters)

@@ -61,9 +61,10 @@ class Tracing:
         carrier = {k: v for k in ("traceparent", "tracestate")
                    if isinstance(v := headers.get(k), str)}
         parent = _PROPAGATOR.extract(carrier)
+        offset = _offset_ns()
         span = self.tracer.start_span("request", context=parent, kind=SpanKind.SERVER,
-                                      start_time=_epoch_ns(arrival, _offset_ns()))
-        return RequestTrace(self, span)
+                                      start_time=_epoch_ns(arrival, offset))
+        return RequestTrace(self, span, offset)
 
     def sink(self, outcome) -> None:
         """A Sink (entrypoints/serving/calls.py): the call's span, with its phases, ends."""
@@ -77,7 +78,7 @@ class Tracing:
 
     def export_phase(self, t: RequestTrace, phase: Phase) -> None:
         try:
-            self._child(t, phase.name, phase.start, phase.end, phase.attributes, _offset_ns())
+            self._child(t, phase.name, phase.start, phase.end, phase.attributes, t.offset_ns)
         except Exception:  # noqa: BLE001 - as `sink`
             log.exception("could not record a %s span", phase.name)
 
@@ -95,7 +96,7 @@ class Tracing:
         span.end(end_time=_epoch_ns(max(start, end), offset_ns))
 
     def _end(self, t: RequestTrace, o) -> None:
-        offset = _offset_ns()
+        offset = t.offset_ns
         for p in t.phases:
             self._child(t, p.name, p.start, p.end, p.attributes, offset)
         for index, m, output_tokens in t.engine:
