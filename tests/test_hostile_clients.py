@@ -68,9 +68,12 @@ def server(tmp_path_factory, smollm2_tokenizer_fields):
     llm = build_engine(str(path), num_pages=80, max_num_seqs=1, max_num_batched_tokens=16,
                        max_model_len=MAX_LEN, min_token_bucket=16, strict_compile=True,
                        progress=False)
+    step, slow = llm.step, threading.Event()
+    llm.step = lambda: (time.sleep(0.02) if slow.is_set() else None, step())[1]
     engine = AsyncEngine(llm)
     http = ServerThread("tiny", tenants_file=str(d / "tenants.toml"),
                         stream_write_timeout_s=1.0)
+    http.slow = slow  # set: each engine step takes 20 ms longer
     try:
         # Small socket buffers (accepted sockets inherit the listener's): a client that stops
         # reading stalls the server's writes after a few dozen chunks, not megabytes.
@@ -88,6 +91,15 @@ def server(tmp_path_factory, smollm2_tokenizer_fields):
         engine.shutdown()
     assert llm.runner.num_serving_compiles == 0
     assert_no_leaks(llm)
+
+
+@pytest.fixture
+def slowed(server):
+    """Steps of 20 ms: the 960 tokens a stalled stream asks for take ~20 s, far past the 1 s write
+    timeout (at full speed the tiny model once made them all before the timeout fired)."""
+    server.slow.set()
+    yield
+    server.slow.clear()
 
 
 def requests_total(url: str, tenant: str, outcome: str) -> float:
@@ -150,7 +162,7 @@ def test_merged_streams_pull_no_further_than_their_reader():
     assert sum(pulled) <= 4, pulled
 
 
-def test_a_stream_nobody_reads_is_ended_and_its_pages_freed(server):
+def test_a_stream_nobody_reads_is_ended_and_its_pages_freed(server, slowed):
     """Review H1: a client that never reads a long stream (top-20 logprobs on every token) is
     cut off once a write has stalled for the write timeout: the request is aborted in the
     engine (pages back), its call ends as client_disconnected, long before it would finish."""
@@ -179,7 +191,7 @@ def test_a_stream_nobody_reads_is_ended_and_its_pages_freed(server):
     assert_no_leaks(server.llm)
 
 
-def test_a_grpc_stream_nobody_reads_is_ended_and_its_pages_freed(server):
+def test_a_grpc_stream_nobody_reads_is_ended_and_its_pages_freed(server, slowed):
     """Review H1 on gRPC: HTTP/2 flow control stops the server's writes to a client that reads
     nothing (a small window here); once one has waited the write timeout the call ends
     UNAVAILABLE and the request is aborted, its pages back, long before it would finish."""
