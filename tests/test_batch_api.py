@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import threading
-import time
 
 import openai
 import pytest
@@ -31,7 +29,7 @@ from jaxserve.rag.config import ChunkerConfig, EmbedderConfig, RagConfig
 from jaxserve.rag.service import RagService
 from tests.rag_helpers import tiny_embedder
 from tests.test_cli import ROOT, tiny_gguf
-from tests.test_server import ServerThread, wait_for
+from tests.test_server import ServerThread, slowable, wait_for
 
 KEYS = {"acme": "sk-acme-0123456789abcdef0123", "globex": "sk-globex-0123456789abcdef01",
         "metered": "sk-metered-0123456789abcdef0"}
@@ -74,9 +72,7 @@ def server(tiny_path, tmp_path_factory):
                        tenants_file=str(tenants))
     llm = build_engine(str(tiny_path), num_pages=48, max_num_seqs=4, max_num_batched_tokens=32,
                        max_model_len=128, min_token_bucket=16, progress=False)
-    step = llm.step
-    srv.slow = threading.Event()  # set: each engine step takes 50 ms longer
-    llm.step = lambda: (time.sleep(0.05) if srv.slow.is_set() else None, step())[1]
+    srv.slow = slowable(llm, 0.05)  # set: each engine step takes 50 ms longer
     engine = AsyncEngine(llm)
     srv.attach(engine)
     srv._call(_start(batches, srv.app, rag))

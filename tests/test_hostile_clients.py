@@ -29,7 +29,7 @@ from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from jaxserve.entrypoints.serving.streams import merge_streams
 from tests.test_cli import ROOT, tiny_gguf
 from tests.test_engine import assert_no_leaks
-from tests.test_server import ServerThread, wait_for
+from tests.test_server import ServerThread, slowable, wait_for
 from tests.test_tenancy_server import metric_values, post
 
 TENANTS = """
@@ -68,12 +68,10 @@ def server(tmp_path_factory, smollm2_tokenizer_fields):
     llm = build_engine(str(path), num_pages=80, max_num_seqs=1, max_num_batched_tokens=16,
                        max_model_len=MAX_LEN, min_token_bucket=16, strict_compile=True,
                        progress=False)
-    step, slow = llm.step, threading.Event()
-    llm.step = lambda: (time.sleep(0.02) if slow.is_set() else None, step())[1]
     engine = AsyncEngine(llm)
     http = ServerThread("tiny", tenants_file=str(d / "tenants.toml"),
                         stream_write_timeout_s=1.0)
-    http.slow = slow  # set: each engine step takes 20 ms longer
+    http.slow = slowable(llm, 0.02)  # set: each engine step takes 20 ms longer
     try:
         # Small socket buffers (accepted sockets inherit the listener's): a client that stops
         # reading stalls the server's writes after a few dozen chunks, not megabytes.

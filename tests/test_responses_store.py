@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
-import time
 
 import openai
 import pytest
@@ -26,7 +24,7 @@ from jaxserve.rag.service import RagService
 from tests.rag_helpers import tiny_embedder
 from tests.test_cli import tiny_gguf
 from tests.test_engine import assert_no_leaks
-from tests.test_server import ServerThread, _request, wait_for
+from tests.test_server import ServerThread, _request, slowable, wait_for
 
 TENANTS = """
 [tenant.alice]
@@ -42,7 +40,7 @@ class Server:
     def __init__(self, http: ServerThread, engine: AsyncEngine, llm, data_dir, audit_dir):
         self.http, self.engine, self.llm = http, engine, llm
         self.url, self.data_dir, self.audit_dir = http.url, data_dir, audit_dir
-        self.slow = threading.Event()  # set: each engine step takes 50 ms longer
+        self.slow = slowable(llm, 0.05)  # set: each engine step takes 50 ms longer
 
     def client(self, key: str = "sk-alice") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
@@ -73,8 +71,6 @@ def server(tmp_path_factory, smollm2_tokenizer_fields):
     http = ServerThread("tiny", rag, tenants_file=str(tenants), data_dir=str(d / "data"),
                         audit_log_dir=str(d / "audit"))
     srv = Server(http, engine, llm, d / "data", d / "audit")
-    step = llm.step
-    llm.step = lambda: (time.sleep(0.05) if srv.slow.is_set() else None, step())[1]
     http.attach(engine)
     yield srv
     http.stop()

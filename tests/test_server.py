@@ -110,6 +110,14 @@ def wait_for(predicate, what: str, deadline_s: float = 60.0):
     return value
 
 
+def slowable(llm, delay_s: float) -> threading.Event:
+    """An event that, while set, makes each of `llm`'s steps take `delay_s` longer: a window the
+    test opens (a batch's deadline, a write timeout) then ends before the work does, on any host."""
+    step, slow = llm.step, threading.Event()
+    llm.step = lambda: (time.sleep(delay_s) if slow.is_set() else None, step())[1]
+    return slow
+
+
 def scrape(url: str) -> dict[str, float]:
     """/metrics as {sample name: value}; histogram buckets keep their `le` in the name."""
     resp = http_get(f"{url}/metrics")

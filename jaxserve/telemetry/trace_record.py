@@ -29,7 +29,7 @@ class RequestTrace:
     """`exporter`: the Tracing that started it (its `span` and `export`); `span`: the request's
     span, parent of every phase's."""
 
-    def __init__(self, exporter: Any, span: Any, offset_ns: int = 0):
+    def __init__(self, exporter: Any, span: Any, offset_ns: int):
         self.exporter = exporter
         self.span = span
         # Wall clock minus monotonic clock, read once: every span of the request is placed by the
