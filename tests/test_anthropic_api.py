@@ -216,6 +216,39 @@ def _flood(client, n: int) -> None:
             thinking={"type": "disabled"}, **{**GREEDY, "max_tokens": 1})
 
 
+def test_openai_prompt_cache_breakpoint_pins_through_a_flood(server, client):
+    """OpenAI's shape (the openai client): a text part's prompt_cache_breakpoint pins the prompt
+    through it, as cache_control does; the same system prompt unpinned is evicted by the flood."""
+    import openai
+
+    oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-alice", max_retries=0)
+
+    def ask(system, **kw):
+        return oai.chat.completions.create(model="tiny", max_tokens=1, temperature=0, messages=[
+            {"role": "system", "content": system}, *ASK], **kw).usage
+
+    plain = "Unpinned rules: reply in one short word. " * 3
+    ask(plain)
+    _flood(client, 3)
+    assert ask(plain).prompt_tokens_details.cached_tokens == 0  # evicted: no pin
+    pins = metric_values(server.url)[("jaxserve:kv_cache_pins", ())]
+    text = "Pinned rules: reply in one short word. " * 3
+    pinned = [{"type": "text", "text": text, "prompt_cache_breakpoint": {"mode": "explicit"}}]
+    made = ask(pinned, prompt_cache_key="rules", prompt_cache_options={"ttl": "30m"})
+    assert metric_values(server.url)[("jaxserve:kv_cache_pins", ())] == pins + 1
+    _flood(client, 3)
+    read = ask(pinned)
+    assert read.prompt_tokens == made.prompt_tokens
+    # the whole pages of the system prompt (about 40 tokens) survived the flood
+    assert read.prompt_tokens_details.cached_tokens >= 32
+    with pytest.raises(openai.BadRequestError) as e:
+        ask([{**pinned[0], "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"}}])
+    assert "prompt_cache_breakpoint.ttl" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(pinned * 5)
+    assert e.value.param == "prompt_cache_breakpoint"
+
+
 def test_cache_control_pins_the_system_prompt_through_a_flood(client):
     """Last in the module: the pin it makes holds pool pages for 5 minutes."""
     ask = {"messages": ASK, "thinking": {"type": "disabled"}, **{**GREEDY, "max_tokens": 1}}

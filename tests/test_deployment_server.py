@@ -210,6 +210,11 @@ def test_a_route_sends_each_user_where_the_routing_function_does_every_time(serv
             body = server.post(chat("Hi", model="smollm2", user=user, max_tokens=2)).json()
             assert body["model"] == expected[user]
             assert body["system_fingerprint"] == server.fingerprint(expected[user])
+    # OpenAI's prompt_cache_key is the sticky key, winning over `user`
+    for user in users:
+        body = server.post(chat("Hi", model="smollm2", user="someone", prompt_cache_key=user,
+                                max_tokens=1)).json()
+        assert body["model"] == expected[user]
     server.idle()
 
 

@@ -25,6 +25,7 @@ import secrets
 from typing import Any, AsyncIterator
 
 from jaxserve.errors import InvalidRequest
+from jaxserve.entrypoints.serving.cache_pins import DEFAULT_TTL, MAX_BREAKPOINTS, TTL_SECONDS
 from jaxserve.entrypoints.serving.anthropic_models import (
     AssistantMessage, TextBlock, ThinkingBlock, ThinkingDisabled, ToolChoiceAny, ToolChoiceNone,
     ToolChoiceTool, ToolResultBlock, ToolUseBlock)
@@ -36,9 +37,6 @@ _PARAMS = {"max_tokens": "max_tokens", "stop": "stop_sequences", "user": "metada
 # stop_sequence when one of the request's stop sequences ended it).
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                  "content_filter": "refusal"}
-
-
-MAX_BREAKPOINTS = 4  # Anthropic's limit on cache_control blocks per request
 
 
 def new_id(prefix: str) -> str:
@@ -117,7 +115,7 @@ def chat_messages(req: Any) -> list[dict]:
 
 
 def _ttl_s(control: Any) -> float:
-    return 3600.0 if control.ttl == "1h" else 300.0  # Anthropic's default is 5 minutes
+    return TTL_SECONDS[control.ttl or DEFAULT_TTL]
 
 
 def cache_breakpoints(req: Any) -> list[tuple[list[dict], float]]:

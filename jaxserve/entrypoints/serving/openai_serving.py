@@ -205,6 +205,7 @@ class OpenAIServing:
         params = engine.check_fits([len(p) for p in prompt_ids], params)
         params = tenant_params(ctx.principal, params, parsed.max_tokens_given)
         tool_output, params = tool_output.after_prompt(engine.tokenizer, prompt_ids[0], params)
+        pins = pins or parsed.cache_breakpoints  # Anthropic's cache_control, or OpenAI's
         if pins:
             params = params.replace(cache_pins=pin_positions(
                 engine.tokenizer, prompt_ids[0], pins, parsed.tools, parsed.chat_template_kwargs))

@@ -16,6 +16,7 @@ from typing import Any
 
 from jaxserve.config import RequestLimits
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.entrypoints.serving.cache_pins import Breakpoint, chat_breakpoints
 from jaxserve.entrypoints.serving.request_models import request_models
 from jaxserve.entrypoints.serving.structured_fields import structured_constraint, tool_fields
 from jaxserve.entrypoints.serving.validation import validate
@@ -53,6 +54,7 @@ class ParsedRequest:
     # is dropped from the answer
     score_only: bool = False
     prompt_logprobs: int | None = None  # vLLM's field: top-n of the response's prompt_logprobs
+    cache_breakpoints: tuple[Breakpoint, ...] = ()  # chat only: prompt_cache_breakpoint pins
 
 
 def _sampling_params(body, **fields) -> SamplingParams:
@@ -87,11 +89,17 @@ def parse_chat_request(body: Any, limits: RequestLimits = _DEFAULT_LIMITS) -> Pa
     params = _sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
     rag = req.rag.model_dump(exclude_none=True) if req.rag is not None else None
     tools, tool_choice, parallel = tool_fields(req, params.structured_outputs)
-    return ParsedRequest("chat", req.model, [flatten_messages(req.messages)], params,
+    messages = flatten_messages(req.messages)
+    options = req.prompt_cache_options
+    pins = chat_breakpoints(req.messages, messages, options.ttl if options is not None else None)
+    # OpenAI's prompt_cache_key is its cache-locality key, "replacing user" for it: here the key
+    # of a sticky route, so requests sharing a prefix land on the version that cached it.
+    sticky = req.prompt_cache_key if req.prompt_cache_key is not None else req.user
+    return ParsedRequest("chat", req.model, [messages], params,
                          bool(req.stream), _include_usage(req), False, logprobs,
                          max_tokens is not None, rag, tools, tool_choice, parallel,
-                         _continuous_usage(req), req.user, req.chat_template_kwargs,
-                         prompt_logprobs=req.prompt_logprobs)
+                         _continuous_usage(req), sticky, req.chat_template_kwargs,
+                         prompt_logprobs=req.prompt_logprobs, cache_breakpoints=tuple(pins))
 
 
 def flatten_messages(messages) -> list[dict]:

@@ -60,9 +60,30 @@ def int_in(ge: int | None = None, le: int | None = None) -> Any:
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
+# Prompt-cache TTLs (cache_pins.TTL_SECONDS): Anthropic's two and OpenAI's default; OpenAI's
+# "12h" is refused (a pin outlives no hour here: docs/serving.md).
+CacheTTL = Literal["5m", "30m", "1h"]
+
+
+class PromptCacheBreakpoint(Body):
+    """OpenAI's explicit breakpoint on a text part: the prompt through this part is pinned in the
+    prefix cache for `ttl` (default: prompt_cache_options.ttl, else 5 minutes)."""
+
+    mode: Literal["explicit"]
+    ttl: CacheTTL | None = None
+
+
+class PromptCacheOptions(Body):
+    mode: Literal["implicit", "explicit"] | None = Field(None, description=(
+        "Accepted; the automatic prefix cache serves both modes (it never changes an output) and "
+        "only explicit breakpoints pin."))
+    ttl: CacheTTL | None = Field(None, description="The breakpoints' default TTL (default 5m).")
+
+
 class TextPart(Body):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class ToolCallFunction(Body):
@@ -501,6 +522,10 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
             None, description="vLLM's extension: more variables for the model's chat template, "
                               "such as Qwen3's `enable_thinking` (at most 32, identifiers, 16 KiB "
                               "of JSON; not the ones the server sets).")
+        prompt_cache_key: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+            None, description="OpenAI's cache-locality key: a route with sticky = \"user\" "
+                              "keeps one key on one version (it wins over `user` there).")
+        prompt_cache_options: PromptCacheOptions | None = None
 
         @model_validator(mode="after")
         def _top_logprobs(self):
@@ -581,6 +606,8 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
         metadata: None = neutral("null")
         service_tier: None = neutral("null")
         user: str | None = Field(None, description="An opaque end-user id; not used.")
+        prompt_cache_key: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+            None, description="As on chat completions.")
 
         @model_validator(mode="after")
         def _storage(self):

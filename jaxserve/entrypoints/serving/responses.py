@@ -145,7 +145,8 @@ def chat_body(req: Any, items: list[dict] | None = None, server_tools: dict | No
     body: dict[str, Any] = {"model": req.model, "messages": messages}
     for name, value in (("max_completion_tokens", req.max_output_tokens),
                         ("temperature", req.temperature), ("top_p", req.top_p),
-                        ("parallel_tool_calls", req.parallel_tool_calls)):
+                        ("parallel_tool_calls", req.parallel_tool_calls),
+                        ("prompt_cache_key", req.prompt_cache_key)):
         if value is not None:
             body[name] = value
     tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
