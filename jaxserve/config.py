@@ -298,8 +298,21 @@ class CacheConfig:
     # GiB of host memory for the prefix cache's second tier (evicted pages copied there and
     # back on a hit: jaxserve.core.kv_offload); 0: off. Per engine replica.
     kv_offloading_size: float = 0.0
+    # The optional third tier: pages the host tier overwrites go to files in this directory
+    # (0700, emptied at start: jaxserve.core.kv_disk), at most kv_offloading_disk_size GiB.
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: float = 0.0
 
     def __post_init__(self):
+        if not 0.0 <= self.kv_offloading_disk_size < float("inf"):
+            raise ConfigError(f"kv_offloading_disk_size must be a number of GiB >= 0, got "
+                              f"{self.kv_offloading_disk_size}")
+        if bool(self.kv_offloading_disk_path) != bool(self.kv_offloading_disk_size):
+            raise ConfigError("kv_offloading_disk_path and kv_offloading_disk_size go together "
+                              "(the disk tier's directory and its size)")
+        if self.kv_offloading_disk_size and not self.kv_offloading_size:
+            raise ConfigError("kv_offloading_disk_size needs kv_offloading_size (the disk tier "
+                              "holds the pages the host tier evicts)")
         if not 0.0 <= self.kv_offloading_size < float("inf"):
             raise ConfigError(f"kv_offloading_size must be a number of GiB >= 0, got "
                               f"{self.kv_offloading_size}")
@@ -402,6 +415,11 @@ class ServerConfig:
     reasoning_parser: str = "auto"
     tenants_file: str | None = None  # --tenants: None serves one open tenant, `default`
     idempotency_ttl_s: float = 24 * 3600.0  # how long an Idempotency-Key's response is kept
+    # The response cache (gateway/response_cache.py): at most this many answers (0: no cache),
+    # of at most response_cache_bytes in all, each kept response_cache_ttl_s.
+    response_cache_size: int = 0
+    response_cache_bytes: int = 64 << 20
+    response_cache_ttl_s: float = 300.0
     # --data-dir: stored responses live here (responses.sqlite3); None: the default data dir.
     data_dir: str | None = None
     response_ttl_s: float = 7 * 24 * 3600.0  # --response-ttl: how long a stored response lives
@@ -438,9 +456,13 @@ class ServerConfig:
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ConfigError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         for name in ("engine_stall_timeout", "shutdown_timeout", "idempotency_ttl_s",
-                     "stream_write_timeout_s", "response_ttl_s"):
+                     "stream_write_timeout_s", "response_ttl_s", "response_cache_ttl_s",
+                     "response_cache_bytes"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.response_cache_size < 0:
+            raise ConfigError(f"response_cache_size must be >= 0, got "
+                              f"{self.response_cache_size}")
         if self.metrics_token is not None and not self.metrics_token:
             raise ConfigError("the metrics token is empty")
         if self.metrics_tenant_labels not in METRICS_TENANT_LABELS:

@@ -64,6 +64,7 @@ class AuditRecord:
     deadline_exceeded: bool = False
     shed: bool = False
     idempotent_replay: bool = False
+    cached: bool = False  # answered from the response cache (no tokens computed, cost 0)
     prompt: Sequence[str] | None = None  # only with the tenant's audit_content, redacted
     outputs: Sequence[str] | None = None  # idem, one per choice
     cached_tokens: int = 0  # of prompt_tokens, read from the prefix cache
@@ -78,7 +79,7 @@ class AuditRecord:
              "finish_reasons": list(self.finish_reasons),
              "interventions": [i.to_dict() for i in self.interventions],
              "deadline_exceeded": self.deadline_exceeded, "shed": self.shed,
-             "idempotent_replay": self.idempotent_replay}
+             "idempotent_replay": self.idempotent_replay, "cached": self.cached}
         if self.prompt is not None or self.outputs is not None:
             d["content"] = {"prompt": list(self.prompt or ()), "outputs": list(self.outputs or ())}
         return d

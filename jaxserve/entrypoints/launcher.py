@@ -163,6 +163,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="how long the response to an Idempotency-Key is kept for a retry "
                              "to replay (default: %(default)s, 24 h)")
+    parser.add_argument("--response-cache-size", type=int,
+                        default=_DEFAULTS.response_cache_size, metavar="N",
+                        help="answer exact repeats of deterministic chat and text completions "
+                             "(temperature 0, or a seed) from a cache of at most N answers, "
+                             "least recently used evicted first (docs/operations.md; default: "
+                             "%(default)s, no cache)")
+    parser.add_argument("--response-cache-bytes", type=int,
+                        default=_DEFAULTS.response_cache_bytes, metavar="BYTES",
+                        help="the response cache's answers take at most BYTES in all "
+                             "(default: %(default)s, 64 MiB)")
+    parser.add_argument("--response-cache-ttl", type=float,
+                        default=_DEFAULTS.response_cache_ttl_s, metavar="SECONDS",
+                        help="how long a cached answer is served (default: %(default)s)")
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="retrieval collections and stored responses live here (default: "
                              "the jaxserve cache's rag/)")
@@ -273,6 +286,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         reasoning_parser=args.reasoning_parser,
                         tenants_file=str(args.tenants) if args.tenants else None,
                         idempotency_ttl_s=args.idempotency_ttl,
+                        response_cache_size=args.response_cache_size,
+                        response_cache_bytes=args.response_cache_bytes,
+                        response_cache_ttl_s=args.response_cache_ttl,
                         data_dir=str(args.data_dir) if args.data_dir else None,
                         response_ttl_s=args.response_ttl,
                         code_interpreter=args.code_interpreter,

@@ -73,6 +73,9 @@ class Fleet:
         self._breakers: dict[tuple[str, str], Breaker] = {}  # (route, version)
         self._counters: dict[tuple[str | None, str], Counters] = {}  # (route, version)
         self._trips: deque[Trip] = deque(maxlen=100)
+        # Called with route=NAME when a route's settings change, version=NAME when a version
+        # is unloaded: what answers there is no longer what was (the response cache listens).
+        self._listeners: list[Callable[..., None]] = []
         self._loading = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-fleet-load")
 
     @classmethod
@@ -232,6 +235,7 @@ class Fleet:
         with self._lock:
             version.state = VersionState.UNLOADED
             self._changed.notify_all()
+            self._tell(version=version.name)
         log.info("version %s: unloaded", version.name)
 
     # ---- sleep (POST /sleep, /wake_up): a warm standby -----------------------------------------
@@ -336,6 +340,17 @@ class Fleet:
         self._routes = {**self._routes, route.name: route}
         self._previous[route.name] = previous
         self._changed.notify_all()
+        self._tell(route=route.name)
+
+    def on_change(self, listener: Callable[..., None]) -> None:
+        """`listener(route=NAME)` after a route's settings change (set, rolled back, a canary
+        trip), `listener(version=NAME)` once a version is unloaded; called under the fleet's
+        lock, so it must not call the fleet."""
+        self._listeners.append(listener)
+
+    def _tell(self, **change: str) -> None:
+        for listener in self._listeners:
+            listener(**change)
 
     def _check_eval_gate(self, route: Route) -> None:
         """A gated route's weight on a version grows only once that version passed the suite

@@ -23,6 +23,8 @@ scheduling class. Without a file there is one open tenant, `default`, with no li
     budget_webhook = "https://ops.example/budget"  # where crossings are POSTed (JSON)
     tools = ["file_search", "mcp"]    # server-side tools of /v1/responses it may use (default:
                                       #   all the server offers); another one: 403 naming it
+    response_cache = false            # never answered from the response cache (default: true,
+                                      #   when the server has one: serve --response-cache-size)
 
     [tenant.acme.code_interpreter]    # its code sandbox's limits, over the defaults
     wall_s = 10                       #   (agents/sandbox.py: SandboxLimits; docs/agents.md)
@@ -84,6 +86,7 @@ class Tenant:
     # The code_interpreter sandbox's limits it overrides, (name, value) sorted (CODE_LIMITS).
     code_interpreter: tuple[tuple[str, float], ...] = ()
     tools: tuple[str, ...] | None = None  # server-side tools it may use; None: all (TOOL_KINDS)
+    response_cache: bool = True  # its deterministic requests may be answered from the cache
 
     def may_use(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
@@ -324,4 +327,5 @@ _FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "budget_webhook": _webhook,
     "code_interpreter": _code_limits,
     "tools": _tools,
+    "response_cache": _bool,
 }

@@ -88,25 +88,34 @@ class _EngineCollector:
 
 
 def _add_kv_offload(families: dict, labels: list[str], values: list[str], s) -> None:
-    """The prefix cache's host tier (--kv-offloading-size; jaxserve.core.kv_offload)."""
-    for kind, name, doc, value in (
-            ("counter", "kv_offload_hits",
-             "Prompt tokens restored from the host KV tier instead of recomputed.",
-             s.kv_offload_hits),
-            ("counter", "kv_offload_misses",
-             "Prompt tokens of full pages found in neither the device prefix cache nor the host "
-             "KV tier.", s.kv_offload_queries - s.kv_offload_hits),
-            ("counter", "kv_offload_bytes_to_host", "Bytes of KV pages copied to the host tier.",
-             s.kv_offload_bytes_to_host),
-            ("counter", "kv_offload_bytes_to_device",
-             "Bytes of KV pages copied back from the host tier.", s.kv_offload_bytes_to_device),
-            ("counter", "kv_offload_seconds",
-             "Host seconds spent issuing and landing the host tier's copies.",
-             s.kv_offload_seconds),
-            ("gauge", "kv_offload_pages", "KV pages the host tier holds.", s.kv_offload_pages),
-            ("gauge", "kv_offload_capacity_pages", "KV pages the host tier can hold.",
-             s.kv_offload_capacity_pages)):
-        _family(families, labels, kind, name, doc).add_metric(values, float(value))
+    """The prefix cache's host tier (--kv-offloading-size; jaxserve.core.kv_offload) and its disk
+    tier (--kv-offloading-disk-path; jaxserve.core.kv_disk), a series per tier."""
+    _family(families, labels, "counter", "kv_offload_misses",
+            "Prompt tokens of full pages found in neither the device prefix cache nor a KV tier "
+            "below it.").add_metric(values, float(s.kv_offload_queries - s.kv_offload_hits))
+    tiers = {"host": (s.kv_offload_hits - s.kv_disk_hits, s.kv_offload_bytes_to_host,
+                      s.kv_offload_bytes_to_device, s.kv_offload_seconds, s.kv_offload_pages,
+                      s.kv_offload_capacity_pages)}
+    if s.kv_disk_capacity_pages:
+        tiers["disk"] = (s.kv_disk_hits, s.kv_disk_bytes_written, s.kv_disk_bytes_read,
+                         s.kv_disk_seconds, s.kv_disk_pages, s.kv_disk_capacity_pages)
+    for tier, counts in tiers.items():
+        for (kind, name, doc), value in zip((
+                ("counter", "kv_offload_hits",
+                 "Prompt tokens restored from a KV tier (host memory, disk) instead of "
+                 "recomputed."),
+                ("counter", "kv_offload_bytes_to_host",
+                 "Bytes of KV pages copied into the tier (host: from the device; disk: files "
+                 "written from host memory)."),
+                ("counter", "kv_offload_bytes_to_device",
+                 "Bytes of KV pages copied back from the tier (disk: read from files, checked)."),
+                ("counter", "kv_offload_seconds",
+                 "Host seconds spent on the tier's copies (disk: writing, reading and checking "
+                 "files)."),
+                ("gauge", "kv_offload_pages", "KV pages the tier holds."),
+                ("gauge", "kv_offload_capacity_pages", "KV pages the tier can hold.")), counts):
+            _family(families, labels + ["tier"], kind, name, doc).add_metric(
+                values + [tier], float(value))
 
 
 def _family(families: dict, labels: list[str], kind: str, name: str, doc: str):
@@ -203,6 +212,30 @@ class _BudgetCollector:
         yield from (budget, spent, used, alerts)
 
 
+class _ResponseCacheCollector:
+    """The response cache (gateway/response_cache.py), read at scrape time."""
+
+    def __init__(self, stats: Callable):
+        self._stats = stats
+
+    def collect(self):
+        s = self._stats()
+        hits = CounterMetricFamily("jaxserve:response_cache_hits", "Requests answered from the "
+                                   "response cache.", value=s.hits)
+        misses = CounterMetricFamily("jaxserve:response_cache_misses", "Cacheable requests the "
+                                     "cache had no answer for (they ran).", value=s.misses)
+        evictions = CounterMetricFamily("jaxserve:response_cache_evictions", "Answers dropped: "
+                                        "size (LRU, past a bound), expired (TTL), invalidated "
+                                        "(their route or version changed).", labels=["reason"])
+        for reason, n in sorted(s.evictions.items()):
+            evictions.add_metric([reason], n)
+        entries = GaugeMetricFamily("jaxserve:response_cache_entries", "Answers held.",
+                                    value=s.entries)
+        size = GaugeMetricFamily("jaxserve:response_cache_bytes", "Bytes of the answers held.",
+                                 value=s.bytes)
+        yield from (hits, misses, evictions, entries, size)
+
+
 class PolicyMetrics:
     """`jaxserve:policy_interventions_total{rule, action, stage}`: one count per request (input)
     or choice (output) that a rule acted on, however many matches it had there."""
@@ -291,6 +324,10 @@ class ServerMetrics:
                                   buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.sli_itl = Histogram(sli.ITL, "Time between consecutive output tokens, per tier.",
                                  tier, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.degraded = Counter("jaxserve:requests_degraded", "Requests a route degraded under "
+                                "overload, by reason: max_tokens (capped), version (sent to "
+                                "degrade_to); one request may count under both.",
+                                tier + ["reason"], registry=self.registry)
         self.sli_streams_started = Counter(sli.STREAMS_STARTED, "Streams whose 200 went out.",
                                            tier, registry=self.registry)
         self.sli_streams_completed = Counter(sli.STREAMS_COMPLETED, "Started streams that "
@@ -311,6 +348,10 @@ class ServerMetrics:
     def register_budgets(self, snapshot: Callable[[], tuple[list, list]]) -> None:
         """`snapshot`: gateway Budgets.snapshot."""
         self.registry.register(_BudgetCollector(snapshot))
+
+    def register_response_cache(self, stats: Callable) -> None:
+        """`stats`: gateway ResponseCache.stats."""
+        self.registry.register(_ResponseCacheCollector(stats))
 
     def record_sli(self, model_name: str, route: str, tier: str, status_code: int | None,
                    status: str, ttft_s: float | None, streamed: bool) -> None:

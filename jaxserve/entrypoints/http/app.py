@@ -22,7 +22,7 @@ from jaxserve.entrypoints.http.front_door import MIDDLEWARES, caller, ratelimit_
 from jaxserve.entrypoints.http import responses_routes
 from jaxserve.entrypoints.http import anthropic_routes
 from jaxserve.entrypoints.http import tokenizer_routes
-from jaxserve.entrypoints.http.openai_routes import chat_completions, completions
+from jaxserve.entrypoints.http.openai_routes import cache_header, chat_completions, completions
 from jaxserve.entrypoints.http.json_body import LIMITS_KEY
 from jaxserve.telemetry.metrics import CONTENT_TYPE
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
@@ -132,6 +132,7 @@ def build_app(config: ServerConfig, model_name: str) -> web.Application:
                           client_max_size=config.limits.max_body_bytes)
     app[STATE_KEY] = AppState(config, model_name)
     app.on_response_prepare.append(ratelimit_headers)
+    app.on_response_prepare.append(cache_header)
     app[LIMITS_KEY] = config.limits
     responses_routes.add_responses(app, config)
     add_routes(app, _routes(config))

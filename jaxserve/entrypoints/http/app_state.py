@@ -16,6 +16,7 @@ from jaxserve.errors import EngineOverloaded
 from jaxserve.gateway import Gateway, load_tenants
 from jaxserve.gateway.idempotency import IdempotencyStore
 from jaxserve.gateway.pricing import Pricing
+from jaxserve.gateway.response_cache import ResponseCache
 from jaxserve.telemetry.capacity import CapacityCollector, read_rates
 from jaxserve.telemetry.metrics import PolicyMetrics, ServerMetrics, tenant_pseudonyms
 from jaxserve.entrypoints.serving.calls import Sinks
@@ -35,6 +36,11 @@ class AppState:
                                else None,
                                auth_failures_per_minute=config.auth_failures_per_minute)
         self.idempotency = IdempotencyStore(config.idempotency_ttl_s)
+        # --response-cache-size 0 (the default): no response cache.
+        self.response_cache = (ResponseCache(config.response_cache_size,
+                                             config.response_cache_bytes,
+                                             config.response_cache_ttl_s)
+                               if config.response_cache_size else None)
         self.serving: OpenAIServing | None = None
         self.metrics = ServerMetrics(self._stats, self._counters, tenant_alias=(
             tenant_pseudonyms(self._pseudonym_key())
@@ -52,6 +58,8 @@ class AppState:
         # Each request's cost is spent from its tenant's budgets (gateway/budgets.py).
         self.sinks.add(lambda o: self.gateway.budgets.spend(o.tenant, o.cost))
         self.metrics.register_budgets(self.gateway.budgets.snapshot)
+        if self.response_cache is not None:
+            self.metrics.register_response_cache(self.response_cache.stats)
         if config.capacity_rates_file:  # read at build time: a bad file fails the start
             self.metrics.registry.register(CapacityCollector(
                 self._stats, read_rates(Path(config.capacity_rates_file)),
@@ -86,6 +94,8 @@ class AppState:
                                      self.policy, self.sinks,
                                      reasoning_parser=self.config.reasoning_parser,
                                      tracing=self.tracing)
+        if self.response_cache is not None:  # a route's or version's change drops its answers
+            self.serving.fleet.on_change(self.response_cache.invalidate)
 
     def require_serving(self) -> OpenAIServing:
         if self.serving is None:

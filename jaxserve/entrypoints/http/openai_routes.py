@@ -2,7 +2,9 @@
 routes are responses_routes.py, which share `keyed`). Each reads its body, hands it with its call to
 OpenAIServing (which parses and admits it, or ends the call refused) and answers the Generation
 whole or streamed, inside its `running()` (which ends the call); an Idempotency-Key's repeat
-replays the stored answer instead, and ends the call as a replay.
+replays the stored answer instead, and ends the call as a replay. A deterministic request on a
+server with a response cache may be answered from it (serving/response_caching.py): every answer
+then says which in its `x-jaxserve-cache` header.
 
 A client that goes away (mid-stream or while waiting for a non-streaming answer) cancels its
 handler (the server runs with handler cancellation on), and `running()` aborts its engine
@@ -15,7 +17,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from jaxserve.gateway import idempotency
+from jaxserve.gateway import idempotency, response_cache
 from jaxserve.entrypoints.serving import protocol
 from jaxserve.entrypoints.serving.admission import CallContext
 from jaxserve.entrypoints.http.app_state import STATE_KEY, AppState
@@ -24,7 +26,10 @@ from jaxserve.entrypoints.serving.generation import Generation
 from jaxserve.entrypoints.http.json_body import read_json
 from jaxserve.entrypoints.serving.openai_serving import OpenAIServing
 from jaxserve.entrypoints.serving.outcome import Outcome
+from jaxserve.entrypoints.serving.response_caching import CacheUse, cache_control
 from jaxserve.entrypoints.http.sse import SSE_HEADERS, Keep, plain_error_event, stream_response
+
+_CACHE_USE = web.RequestKey("cache_use", CacheUse)  # a cacheable route's use of the cache
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
@@ -52,7 +57,7 @@ async def keyed(request: web.Request, ctx: CallContext, kind: str, model,
     if stored is not None:  # the model does not run again
         call_of(request).end(Outcome(protocol.new_id("replay"), ctx, kind=kind, model=model,
                                      version=stored.version, idempotent_replay=True))
-        return await _replay(request, stored)
+        return await _replay(request, stored, {"Idempotent-Replayed": "true"})
     try:
         return await answer(functools.partial(state.idempotency.complete, tenant, key,
                                               fingerprint))
@@ -62,10 +67,37 @@ async def keyed(request: web.Request, ctx: CallContext, kind: str, model,
 
 async def _run(request: web.Request, serving: OpenAIServing, kind: str, body,
                ctx: CallContext, keep: Keep | None) -> web.StreamResponse:
-    gen = await serving.prepare_async(kind, body, ctx, call_of(request))
-    keepalive = request.app[STATE_KEY].config.keepalive_seconds
+    state: AppState = request.app[STATE_KEY]
+    use = None
+    if state.response_cache is not None:
+        read, write = cache_control(request.headers.get("Cache-Control"))
+        use = request[_CACHE_USE] = CacheUse(state.response_cache, read, write)
+    gen = await serving.prepare_async(kind, body, ctx, call_of(request), cache=use)
+    if isinstance(gen, response_cache.CachedAnswer):  # a hit: its call has ended
+        stored = idempotency.StoredResponse(
+            200, (("Content-Type", "application/json" if gen.body is not None
+                   else "text/event-stream"),), body=gen.body, events=gen.events,
+            version=gen.version)
+        if keep is not None:
+            keep(stored)
+        return await _replay(request, stored, {})
+    keep = _both(keep, use.keeper(gen) if use is not None else None)
     return await respond(gen, gen.response, lambda: stream_response(
-        request, gen, gen.chunks(keepalive), plain_error_event, keep=keep), keep)
+        request, gen, gen.chunks(state.config.keepalive_seconds), plain_error_event, keep=keep),
+        keep)
+
+
+def _both(a: Keep | None, b: Keep | None) -> Keep | None:
+    if a is None or b is None:
+        return a or b
+    return lambda stored: (a(stored), b(stored))
+
+
+async def cache_header(request: web.Request, response: web.StreamResponse) -> None:
+    """x-jaxserve-cache on a cacheable route's answer: hit, miss or bypass (not errors)."""
+    use = request.get(_CACHE_USE)
+    if use is not None and response.status < 300:
+        response.headers[response_cache.HEADER] = use.status
 
 
 async def respond(gen: Generation, whole, stream, keep: Keep | None = None
@@ -85,8 +117,9 @@ async def respond(gen: Generation, whole, stream, keep: Keep | None = None
         return resp
 
 
-async def _replay(request: web.Request, stored: idempotency.StoredResponse) -> web.StreamResponse:
-    headers = {**dict(stored.headers), "Idempotent-Replayed": "true"}
+async def _replay(request: web.Request, stored: idempotency.StoredResponse,
+                  headers: dict[str, str]) -> web.StreamResponse:
+    headers = {**dict(stored.headers), **headers}
     if stored.body is not None:
         return web.Response(status=stored.status, body=stored.body, headers=headers)
     resp = web.StreamResponse(status=stored.status, headers={**SSE_HEADERS, **headers})

@@ -43,6 +43,8 @@ from jaxserve.entrypoints.serving.calls import Call, Sinks
 from jaxserve.entrypoints.serving.generation import Generation
 from jaxserve.entrypoints.serving.generation_defaults import with_defaults
 from jaxserve.entrypoints.serving.outcome import Outcome
+from jaxserve.entrypoints.serving.response_caching import CacheUse, replayed
+from jaxserve.gateway.response_cache import CachedAnswer
 from jaxserve.entrypoints.serving.tool_output import ParserChoice, ToolCallOutput
 from jaxserve.structured.params import REASONING_KINDS
 from jaxserve.telemetry.trace_record import timed
@@ -109,7 +111,8 @@ class OpenAIServing:
                                  param=param)
 
     async def prepare_async(self, kind: str, body: Any, ctx: CallContext,
-                            call: Call, pins: Sequence[Breakpoint] = ()) -> Generation:
+                            call: Call, pins: Sequence[Breakpoint] = (),
+                            cache: CacheUse | None = None) -> Generation | CachedAnswer:
         """Everything that can fail before generation starts: a failure here is the client's
         4xx (or 503 when the engine cannot take it), costs its tenant one request of its rate
         when it is a 4xx (nothing else is taken), and ends `call` here, naming the version
@@ -118,13 +121,15 @@ class OpenAIServing:
         searched for the last user message (in an executor: embedding and search block) and
         the results put into the prompt; the response then carries "citations". An admitted
         request's call ends with its Generation. `pins`: prompt-cache breakpoints to pin
-        (cache_pins.py)."""
+        (cache_pins.py). `cache`: the request's use of the response cache (HTTP chat and
+        completions): a hit is answered here, returned as the CachedAnswer to send, its call
+        ended."""
         parsed = lease = None
         try:
             parsed = self._parse(kind, body, ctx)
             lease = self.fleet.select(parsed.model, user=parsed.user,
                                       api_key=ctx.principal.key_id)
-            return await self._prepare(kind, body, parsed, ctx, lease, call, pins)
+            return await self._prepare(kind, body, parsed, ctx, lease, call, pins, cache)
         except BaseException as e:  # refused, or its caller left meanwhile
             if ctx.principal is not None and 400 <= error_status(e).http < 500:
                 self.gateway.refused(ctx.principal)  # the client's fault costs a request
@@ -136,7 +141,8 @@ class OpenAIServing:
 
     async def _prepare(self, kind: str, body: Any, parsed: protocol.ParsedRequest,
                        ctx: CallContext, lease: Lease, call: Call,
-                       pins: Sequence[Breakpoint] = ()) -> Generation:
+                       pins: Sequence[Breakpoint] = (), cache: CacheUse | None = None
+                       ) -> Generation | CachedAnswer:
         defaults = lease.version.generation_defaults
         if defaults:  # parsed again: the defaults go through the same checks as the body
             parsed = self._parse_body(kind, with_defaults(body, kind, defaults))
@@ -145,6 +151,10 @@ class OpenAIServing:
             with timed(ctx.trace, "policy_screening"):
                 parsed, screening = await self.policy.screen(
                     parsed, ctx.principal.tenant, lease.version.engine.tokenizer.decode)
+        if cache is not None:  # keyed by the request the model would see: after the policy
+            answer = cache.lookup(parsed, ctx.principal.tenant, lease)
+            if answer is not None:
+                return self._cached(parsed, ctx, lease, call, answer)
         citations = None
         if parsed.rag is not None:
             if self.rag is None:
@@ -181,6 +191,21 @@ class OpenAIServing:
         return Generation(gen_id, parsed, prepared, admission, ctx, lease, call,
                           metrics=self.metrics, max_queued=self.max_queued_requests,
                           citations=citations, tool_output=tool_output, screening=screening)
+
+    def _cached(self, parsed: protocol.ParsedRequest, ctx: CallContext, lease: Lease,
+                call: Call, answer: CachedAnswer) -> CachedAnswer:
+        """A cache hit: one request of its tenant's requests_per_minute (no tokens: none are
+        computed; its budget and model were checked at the edge), its call ended as `cached`
+        with no tokens and no cost, and its version's lease released (a hit says nothing of
+        the version)."""
+        hold = self.gateway.admit_call(ctx.principal, tokens=False, holds_slot=False)
+        answer_id = protocol.new_id("chatcmpl" if parsed.kind == "chat" else "cmpl")
+        call.end(Outcome(answer_id, ctx, kind=parsed.kind, model=parsed.model,
+                         version=answer.version, route=lease.route or "",
+                         cost=0.0 if lease.version.pricing is not None else None,
+                         finish_reasons=answer.finish_reasons, cached=True),
+                 tenant_hold=hold, version_lease=lease)
+        return replayed(answer, answer_id)
 
     def _parse_body(self, kind: str, body: Any) -> protocol.ParsedRequest:
         parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request

@@ -45,6 +45,7 @@ class Outcome:
     screening: Screening | None = None  # what the tenant's policy did to it (served requests)
     prompts: Any = None  # the parsed prompts (the access log's, with --log-prompts)
     idempotent_replay: bool = False
+    cached: bool = False  # answered from the response cache: nothing computed, no cost
     presented_key_id: str | None = None  # the id of the key a refused caller sent (a 401)
     audited: bool = True  # False: a model-list poll, or a keyless caller's unrouted request
     streamed: bool = False  # its SSE stream started (its 200 went out)

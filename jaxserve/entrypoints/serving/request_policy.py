@@ -148,8 +148,8 @@ class RequestPolicy:
             o.model, o.version, o.ctx.client, time.time() - (time.monotonic() - o.ctx.arrival),
             o.prompt_tokens, o.completion_tokens, o.cost, o.finish_reasons, tuple(interventions),
             deadline_exceeded=status == "deadline", shed=status == "shed",
-            idempotent_replay=o.idempotent_replay, prompt=prompt, outputs=outputs,
-            cached_tokens=o.cached_tokens)
+            idempotent_replay=o.idempotent_replay, cached=o.cached, prompt=prompt,
+            outputs=outputs, cached_tokens=o.cached_tokens)
         try:
             self.audit.write(record)
         except AuditError as e:  # closed: a request that outlived the shutdown's drain
