@@ -65,8 +65,10 @@ def client(server, tenant: str = "alice") -> openai.OpenAI:
 
 def chat(server, tenant="alice", headers=None, **fields):
     """(x-jaxserve-cache, the parsed ChatCompletion as a dict)."""
+    body = {k: v for k, v in {"model": "tiny", "temperature": 0, **CHAT, **fields}.items()
+            if v is not None}  # None: left out
     raw = client(server, tenant).chat.completions.with_raw_response.create(
-        **{"model": "tiny", "temperature": 0, **CHAT, **fields}, extra_headers=headers)
+        **body, extra_headers=headers)
     return raw.headers.get("x-jaxserve-cache"), raw.parse().model_dump()
 
 
@@ -159,6 +161,20 @@ def test_who_asks_and_how_decide_whether_the_cache_answers(server):
                   "rag": {"collection": "docs"}},
                  headers={"Authorization": f"Bearer {KEYS['alice']}"})
     assert r.status_code == 400 and "x-jaxserve-cache" not in r.headers
+
+
+def test_only_answers_cut_at_the_requests_own_length_are_kept(server):
+    msg = [{"role": "user", "content": "How long"}]
+    # No max_tokens: cut where the context ends (a length the server chose), never kept.
+    first = chat(server, messages=msg, max_tokens=None, extra_body={"ignore_eos": True})
+    assert first[1]["choices"][0]["finish_reason"] == "length"
+    again = chat(server, messages=msg, max_tokens=None, extra_body={"ignore_eos": True})
+    assert (first[0], again[0]) == ("miss", "miss")
+    # Cut at its own max_tokens: kept.
+    own = [chat(server, messages=msg, max_tokens=3, extra_body={"ignore_eos": True})
+           for _ in range(2)]
+    assert own[0][1]["choices"][0]["finish_reason"] == "length"
+    assert [status for status, _ in own] == ["miss", "hit"]
 
 
 def test_a_routes_change_drops_its_answers(server):

@@ -9,8 +9,11 @@ key, and how a cached answer is sent again.
 - **Key**: the tenant, the answering version (name and manifest id) and the canonical request:
   the parsed request after the version's defaults and the tenant's input policy, as sorted
   compact JSON (so `0` and `0.0`, field order or a default written out give one key), hashed.
-- **Kept**: an answer sent in full with every choice ended by `stop` or `length` and no policy
-  intervention (a filtered or redacted answer is the policy's to decide each time).
+- **Kept**: an answer sent in full with no policy intervention (a filtered or redacted answer is
+  the policy's to decide each time) and every choice ended by `stop`, or by `length` at the
+  request's own max_tokens: a completion cut shorter (a max_tokens filled from what the context
+  or the KV pool held, the tenant's cap, a route's degradation under overload) depends on more
+  than the request.
 - **Replayed**: the body or the SSE events as first sent, with a new `id` and `created` (each
   answer has its own, as OpenAI's do) and `usage.cost` 0 (no compute: the tenant pays nothing
   for a hit); the token counts stay those of the answer.
@@ -27,8 +30,6 @@ from typing import Any, Callable
 from jaxserve.fleet.versions import Lease
 from jaxserve.gateway.response_cache import CachedAnswer, ResponseCache
 from jaxserve.entrypoints.serving import protocol
-
-CACHED_FINISH_REASONS = frozenset({"stop", "length"})
 
 
 def cache_control(value: str | None) -> tuple[bool, bool]:
@@ -72,10 +73,15 @@ class CacheUse:
             return None
         key = self.key
 
+        parsed = gen.parsed
+        # `length` at the request's own max_tokens, not at one the server chose or cut
+        own_length = parsed.max_tokens_given \
+            and gen.params.max_tokens == parsed.sampling_params.max_tokens
+
         def keep(stored) -> None:
             reasons = tuple(gen.finish_reasons.get(i, "") for i in range(gen.num_choices))
             clean = gen.screening is None or not gen.screening.interventions
-            if clean and set(reasons) <= CACHED_FINISH_REASONS:
+            if clean and all(r == "stop" or (r == "length" and own_length) for r in reasons):
                 self.cache.put(key, CachedAnswer(stored.body, stored.events, gen.version.name,
                                                  gen.route, reasons))
         return keep
