@@ -154,6 +154,11 @@ def test_who_asks_and_how_decide_whether_the_cache_answers(server):
                  {"model": "tiny", "temperature": 0, "max_tokens": -1, "messages": msg},
                  headers={"Authorization": f"Bearer {KEYS['alice']}"})
     assert r.status_code == 400 and "x-jaxserve-cache" not in r.headers
+    # The Responses API (where the server-side tools are) is never answered from the cache.
+    for _ in range(2):
+        raw = client(server).responses.with_raw_response.create(
+            model="tiny", input="Whose answer", temperature=0, max_output_tokens=4, store=False)
+        assert raw.status_code == 200 and "x-jaxserve-cache" not in raw.headers
     # A retrieval request (a server-side tool) is never looked up: here refused, as this
     # server has no retrieval, before anything is cached.
     r = _request("POST", f"{server.url}/v1/chat/completions",
