@@ -1,11 +1,14 @@
 """Mixtures of experts from GGUF files as llama.cpp's converter writes them (Qwen3-MoE's `qwen3moe`,
-Mixtral's `llama` with experts), against HF transformers on the same weights.
+Mixtral's `llama` with experts, `gpt-oss`, DeepSeek-V3's `deepseek2`), against HF transformers on
+the same weights.
 
 tests/fixtures/gguf/<arch>/ holds model.gguf (F16, each layer's experts stacked in one tensor per
-projection) written by tools/make_gguf_moe_fixtures.py from a tiny random HF model, with HF's
-logits and greedy tokens on it. jaxserve loads the file as a user would: logits within 1e-4 and
-HF's 32 greedy tokens through one engine with chunked prefill, prefix caching and preemption.
-Quantized expert tensors (Q8_0, Q4_0) dequantize at load to gguf's own dequantization.
+projection; gpt-oss's experts MXFP4) written by tools/make_gguf_moe_fixtures.py or
+tools/make_gguf_gpt_oss_deepseek_fixtures.py from a tiny random HF model, with HF's logits and
+greedy tokens on it. jaxserve loads the file as a user would: logits within 1e-4 and HF's 32
+greedy tokens through one engine with chunked prefill, prefix caching and preemption.
+Quantized expert tensors (Q8_0, Q4_0, MXFP4) dequantize at load to gguf's own dequantization;
+the file's chat template is the one used.
 """
 
 from __future__ import annotations
@@ -17,11 +20,16 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quants
 
+from jaxserve.errors import WeightsError
 from jaxserve.model_registry import ModelSpec
 from tests.test_model_families import _greedy, _prompt_logits, engine_args
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gguf"
-ARCHS = ["qwen3moe", "mixtral"]
+TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
+ARCHS = ["qwen3moe", "mixtral", "gpt-oss", "deepseek2"]
+# Per file: (model_type, experts, top-k, top-k renormalized, dense layers).
+CONFIGS = {"qwen3moe": ("qwen3_moe", 4, 2, True, ()), "mixtral": ("mixtral", 4, 2, True, ()),
+           "gpt-oss": ("gpt_oss", 4, 2, True, ()), "deepseek2": ("deepseek_v3", 8, 2, True, (0,))}
 
 
 def _expected(arch: str) -> dict:
@@ -43,8 +51,7 @@ def test_gguf_mixture_gives_hf_logits_and_greedy_tokens(arch):
     llm = LLM(str(FIXTURES / arch / "model.gguf"), **engine_args())
     config = llm.engine.runner.config
     assert (config.architecture, config.num_experts, config.experts_per_token,
-            config.norm_topk_prob, config.dense_layers) == (
-        {"qwen3moe": "qwen3_moe", "mixtral": "mixtral"}[arch], 4, 2, True, ())
+            config.norm_topk_prob, config.dense_layers) == CONFIGS[arch]
     np.testing.assert_allclose(_prompt_logits(llm.engine, exp["prompts"][0]),
                                np.load(FIXTURES / arch / "logits.npy"), atol=1e-4, rtol=0)
     got = _greedy(llm, exp["prompts"][:1]) + _greedy(llm, exp["prompts"][1:])
@@ -53,25 +60,48 @@ def test_gguf_mixture_gives_hf_logits_and_greedy_tokens(arch):
     assert stats.prefix_cache_hits >= 16 and stats.num_preemptions > 0, stats
 
 
-def _requantize_experts(src: Path, dst: Path, qtype: GGMLQuantizationType) -> None:
-    """The same file with its stacked expert tensors quantized (llama-quantize's result)."""
+def _rewrite(src: Path, dst: Path, fields: dict | None = None, tensors=None) -> None:
+    """The same file with metadata `fields` changed (None: dropped; a value: that value of the
+    key's type, or of `type(value)`'s for a new key) and its tensors through `tensors(reader)`
+    (name, array, raw type or None) (default: every tensor dequantized, as is)."""
     reader = GGUFReader(str(src))
-    w = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    arch = reader.fields["general.architecture"].contents()
+    w = GGUFWriter(str(dst), arch)
+    changes = {k.format(arch=arch): v for k, v in (fields or {}).items()}
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
-        w.add_key_value(key, field.contents(), field.types[0], sub)
-    for t in reader.tensors:
-        data = quants.dequantize(t.data, t.tensor_type)
-        if "_exps" in t.name:
-            w.add_tensor(t.name, quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(t.name, data)
+        if key not in changes:
+            w.add_key_value(key, field.contents(), field.types[0], sub)
+        elif changes[key] is not None:
+            w.add_key_value(key, changes.pop(key), field.types[0], sub)
+    for key, value in changes.items():
+        if value is not None:
+            w.add_key_value(key, value, GGUFValueType.get_type(value))
+    for name, data, raw in (tensors or _dequantized)(reader):
+        w.add_tensor(name, data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _dequantized(reader):
+    for t in reader.tensors:
+        yield t.name, quants.dequantize(t.data, t.tensor_type), None
+
+
+def _requantize_experts(src: Path, dst: Path, qtype: GGMLQuantizationType) -> None:
+    """The same file with its stacked expert tensors quantized (llama-quantize's result)."""
+    def tensors(reader):
+        for name, data, _ in _dequantized(reader):
+            if "_exps" in name:
+                yield name, quants.quantize(data, qtype), qtype
+            else:
+                yield name, data, None
+
+    _rewrite(src, dst, tensors=tensors)
 
 
 # The largest error per weight, as a fraction of its block's largest magnitude: half of Q8_0's
@@ -100,3 +130,99 @@ def test_quantized_expert_tensors_dequantize_at_load(tmp_path, qtype, bound):
         err = np.abs(ref - original).swapaxes(-1, -2).reshape(blocks.shape[:-1] + (32,))
         assert (err <= blocks * (bound + 2.0 ** -11)).all(), proj
     np.testing.assert_array_equal(got["layers"]["q_proj"], want["layers"]["q_proj"])
+
+
+def _same_tree(want: dict, got: dict) -> None:
+    assert want.keys() == got.keys()
+    for k in want:
+        if isinstance(want[k], dict):
+            _same_tree(want[k], got[k])
+        else:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_gpt_oss_mxfp4_experts_dequantize_to_ggufs_values():
+    """ffn_{gate,up,down}_exps in MXFP4 (GGML type 39): each expert's weights are gguf's
+    dequantization of the file's blocks, in the tree's [S, E, in, out]."""
+    from jaxserve.weights import load_host
+
+    path = FIXTURES / "gpt-oss" / "model.gguf"
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    config, params = load_host(ModelSpec("g", "gguf", path))
+    assert (config.swiglu_limit, config.attention_sinks, config.layer_types) == (
+        7.0, True, ("sliding_attention", "full_attention"))
+    for proj in ("gate", "up", "down"):
+        t = tensors[f"blk.1.ffn_{proj}_exps.weight"]
+        assert t.tensor_type == GGMLQuantizationType.MXFP4
+        want = quants.dequantize(t.data, t.tensor_type).swapaxes(-1, -2)
+        np.testing.assert_array_equal(params["moe"][f"{proj}_proj"][1], want)
+
+
+def test_older_deepseek2_files_load_the_same_weights(tmp_path):
+    """Files from before llama.cpp split kv_b (one attn_kv_b) and wrote MLA as MQA (key_length /
+    value_length the real head sizes, head_count_kv the heads) load the same weights."""
+    from jaxserve.weights import load_host
+
+    src = FIXTURES / "deepseek2" / "model.gguf"
+    config, want = load_host(ModelSpec("new", "gguf", src))
+    m = config.mla
+    heads, nope = config.num_heads, m.qk_nope_head_dim
+
+    def merged_kv_b(reader):
+        parts = {t.name: quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
+        for name, data in parts.items():
+            if ".attn_v_b." in name:
+                continue
+            if ".attn_k_b." in name:  # [H, rank, nope] + [H, v, rank] -> [H * (nope + v), rank]
+                v_b = parts[name.replace("attn_k_b", "attn_v_b")]
+                data = np.concatenate([data.swapaxes(1, 2), v_b], 1).reshape(-1, data.shape[1])
+                name = name.replace("attn_k_b", "attn_kv_b")
+            yield name, data, None
+
+    old = tmp_path / "old.gguf"
+    _rewrite(src, old, {"{arch}.attention.key_length": nope + m.qk_rope_head_dim,
+                        "{arch}.attention.value_length": m.v_head_dim,
+                        "{arch}.attention.head_count_kv": heads,
+                        "{arch}.attention.key_length_mla": None,
+                        "{arch}.attention.value_length_mla": None}, merged_kv_b)
+    assert "blk.1.attn_kv_b.weight" in {t.name for t in GGUFReader(str(old)).tensors}
+    old_config, got = load_host(ModelSpec("old", "gguf", old))
+    assert old_config == config.replace(name=old_config.name)
+    _same_tree(want, got)
+
+
+@pytest.mark.parametrize("fields, match", [
+    # llama.cpp reads a deepseek2 file without a gating function as DeepSeek-V2's softmax.
+    ({"{arch}.expert_gating_func": None}, "expert_gating_func None"),
+    ({"{arch}.expert_gating_func": 1}, "expert_gating_func 1"),
+    ({"{arch}.rope.scaling.type": "linear"}, "rope.scaling.type 'linear'"),
+    ({"{arch}.rope.scaling.attn_factor": 2.0}, "rope.scaling.attn_factor=2.0"),
+])
+def test_deepseek2_metadata_jaxserve_does_not_serve_is_refused(tmp_path, fields, match):
+    from jaxserve.weights.gguf import read_gguf_config
+
+    path = tmp_path / "m.gguf"
+    _rewrite(FIXTURES / "deepseek2" / "model.gguf", path, fields)
+    with pytest.raises(WeightsError, match=match):
+        read_gguf_config(path)
+
+
+@pytest.mark.parametrize("arch, template, parsers, markers", [
+    ("gpt-oss", "gpt_oss", ("openai", "openai_gptoss"), ("<|start|>", "<|message|>")),
+    ("deepseek2", "deepseek_v3", ("deepseek_v3", None),
+     ("<｜User｜>", "<｜tool▁calls▁begin｜>")),
+])
+def test_the_files_chat_template_is_used(arch, template, parsers, markers):
+    """tokenizer.chat_template (the family's own, tests/chat_templates/) renders the chat and
+    picks the family's tool-call and reasoning parsers; its markers are one token each."""
+    from jaxserve.entrypoints.serving.tool_output import ParserChoice
+    from jaxserve.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ModelSpec(arch, "gguf", FIXTURES / arch / "model.gguf"))
+    assert tok.chat_template == (TEMPLATES / f"{template}.jinja").read_text()
+    chosen = ParserChoice().for_tokenizer(tok)
+    assert (chosen.tool.name, chosen.reasoning and chosen.reasoning.name) == parsers
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert markers[0] + ("user" if arch == "gpt-oss" else "") in text
+    for marker in markers:
+        assert len(tok.encode(marker, add_special_tokens=False)) == 1, marker

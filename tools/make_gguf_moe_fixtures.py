@@ -67,6 +67,26 @@ def _stack_experts(state: dict, arch: str, layers: int, experts: int) -> dict:
     return out
 
 
+def add_vocab(w, bos: int, eos: int, specials: tuple[str, ...] = (),
+              chat_template: str | None = None,
+              first: tuple[str, str, str] = ("<pad>", "<s>", "</s>")) -> None:
+    """A byte-level (gpt2) token list of VOCAB names: `first` (pad, bos, eos), then `specials` (a
+    chat format's markers, control tokens as llama.cpp's converter marks them), then t{i}."""
+    import gguf
+
+    control = [*first, *specials]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(control + [f"t{i}" for i in range(len(control), VOCAB)])
+    w.add_token_types([gguf.TokenType.CONTROL] * len(control)
+                      + [gguf.TokenType.NORMAL] * (VOCAB - len(control)))
+    w.add_token_merges([])
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+
+
 def write_gguf(path: Path, arch: str, config, state: dict) -> None:
     import gguf
 
@@ -91,14 +111,7 @@ def write_gguf(path: Path, arch: str, config, state: dict) -> None:
     else:  # LlamaModel's own keys
         w.add_vocab_size(c.vocab_size)
         w.add_rope_dimension_count(c.head_dim)
-    tokens = ["<pad>", "<s>", "</s>"] + [f"t{i}" for i in range(3, VOCAB)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (VOCAB - 3))
-    w.add_token_merges([])
-    w.add_bos_token_id(c.bos_token_id)
-    w.add_eos_token_id(c.eos_token_id)
+    add_vocab(w, c.bos_token_id, c.eos_token_id)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
     experts = c.num_experts if arch == "qwen3moe" else c.num_local_experts
     for name, t in _stack_experts(state, arch, c.num_hidden_layers, experts).items():

@@ -214,13 +214,13 @@ ARCHITECTURES = {a.model_type: a for a in (
                  label="Qwen3-MoE"),
     # Router and expert biases, clamped SwiGLU experts, attention sinks, o_proj bias; the MLPs
     # of jaxserve.executor.models.moe, MXFP4 experts dequantized by jaxserve.weights.mxfp4.
-    Architecture("gpt_oss", None, fields=_gpt_oss, attention_bias=True,
+    Architecture("gpt_oss", "gpt-oss", fields=_gpt_oss, attention_bias=True,
                  default_rope_theta=150000.0,
                  keys=_MOE_KEYS | {"swiglu_limit", "swiglu_alpha", "experts_per_token",
                                    "initial_context_length"},
                  label="gpt-oss"),
     # Multi-head latent attention (jaxserve.executor.models.mla) and DeepSeek's routing.
-    Architecture("deepseek_v3", None, fields=_deepseek_v3, keys=_MOE_KEYS | _DEEPSEEK_KEYS,
+    Architecture("deepseek_v3", "deepseek2", fields=_deepseek_v3, keys=_MOE_KEYS | _DEEPSEEK_KEYS,
                  label="DeepSeek-V3 / R1"),
 )}
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxserve.config import GGUF_TENSORS, ModelConfig
 from jaxserve.errors import ConfigError, WeightsError
+from jaxserve.weights import gguf_moe
 from jaxserve.weights.architectures import architecture, config_from_hf, gguf_architectures
 from jaxserve.weights.hf_layout import params_from_hf
 from jaxserve.weights.moe_layout import EXPERT_NAMES
@@ -43,11 +44,13 @@ _LAYER_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 # Where llama.cpp's names mean another HF tensor: Gemma's ffn_norm is its pre-MLP norm (its
-# post_attention_norm the attention output's); Phi-3's ffn_up is the fused gate_up_proj.
+# post_attention_norm the attention output's); Phi-3's ffn_up is the fused gate_up_proj; gpt-oss's
+# and deepseek2's own tensors: jaxserve.weights.gguf_moe.
 _ARCH_LAYER_NAMES = {
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    **gguf_moe.LAYER_NAMES,
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 # Mixtures of experts: llama.cpp's converter stacks each layer's experts into one [E, out, in]
@@ -168,7 +171,9 @@ def config_from_gguf(reader, path: Path, dtype: str = "float32") -> ModelConfig:
         "eos_token_id": list(dict.fromkeys(int(e) for e in eos if e is not None)),
         "sliding_window": int(window) if window else None,
     }
-    if experts:
+    if arch in gguf_moe.LAYER_NAMES:  # gpt-oss, deepseek2
+        cfg.update(gguf_moe.config(arch, meta, need, str(path)))
+    elif experts:
         # llama.cpp's qwen3moe and llama (Mixtral) renormalize the top-k weights unless the file
         # says otherwise; every qwen3moe layer is sparse (it has no mlp_only_layers).
         cfg["num_experts_per_tok"] = int(need("expert_used_count"))
@@ -277,6 +282,10 @@ def load_gguf(path: Path, dtype: str = "float32",
             raise WeightsError(f"{path}: tensor {t.name} cannot be dequantized ({e})") from None
 
     def get(name: str) -> np.ndarray:
+        rebuilt = gguf_moe.tensor(arch, name, lambda n: dequantize(by_hf_name[n]),
+                                  by_hf_name.__contains__)
+        if rebuilt is not None:
+            return rebuilt
         expert = _EXPERT_RE.match(name)
         if expert is not None:  # one expert of a stacked [E, out, in] tensor
             key = f"{expert.group(1)}.{expert.group(3)}.weight"
