@@ -76,6 +76,13 @@ SETTINGS = (
             help="GiB of host memory per engine replica for prefix-cache pages the device pool "
                  "evicts: copied there, and back on a prefix hit instead of recomputed "
                  "(default 0: off)"),
+    Setting("kv_offloading_disk_path", str, CACHE, metavar="DIR",
+            help="a third prefix-cache tier on local disk: pages the host tier evicts are "
+                 "written to files here and read back (checked) on a prefix hit; the directory "
+                 "is made 0700, must be empty or an earlier run's, and is emptied at start "
+                 "(needs --kv-offloading-size and --kv-offloading-disk-size)"),
+    Setting("kv_offloading_disk_size", float, CACHE, metavar="GIB",
+            help="GiB of files for the disk tier per engine (least recently used out first)"),
     Setting("enable_chunked_prefill", bool, SCHEDULER),
     Setting("async_scheduling", bool, SCHEDULER,
             help="turn off async scheduling (vLLM's --async-scheduling, on here by default): "

@@ -31,6 +31,7 @@ memory, and `restore_prefix` (the scheduler calls it before looking a waiting re
 back the pages of a prompt's prefix that follow those still on the device into free device pages,
 indexed as cached pages, so admission takes them as any cached page and their prefill is skipped.
 The pages for them come from the free list or the LRU, never from the prefix being restored.
+With a disk tier below it (jaxserve.core.kv_disk) the host tier finds those pages there too.
 """
 
 from __future__ import annotations
@@ -109,8 +110,10 @@ class KVCacheManager:
         self.prefix_cache_hits = 0  # of which served from the cache (either tier)
         self.host_tier = host_tier if enable_prefix_caching else None
         self._restored: set[int] = set()  # pages restored from the host tier, not yet admitted
+        self._from_disk: set[int] = set()  # of which read from its disk tier
         self.host_tier_queries = 0  # full prompt-page tokens past the device's own hits
-        self.host_tier_hits = 0  # of which restored from the host tier
+        self.host_tier_hits = 0  # of which restored from the host tier (or its disk tier)
+        self.disk_tier_hits = 0  # of which restored from the disk tier
         self.pins_expired = 0  # pins released at their TTL, total since start
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -246,7 +249,7 @@ class KVCacheManager:
                 if page is not None and self._page_tokens[page] == page_tokens:
                     self._take(page)
                     held.append(page)
-                elif page is None and self.host_tier.holds(hashes[i], page_tokens):
+                elif page is None and self.host_tier.find(hashes[i], page_tokens):
                     wanted.append((hashes[i], page_tokens))
                 else:
                     break
@@ -256,7 +259,8 @@ class KVCacheManager:
             for page_hash, page_tokens in wanted:
                 page = self._pop_page()
                 self._index(page, page_hash, page_tokens)
-                self.host_tier.restore(page_hash, page)
+                if self.host_tier.restore(page_hash, page):
+                    self._from_disk.add(page)
                 self._restored.add(page)
                 held.append(page)
         finally:
@@ -336,6 +340,7 @@ class KVCacheManager:
         self._page_hash.clear()
         self._page_tokens.clear()
         self._restored.clear()
+        self._from_disk.clear()
         if self.host_tier is not None:
             self.host_tier.drop_unrun_copies()
 
@@ -375,6 +380,8 @@ class KVCacheManager:
         if self.host_tier is not None:
             restored = self._restored.intersection(cached_pages)
             self._restored -= restored
+            self.disk_tier_hits += len(self._from_disk & restored) * self.page_size
+            self._from_disk -= restored
             device_hits = len(cached_pages) - len(restored)
             self.host_tier_queries += ((request.num_tokens - 1) // self.page_size
                                        - device_hits) * self.page_size
@@ -432,6 +439,7 @@ class KVCacheManager:
             if self.host_tier is not None:
                 self.host_tier.save(page_hash, tokens, page)
                 self._restored.discard(page)
+                self._from_disk.discard(page)
         self._refcount[page] = 1
         self._num_in_use += 1
         return page
@@ -469,3 +477,4 @@ class KVCacheManager:
         if self.host_tier is not None:
             self.host_tier.check_invariants()
             assert self._restored <= self._page_hash.keys(), "a restored page is not indexed"
+            assert self._from_disk <= self._restored

@@ -35,6 +35,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.errors import Conflict, ContextLengthExceeded, InvalidRequest
+from jaxserve.core.kv_disk import disk_tier
 from jaxserve.core.output_processing import OutputProcessor
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.preparation import PreparedRequest
@@ -85,6 +86,15 @@ class EngineStats:
     kv_offload_bytes_to_host: int = 0
     kv_offload_bytes_to_device: int = 0
     kv_offload_seconds: float = 0.0
+    # Its disk tier (--kv-offloading-disk-path; jaxserve.core.kv_disk): of the hits, those read
+    # from disk; files held and the bound; bytes written to and read from the files; host
+    # seconds writing, reading and checking them.
+    kv_disk_hits: int = 0
+    kv_disk_pages: int = 0
+    kv_disk_capacity_pages: int = 0
+    kv_disk_bytes_written: int = 0
+    kv_disk_bytes_read: int = 0
+    kv_disk_seconds: float = 0.0
     # Prompt-cache pins (Anthropic's cache_control): held now, their pages, expired in all.
     num_pins: int = 0
     pinned_pages: int = 0
@@ -139,7 +149,9 @@ class LLMEngine:
             config.scheduler, config.cache, self.runner.num_pages,
             drafter=self._draft if spec is not None else None,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            num_host_pages=self.runner.num_host_pages)
+            num_host_pages=self.runner.num_host_pages,
+            disk_tier=(disk_tier(config.cache, self.runner.host_pool.page_bytes)
+                       if self.runner.host_pool is not None else None))
         self.output_processor = OutputProcessor(self.scheduler, tokenizer, self.eos_token_ids,
                                                 self.max_model_len)
         self.grammars = GrammarCompiler(tokenizer, vocab_size=config.model.vocab_size,
@@ -491,7 +503,18 @@ class LLMEngine:
                            pinned_pages=s.pinned_pages, pins_expired=s.pins_expired,
                            num_step_gaps=self.gaps.num_gaps,
                            step_gap_seconds=self.gaps.gap_seconds,
-                           num_steps_queued_ahead=self.gaps.num_queued_ahead)
+                           num_steps_queued_ahead=self.gaps.num_queued_ahead,
+                           **self._disk_counts(s))
+
+    def _disk_counts(self, s) -> dict:
+        if not s.disk_tier_files:
+            return {}
+        pool = self.runner.host_pool
+        return dict(kv_disk_hits=s.disk_tier_hits, kv_disk_pages=s.disk_tier_pages,
+                    kv_disk_capacity_pages=s.disk_tier_files,
+                    kv_disk_bytes_written=pool.bytes_to_disk,
+                    kv_disk_bytes_read=pool.bytes_from_disk,
+                    kv_disk_seconds=pool.disk_seconds + s.disk_tier_read_seconds)
 
     def _host_pool_counts(self) -> tuple[int, int, float]:
         pool = self.runner.host_pool

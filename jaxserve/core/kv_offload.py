@@ -18,18 +18,26 @@ is not saved again in it (its hash is held here: a save only refreshes it) and a
 reads is not overwritten in it (a save passes over it); a device page saved and then handed to a
 restore is read before it is overwritten, and a slot saved and then restored is landed first (the
 runner waits for that save).
+
+With a disk tier (jaxserve.core.kv_disk), a page whose slot the LRU overwrites is written to disk
+first (those writes come first in a step's copies, before the saves that overwrite the slots; a
+slot saved in this step is not overwritten again in it, so what is written is a landed page), and
+`find` reads a page the host no longer holds back from its file, checked, before the scheduler
+restores it: such a page goes from the file's bytes straight into its device page (the restores
+from disk come last).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from jaxserve.core.kv_disk import DiskTier
 from jaxserve.errors import ConfigError
-from jaxserve.executor.page_copies import PageCopies
+from jaxserve.executor.page_copies import DiskLoads, PageCopies
 
 
 class HostTier:
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, disk: DiskTier | None = None):
         if num_slots < 1:
             raise ConfigError(f"the host KV tier needs at least one page, got {num_slots}")
         self.num_slots = num_slots
@@ -39,6 +47,10 @@ class HostTier:
         self._saves: list[tuple[int, int]] = []  # (device page, slot) not yet taken
         self._loads: list[tuple[int, int]] = []
         self._reading: set[int] = set()  # slots of the restores not yet taken
+        self._writing: set[int] = set()  # slots of the saves not yet taken
+        self.disk = disk
+        self._fetched: dict[bytes, bytes] = {}  # pages read from disk by `find`, to restore
+        self._disk_loads: list[tuple[int, bytes]] = []  # (device page, the page's bytes)
         self.pages_saved = 0  # device -> host copies, total since start
         self.pages_restored = 0  # host -> device copies
 
@@ -59,28 +71,50 @@ class HostTier:
         if self._free:
             slot = self._free.pop()
         else:
-            old = next((h for h, s in self._slots.items() if s not in self._reading), None)
+            # With a disk tier, a slot saved this step is not overwritten in it: its page has not
+            # landed, so it could not be written to disk.
+            busy = self._reading | self._writing if self.disk is not None else self._reading
+            old = next((h for h, s in self._slots.items() if s not in busy), None)
             if old is None:
-                return  # every slot is being read this step: the page is not kept
+                return  # every slot is busy this step: the page is not kept
             slot = self._slots.pop(old)
-            del self._tokens[old]
+            old_tokens = self._tokens.pop(old)
+            if self.disk is not None:
+                self.disk.spill(old, old_tokens, slot)
         self._slots[page_hash] = slot
         self._tokens[page_hash] = tokens
         self._saves.append((page, slot))
+        self._writing.add(slot)
         self.pages_saved += 1
+
+    def find(self, page_hash: bytes, tokens: tuple[int, ...]) -> bool:
+        """Whether this page can be restored: held here, or its disk file read back intact."""
+        if self.holds(page_hash, tokens) or page_hash in self._fetched:
+            return True
+        if self.disk is None or not self.disk.holds(page_hash, tokens):
+            return False
+        data = self.disk.read(page_hash, tokens)
+        if data is not None:
+            self._fetched[page_hash] = data
+        return data is not None
 
     def reserve(self, page_hashes) -> None:
         """Keep the slots of these held pages from being overwritten until the copies are taken
         (they are about to be restored)."""
-        self._reading.update(self._slots[h] for h in page_hashes)
+        self._reading.update(self._slots[h] for h in page_hashes if h in self._slots)
 
-    def restore(self, page_hash: bytes, page: int) -> None:
-        """Copy the held page of this hash into device page `page` (the caller checked `holds`
-        and reserved it)."""
+    def restore(self, page_hash: bytes, page: int) -> bool:
+        """Copy the page of this hash into device page `page` (the caller checked `find` and
+        reserved it); True when it comes from disk."""
+        data = self._fetched.pop(page_hash, None)
+        if data is not None:
+            self._disk_loads.append((page, data))
+            return True
         slot = self._slots[page_hash]
         assert slot in self._reading, "a restored slot is reserved first"
         self._loads.append((page, slot))
         self.pages_restored += 1
+        return False
 
     def refresh(self, page_hashes) -> None:
         """Mark these held pages used now, the last one most recently (a restored prefix is
@@ -88,13 +122,20 @@ class HostTier:
         for page_hash in page_hashes:
             if page_hash in self._slots:
                 self._slots.move_to_end(page_hash)
+        if self.disk is not None:
+            self.disk.refresh(page_hashes)
 
-    def take_copies(self) -> tuple[PageCopies, ...]:
-        """The copies recorded since the last call: the saves, then the restores."""
+    def take_copies(self) -> tuple:
+        """The copies recorded since the last call: the disk writes, the saves, the restores,
+        then the restores from disk."""
+        writes = self.disk.take_writes() if self.disk is not None else None
         out = tuple(PageCopies(to_host, *map(tuple, zip(*copies)))
                     for to_host, copies in ((True, self._saves), (False, self._loads)) if copies)
-        self._saves, self._loads, self._reading = [], [], set()
-        return out
+        if self._disk_loads:
+            out += (DiskLoads(*map(tuple, zip(*self._disk_loads))),)
+        self._saves, self._loads, self._reading, self._writing = [], [], set(), set()
+        self._disk_loads, self._fetched = [], {}
+        return ((writes,) if writes is not None else ()) + out
 
     def drop_unrun_copies(self) -> None:
         """The device pool was freed before the recorded copies ran (a sleeping engine): forget
@@ -103,7 +144,10 @@ class HostTier:
         for page_hash in [h for h, slot in self._slots.items() if slot in unsaved]:
             self._free.append(self._slots.pop(page_hash))
             del self._tokens[page_hash]
-        self._saves, self._loads, self._reading = [], [], set()
+        self._saves, self._loads, self._reading, self._writing = [], [], set(), set()
+        self._disk_loads, self._fetched = [], {}
+        if self.disk is not None:
+            self.disk.drop_unrun_writes()
 
     def check_invariants(self) -> None:
         slots = list(self._slots.values())
@@ -112,3 +156,5 @@ class HostTier:
             "a slot is held twice"
         assert len(slots) + len(self._free) == self.num_slots, "a slot leaked"
         assert self._tokens.keys() == self._slots.keys()
+        if self.disk is not None:
+            self.disk.check_invariants()

@@ -62,6 +62,7 @@ from jaxserve.core.cache import KVCacheManager
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import ConfigError
 from jaxserve.core.fair_queue import FairQueue
+from jaxserve.core.kv_disk import DiskTier
 from jaxserve.core.kv_offload import HostTier
 from jaxserve.core.request import Request, RequestStatus
 
@@ -135,13 +136,24 @@ class SchedulerStats:
     num_pins: int = 0  # prompt-cache pins held now
     pinned_pages: int = 0  # pages they hold (a page two pins share counts twice)
     pins_expired: int = 0  # pins released at their TTL, total since start
+    disk_tier_hits: int = 0  # of host_tier_hits, restored from the disk tier
+    disk_tier_pages: int = 0  # pages the disk tier holds
+    disk_tier_files: int = 0  # pages it can hold (0: no disk tier)
+    disk_tier_read_seconds: float = 0.0  # host seconds reading and checking them
+
+
+def _disk_stats(disk: DiskTier | None) -> dict:
+    if disk is None:
+        return {}
+    return dict(disk_tier_pages=disk.num_pages, disk_tier_files=disk.num_files,
+                disk_tier_read_seconds=disk.read_seconds)
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_pages: int, clock: Callable[[], float] = time.monotonic, *,
                  drafter: Drafter | None = None, num_speculative_tokens: int = 0,
-                 num_host_pages: int = 0):
+                 num_host_pages: int = 0, disk_tier: DiskTier | None = None):
         if (not scheduler_config.enable_chunked_prefill
                 and scheduler_config.max_num_batched_tokens < scheduler_config.max_model_len):
             # Without chunking a prompt must fit one step, or it would wait forever.
@@ -153,7 +165,7 @@ class Scheduler:
         self.page_size = cache_config.page_size
         self.cache = KVCacheManager(
             num_pages, cache_config.page_size, cache_config.enable_prefix_caching,
-            host_tier=HostTier(num_host_pages) if num_host_pages else None)
+            host_tier=HostTier(num_host_pages, disk_tier) if num_host_pages else None)
         self.drafter = drafter
         self.num_speculative_tokens = num_speculative_tokens if drafter is not None else 0
         self.shapes = StepShapes.of(scheduler_config, cache_config.page_size, num_pages,
@@ -347,7 +359,8 @@ class Scheduler:
             host_tier_pages=tier.num_pages if tier is not None else 0,
             host_tier_slots=tier.num_slots if tier is not None else 0,
             num_pins=self.cache.num_pins, pinned_pages=self.cache.num_pinned_pages,
-            pins_expired=self.cache.pins_expired)
+            pins_expired=self.cache.pins_expired, disk_tier_hits=self.cache.disk_tier_hits,
+            **_disk_stats(tier.disk if tier is not None else None))
 
     # ---- internals ---------------------------------------------------------------------------
 

@@ -14,10 +14,15 @@ the buffer at once, so a later save into the same slot cannot change what it loa
 padded to power-of-two buckets (the null page fills the rest: its contents are never read, and a
 load pads with copies of its first slot), so the programs are compiled at warmup like every
 other.
+
+The disk tier's copies ride along (jaxserve.core.kv_disk decides them): `DiskWrites` write
+slots into files (jaxserve.executor.kv_files) before this step's saves can land in those slots,
+and `DiskLoads` scatter pages read back from files into the pool with the same load program.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Sequence
 
@@ -26,7 +31,10 @@ import numpy as np
 
 from jaxserve.errors import ConfigError
 from jaxserve.executor.batch_plan import NULL_PAGE, next_power_of_two
-from jaxserve.executor.page_copies import PageCopies
+from jaxserve.executor.kv_files import write_page
+from jaxserve.executor.page_copies import DiskLoads, DiskWrites, PageCopies
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 # The largest copy one program runs; a longer run is cut into copies of this many pages.
@@ -80,6 +88,10 @@ class HostKVPool:
         self.bytes_to_host = 0
         self.bytes_to_device = 0
         self.copy_seconds = 0.0  # host time spent enqueuing and landing copies
+        self.bytes_to_disk = 0  # the disk tier's files written
+        self.bytes_from_disk = 0  # pages read from them, copied into the pool
+        self.disk_seconds = 0.0  # host time spent writing them and loading their pages
+        self.disk_write_errors = 0
 
     @property
     def page_bytes(self) -> int:
@@ -102,7 +114,16 @@ class HostKVPool:
         """Run the copies in order; the pool after them (a load donates it)."""
         started = time.perf_counter()
         self.land()  # the last step's saves: done by now, so this does not wait
+        disk = 0.0
         for run in copies:
+            if isinstance(run, (DiskWrites, DiskLoads)):
+                began = time.perf_counter()
+                if isinstance(run, DiskWrites):
+                    self._write_files(run)
+                else:
+                    kv_cache = self._load_disk(run, kv_cache, program)
+                disk += time.perf_counter() - began
+                continue
             pages, slots = np.asarray(run.pages, np.int32), np.asarray(run.slots, np.int64)
             for start in range(0, len(pages), self.buckets[-1]):
                 chunk = slice(start, start + self.buckets[-1])
@@ -110,7 +131,29 @@ class HostKVPool:
                     self._save(pages[chunk], slots[chunk], kv_cache, program)
                 else:
                     kv_cache = self._load(pages[chunk], slots[chunk], kv_cache, program)
-        self.copy_seconds += time.perf_counter() - started
+        self.copy_seconds += time.perf_counter() - started - disk
+        self.disk_seconds += disk
+        return kv_cache
+
+    def _write_files(self, run: DiskWrites) -> None:
+        """The slots' pages into their files (the slots hold landed pages: run() landed the
+        last step's saves, and this step's come after)."""
+        for slot, path, page_hash, tokens in zip(*run):
+            try:
+                self.bytes_to_disk += write_page(path, page_hash, tokens, self.buffer[:, slot])
+            except OSError as e:  # a full or failing disk: the page is a miss when asked for
+                self.disk_write_errors += 1
+                log.warning("the KV disk tier could not write %s: %s", path, e)
+
+    def _load_disk(self, run: DiskLoads, kv_cache, program) -> jax.Array:
+        row = self.buffer.shape[2:]
+        values = np.stack([np.frombuffer(d, self.buffer.dtype).reshape(self.num_layers, *row)
+                           for d in run.data], axis=1)
+        pages = np.asarray(run.pages, np.int32)
+        for start in range(0, len(pages), self.buckets[-1]):
+            chunk = slice(start, start + self.buckets[-1])
+            kv_cache = self._scatter_values(pages[chunk], values[:, chunk], kv_cache, program)
+        self.bytes_from_disk += values.nbytes
         return kv_cache
 
     def _bucket(self, n: int) -> int:
@@ -134,12 +177,16 @@ class HostKVPool:
     def _load(self, pages, slots, kv_cache, program) -> jax.Array:
         if any(np.isin(slots, s).any() for s, _ in self._pending):
             self.land()
-        n, rows = self._rows(pages)
-        padded = np.full(n, slots[0])
-        padded[:len(slots)] = slots
-        values = self.buffer[:, padded].reshape(self.num_layers * n, *self.buffer.shape[2:])
         self.bytes_to_device += len(pages) * self.page_bytes
-        return program(("load_pages", n))(kv_cache, self._put(rows), self._put(values))
+        return self._scatter_values(pages, self.buffer[:, slots], kv_cache, program)
+
+    def _scatter_values(self, pages, values, kv_cache, program) -> jax.Array:
+        """Pages' rows ([layers, len(pages), *page row]) into the pool; the padding repeats the
+        first page's rows into the null page."""
+        n, rows = self._rows(pages)
+        padded = np.concatenate([values, np.repeat(values[:, :1], n - len(pages), axis=1)], 1)
+        flat = padded.reshape(self.num_layers * n, *self.buffer.shape[2:])
+        return program(("load_pages", n))(kv_cache, self._put(rows), self._put(flat))
 
     def land(self) -> None:
         """Write the saves still on their way into their slots, in the order they were made (a

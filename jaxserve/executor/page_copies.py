@@ -1,4 +1,5 @@
-"""The copies between the device KV pool and the host tier's slots that a step asks for (no JAX).
+"""The copies between the device KV pool, the host tier's slots and the disk tier's files that a
+step asks for (no JAX).
 
 The prefix cache's host tier (jaxserve.core.kv_offload) decides which page goes to which slot;
 the runner (jaxserve.executor.kv_offload) does the copies, in the order given, before the step's
@@ -17,3 +18,21 @@ class PageCopies(NamedTuple):
     to_host: bool  # True: the device pages are saved into the slots; False: restored from them
     pages: tuple[int, ...]
     slots: tuple[int, ...]
+
+
+class DiskWrites(NamedTuple):
+    """Host slots written to the disk tier's files before the step's saves overwrite them:
+    slots[i] -> paths[i], the page of page_hashes[i] and tokens[i] (jaxserve.executor.kv_files)."""
+
+    slots: tuple[int, ...]
+    paths: tuple[str, ...]
+    page_hashes: tuple[bytes, ...]
+    tokens: tuple[tuple[int, ...], ...]
+
+
+class DiskLoads(NamedTuple):
+    """Pages read back from the disk tier (checked): data[i], laid out as a host slot, into device
+    page pages[i]."""
+
+    pages: tuple[int, ...]
+    data: tuple[bytes, ...]

@@ -1,0 +1,223 @@
+"""The prefix cache's disk tier (--kv-offloading-disk-path/-size): pages the host tier overwrites
+go to checked files and come back on a hit. The bookkeeping with the copies run on numpy pools
+(each page holds its own token ids, so a page restored wrong shows), the directory's rules, then
+a tiny model end to end: a host tier of one page, the prefix read back from disk, the same greedy
+tokens and logprobs as its first computation; corrupt files are misses."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from jaxserve.config import CacheConfig
+from jaxserve.core.cache import KVCacheManager
+from jaxserve.core.engine_factory import build_engine
+from jaxserve.core.kv_disk import DiskTier, open_directory
+from jaxserve.core.kv_offload import HostTier
+from jaxserve.core.request import Request
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.errors import ConfigError
+from jaxserve.executor.kv_files import SUFFIX, file_bytes, write_page
+from jaxserve.executor.page_copies import DiskLoads, DiskWrites
+from jaxserve.telemetry.metrics import ServerMetrics
+from tests.test_cli import tiny_gguf
+from tests.test_engine import assert_no_leaks
+
+PS = 4  # tokens per page in the bookkeeping tests
+
+
+class Pools:
+    """A device pool and host slots of token ids, and the copies run as the executor runs them."""
+
+    def __init__(self, kv: KVCacheManager, num_slots: int):
+        self.kv = kv
+        self.device = np.full((kv.num_usable_pages + 1, PS), -1, np.int64)
+        self.host = np.full((num_slots, PS), -1, np.int64)
+
+    def run(self, req: Request) -> int:
+        """Admit (restoring what the tiers hold), check the cached pages hold the prompt, compute
+        the rest, free; the tokens restored."""
+        restored = self.kv.restore_prefix(req)
+        self.copies()
+        cached = self.kv.lookup_prefix(req)
+        for i, page in enumerate(cached):
+            assert list(self.device[page]) == req.prompt_token_ids[i * PS:(i + 1) * PS]
+        assert self.kv.admit(req, cached, req.num_tokens - len(cached) * PS)
+        self.copies()  # before the "forward" writes the pages admit took (evicted: saved first)
+        for i, page in enumerate(req.page_table):
+            self.device[page, :] = -1
+            chunk = req.prompt_token_ids[i * PS:(i + 1) * PS]
+            self.device[page, :len(chunk)] = chunk
+        req.num_computed_tokens = req.num_tokens
+        self.kv.register_full_pages(req)
+        self.kv.free(req)
+        return restored * PS
+
+    def copies(self) -> None:
+        for run in self.kv.take_page_copies():
+            if isinstance(run, DiskWrites):
+                for slot, path, h, tokens in zip(*run):
+                    write_page(path, h, tokens, self.host[slot])
+            elif isinstance(run, DiskLoads):
+                for page, data in zip(*run):
+                    self.device[page] = np.frombuffer(data, np.int64)
+            elif run.to_host:
+                self.host[list(run.slots)] = self.device[list(run.pages)]
+            else:
+                self.device[list(run.pages)] = self.host[list(run.slots)]
+
+
+def _manager(tmp_path, device_pages=4, host=2, files=24):
+    disk = DiskTier(str(tmp_path), files, PS * 8, lock=open_directory(str(tmp_path)))
+    kv = KVCacheManager(num_pages=device_pages + 1, page_size=PS,
+                        host_tier=HostTier(host, disk))
+    return Pools(kv, host), disk
+
+
+def _flood(pools: Pools, n: int, base: int = 1000) -> None:
+    for i in range(n):
+        pools.run(Request(f"f{base + i}", list(range(base + 100 * i, base + 100 * i + 2 * PS))))
+
+
+def test_pages_spill_to_disk_and_come_back_intact_salts_apart(tmp_path):
+    pools, disk = _manager(tmp_path)
+    prompt = list(range(13))  # 3 full pages + 1 token
+    assert pools.run(Request("a", prompt, cache_salt="t:a")) == 0
+    _flood(pools, 4)  # 8 pages through 4 device pages and 2 host slots: a's pages reach disk
+    assert disk.num_pages >= 3 and disk.pages_written == disk.num_pages
+    files = sorted(f for f in os.listdir(tmp_path) if f.endswith(SUFFIX))
+    assert len(files) == disk.num_pages
+    assert all(stat.S_IMODE(os.stat(tmp_path / f).st_mode) == 0o600 for f in files)
+    # Another tenant's same tokens are another prefix on disk too.
+    assert pools.run(Request("b", prompt, cache_salt="t:b")) == 0
+    pools.kv.check_invariants()
+    _flood(pools, 4, base=5000)
+    assert pools.run(Request("a2", prompt, cache_salt="t:a")) == 12  # Pools.run checked them
+    assert pools.kv.disk_tier_hits >= 8
+    pools.kv.check_invariants()
+
+
+def test_corrupt_partial_and_missing_files_are_misses_and_the_bound_holds(tmp_path):
+    pools, disk = _manager(tmp_path, files=3)
+    prompts = [list(range(s, s + 9)) for s in (0, 100, 200)]  # 2 full pages each
+    for i, p in enumerate(prompts):
+        pools.run(Request(f"p{i}", p))
+    _flood(pools, 2)  # 10 pages: 4 on the device, 2 in host slots, 4 spilled into 3 files
+    assert disk.pages_written == 4
+    assert disk.num_pages == 3 and len(os.listdir(tmp_path)) == 3 + 1  # the marker
+    names = sorted(f for f in os.listdir(tmp_path) if f.endswith(SUFFIX))
+    for i, name in enumerate(names):  # every file damaged, one way or another
+        path = tmp_path / name
+        data = path.read_bytes()
+        if i % 3 == 0:
+            path.write_bytes(data[:-5])  # partial
+        elif i % 3 == 1:
+            path.write_bytes(data[:40] + bytes([data[40] ^ 1]) + data[41:])  # a flipped bit
+        else:
+            path.unlink()
+    for i, p in enumerate(prompts):
+        pools.run(Request(f"again{i}", p))  # Pools.run checks any page it gets
+    assert disk.bad_files >= 2  # read, refused, dropped
+    assert not set(names) & set(os.listdir(tmp_path)) - {names[2]}  # (names[2] was unlinked)
+    assert disk.num_pages <= 3
+    pools.kv.check_invariants()
+
+
+def test_directory_is_private_locked_and_emptied_and_settings_are_checked(tmp_path):
+    d = tmp_path / "tier"
+    lock = open_directory(str(d))
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    (d / ("ab" * 16 + SUFFIX)).write_bytes(b"old")
+    with pytest.raises(ConfigError, match="in use"):
+        open_directory(str(d))
+    lock.close()
+    os.chmod(d, 0o755)
+    open_directory(str(d)).close()  # an earlier run's directory: emptied, private again
+    assert os.listdir(d) == ["JAXSERVE_KV_TIER"] and stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="neither empty"):
+        open_directory(str(tmp_path / "home"))
+    os.symlink(d, tmp_path / "link")
+    with pytest.raises(ConfigError, match="symlink"):
+        open_directory(str(tmp_path / "link"))
+    with pytest.raises(ConfigError, match="go together"):
+        CacheConfig(kv_offloading_size=1, kv_offloading_disk_path=str(d))
+    with pytest.raises(ConfigError, match="needs kv_offloading_size"):
+        CacheConfig(kv_offloading_disk_path=str(d), kv_offloading_disk_size=1)
+
+
+# ---------------------------------------------------------------- a tiny model end to end
+
+PAGE_BYTES = 2 * 16 * 4 * 8 * 4  # the tiny model: 2 layers, page 16, 2 KV heads x (K, V), 8, f32
+DISK_FILES = 12
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, smollm2_tokenizer_fields):
+    d = tmp_path_factory.mktemp("disk")
+    path = tiny_gguf(d / "tiny.gguf", smollm2_tokenizer_fields)
+    return build_engine(str(path), num_pages=9, max_num_seqs=1, max_num_batched_tokens=16,
+                        min_token_bucket=16, max_model_len=128,
+                        kv_offloading_size=PAGE_BYTES / 2 ** 30,  # one page
+                        kv_offloading_disk_path=str(d / "tier"),
+                        kv_offloading_disk_size=DISK_FILES * file_bytes(16, PAGE_BYTES) / 2 ** 30,
+                        strict_compile=True, progress=False)
+
+
+def _generate(engine, request_id: str, prompt: list[int]):
+    engine.add_request(request_id, {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    return final
+
+
+def _same(a, b) -> None:
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+        assert abs(x.logprob - y.logprob) < 1e-5
+
+
+def test_a_prefix_spilled_to_disk_is_read_back_with_the_same_tokens(engine):
+    tier = engine.scheduler.cache.host_tier
+    assert engine.runner.num_host_pages == 1 and tier.disk.num_files == DISK_FILES
+    prompt = [1000 + 7 * i for i in range(65)]  # 4 full pages + 1 token
+    first = _generate(engine, "a", prompt)
+    for i in range(2):  # evict a's 4 pages from the device, and all but one from the host
+        _generate(engine, f"flood{i}", [3000 + 500 * i + j for j in range(65)])
+    before = engine.stats()
+    assert before.kv_disk_pages >= 4 and before.kv_disk_bytes_written > 0
+    again = _generate(engine, "a2", prompt)
+    after = engine.stats()
+    _same(again, first)
+    assert again.num_cached_tokens == 64 and first.num_cached_tokens == 0
+    assert after.kv_disk_hits - before.kv_disk_hits >= 48  # at least 3 pages from disk
+    assert after.kv_offload_hits - before.kv_offload_hits == 64
+    assert after.kv_disk_bytes_read - before.kv_disk_bytes_read == \
+        (after.kv_disk_hits - before.kv_disk_hits) // 16 * PAGE_BYTES
+    text = ServerMetrics(lambda: {"tiny": [after]}).render().decode()
+    assert 'jaxserve:kv_offload_hits_total{model_name="tiny",replica="0",route="",tier="disk"}' \
+        in text
+    # Damaged files are misses: the prompt is computed again, to the same tokens.
+    for i in range(2):
+        _generate(engine, f"flood-again{i}", [5000 + 500 * i + j for j in range(65)])
+    for name in os.listdir(tier.disk.directory):
+        if name.endswith(SUFFIX):
+            path = os.path.join(tier.disk.directory, name)
+            with open(path, "r+b") as f:
+                f.seek(100)
+                byte = f.read(1)
+                f.seek(100)
+                f.write(bytes([byte[0] ^ 0xFF]))
+    hits = engine.stats().kv_disk_hits
+    third = _generate(engine, "a3", prompt)
+    _same(third, first)
+    assert engine.stats().kv_disk_hits == hits and tier.disk.bad_files > 0
+    assert engine.runner.num_serving_compiles == 0
+    assert_no_leaks(engine)
