@@ -4,13 +4,20 @@ lines;
 another tenant's files and batches are 404s; bad input is a 4xx naming the field, or a failed
 batch naming each bad line (as OpenAI validates); a cancelled and an expired batch keep their
 partial output; and `jaxserve serve` killed with SIGKILL mid-batch resumes it on restart,
-running every line exactly once (counted in the access logs of both processes)."""
+running every line exactly once (counted in the access logs of both processes). `jaxserve eval
+run` with a `via = "batch"` version sends lm-eval's requests as a batch here, resumes it after the
+runner is killed, and stores the live route's scores."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import signal
+import sqlite3
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -21,10 +28,12 @@ from jaxserve.batches.store import BatchStore
 from jaxserve.core.async_engine import AsyncEngine
 from jaxserve.core.engine_factory import build_engine
 from jaxserve.entrypoints.batch_lines import ServingLines
+from jaxserve.entrypoints.cli import main
 from jaxserve.entrypoints.http.app import serving_of
 from jaxserve.entrypoints.http.batch_routes import add_batch_routes
 from jaxserve.entrypoints.http.responses_routes import response_runner
 from jaxserve.entrypoints.process import ServerProcess
+from jaxserve.evals.store import open_store
 from jaxserve.rag.config import ChunkerConfig, EmbedderConfig, RagConfig
 from jaxserve.rag.service import RagService
 from tests.rag_helpers import tiny_embedder
@@ -356,6 +365,64 @@ def test_sigkill_mid_batch_then_restart_runs_every_line_exactly_once(tiny_path, 
         ran_in = before if int(r["custom_id"]) + 1 in done else after
         assert r["response"]["request_id"] in ran_in, r
     assert "Traceback" not in logs[1].read_text()
+
+
+def _recorded_batches(store) -> list[str]:
+    try:
+        with sqlite3.connect(store) as db:
+            return [r[0] for r in db.execute("SELECT batch_id FROM eval_batches")]
+    except sqlite3.OperationalError:  # the runner has not made its tables yet
+        return []
+
+
+def test_eval_via_batch_resumes_after_sigkill_and_equals_the_live_route(server, tmp_path,
+                                                                        capsys, monkeypatch):
+    """lm-eval's 80 log-likelihood prompts (20 questions x 4 choices) as one batch of 10 lines; the
+    runner killed once it recorded the batch; the re-run waits on that batch (none submitted
+    again) and stores what the live route gives, question by question. Both paths run one
+    request at a time here (num_concurrent 1, one batch line at a time), so the same prompts
+    share each step: the log-likelihoods are bit-identical."""
+    pytest.importorskip("lm_eval")
+    shutil.copytree(ROOT / "configs" / "evals" / "tasks", tmp_path / "tasks")
+    monkeypatch.setenv("EVAL_KEY", KEYS["acme"])
+    version = (f'url = "{server.url}/v1"\nmodel = "tiny"\napi_key_env = "EVAL_KEY"\n'
+               "batch_size = 8\nnum_concurrent = 1\n")
+    suite = tmp_path / "suite.toml"
+    suite.write_text(f'name = "via"\n[[tasks]]\npath = "tasks/capitals_mc.yaml"\n'
+                     f'[[versions]]\nname = "batch"\nvia = "batch"\n{version}'
+                     f'[[versions]]\nname = "live"\n{version}')
+    client = _client(server)
+    before = {b.id for b in client.batches.list(limit=100)}
+    server.slow.set()  # the batch outlasts the runner killed below
+    try:
+        runner = subprocess.Popen([sys.executable, "-m", "jaxserve", "eval", "run", str(suite)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  env=dict(os.environ, TQDM_DISABLE="1"))
+        try:
+            (batch_id,) = wait_for(lambda: _recorded_batches(tmp_path / "evals.sqlite")
+                                   or runner.poll() is not None and ["exited"],
+                                   "the runner to record its batch", 180)
+        finally:
+            runner.kill()
+            _, err = runner.communicate()
+        assert batch_id.startswith("batch_"), err.decode()[-2000:]
+    finally:
+        server.slow.clear()
+    assert {b.id for b in client.batches.list(limit=100)} - before == {batch_id}
+
+    assert main(["eval", "run", str(suite)]) == 0
+    captured = capsys.readouterr()
+    assert f"eval: resuming batch {batch_id}" in captured.err
+    assert "submitted batch" not in captured.err
+    assert {b.id for b in client.batches.list(limit=100)} - before == {batch_id}
+    assert client.batches.retrieve(batch_id).request_counts.completed == 10
+    (cmp,) = json.loads(captured.out.strip().splitlines()[-1])["comparisons"]
+    assert cmp["paired"] == 20 and cmp["lost"] == [] and cmp["gained"] == []
+    with open_store(tmp_path / "evals.sqlite") as store:
+        batch, live = store.runs("via")
+        assert (batch.settings["via"], live.settings["via"]) == ("batch", "live")
+        assert batch.score == live.score
+        assert store.samples(batch.id) == store.samples(live.id)  # log-likelihoods, bit for bit
 
 
 # ---------------------------------------------------------------- the store alone

@@ -1,7 +1,8 @@
 """The fleet's eval gate (`[route.X.gate] eval = "suite.toml"`): a route's weight on a version grows
 only when the suite's stored results show that version passed (every task run, no regression
 against the version before it). The fleet with fake engines (tests/test_fleet.py), a real results
-store, and the admin API's PUT over HTTP."""
+store, and the admin API's PUT over HTTP; and once end to end, over a real `jaxserve serve`
+deployment that `jaxserve eval run` evaluates."""
 
 from __future__ import annotations
 
@@ -130,3 +131,53 @@ def test_the_deployment_file_takes_a_gate():
     with pytest.raises(InvalidRequest, match=r"'route.r.gate.evals' is not a known field"):
         parse_deployment({"version": {"a": {"model": "m"}},
                           "route": {"r": {"weights": {"a": 1}, "gate": {"evals": "x"}}}})
+
+
+@pytest.mark.slow
+def test_a_served_deployment_holds_the_weight_until_an_eval_run_passes(
+        tmp_path, smollm2_tokenizer_fields, capsys):
+    """End to end: `jaxserve serve --deployment` with two versions of a tiny model behind a gated
+    route, `jaxserve eval run` against it (version a on the live route, b through the Batch API),
+    and the admin API's PUT raising b's weight: a 409 before the run, a 200 after it."""
+    pytest.importorskip("lm_eval")
+    import shutil
+
+    from jaxserve.entrypoints.cli import main
+    from jaxserve.entrypoints.process import ServerProcess
+    from tests.test_cli import ROOT, tiny_gguf
+    from tests.test_server import _request, wait_for
+
+    model = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields)
+    engine = ('max_model_len = 128\nnum_pages = 32\nmax_num_seqs = 4\n'
+              'max_num_batched_tokens = 32\nmin_token_bucket = 16\ndeterministic = true\n')
+    suite = tmp_path / "suite.toml"
+    deployment = tmp_path / "deployment.toml"
+    deployment.write_text(f'[version.a]\nmodel = "{model}"\n{engine}'
+                          f'[version.b]\nmodel = "{model}"\n{engine}'
+                          f'[route.r]\nweights = {{ a = 100, b = 0 }}\n'
+                          f'[route.r.gate]\neval = "{suite}"\n')
+    admin = {"Authorization": "Bearer admin-key"}
+    grow = {"weights": {"a": 90, "b": 10}}
+    with (tmp_path / "server.log").open("w") as log:
+        server = ServerProcess(["--deployment", str(deployment), "--admin-key", "admin-key",
+                                "--no-rag", "--port", "0", "--data-dir", str(tmp_path / "data")],
+                               log, cwd=ROOT)
+        try:
+            base = server.url.removesuffix("/v1")
+            wait_for(lambda: _request("GET", f"{base}/ready").status_code == 200, "ready", 300)
+            shutil.copytree(ROOT / "configs" / "evals" / "tasks", tmp_path / "tasks")
+            version = f'url = "{server.url}"\nmax_gen_toks = 8\n'
+            suite.write_text(f'name = "gate"\nlimit = 8\n[[tasks]]\npath = "tasks/capitals.yaml"\n'
+                             f'[[versions]]\nname = "a"\nmodel = "a"\n{version}'
+                             f'[[versions]]\nname = "b"\nmodel = "b"\nvia = "batch"\n{version}')
+            reply = _request("PUT", f"{base}/admin/v1/routes/r", grow, headers=admin)
+            error = reply.json()["error"]
+            assert reply.status_code == 409 and error["param"] == "weights.b", error
+            assert "has no stored run of 'b'" in error["message"]
+            assert main(["eval", "run", str(suite)]) == 0, capsys.readouterr().err[-2000:]
+            assert "submitted batch" in capsys.readouterr().err
+            reply = _request("PUT", f"{base}/admin/v1/routes/r", grow, headers=admin)
+            assert reply.status_code == 200 and reply.json()["weights"] == {"a": 90.0, "b": 10.0}
+            assert server.stop() == 0
+        finally:
+            server.kill()

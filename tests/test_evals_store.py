@@ -100,6 +100,11 @@ def _roundtrip(store: ResultsStore) -> None:
     c = compare("qa", "exact_match", "v1", store.samples(runs[0].id), "v2", got,
                 RegressionConfig())
     assert c.alert and c.drop_points == pytest.approx(50.0) and c.lost == tuple(range(10, 20))
+    # A `via = "batch"` run's batches: recorded, and replaced when submitted again.
+    assert store.batch_id("k3:abc") is None
+    store.record_batch("k3:abc", "batch_1")
+    store.record_batch("k3:abc", "batch_2")
+    assert store.batch_id("k3:abc") == "batch_2"
 
 
 def test_sqlite_store_roundtrip_and_resume_key(tmp_path):
@@ -199,6 +204,10 @@ model = "m"
      "versions[1].engine: only with path"),
     ("[[versions]]\nname = \"v2\"\ndeployment = \"missing.toml\"\n",
      "versions[1].deployment: no file"),
+    ("[[versions]]\nname = \"v2\"\nurl = \"http://h/v1\"\nmodel = \"m\"\nvia = \"mail\"\n",
+     "versions[1].via: want one of live, batch"),
+    ("[[versions]]\nname = \"v2\"\npath = \"m.gguf\"\nvia = \"batch\"\n",
+     "versions[1].via: \"batch\" needs url"),
 ])
 def test_suite_errors_name_the_field(tmp_path, change, message):
     text = GOOD.replace('name = "s"\n', 'name = "s"\n' + change) if change.startswith(
@@ -238,6 +247,7 @@ deployment = "deploy.toml"
     assert fleet.deployment == tmp_path / "deploy.toml" and fleet.model == "smol-v2"
     assert local.settings()["engine"] == {"deterministic": True, "max_model_len": 512}
     assert "url" not in url.settings()  # the run keys of stored url versions do not change
+    assert "via" not in url.settings() and url.via == "live"  # nor those of live ones
     with pytest.raises(ConfigError, match="no url, and this runner serves no version"):
         version_id(local, None)
 

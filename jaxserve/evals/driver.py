@@ -7,6 +7,8 @@ server has them, else it would load the HF tokenizer by name (transformers, whic
 does not pull). So the driver asks the same question lm-eval asks; without those routes it sends
 text prompts with no client tokenizer, which generation tasks need nothing more for (multiple
 choice ones, scored by log-likelihood, need the remote tokenizer and fail in lm-eval saying so).
+
+A version with `via = "batch"` sends the same requests as OpenAI batches (evals/batch_path.py).
 """
 
 from __future__ import annotations
@@ -114,7 +116,8 @@ def _model_args(version: VersionSpec, seed: int) -> tuple[str, dict]:
     args = {"model": version.model, "base_url": base_url, "num_concurrent":
             version.num_concurrent, "batch_size": version.batch_size,
             "max_gen_toks": version.max_gen_toks, "seed": seed,
-            "max_retries": 3, "header": {"Authorization": f"Bearer {key or 'none'}"}}
+            "max_retries": 3, "header": {"Authorization": f"Bearer {key or 'none'}"},
+            "auth_token": key or None}  # the remote tokenizer's calls (the header is not theirs)
     if version.api == "chat-completions":  # messages go as text; lm-eval scores generations
         return "local-chat-completions", args | {"tokenizer_backend": None,
                                                  "tokenized_requests": False}
@@ -141,11 +144,28 @@ def _response(sample: dict) -> str:
     return str(resp)[:2000]
 
 
-def run_task(suite: Suite, version: VersionSpec, task: TaskSpec) -> TaskResult:
+def _batch_model(version: VersionSpec, model: str, model_args: dict, ledger, run_key: str):
+    """lm-eval's model of `model` with its requests sent as batches (evals/batch_path.py)."""
+    from jaxserve.evals.batch_path import BatchChatCompletions, BatchClient, BatchCompletions
+
+    chat = model == "local-chat-completions"
+    client = BatchClient(version.url, "/v1/chat/completions" if chat else "/v1/completions",
+                         _api_key(version), ledger, run_key)
+    cls = BatchChatCompletions if chat else BatchCompletions
+    # num_concurrent > 1: lm-eval then hands every request of a pass over at once
+    return cls(batch_client=client, **model_args | {"num_concurrent": 2})
+
+
+def run_task(suite: Suite, version: VersionSpec, task: TaskSpec, ledger=None,
+             run_key: str = "") -> TaskResult:
+    """`ledger` (an evals.batch_path.BatchLedger: the results store) records the batches of a
+    `via = "batch"` version under `run_key`."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     model, model_args = _model_args(version, suite.seed)
+    lm = (_batch_model(version, model, model_args, ledger, run_key) if version.via == "batch"
+          else model)
     # A registered name needs lm-eval's task index; local configs need none of it.
     manager = TaskManager(include_defaults=task.path is None)
     chat = version.api == "chat-completions"
@@ -154,7 +174,7 @@ def run_task(suite: Suite, version: VersionSpec, task: TaskSpec) -> TaskResult:
 
     try:
         out = lm_eval.simple_evaluate(
-            model=model, model_args=model_args, tasks=[_task_argument(task)],
+            model=lm, model_args=model_args, tasks=[_task_argument(task)],
             num_fewshot=task.num_fewshot, limit=suite.limit, log_samples=True,
             bootstrap_iters=0, task_manager=manager,
             system_instruction=version.system_instruction, apply_chat_template=chat,
@@ -170,7 +190,8 @@ def run_task(suite: Suite, version: VersionSpec, task: TaskSpec) -> TaskResult:
                       correct=float(s[metric]), target=str(s.get("target", ""))[:2000],
                       response=_response(s))
                for s in out["samples"][task.name] if s.get("filter") in (None, filter_name)]
-    settings = {"model": model, "tokenizer_backend": model_args["tokenizer_backend"],
+    settings = {"model": model, "via": version.via,
+                "tokenizer_backend": model_args["tokenizer_backend"],
                 "num_fewshot": task.num_fewshot, "limit": suite.limit, "filter": filter_name,
                 "lm_eval": getattr(lm_eval, "__version__", "unknown")}
     return TaskResult(metric, float(results[key]), samples, settings)

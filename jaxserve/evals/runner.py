@@ -4,6 +4,8 @@ version compared with the one before it.
 Resumable: a pair's run key is a hash of everything that decides its result (suite, version name
 and id, the version's settings, the task and its files' digest, seed, limit), so a re-run skips
 the pairs already stored and runs only the rest; a changed task file or setting is a new run.
+Within a pair, a `via = "batch"` version's batches are recorded under its run key, so a re-run
+after a kill waits on the batch already submitted instead of submitting it again.
 
 A version with no URL (a model path, or a deployment file's version) is served in-process for its
 pairs by `in_process` (the entrypoints' InProcessVersions: this package starts no engine), and its
@@ -120,7 +122,7 @@ def run_suite(suite: Suite, store: ResultsStore,
             for task in todo:
                 _log(f"eval: {version.name} / {task.name}: running")
                 started = time.time()
-                result = run_task(suite, served, task)
+                result = run_task(suite, served, task, store, keys[task.name])
                 store.add_run(Run(keys[task.name], suite.name, version.name, vid, task.name,
                                   result.metric, result.score, len(result.samples), suite.seed,
                                   version.settings() | result.settings, started, time.time()),

@@ -39,6 +39,10 @@ _SCHEMA = (
         target TEXT NOT NULL,
         response TEXT NOT NULL,
         PRIMARY KEY (run_id, doc_id))""",
+    # A `via = "batch"` run's batches, recorded before the run waits on them (evals/batch_path.py).
+    """CREATE TABLE IF NOT EXISTS eval_batches (
+        batch_key TEXT PRIMARY KEY,
+        batch_id TEXT NOT NULL)""",
 )
 
 
@@ -150,7 +154,19 @@ class ResultsStore:
             tx.executemany("INSERT INTO eval_samples VALUES (?, ?, ?, ?, ?, ?)", rows)
         return True
 
+    def record_batch(self, batch_key: str, batch_id: str) -> None:
+        """The batch submitted for `batch_key` (a run key and its input file's digest)."""
+        with self._transaction() as tx:
+            tx.execute("INSERT INTO eval_batches VALUES (?, ?) ON CONFLICT (batch_key) DO UPDATE "
+                       "SET batch_id = excluded.batch_id", (batch_key, batch_id))
+
     # ------------------------------------------------------------------ reads
+
+    def batch_id(self, batch_key: str) -> str | None:
+        with self._transaction() as tx:
+            row = tx.execute("SELECT batch_id FROM eval_batches WHERE batch_key = ?",
+                             (batch_key,)).fetchone()
+        return row[0] if row else None
 
     def run(self, run_key: str) -> Run | None:
         runs = self._runs("WHERE run_key = ?", (run_key,))

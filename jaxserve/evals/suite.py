@@ -16,6 +16,7 @@ compared with the one before it), where results go and when a drop is an alert.
     name = "v1"
     url = "http://127.0.0.1:8000/v1"   # a running server ...
     model = "smollm2-135m-instruct"
+    via = "batch"                      # optional: its requests as OpenAI batches (default live)
     [[versions]]
     name = "v2"
     path = "models/v2.gguf"            # ... a model path (or registered name), run in-process
@@ -46,6 +47,7 @@ from jaxserve.errors import InvalidRequest
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@/-]{0,127}$")
 APIS = ("completions", "chat-completions")
+VIAS = ("live", "batch")  # lm-eval's requests one by one on the route, or as OpenAI batches
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class VersionSpec:
     path: str | None = None  # a model path or registered name
     engine: tuple[tuple[str, Any], ...] = ()  # a `path` version's engine settings, sorted
     deployment: Path | None = None  # a deployment file holding [version.NAME]
+    via: str = "live"  # one of VIAS
 
     @property
     def in_process(self) -> bool:
@@ -86,8 +89,11 @@ class VersionSpec:
         source = ({} if self.url is not None else
                   {"path": self.path, "engine": dict(self.engine)} if self.path is not None else
                   {"deployment": str(self.deployment)})
+        # `via` enters only when not live, so runs stored before it existed keep their keys.
+        via = {} if self.via == "live" else {"via": self.via}
         return {"api": self.api, "system_instruction": self.system_instruction,
-                "max_gen_toks": self.max_gen_toks, "batch_size": self.batch_size, **source}
+                "max_gen_toks": self.max_gen_toks, "batch_size": self.batch_size, **source,
+                **via}
 
 
 @dataclass(frozen=True)
@@ -215,7 +221,7 @@ def _version(table: dict, base: Path, i: int) -> VersionSpec:
         raise InvalidRequest(f"{where}: want a table")
     _check_keys(table, {"name", "model", "api", "manifest_id", "system_instruction",
                         "api_key_env", "num_concurrent", "batch_size", "max_gen_toks", "engine",
-                        *_SOURCES}, where)
+                        "via", *_SOURCES}, where)
     if "name" not in table:
         raise InvalidRequest(f"{where}.name: required")
     source = _source(table, base, where)
@@ -231,13 +237,19 @@ def _version(table: dict, base: Path, i: int) -> VersionSpec:
     gen = _typed(table, "max_gen_toks", int, where, 256)
     if not 1 <= gen <= 32768:
         raise InvalidRequest(f"{where}.max_gen_toks: want 1..32768, got {gen}")
+    via = _typed(table, "via", str, where, "live")
+    if via not in VIAS:
+        raise InvalidRequest(f"{where}.via: want one of {', '.join(VIAS)}, got {via!r}")
+    if via == "batch" and source["url"] is None:
+        raise InvalidRequest(f"{where}.via: \"batch\" needs url (a running server whose batches "
+                             "outlive the run, so a re-run can resume them)")
     manifest = _typed(table, "manifest_id", str, where)
     return VersionSpec(
         name=_name(table["name"], f"{where}.name"), api=api,
         manifest_id=manifest and _name(manifest, f"{where}.manifest_id"),
         system_instruction=_typed(table, "system_instruction", str, where),
         api_key_env=_typed(table, "api_key_env", str, where), num_concurrent=concurrent,
-        batch_size=batch, max_gen_toks=gen, **source)
+        batch_size=batch, max_gen_toks=gen, via=via, **source)
 
 
 def _regression(table: dict, base: Path) -> RegressionConfig:
