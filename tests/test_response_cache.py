@@ -25,10 +25,14 @@ from tests.test_server import ServerThread, _request, scrape, wait_for
 PRICES = Pricing(prompt_per_1m=1.0, completion_per_1m=2.0)
 ADMIN = "admin-key-0123456789abcdef"
 KEYS = {"alice": "sk-alice-0123456789abcdefghij", "bob": "sk-bob-0123456789abcdefghijkl",
+        "dave": "sk-dave-0123456789abcdefghijk", "erin": "sk-erin-0123456789abcdefghijk",
         "carol": "sk-carol-0123456789abcdefghij"}
-# carol keeps her requests out of the cache.
-TENANTS = "".join(f'[tenant.{name}]\napi_keys = ["{key}"]\n' for name, key in KEYS.items()) \
-    + "response_cache = false\n"
+# dave has 3 requests a minute, erin a budget the first request spends, carol keeps her requests
+# out of the cache.
+SETTINGS = {"dave": "requests_per_minute = 3\n", "erin": "budget_usd_per_day = 0.000001\n",
+            "carol": "response_cache = false\n"}
+TENANTS = "".join(f'[tenant.{name}]\napi_keys = ["{key}"]\n{SETTINGS.get(name, "")}'
+                  for name, key in KEYS.items())
 EVICTIONS = "jaxserve:response_cache_evictions_total"
 CHAT = {"messages": [{"role": "user", "content": "Say something"}], "max_tokens": 6}
 
@@ -166,6 +170,18 @@ def test_who_asks_and_how_decide_whether_the_cache_answers(server):
                   "rag": {"collection": "docs"}},
                  headers={"Authorization": f"Bearer {KEYS['alice']}"})
     assert r.status_code == 400 and "x-jaxserve-cache" not in r.headers
+
+
+def test_a_hit_is_still_under_the_tenants_rate_and_budget(server):
+    msg = [{"role": "user", "content": "Limited"}]
+    assert [chat(server, "dave", messages=msg)[0] for _ in range(3)] == ["miss", "hit", "hit"]
+    with pytest.raises(openai.RateLimitError) as info:
+        chat(server, "dave", messages=msg)
+    assert info.value.code == "rate_limit_exceeded"
+    assert chat(server, "erin", messages=msg)[0] == "miss"  # spends the day's budget
+    with pytest.raises(openai.RateLimitError) as info:
+        chat(server, "erin", messages=msg)
+    assert info.value.code == "insufficient_quota"
 
 
 def test_only_answers_cut_at_the_requests_own_length_are_kept(server):
