@@ -1,9 +1,11 @@
 """The response cache (issue 39; gateway/response_cache.py, serving/response_caching.py): end to
 end on a real server (a tiny random model with SmolLM2's tokenizer, priced, with tenants, an audit
 log and the admin API) through the openai client: a deterministic repeat is a hit with the same
-answer under a new id, at no cost, recorded once as cached; streams replay as SSE; another tenant,
-a tenant that opted out, Cache-Control and sampled requests are not answered from it; a route's
-change drops its answers. Then the cache alone with an injected clock: TTL, LRU bounds, metrics."""
+answer under a new id, at no cost, recorded once as cached, still under the tenant's rate and
+budget; streams replay as SSE; another tenant, a tenant that opted out, Cache-Control, sampled
+requests and the Responses API are not answered from it; a route's change drops its answers. Then
+the cache alone with an injected clock (TTL, LRU bounds), a fleet telling it what changed (route
+set, rollback, unload), and the key."""
 
 from __future__ import annotations
 
@@ -263,6 +265,30 @@ def test_invalidation_drops_a_routes_or_a_versions_answers():
     assert cache.invalidate(route="chat") == 1
     assert cache.invalidate(version="v1") == 1
     assert cache.get(b"3") is not None and cache.stats().evictions["invalidated"] == 2
+
+
+def test_the_fleet_tells_the_cache_what_changed():
+    from tests.test_fleet import ready_fleet, route
+
+    fleet, cache = ready_fleet("a", "b"), ResponseCache(8, 1 << 20, ttl_s=60)
+    fleet.on_change(cache.invalidate)
+    try:
+        fleet.set_route(route("r", {"a": 1, "b": 1}))
+        for key, answer in ((b"r-a", _answer(1, "r", "a")), (b"r-b", _answer(1, "r", "b")),
+                            (b"b", _answer(1, "", "b")), (b"a", _answer(1, "", "a"))):
+            cache.put(key, answer)
+        fleet.set_route(route("r", {"a": 1}))  # the route's versions change: its answers go
+        assert [cache.get(k) is None for k in (b"r-a", b"r-b", b"b", b"a")] == \
+            [True, True, False, False]
+        cache.put(b"r-a", _answer(1, "r", "a"))
+        fleet.rollback("r")  # back to a and b
+        assert cache.get(b"r-a") is None
+        fleet.set_route(route("r", {"a": 1}))
+        fleet.unload("b")  # once unloaded, what b answered by name goes too
+        assert fleet.wait("b", 10).state.value == "unloaded"
+        assert cache.get(b"b") is None and cache.get(b"a") is not None
+    finally:
+        fleet.shutdown()
 
 
 def test_the_key_is_the_canonical_request():
