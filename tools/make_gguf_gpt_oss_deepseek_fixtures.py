@@ -37,8 +37,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_gguf_moe_fixtures import add_vocab  # noqa: E402
-from make_model_fixtures import PROMPTS, SMALL, _sinks_binding, _watch_routers, greedy  # noqa: E402
+from make_gguf_moe_fixtures import add_vocab, finish_writer, open_writer  # noqa: E402
+from make_model_fixtures import (PROMPTS, SMALL, _sinks_binding, _watch_routers,  # noqa: E402
+                                 feature_binding, greedy, write_tokenizer)
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = ROOT / "tests" / "chat_templates"
@@ -160,13 +161,7 @@ def write_gguf(path: Path, arch: str, config, state: dict) -> None:
     import gguf
 
     c = config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(path.parent.name)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
+    w = open_writer(path, arch, c)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_expert_used_count(c.num_experts_per_tok)
@@ -210,16 +205,7 @@ def write_gguf(path: Path, arch: str, config, state: dict) -> None:
         add_vocab(w, c.bos_token_id, c.eos_token_id, DEEPSEEK[2:],
                   (TEMPLATES / "deepseek_v3.jinja").read_text(), ("<pad>", *DEEPSEEK[:2]))
         tensors = _deepseek_tensors(state, c)
-    for name, (t, raw) in tensors.items():
-        if raw is not None:
-            w.add_tensor(name, t, raw_dtype=raw)
-            continue
-        f32 = t.ndim <= 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight"))
-        w.add_tensor(name, t.astype(np.float32 if f32 else np.float16))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_writer(w, tensors)
 
 
 def _set_to_file_values(model, arch: str) -> None:
@@ -292,8 +278,6 @@ def build(arch: str, config_cls, changes: dict, out: Path, init_range: float) ->
     import transformers as tf
     from safetensors.numpy import load_file
 
-    from make_model_fixtures import write_tokenizer
-
     torch.manual_seed(0)
     shape = {k: v for k, v in SMALL.items() if not (arch == "deepseek2" and k == "head_dim")}
     config = config_cls(**{**shape, **changes}, initializer_range=init_range)
@@ -314,14 +298,8 @@ def build(arch: str, config_cls, changes: dict, out: Path, init_range: float) ->
     route_gaps = _watch_routers(model)
     results = [greedy(model, p) for p in PROMPTS]
     full = torch.tensor([PROMPTS[0] + results[0][0]])
-    binding = {}
-    for feature, off in BINDING[arch].items():
-        other = tf.AutoModelForCausalLM.from_config(
-            config_cls(**{**shape, **changes, **off}, initializer_range=init_range),
-            dtype=torch.float32).eval()
-        other.load_state_dict(model.state_dict())
-        with torch.no_grad():
-            binding[feature] = float((other(full).logits - model(full).logits).abs().max())
+    binding = feature_binding(model, lambda **off: config_cls(
+        **{**shape, **changes, **off}, initializer_range=init_range), BINDING[arch], full)
     if arch == "gpt-oss":
         binding["attention sinks"] = _sinks_binding(model, full)
     expected = {"prompts": PROMPTS, "greedy": [r[0] for r in results], "binding": binding,

@@ -25,7 +25,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from make_model_fixtures import PROMPTS, SMALL, VOCAB, _watch_routers, greedy
+from make_model_fixtures import (PROMPTS, SMALL, VOCAB, _watch_routers, feature_binding,
+                                 greedy)
 
 
 def families():
@@ -87,10 +88,10 @@ def add_vocab(w, bos: int, eos: int, specials: tuple[str, ...] = (),
         w.add_chat_template(chat_template)
 
 
-def write_gguf(path: Path, arch: str, config, state: dict) -> None:
+def open_writer(path: Path, arch: str, c):
+    """A GGUFWriter holding the keys every converter writes first (the model's shape)."""
     import gguf
 
-    c = config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(path.parent.name)
     w.add_block_count(c.num_hidden_layers)
@@ -98,6 +99,29 @@ def write_gguf(path: Path, arch: str, config, state: dict) -> None:
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
+    return w
+
+
+def finish_writer(w, tensors: dict) -> None:
+    """Write `tensors` (GGUF name -> (array, raw GGML type or None)) as `--outtype f16` does:
+    raw ones as they are, 1-D tensors, norms and the router F32, other matrices F16."""
+    for name, (t, raw) in tensors.items():
+        if raw is not None:
+            w.add_tensor(name, t, raw_dtype=raw)
+            continue
+        f32 = t.ndim <= 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight"))
+        w.add_tensor(name, t.astype(np.float32 if f32 else np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_gguf(path: Path, arch: str, config, state: dict) -> None:
+    import gguf
+
+    c = config
+    w = open_writer(path, arch, c)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
@@ -114,17 +138,13 @@ def write_gguf(path: Path, arch: str, config, state: dict) -> None:
     add_vocab(w, c.bos_token_id, c.eos_token_id)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
     experts = c.num_experts if arch == "qwen3moe" else c.num_local_experts
+    tensors = {}
     for name, t in _stack_experts(state, arch, c.num_hidden_layers, experts).items():
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = _permute(t, c.num_attention_heads if "q_proj" in name
                          else c.num_key_value_heads)
-        new = names.get_name(name, try_suffixes=(".weight",))
-        f32 = t.ndim <= 1 or new.endswith(("_norm.weight", "ffn_gate_inp.weight"))
-        w.add_tensor(new, t.astype(np.float32 if f32 else np.float16))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        tensors[names.get_name(name, try_suffixes=(".weight",))] = (t, None)
+    finish_writer(w, tensors)
 
 
 def build(arch: str, config_cls, changes: dict, out: Path, init_range: float) -> None:
@@ -152,14 +172,8 @@ def build(arch: str, config_cls, changes: dict, out: Path, init_range: float) ->
     route_gaps = _watch_routers(model)
     results = [greedy(model, p) for p in PROMPTS]
     full = torch.tensor([PROMPTS[0] + results[0][0]])
-    binding = {}
-    for feature, off in BINDING[arch].items():
-        other = tf.AutoModelForCausalLM.from_config(
-            config_cls(**{**SMALL, **changes, **off}, initializer_range=init_range),
-            dtype=torch.float32).eval()
-        other.load_state_dict(model.state_dict())
-        with torch.no_grad():
-            binding[feature] = float((other(full).logits - model(full).logits).abs().max())
+    binding = feature_binding(model, lambda **off: config_cls(
+        **{**SMALL, **changes, **off}, initializer_range=init_range), BINDING[arch], full)
     expected = {"prompts": PROMPTS, "greedy": [r[0] for r in results], "binding": binding,
                 "min_top2_gap": min(r[1] for r in results), "min_route_gap": min(route_gaps),
                 "transformers": tf.__version__, "initializer_range": init_range}

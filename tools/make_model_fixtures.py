@@ -201,6 +201,21 @@ def _watch_routers(model) -> list[float]:
     return gaps
 
 
+def feature_binding(model, make_config, offs: dict, ids) -> dict[str, float]:
+    """How far HF's logits over `ids` move with each feature of `offs` (name -> config changes)
+    switched off, the same weights loaded: make_config(**changes) builds the other config."""
+    import torch
+    import transformers as tf
+
+    moved = {}
+    for feature, off in offs.items():
+        other = tf.AutoModelForCausalLM.from_config(make_config(**off), dtype=torch.float32).eval()
+        other.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            moved[feature] = float((other(ids).logits - model(ids).logits).abs().max())
+    return moved
+
+
 def _sinks_binding(model, ids) -> float:
     """How far gpt-oss's logits move with its attention sinks at -inf (no sink)."""
     import torch
@@ -259,18 +274,12 @@ def build(name: str, config_cls, changes: dict, out: Path, init_range: float) ->
     route_gaps = _watch_routers(model)
     results = [greedy(model, p) for p in PROMPTS]
     full = torch.tensor([PROMPTS[0] + results[0][0]])
-    binding = {}
     changes_off = dict(BINDING.get(name, {}))
     if name == "phi3":
         rope = dict(changes["rope_parameters"], long_factor=changes["rope_parameters"]["short_factor"])
         changes_off["longrope long factors"] = dict(rope_parameters=rope)
-    for feature, off in changes_off.items():
-        other = tf.AutoModelForCausalLM.from_config(
-            config_cls(**{**shape, **changes, **off}, initializer_range=init_range),
-            dtype=torch.float32).eval()
-        other.load_state_dict(model.state_dict())
-        with torch.no_grad():
-            binding[feature] = float((other(full).logits - model(full).logits).abs().max())
+    binding = feature_binding(model, lambda **off: config_cls(
+        **{**shape, **changes, **off}, initializer_range=init_range), changes_off, full)
     if name == "gpt_oss":
         binding["attention sinks"] = _sinks_binding(model, full)
     expected = {"prompts": PROMPTS, "greedy": [r[0] for r in results], "binding": binding,
