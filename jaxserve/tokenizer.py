@@ -45,6 +45,16 @@ _O200K_SPLIT = (
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# DeepSeek-V3 / R1's three splits, one after another (its tokenizer.json's Split sequence, as
+# llama.cpp's `deepseek-v3`): digit runs in threes, CJK runs, then a Llama-3-like split in which
+# punctuation and symbols are their own class and one ASCII sign may lead a Latin word.
+_DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+)
+
 
 def _gpt2_split():
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -55,10 +65,11 @@ def _digits_then_gpt2_split():
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_split()])
 
 
-def _regex_split(pattern: str):
+def _regex_split(*patterns: str):
+    """Each pattern splits the pieces of the one before, then bytes map to byte-level chars."""
     def build():
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            *(pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     return build
@@ -74,6 +85,7 @@ _PRE_TOKENIZERS = {
                      "falcon-h1", "pixtral"), _regex_split(_LLAMA3_SPLIT)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _regex_split(_QWEN2_SPLIT)),
     **dict.fromkeys(("gpt-4o", "llama4"), _regex_split(_O200K_SPLIT)),
+    "deepseek-v3": _regex_split(*_DEEPSEEK3_SPLITS),
 }
 
 # llama.cpp's token types (gguf.TokenType): unknown and control tokens are special (skipped when

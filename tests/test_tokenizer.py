@@ -197,6 +197,13 @@ def test_gguf_pre_tokenizer_decides_the_merges(tmp_path):
     assert _pieces(llama3, "12345") == ["123", "45"]
     qwen2 = Tokenizer.from_gguf(tiny_gguf(tmp_path / "q.gguf", pre="qwen2"))
     assert _pieces(qwen2, "12345") == list("12345")
+    # DeepSeek-V3 (llama.cpp's deepseek-v3): digits in threes, then CJK runs cut from the Latin
+    # word they follow, then its word split (an ASCII sign may lead a word).
+    ds3 = Tokenizer.from_gguf(tiny_gguf(tmp_path / "d.gguf", pre="deepseek-v3"))
+    assert _pieces(ds3, "12345") == ["123", "45"]
+    split = ds3._backend.pre_tokenizer.pre_tokenize_str
+    assert [decoders.ByteLevel().decode([p]) for p, _ in split("hi世界 a.b (c) don't")] == [
+        "hi", "世界", " a", ".b", " (", "c", ")", " don", "'t"]
 
 
 def test_gguf_flags_and_special_tokens(tmp_path):
