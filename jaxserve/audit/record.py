@@ -68,6 +68,7 @@ class AuditRecord:
     prompt: Sequence[str] | None = None  # only with the tenant's audit_content, redacted
     outputs: Sequence[str] | None = None  # idem, one per choice
     cached_tokens: int = 0  # of prompt_tokens, read from the prefix cache
+    degraded: Sequence[str] = ()  # why its route degraded it under overload (fleet/degrade.py)
 
     def to_dict(self) -> dict:
         d = {"request_id": self.request_id, "route": self.route, "status": self.status,
@@ -80,6 +81,8 @@ class AuditRecord:
              "interventions": [i.to_dict() for i in self.interventions],
              "deadline_exceeded": self.deadline_exceeded, "shed": self.shed,
              "idempotent_replay": self.idempotent_replay, "cached": self.cached}
+        if self.degraded:  # only then: most records have none
+            d["degraded"] = list(self.degraded)
         if self.prompt is not None or self.outputs is not None:
             d["content"] = {"prompt": list(self.prompt or ()), "outputs": list(self.outputs or ())}
         return d

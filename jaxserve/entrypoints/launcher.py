@@ -377,7 +377,8 @@ async def serve(args: argparse.Namespace, group_leader: bool = False, lines=None
         loop.add_signal_handler(sig, on_signal)
     if args.deployment is not None:
         load = loop.run_in_executor(None, lambda: start_fleet(
-            args.deployment, stall_timeout=args.engine_stall_timeout))
+            args.deployment, stall_timeout=args.engine_stall_timeout,
+            max_queued_requests=args.max_queued_requests))
     else:
         load = loop.run_in_executor(None, lambda: _start_engine(
             args, engine_args(args), group_leader, config.engine_stall_timeout))
@@ -398,8 +399,8 @@ async def serve(args: argparse.Namespace, group_leader: bool = False, lines=None
             # With --admin-key, versions can be loaded beside it.
             loader = (EngineLoader(stall_timeout=args.engine_stall_timeout)
                       if key is not None else None)
-            fleet = await loop.run_in_executor(None, one_version_fleet, args, model_name,
-                                               engine, loader)
+            fleet = await loop.run_in_executor(None, lambda: one_version_fleet(
+                args, model_name, engine, loader, args.max_queued_requests))
         if rag is not None:
             await loop.run_in_executor(None, _warm_rag, rag)
         attach_engine(app, engine, rag, fleet=fleet)
@@ -492,19 +493,23 @@ def _follow(model: str, settings: dict) -> int:
     return 0
 
 
-def start_fleet(path: Path, *, progress: bool = True, stall_timeout: float | None = 60.0):
+def start_fleet(path: Path, *, progress: bool = True, stall_timeout: float | None = 60.0,
+                max_queued_requests: int | None = None):
     """Every version of a deployment file loaded and compiled, its routes installed (a Fleet);
-    one ConfigError naming the file and the field for any problem with it."""
+    one ConfigError naming the file and the field for any problem with it.
+    `max_queued_requests`: the shedding threshold routes degrade below (None: none)."""
     from jaxserve.evals.gate import eval_gate_refusal
     from jaxserve.fleet.fleet import Fleet
     from jaxserve.fleet.loader import EngineLoader
 
     return Fleet.from_deployment(path, EngineLoader(progress=progress,
                                                     stall_timeout=stall_timeout),
-                                 eval_gate=eval_gate_refusal)
+                                 eval_gate=eval_gate_refusal,
+                                 max_queued_requests=max_queued_requests)
 
 
-def one_version_fleet(args: argparse.Namespace, name: str, engine, loader=None):
+def one_version_fleet(args: argparse.Namespace, name: str, engine, loader=None,
+                      max_queued_requests: int | None = None):
     """--model (`serve` and `batch` alike) as a fleet of one version named as clients address
     it, with its manifest (its system_fingerprint) and pricing; `loader` (an EngineLoader) lets
     versions be loaded beside it."""
@@ -518,7 +523,7 @@ def one_version_fleet(args: argparse.Namespace, name: str, engine, loader=None):
     spec = VersionSpec.of(name, args.model, engine_args(args))
     return Fleet.of_engine(name, engine, manifest=manifest_of(spec),
                            pricing=pricing_for(args.model), loader=loader,
-                           eval_gate=eval_gate_refusal)
+                           eval_gate=eval_gate_refusal, max_queued_requests=max_queued_requests)
 
 
 def _fleet_times(fleet) -> tuple[float, float]:

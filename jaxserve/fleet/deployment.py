@@ -26,6 +26,7 @@ from typing import Any, Sequence
 from jaxserve.engine_settings import BY_NAME
 from jaxserve.errors import ConfigError, InvalidRequest
 from jaxserve.fleet.breaker import BreakerConfig
+from jaxserve.fleet.degrade import DEGRADABLE, DegradeConfig
 from jaxserve.fleet.routing import STICKY_MODES, CanaryGate, Route
 from jaxserve.gateway.pricing import Pricing, parse_pricing
 from jaxserve.model_registry import cache_dir, registry
@@ -41,7 +42,8 @@ GENERATION_FIELDS = {
 }
 # A version's engine settings are those of jaxserve.engine_settings, by name.
 _VERSION_FIELDS = {"model", "generation", "pricing", *BY_NAME}
-_ROUTE_FIELDS = {"weights", "sticky", "shadow", "canary", "breaker", "gate"}
+_ROUTE_FIELDS = {"weights", "sticky", "shadow", "canary", "breaker", "gate", "degrade"}
+_DEGRADE_FIELDS = {"classes", "max_tokens", "degrade_to", "queue_fraction", "kv_usage"}
 _BREAKER_FIELDS = {"max_error_rate", "min_requests", "window_seconds", "open_seconds"}
 _CANARY_FIELDS = {"incumbent", "window_seconds", "min_requests", "max_error_rate_ratio",
                   "min_error_rate", "max_ttft_p99_ratio", "max_cost_ratio",
@@ -240,6 +242,38 @@ def _parse_breaker(value: Any, field: str) -> BreakerConfig:
     return BreakerConfig(**values)
 
 
+def _parse_degrade(value: Any, field: str) -> DegradeConfig:
+    table = _table(value, field)
+    _unknown(table, _DEGRADE_FIELDS, f"{field}.")
+    values: dict[str, Any] = {}
+    if "classes" in table:
+        classes = _typed(table["classes"], list, f"{field}.classes")
+        if not classes or any(c not in DEGRADABLE for c in classes):
+            raise _bad(f"{field}.classes", f"must list classes among {', '.join(DEGRADABLE)} "
+                                           f"(interactive traffic is never degraded), got "
+                                           f"{list(classes)!r:.80}")
+        values["classes"] = tuple(sorted(set(classes)))
+    if "max_tokens" in table:
+        values["max_tokens"] = _typed(table["max_tokens"], int, f"{field}.max_tokens")
+        if values["max_tokens"] < 1:
+            raise _bad(f"{field}.max_tokens", "must be >= 1")
+    if "degrade_to" in table:
+        values["degrade_to"] = check_name(table["degrade_to"], f"{field}.degrade_to")
+    if "max_tokens" not in values and "degrade_to" not in values:
+        raise _bad(field, "needs max_tokens and/or degrade_to: what a degraded request gets")
+    if "queue_fraction" in table:
+        values["queue_fraction"] = _number(table["queue_fraction"], f"{field}.queue_fraction",
+                                           lo=0, hi=1)
+        if not 0 < values["queue_fraction"] < 1:  # at the threshold itself, shedding starts
+            raise _bad(f"{field}.queue_fraction", "must be a fraction in (0, 1) of the shedding "
+                                                  "threshold (--max-queued-requests)")
+    if "kv_usage" in table:
+        values["kv_usage"] = _number(table["kv_usage"], f"{field}.kv_usage", lo=0, hi=1)
+        if values["kv_usage"] <= 0:
+            raise _bad(f"{field}.kv_usage", "must be a fraction in (0, 1]")
+    return DegradeConfig(**values)
+
+
 def parse_route(name: str, table: Any, prefix: str = "", base: Route | None = None) -> Route:
     """A route from its table or PUT body. With `base` (the route as it is), fields left out keep
     their current value; a new route needs `weights`. `canary` = false removes the gate."""
@@ -277,7 +311,11 @@ def parse_route(name: str, table: Any, prefix: str = "", base: Route | None = No
     if "gate" in table:  # {eval = "suite.toml"}; false removes it
         eval_gate = None if table["gate"] in (None, False) else _parse_gate(table["gate"],
                                                                          f"{prefix}gate")
-    return Route(name, weights, sticky, shadow, canary, breaker, eval_gate)
+    degrade = base.degrade if base is not None else None
+    if "degrade" in table:  # false removes it
+        degrade = (None if table["degrade"] in (None, False)
+                   else _parse_degrade(table["degrade"], f"{prefix}degrade"))
+    return Route(name, weights, sticky, shadow, canary, breaker, eval_gate, degrade)
 
 
 def _parse_gate(value: Any, field: str) -> str:
@@ -309,6 +347,10 @@ def parse_deployment(data: dict) -> Deployment:
             if v not in versions:
                 kind = "weights" if v in dict(route.weights) else "shadow"
                 raise _bad(f"route.{route.name}.{kind}.{v}", "names no [version] of this file")
+        if route.degrade is not None and route.degrade.degrade_to is not None \
+                and route.degrade.degrade_to not in versions:
+            raise _bad(f"route.{route.name}.degrade.degrade_to", "names no [version] of this "
+                                                                 "file")
     return Deployment(specs, routes)
 
 

@@ -16,6 +16,9 @@
   breaching its ratio gets weight 0 at once, logged and counted.
 - **Circuit breakers** (a route's `breaker`, fleet/breaker.py): a version whose faults pass the
   threshold, or whose engine stalls, gets none of the route's traffic until a probe answers.
+- **Degradation** (a route's `degrade`, fleet/degrade.py): under overload, a request of a class
+  the route may degrade is moved to `degrade_to` and/or capped (`Lease.degradation`), below the
+  shedding threshold (`max_queued_requests`), so shedding stays the last step.
 - **Sleep** (`sleep`, `wake_up`): a version no route sends traffic to frees its KV cache (and
   moves its weights to host memory) once its requests end, keeping its compiled programs: a warm
   standby that `wake_up` makes ready again without loading or compiling anything.
@@ -40,6 +43,7 @@ from jaxserve.errors import (AlreadyExists, ConfigError, Conflict, EngineOverloa
                              InvalidRequest, ModelNotFound, NotFound, TokenizerError, WeightsError)
 from jaxserve.fleet.breaker import Breaker
 from jaxserve.fleet.canary import CanaryMonitor, Sample, Trip
+from jaxserve.fleet.degrade import Degradation, overload
 from jaxserve.fleet.deployment import VersionSpec, load_deployment
 from jaxserve.fleet.loader import EngineLoader, Prepared
 from jaxserve.fleet.memory import MemoryPlan, check_fits
@@ -54,9 +58,13 @@ _GONE = (VersionState.UNLOADED, VersionState.FAILED)
 class Fleet:
     def __init__(self, loader=None, *, headroom_fraction: float = 0.05,
                  rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
-                 eval_gate: Callable[[str, str], str | None] | None = None):
+                 eval_gate: Callable[[str, str], str | None] | None = None,
+                 max_queued_requests: int | None = None):
         """`eval_gate(suite, version)`: why a version may not get more traffic on a route gated
-        by that eval suite, or None (jaxserve.evals.gate, wired by the launcher)."""
+        by that eval suite, or None (jaxserve.evals.gate, wired by the launcher).
+        `max_queued_requests`: the server's shedding threshold (serve --max-queued-requests),
+        which a route's degradation reads its queue signal against."""
+        self.max_queued_requests = max_queued_requests
         self._loader = loader if loader is not None else EngineLoader()
         self._eval_gate = eval_gate
         # The budget the versions' kv_cache_memory_fraction split: what was free at the start.
@@ -102,7 +110,10 @@ class Fleet:
                     raise ConfigError(f"{path}: version.{spec.name}: loading failed: "
                                       f"{version.error}")
             for route in deployment.routes:
-                fleet.set_route(route)
+                try:
+                    fleet.set_route(route)
+                except InvalidRequest as e:
+                    raise ConfigError(f"{path}: route.{route.name}.{e.param}: {e}") from None
         except BaseException:
             fleet.shutdown()
             raise
@@ -110,11 +121,12 @@ class Fleet:
 
     @classmethod
     def of_engine(cls, name: str, engine: ServingEngine, *, manifest=None, pricing=None,
-                  loader=None, eval_gate=None) -> "Fleet":
+                  loader=None, eval_gate=None, max_queued_requests=None) -> "Fleet":
         """A fleet of one version whose engine was built outside it (`serve --model`, which may
         be replicas or a multi-host leader; a test's engine): addressed by `name`, no route.
         `loader`: what loads further versions (the admin API); by default none can be loaded."""
-        fleet = cls(loader if loader is not None else _NoLoader(), eval_gate=eval_gate)
+        fleet = cls(loader if loader is not None else _NoLoader(), eval_gate=eval_gate,
+                    max_queued_requests=max_queued_requests)
         fleet.adopt(VersionSpec(name, name), engine, manifest, pricing)
         return fleet
 
@@ -335,6 +347,24 @@ class Fleet:
                 if share > 0 and version.state is not VersionState.READY:
                     raise Conflict(f"version {name!r} is {version.state.value}; only a ready "
                                    f"version can take traffic", param=f"{kind}.{name}")
+        if route.degrade is not None:
+            self._check_degrade(route)
+
+    def _check_degrade(self, route: Route) -> None:
+        degrade = route.degrade
+        if degrade.degrade_to is not None:
+            version = self._versions.get(degrade.degrade_to)
+            if version is None:
+                raise InvalidRequest("'degrade.degrade_to' names no version",
+                                     param="degrade.degrade_to")
+            if version.state is not VersionState.READY:
+                raise Conflict(f"version {degrade.degrade_to!r} is {version.state.value}; only "
+                               f"a ready version can take traffic", param="degrade.degrade_to")
+        if degrade.kv_usage is None and self.max_queued_requests is None:
+            raise InvalidRequest("'degrade' has no overload signal: its queue_fraction is of the "
+                                 "shedding threshold, and this server has none (serve "
+                                 "--max-queued-requests N); or set degrade.kv_usage",
+                                 param="degrade")
 
     def _swap(self, route: Route, previous: Route | None) -> None:
         self._routes = {**self._routes, route.name: route}
@@ -395,9 +425,11 @@ class Fleet:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def select(self, model: str, *, user: str | None = None,
-               api_key: str | None = None) -> Lease:
-        """The lease for one request to `model` (a route or a version name)."""
+    def select(self, model: str, *, user: str | None = None, api_key: str | None = None,
+               priority: int | None = None) -> Lease:
+        """The lease for one request to `model` (a route or a version name). `priority`: the
+        request's class (ServiceClass), which the route's degradation reads; None: never
+        degraded."""
         with self._lock:
             route = self._routes.get(model)
             if route is None:
@@ -414,13 +446,33 @@ class Fleet:
             primary = choose(route, unit, eligible)
             if primary is None:
                 raise EngineOverloaded(f"route {model!r} has no ready version")
+            degradation = None
+            if route.degrade is not None and priority is not None \
+                    and route.degrade.applies(priority):
+                primary, degradation = self._degrade(route, primary, eligible)
             copies = shadows(route, primary, [self._rng.random() for _ in route.shadow], ready)
             lease = self._lease(route.name, self._versions[primary], shadow=False)
+            lease.degradation = degradation
             if route.breaker is not None:
                 lease.probe = self._breaker(route, primary).take()
             lease.shadows = tuple(self._lease(route.name, self._versions[v], shadow=True)
                                   for v in copies)
             return lease
+
+    def _degrade(self, route: Route, primary: str, eligible: Callable[[str], bool]
+                 ) -> tuple[str, Degradation | None]:
+        """(the version that answers, what degradation it gets) for a request of a class the
+        route may degrade, from the load of the version chosen for it."""
+        degrade = route.degrade
+        signal = overload(degrade, self._versions[primary].engine, self.max_queued_requests)
+        if signal is None:
+            return primary, None
+        target = degrade.degrade_to
+        if target is None or target == primary or not eligible(target):
+            # Nowhere to move it (its breaker open, asleep, unloaded): capped, if the route caps.
+            return primary, (Degradation(signal, degrade.max_tokens)
+                             if degrade.max_tokens is not None else None)
+        return target, Degradation(signal, degrade.max_tokens, moved_from=primary)
 
     def _stalled(self, name: str) -> bool:
         engine = self._versions[name].engine
@@ -491,14 +543,15 @@ class Fleet:
             c.cost_usd += cost or 0.0
             if lease.route is None:
                 return
-            now = self._clock()
+            route, now = self._routes[lease.route], self._clock()
+            if route.breaker is not None:
+                self._breaker(route, version.name).record(now, error, probe)
+            if lease.degradation is not None:  # not what the route's versions normally serve
+                return
             monitor = self._monitors.setdefault(lease.route, CanaryMonitor())
             monitor.record(version.name, Sample(now, error, ttft,
                                                 prompt_tokens + completion_tokens, cost,
                                                 availability))
-            route = self._routes[lease.route]
-            if route.breaker is not None:
-                self._breaker(route, version.name).record(now, error, probe)
             for trip in monitor.evaluate(route, now):
                 self._trip(trip, monitor)
 

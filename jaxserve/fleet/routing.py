@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from jaxserve.fleet.breaker import BreakerConfig
+from jaxserve.fleet.degrade import DegradeConfig
 
 STICKY_MODES = ("user", "api_key", "none")
 
@@ -49,6 +50,7 @@ class Route:
     canary: CanaryGate | None = None
     breaker: BreakerConfig | None = None  # per-version circuit breakers (fleet/breaker.py)
     eval_gate: str | None = None  # an eval suite a version must pass before its weight grows
+    degrade: DegradeConfig | None = None  # graceful degradation under overload (fleet/degrade.py)
 
     def weight(self, version: str) -> float:
         return dict(self.weights).get(version, 0.0)
@@ -59,15 +61,18 @@ class Route:
         return dataclasses.replace(self, weights=tuple(sorted(weights.items())))
 
     def names(self, version: str) -> bool:
-        """Whether the route sends this version traffic (a non-zero weight or shadow fraction)."""
-        return self.weight(version) > 0 or dict(self.shadow).get(version, 0.0) > 0
+        """Whether the route sends this version traffic (a non-zero weight or shadow fraction, or
+        degraded requests)."""
+        return (self.weight(version) > 0 or dict(self.shadow).get(version, 0.0) > 0
+                or (self.degrade is not None and self.degrade.degrade_to == version))
 
     def to_dict(self) -> dict:
         return {"name": self.name, "weights": dict(self.weights), "sticky": self.sticky,
                 "shadow": dict(self.shadow),
                 "canary": self.canary.to_dict() if self.canary is not None else None,
                 "breaker": self.breaker.to_dict() if self.breaker is not None else None,
-                "gate": {"eval": self.eval_gate} if self.eval_gate is not None else None}
+                "gate": {"eval": self.eval_gate} if self.eval_gate is not None else None,
+                "degrade": self.degrade.to_dict() if self.degrade is not None else None}
 
 
 def sticky_unit(route: str, key: str) -> float:

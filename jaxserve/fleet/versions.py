@@ -14,6 +14,7 @@ from jaxserve.fleet.deployment import VersionSpec
 from jaxserve.gateway.pricing import Pricing
 
 if TYPE_CHECKING:
+    from jaxserve.fleet.degrade import Degradation
     from jaxserve.fleet.manifest import Manifest
     from jaxserve.fleet.memory import MemoryPlan
 
@@ -107,6 +108,8 @@ class Lease:
     shadows: tuple["Lease", ...] = ()
     done: bool = field(default=False, init=False)
     probe: bool = field(default=False, init=False)  # a half-open circuit breaker's probe
+    # Set by the route's degradation under overload (fleet/degrade.py); None: served as asked.
+    degradation: "Degradation | None" = field(default=None, init=False)
 
     def finish(self, *, error: bool = False, ttft: float | None = None, prompt_tokens: int = 0,
                completion_tokens: int = 0, token_agreement: float | None = None,

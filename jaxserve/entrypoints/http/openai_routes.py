@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from jaxserve.gateway import idempotency, response_cache
-from jaxserve.entrypoints.serving import protocol
+from jaxserve.entrypoints.serving import degradation, protocol
 from jaxserve.entrypoints.serving.admission import CallContext
 from jaxserve.entrypoints.http.app_state import STATE_KEY, AppState
 from jaxserve.entrypoints.http.front_door import call_context, call_of
@@ -110,7 +110,7 @@ async def respond(gen: Generation, whole, stream, keep: Keep | None = None
     async with gen.running():
         if gen.parsed.stream:
             return await stream()
-        resp = web.json_response(await whole())
+        resp = web.json_response(await whole(), headers=degradation.headers(gen.degraded))
         if keep is not None:
             keep(idempotency.StoredResponse(200, (("Content-Type", resp.content_type),),
                                             body=resp.body, version=gen.version.name))

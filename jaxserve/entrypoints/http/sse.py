@@ -12,6 +12,7 @@ from aiohttp import web
 from jaxserve.gateway import idempotency
 from jaxserve.entrypoints.http.app_state import STATE_KEY
 from jaxserve.entrypoints.http.front_door import logged_error_reply
+from jaxserve.entrypoints.serving import degradation
 from jaxserve.entrypoints.serving.generation import Generation
 from jaxserve.entrypoints.serving.streams import StreamStalled, write_within
 
@@ -39,12 +40,13 @@ async def stream_response(request: web.Request, gen: Generation, events, error_e
 
     The status line waits for the engine's first output (or the first keep-alive): a request
     refused while queued (deadline 504, shed 503, queue time 429) is then still a plain error
-    reply. After it, an error is one error event.
+    reply. After it, an error is one error event. A request its route degraded says why in
+    x-jaxserve-degraded, as a whole answer does.
 
     A client that stops reading is dropped once one write has waited the server's
     stream_write_timeout_s (StreamStalled, left in `gen.error`: the request is aborted, its
     pages freed); the engine keeps only its latest output meanwhile."""
-    resp = web.StreamResponse(headers=SSE_HEADERS)
+    resp = web.StreamResponse(headers={**SSE_HEADERS, **degradation.headers(gen.degraded)})
     try:
         await _write_events(request, resp, gen, events, error_event, done, keep)
     except StreamStalled as exc:

@@ -40,6 +40,8 @@ def metrics_sink(metrics) -> Sink:
             metrics.record_request(tenant, o.status)
             return
         metrics.e2e.labels(o.version, o.route).observe(o.total_s)
+        for reason in o.degraded:
+            metrics.degraded.labels(o.version, o.route, o.tier, reason).inc()
         metrics.record_request(tenant, o.status, o.prompt_tokens, o.completion_tokens,
                                o.cost or 0.0, o.version, o.route)
     return count
@@ -57,6 +59,8 @@ def access_log_sink(log_prompts: bool) -> Sink:
             "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
             "cached_tokens": o.cached_tokens, "ttft_s": o.ttft_s, "total_s": round(o.total_s, 4),
             "finish_reasons": sorted({r for r in o.finish_reasons if r}), "status": o.status}
+        if o.degraded:
+            record["degraded"] = list(o.degraded)
         if log_prompts:
             record["prompt"] = (o.prompts if o.screening is None else
                                 [o.screening.redact_pii(t) for t in o.screening.prompt_texts])

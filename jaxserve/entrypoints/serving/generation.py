@@ -43,8 +43,9 @@ class Generation:
                  metrics=None, max_queued: int | None = None,
                  citations: list[dict] | None = None,
                  tool_output: ToolCallOutput | None = None,
-                 screening: Screening | None = None):
+                 screening: Screening | None = None, degraded: tuple[str, ...] = ()):
         self.call = call
+        self.degraded = degraded  # why the route degraded it (degradation.py); (): it did not
         self.metrics = metrics
         self.max_queued = max_queued
         self.lease = lease  # the version chosen for this request (and its shadow copies)
@@ -389,4 +390,4 @@ class Generation:
             cached_tokens=sum(self.cached_tokens.values()), cost=self.usage().get("cost"),
             finish_reasons=tuple(self.finish_reasons.get(i, "") for i in range(self.num_choices)),
             first_token_at=self.first_token_at, screening=self.screening,
-            prompts=self.parsed.prompts, streamed=self.streamed)
+            prompts=self.parsed.prompts, streamed=self.streamed, degraded=self.degraded)

@@ -16,7 +16,9 @@ taken on the loop after that.
 Every request's model version is chosen through the fleet (`fleet.select`: a route's weights,
 stickiness and shadow copies, or a version named directly); the version's engine, tokenizer,
 price and generation defaults serve it, its answers carry the version's name and
-`system_fingerprint`, and its end is recorded on the version's lease.
+`system_fingerprint`, and its end is recorded on the version's lease. Under overload a route may
+degrade the request's class (degradation.py): another version answers, or its completion is
+capped.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from jaxserve.entrypoints.serving.admission import (CallContext, admit, prepare_
                                                     tenant_params)
 from jaxserve.entrypoints.serving.cache_pins import Breakpoint, pin_positions
 from jaxserve.entrypoints.serving.calls import Call, Sinks
+from jaxserve.entrypoints.serving.degradation import degrade
 from jaxserve.entrypoints.serving.generation import Generation
 from jaxserve.entrypoints.serving.generation_defaults import with_defaults
 from jaxserve.entrypoints.serving.outcome import Outcome
@@ -67,8 +70,9 @@ class OpenAIServing:
                  fleet: Fleet | None = None, policy=None, sinks: Sinks | None = None,
                  reasoning_parser: str = "auto", tracing=None):
         if fleet is None:
-            fleet = (Fleet.of_engine(model_name, engine, pricing=pricing) if engine is not None
-                     else Fleet.empty())
+            fleet = (Fleet.of_engine(model_name, engine, pricing=pricing,
+                                     max_queued_requests=max_queued_requests)
+                     if engine is not None else Fleet.empty())
         self.fleet = fleet
         self.engine = engine  # the one engine of a --model server; None with a deployment
         # ConfigError at start for an unknown name; "auto": each version's chat template decides.
@@ -128,7 +132,8 @@ class OpenAIServing:
         try:
             parsed = self._parse(kind, body, ctx)
             lease = self.fleet.select(parsed.model, user=parsed.user,
-                                      api_key=ctx.principal.key_id)
+                                      api_key=ctx.principal.key_id,
+                                      priority=ctx.principal.tenant.priority)
             return await self._prepare(kind, body, parsed, ctx, lease, call, pins, cache)
         except BaseException as e:  # refused, or its caller left meanwhile
             if ctx.principal is not None and 400 <= error_status(e).http < 500:
@@ -176,8 +181,8 @@ class OpenAIServing:
         # the event loop, so a large or constrained prompt never stalls every stream (review
         # M8). The tenant's admission is taken after it, here on the loop: taken in the
         # executor, it outlived a caller that left meanwhile and was never settled (review H3).
-        prepared, tool_output = await asyncio.get_running_loop().run_in_executor(
-            None, self._prepare_prompts, parsed, ctx, engine, gen_id, tool_output, pins)
+        prepared, tool_output, degraded = await asyncio.get_running_loop().run_in_executor(
+            None, self._prepare_prompts, parsed, ctx, lease, gen_id, tool_output, pins)
         if not engine.is_running:
             raise EngineDead("the engine is not running; the server cannot generate")
         if engine.is_stalled:  # a request now would only wait for nothing
@@ -190,7 +195,8 @@ class OpenAIServing:
                             **{"jaxserve.priority": int(admission.qos.priority)})
         return Generation(gen_id, parsed, prepared, admission, ctx, lease, call,
                           metrics=self.metrics, max_queued=self.max_queued_requests,
-                          citations=citations, tool_output=tool_output, screening=screening)
+                          citations=citations, tool_output=tool_output, screening=screening,
+                          degraded=degraded)
 
     def _cached(self, parsed: protocol.ParsedRequest, ctx: CallContext, lease: Lease,
                 call: Call, answer: CachedAnswer) -> CachedAnswer:
@@ -218,17 +224,21 @@ class OpenAIServing:
         self.gateway.check(ctx.principal, parsed.model)
         return parsed
 
-    def _prepare_prompts(self, parsed: protocol.ParsedRequest, ctx: CallContext,
-                         engine: ServingEngine, gen_id: str, tool_output: ToolCallOutput,
-                         pins: Sequence[Breakpoint] = ()) -> tuple[list, ToolCallOutput]:
-        """The engine requests of `parsed` (on any thread; takes nothing from anyone):
-        tokenized once, checked against the context and the KV pool, grammars compiled."""
+    def _prepare_prompts(self, parsed: protocol.ParsedRequest, ctx: CallContext, lease: Lease,
+                         gen_id: str, tool_output: ToolCallOutput,
+                         pins: Sequence[Breakpoint] = ()
+                         ) -> tuple[list, ToolCallOutput, tuple[str, ...]]:
+        """The engine requests of `parsed` on the lease's version (on any thread; takes nothing
+        from anyone): tokenized once, checked against the context and the KV pool, capped by a
+        degradation, grammars compiled; and the reasons it was degraded."""
+        engine = lease.version.engine
         prompt_ids = [protocol.prompt_ids(engine.tokenizer, parsed, p) for p in parsed.prompts]
         params = self._fit_context(engine, parsed, prompt_ids)
         # The whole request against the context and the KV pool, once, before a stream's headers
         # go out, so it is still a 400 and not an error inside a 200 stream.
         params = engine.check_fits([len(p) for p in prompt_ids], params)
         params = tenant_params(ctx.principal, params, parsed.max_tokens_given)
+        params, degraded = degrade(lease.degradation, params)
         tool_output, params = tool_output.after_prompt(engine.tokenizer, prompt_ids[0], params)
         pins = pins or parsed.cache_breakpoints  # Anthropic's cache_control, or OpenAI's
         if pins:
@@ -240,7 +250,7 @@ class OpenAIServing:
               if constraint is not None else contextlib.nullcontext()):
             prepared = prepare_requests(engine, [f"{gen_id}-{i}" for i in range(len(prompt_ids))],
                                         prompt_ids, params)
-        return prepared, tool_output
+        return prepared, tool_output, degraded
 
     def _tools(self, parsed: protocol.ParsedRequest, tokenizer
                ) -> tuple[protocol.ParsedRequest, ToolCallOutput]:

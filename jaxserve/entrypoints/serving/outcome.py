@@ -49,6 +49,7 @@ class Outcome:
     presented_key_id: str | None = None  # the id of the key a refused caller sent (a 401)
     audited: bool = True  # False: a model-list poll, or a keyless caller's unrouted request
     streamed: bool = False  # its SSE stream started (its 200 went out)
+    degraded: tuple[str, ...] = ()  # why its route degraded it ("max_tokens", "version")
 
     @property
     def status(self) -> str:

@@ -149,7 +149,7 @@ class RequestPolicy:
             o.prompt_tokens, o.completion_tokens, o.cost, o.finish_reasons, tuple(interventions),
             deadline_exceeded=status == "deadline", shed=status == "shed",
             idempotent_replay=o.idempotent_replay, cached=o.cached, prompt=prompt,
-            outputs=outputs, cached_tokens=o.cached_tokens)
+            outputs=outputs, cached_tokens=o.cached_tokens, degraded=o.degraded)
         try:
             self.audit.write(record)
         except AuditError as e:  # closed: a request that outlived the shutdown's drain
