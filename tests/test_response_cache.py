@@ -16,7 +16,9 @@ import pytest
 
 from jaxserve.entrypoints.http.app_state import STATE_KEY
 from jaxserve.entrypoints.serving import protocol
-from jaxserve.entrypoints.serving.response_caching import cache_control, cacheable, request_key
+from jaxserve.entrypoints.http.sse import sse
+from jaxserve.entrypoints.serving.response_caching import (cache_control, cacheable, replayed,
+                                                           request_key)
 from jaxserve.errors import ConfigError
 from jaxserve.gateway.pricing import Pricing
 from jaxserve.gateway.response_cache import CachedAnswer, ResponseCache
@@ -308,6 +310,22 @@ def test_the_key_is_the_canonical_request():
     assert cache_control(None) == (True, True)
     assert cache_control("max-age=0, No-Cache") == (False, True)
     assert cache_control("no-store") == (False, False)
+
+
+def test_a_replay_rewrites_only_the_ids_and_the_cost():
+    chunk = {"id": "chatcmpl-old", "created": 1, "choices": [{"delta": {"content": "data: x\n"}}],
+             "usage": {"prompt_tokens": 3, "completion_tokens": 2, "cost": 0.5}}
+    events = (sse(chunk), sse({"type": "done", "id": "chatcmpl-old"}, "done"), sse("[DONE]"))
+    answer = replayed(CachedAnswer(None, events, "v", ""), "chatcmpl-new")
+    first = json.loads(answer.events[0].removeprefix(b"data: "))
+    assert first["id"] == "chatcmpl-new" and first["created"] > 1
+    assert first["choices"] == chunk["choices"] and first["usage"] == {**chunk["usage"],
+                                                                       "cost": 0.0}
+    assert answer.events[1].startswith(b"event: done\ndata: {")
+    assert json.loads(answer.events[1].split(b"data: ", 1)[1])["id"] == "chatcmpl-new"
+    assert answer.events[2] == b"data: [DONE]\n\n"
+    body = replayed(CachedAnswer(json.dumps(chunk).encode(), (), "v", ""), "chatcmpl-new").body
+    assert json.loads(body)["id"] == "chatcmpl-new"
 
 
 def test_a_bad_tenant_setting_is_refused_naming_it(tmp_path):

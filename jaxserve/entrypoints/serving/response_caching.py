@@ -114,12 +114,13 @@ def _rewritten(payload: bytes, changes: dict) -> bytes:
     usage = doc.get("usage")
     if isinstance(usage, dict) and "cost" in usage:
         usage["cost"] = 0.0
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def _event(event: bytes, changes: dict) -> bytes:
-    """One SSE event with its JSON data rewritten; [DONE] as it is."""
-    prefix, sep, data = event.rstrip(b"\n").rpartition(b"data: ")
-    if not sep or data == b"[DONE]":
+    """One SSE event (an optional `event:` line, then one `data:` line: JSON has no raw
+    newline) with its JSON data rewritten; [DONE] as it is."""
+    *head, data = event.rstrip(b"\n").split(b"\n")
+    if not data.startswith(b"data: ") or data == b"data: [DONE]":
         return event
-    return prefix + b"data: " + _rewritten(data, changes) + b"\n\n"
+    return b"\n".join([*head, b"data: " + _rewritten(data[len(b"data: "):], changes)]) + b"\n\n"
