@@ -159,6 +159,15 @@ class Conflict(JaxServeError):
         self.param = param
 
 
+class FailedDependency(JaxServeError):
+    """A service the request names failed it: a remote MCP server whose tools could not be
+    listed (HTTP 424 `external_connector_error`, as OpenAI answers it), naming the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 class InsufficientMemory(JaxServeError):
     """A model version does not fit in the memory that is free."""
 
@@ -200,6 +209,8 @@ _STATUS_TABLE: tuple[tuple[type[Exception], ErrorStatus], ...] = (
     (Forbidden, ErrorStatus(403, "PERMISSION_DENIED", "invalid_request_error", "forbidden")),
     (UnsupportedMediaType, ErrorStatus(415, "INVALID_ARGUMENT", "invalid_request_error",
                                        "unsupported_media_type")),
+    (FailedDependency, ErrorStatus(424, "UNAVAILABLE", "external_connector_error",
+                                   "http_error")),
     (IdempotencyConflict, ErrorStatus(409, "ABORTED", "invalid_request_error",
                                       "idempotency_conflict")),
     (IdempotencyMismatch, ErrorStatus(422, "FAILED_PRECONDITION", "invalid_request_error",

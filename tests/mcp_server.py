@@ -1,7 +1,7 @@
 """A remote MCP server for the MCP tool tests, built with the official SDK (`MCPServer`, the SDK's
 FastMCP) and served over streamable HTTP: `python -m tests.mcp_server PORT CALL_LOG`. Each call
 appends one JSON line to CALL_LOG (tool, arguments, the caller's step id from `_meta`, its
-X-Token header), so a test can count what ran."""
+X-Token and Authorization headers), so a test can count what ran."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def _log(ctx: Context, name: str, arguments: dict) -> None:
         meta, "jaxserve/step_id", None)
     with open(sys.argv[2], "a") as f:
         f.write(json.dumps({"tool": name, "arguments": arguments, "step_id": step_id,
-                            "token": (ctx.headers or {}).get("x-token")}) + "\n")
+                            "token": (ctx.headers or {}).get("x-token"),
+                            "authorization": (ctx.headers or {}).get("authorization")}) + "\n")
 
 
 @app.tool()

@@ -146,7 +146,7 @@ def test_a_forced_call_is_listed_made_streamed_and_logged(server, mcp_server):
     # One call reached the server, with the step's id as its key and the request's header.
     (made,) = [c for c in mcp_server.calls() if c["step_id"].startswith(final.id)]
     assert made == {"tool": "shout", "arguments": arguments, "step_id": f"{final.id}.step002",
-                    "token": "secret-token-1"}
+                    "token": "secret-token-1", "authorization": None}
     assert _steps(server, final.id) == [
         ("list_tools", "mcp", "completed", 1), ("model_turn", None, "completed", 1),
         ("tool_call", "mcp", "completed", 1), ("model_turn", None, "completed", 1)]
@@ -203,11 +203,33 @@ def test_approval_requests_are_answered_by_the_next_request(server, mcp_server):
      400, "tools[1].server_label"),
     ({"input": [{"type": "mcp_approval_response", "approval_request_id": "mcpr_nope",
                  "approve": True}]}, 400, "input[0].approval_request_id"),
+    # an approval answers a request before it, not one after it
+    ({"input": [{"type": "mcp_approval_response", "approval_request_id": "mcpr_1",
+                 "approve": True},
+                {"type": "mcp_approval_request", "id": "mcpr_1", "server_label": "x",
+                 "name": "shout", "arguments": "{}"}]}, 400, "input[0].approval_request_id"),
+    # MCP items sent back as input are checked as OpenAI's shapes (the message names the field)
+    ({"input": [{"type": "mcp_call", "server_label": "x", "name": "shout", "arguments": "{}"}]},
+     400, "input"),
+    ({"input": [{"type": "mcp_list_tools", "id": "mcpl_1", "server_label": "x", "tools": [
+        {"name": "shout", "input_schema": {"description": "x" * 20_000}}]}]}, 400, "input"),
+    ({"input": [{"type": "mcp_approval_request", "id": "mcpr_1", "server_label": "a b",
+                 "name": "shout", "arguments": "{}"}]}, 400, "input"),
+    # no connectors here; one token, not two
+    ({"tools": [{"type": "mcp", "server_label": "x", "connector_id": "connector_gmail"}]},
+     400, "tools"),
+    ({"tools": [{"type": "mcp", "server_label": "x", "server_url": "http://127.0.0.1/mcp",
+                 "authorization": "t", "headers": {"authorization": "Bearer u"}}]},
+     400, "tools[0].authorization"),
 ])
 def test_refusals_name_the_field(server, body, status, param):
     r = _request("POST", f"{server.url}/v1/responses", {"model": "tiny", "input": "hi", **body},
                  headers={"Authorization": f"Bearer {ALICE}"})
     assert (r.status_code, r.json()["error"]["param"]) == (status, param), r.text
+    if param == "input":
+        assert "'input[0]." in r.json()["error"]["message"], r.text
+    if "connector_id" in json.dumps(body):
+        assert "'tools[0].connector_id': connectors are not served" in r.text
 
 
 def test_a_tenant_uses_only_the_tools_it_may(server, mcp_server):
@@ -232,15 +254,93 @@ def test_failures_are_what_the_model_reads(server, mcp_server):
     assert (call.type, call.status) == ("mcp_call", "failed")
     assert call.error.type == "mcp_tool_execution_error"
     assert "broken" in call.error.content[0]["text"]
-    # A server that does not answer: the listing fails, the run goes on without its tools.
-    gone = alice.responses.create(
-        model="tiny", input="hi", max_output_tokens=8,
-        tools=[{"type": "mcp", "server_label": "gone",
-                "server_url": f"http://127.0.0.1:{_free_port()}/mcp"}])
-    listing = gone.output[0]
-    assert (listing.type, listing.tools) == ("mcp_list_tools", [])
-    assert "failed to list its tools" in listing.error
-    assert gone.status in ("completed", "incomplete")
+
+
+def test_a_failed_listing_is_a_424_naming_the_server(server):
+    """As OpenAI's: a request whose MCP server cannot list its tools fails with 424 (streamed
+    or not: nothing was sent yet) and is not stored; a background run ends `failed`."""
+    alice = _client(server)
+    gone = {"type": "mcp", "server_label": "gone",
+            "server_url": f"http://127.0.0.1:{_free_port()}/mcp"}
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError) as e:
+            alice.responses.create(model="tiny", input="hi", max_output_tokens=8, tools=[gone],
+                                   stream=stream)
+        assert e.value.status_code == 424
+        error = e.value.body if "message" in e.value.body else e.value.body["error"]
+        assert (error["type"], error["code"], error["param"]) == (
+            "external_connector_error", "http_error", "tools")
+        assert error["message"].startswith(
+            "Error retrieving tool list from MCP server: 'gone'."), error
+    with sqlite3.connect(server.data_dir / FILE_NAME) as db:
+        assert not db.execute("SELECT id FROM responses WHERE settings LIKE '%gone%' AND "
+                              "background=0").fetchall()
+    queued = alice.responses.create(model="tiny", input="hi", max_output_tokens=8,
+                                    tools=[gone], background=True)
+    wait_for(lambda: alice.responses.retrieve(queued.id).status == "failed", "the failed run")
+    failed = alice.responses.retrieve(queued.id)
+    assert failed.error.code == "http_error" and "'gone'" in failed.error.message
+    assert [(i.type, i.status) for i in failed.output] == [("mcp_list_tools", "failed")]
+
+
+def test_a_token_goes_to_the_server_and_nowhere_else(server, mcp_server):
+    """`authorization` is sent as the bearer token, not echoed and not stored;
+    `server_description` is offered to the model with the server's tools; connector_id is a
+    400 (in test_refusals_name_the_field)."""
+    alice = _client(server)
+    token = "tok-a3-" + "7" * 24
+
+    def create(**fields):
+        return alice.responses.create(
+            model="tiny", input="Shout a word.", max_tool_calls=1, max_output_tokens=128,
+            temperature=0, tool_choice={"type": "mcp", "server_label": "calc", "name": "shout"},
+            tools=[_tool(mcp_server, allowed_tools=["shout"], **fields)])
+
+    called = create(require_approval="never", authorization=token)
+    assert [i.type for i in called.output][:2] == ["mcp_list_tools", "mcp_call"], called
+    (made,) = [c for c in mcp_server.calls() if c["step_id"].startswith(called.id)]
+    assert made["authorization"] == f"Bearer {token}"
+    assert "authorization" not in called.tools[0].model_dump(exclude_none=True)
+    assert token not in json.dumps(alice.responses.retrieve(called.id).model_dump())
+    for name in (FILE_NAME, FILE_NAME + "-wal"):  # the database's bytes, its log's too
+        path = server.data_dir / name
+        assert not path.exists() or token.encode() not in path.read_bytes()
+    # The server's description is in the model's prompt: the same request, longer by it.
+    plain = create()
+    described = create(server_description="Shouting as a service for the calc tests.")
+    assert [i.type for i in described.output] == ["mcp_list_tools", "mcp_approval_request"]
+    assert described.usage.input_tokens > plain.usage.input_tokens + 8
+
+
+def test_mcp_items_sent_back_as_input(server, mcp_server):
+    """A client that keeps its own history (store false, no previous_response_id) sends the
+    listing, the approval request and its approval back: the listing is used as it is and the
+    approved call made; sent back with its mcp_call too, the call is not made again."""
+    alice = _client(server)
+    tools = [_tool(mcp_server, allowed_tools=["shout"])]
+    first = alice.responses.create(
+        model="tiny", input="Shout a word.", tools=tools, max_tool_calls=1, store=False,
+        tool_choice={"type": "mcp", "server_label": "calc", "name": "shout"},
+        max_output_tokens=128, temperature=0)
+    listing, request = first.output
+    assert (listing.type, request.type) == ("mcp_list_tools", "mcp_approval_request")
+    history = [{"role": "user", "content": "Shout a word."},
+               listing.model_dump(exclude_none=True), request.model_dump(exclude_none=True),
+               {"type": "mcp_approval_response", "approval_request_id": request.id,
+                "approve": True}]
+    second = alice.responses.create(model="tiny", input=history, tools=tools, store=False,
+                                    max_tool_calls=1, max_output_tokens=16)
+    call = second.output[0]
+    assert (call.type, call.status, call.approval_request_id) == ("mcp_call", "completed",
+                                                                  request.id), second
+    assert call.output == json.loads(request.arguments)["text"].upper() + "!"
+    assert "mcp_list_tools" not in [i.type for i in second.output]  # the client's listing
+    assert len([c for c in mcp_server.calls() if c["step_id"].startswith(second.id)]) == 1
+    third = alice.responses.create(
+        model="tiny", input=history + [call.model_dump(exclude_none=True)], tools=tools,
+        store=False, tool_choice="none", max_output_tokens=8)
+    assert [i.type for i in third.output] == ["message"], third
+    assert not [c for c in mcp_server.calls() if c["step_id"].startswith(third.id)]
 
 
 # ---------------------------------------------------------------- host side

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from jaxserve.errors import (ContentPolicyViolation, DeadlineExceeded, EngineOverloaded, IdempotencyConflict,
+from jaxserve.errors import (ContentPolicyViolation, DeadlineExceeded, EngineOverloaded,
+                             FailedDependency, IdempotencyConflict,
                              InvalidRequest, MethodNotAllowed, NoChatTemplate, NotFound,
                              QueueTimeout, QuotaExceeded, RateLimitExceeded, RequestFailed,
                              TokenizerError, Unauthenticated, error_reply, error_status, outcome,
@@ -30,6 +31,8 @@ from jaxserve.errors import (ContentPolicyViolation, DeadlineExceeded, EngineOve
     (MethodNotAllowed("GET", ("POST",)), 405, "UNIMPLEMENTED", "method_not_allowed"),
     (ContentPolicyViolation("sesame", "messages"), 400, "INVALID_ARGUMENT",
      "content_policy_violation"),
+    # OpenAI's answer when a remote MCP server cannot list its tools
+    (FailedDependency("no listing", "tools"), 424, "UNAVAILABLE", "http_error"),
 ])
 def test_each_error_has_one_status(error, http, grpc, code):
     status = error_status(error)

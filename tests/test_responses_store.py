@@ -15,6 +15,7 @@ import sqlite3
 import openai
 import pytest
 
+from jaxserve.agents.file_search import citations
 from jaxserve.agents.store import FILE_NAME
 from jaxserve.audit import verify
 from jaxserve.core.async_engine import AsyncEngine
@@ -244,6 +245,32 @@ def test_file_search_run_is_logged_step_by_step_and_audited(server):
                                  tool_choice="required", max_tool_calls=1,
                                  max_output_tokens=128, temperature=0)
     assert [i.status for i in other.output if i.type == "file_search_call"] == ["failed"]
+    # An answer that names a file the search returned cites it (OpenAI's file_citation), where
+    # it names it: here a follow-up turn whose format makes the random model name one.
+    cited = calls[0].results[0]
+    schema = {"type": "object", "properties": {"source": {"enum": [cited.filename]}},
+              "required": ["source"], "additionalProperties": False}
+    events = list(alice.responses.create(
+        model="tiny", previous_response_id=resp.id, input="Which file?", max_output_tokens=64,
+        temperature=0, stream=True,
+        text={"format": {"type": "json_schema", "name": "source", "schema": schema}}))
+    final = events[-1].response
+    (part,) = final.output[-1].content
+    end = part.text.index(cited.filename) + len(cited.filename)
+    assert [a.model_dump() for a in part.annotations] == [{
+        "type": "file_citation", "file_id": cited.file_id, "filename": cited.filename,
+        "index": end}], part
+    (added,) = [e for e in events if e.type == "response.output_text.annotation.added"]
+    assert added.annotation_index == 0
+    assert added.annotation.model_dump() == part.annotations[0].model_dump()
+
+
+@pytest.mark.parametrize("text, index", [
+    ("see c.txt.", [9]), ("c.txt and c.txt", [5, 15]), ("abc.txt, c.txtx", []),
+    ("by cats", [7]),  # a file is named by its id too
+])
+def test_a_citation_is_where_the_answer_names_the_file(text, index):
+    assert [a["index"] for a in citations(text, {"cats": "c.txt"})] == index
 
 
 def _step_records(server: Server, response_id: str) -> list[dict]:

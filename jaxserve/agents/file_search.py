@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 from jaxserve.agents.tools import ToolContext, ToolError
 from jaxserve.errors import JaxServeError
 
+MAX_CITATIONS = 64  # file_citation annotations of one output text
 DEFAULT_RESULTS = 10  # OpenAI's default max_num_results is 50; a small model's context is not
 MAX_QUERY_CHARS = 200  # a search query, not a document (bounds the call's tokens too)
 
@@ -64,3 +66,23 @@ class FileSearch:
             return "error: the search failed"
         return json.dumps([{"file_id": r["file_id"], "filename": r["filename"],
                             "text": r["text"]} for r in item["results"] or ()])
+
+
+def searched_files(items: list[dict]) -> dict[str, str]:
+    """file id -> filename of every file the completed file_search calls of `items` returned."""
+    return {r["file_id"]: r["filename"] for item in items
+            if item.get("type") == FileSearch.item_type and item.get("status") == "completed"
+            for r in item.get("results") or ()}
+
+
+def citations(text: str, files: dict[str, str]) -> list[dict]:
+    """OpenAI's `file_citation` annotations of an answer: wherever the text names a file the
+    search returned (its filename or its id, as a whole word), a citation of that file just
+    after the name (`index`: where a client inserts its marker), in text order."""
+    found = {}
+    for file_id, filename in files.items():
+        for name in {filename, file_id}:
+            for match in re.finditer(rf"(?<!\w){re.escape(name)}(?!\w)", text):
+                found.setdefault((match.end(), file_id), filename)
+    return [{"type": "file_citation", "file_id": file_id, "filename": filename, "index": index}
+            for (index, file_id), filename in sorted(found.items())[:MAX_CITATIONS]]

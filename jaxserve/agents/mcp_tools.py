@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import httpx2
 
 from jaxserve.agents.tools import APPROVAL_ITEM, ToolContext, ToolError
-from jaxserve.errors import InvalidRequest
+from jaxserve.errors import FailedDependency, InvalidRequest
 
 if TYPE_CHECKING:  # the SDK is imported on first use: it loads OpenTelemetry, which a server
     from mcp import Client  # without --otlp-traces-endpoint must not (tests/test_tracing.py)
@@ -41,6 +41,7 @@ CALL_ITEM = "mcp_call"
 APPROVAL_REQUEST = APPROVAL_ITEM
 APPROVAL_RESPONSE = "mcp_approval_response"
 MAX_PAGES = 8  # of one listing (a server that pages forever)
+MAX_SCHEMA_BYTES = 16 << 10  # of a tool's input schema, as JSON (a listing sent as input too)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class McpLimits:
     timeout_s: float = 30.0  # connecting and one listing or call, each
     max_response_bytes: int = 4 << 20  # all a server sends for one listing or call
     max_tools: int = 64  # tools kept of one listing (the first, in the server's order)
-    max_schema_bytes: int = 16 << 10  # a tool whose input schema is larger is left out
+    max_schema_bytes: int = MAX_SCHEMA_BYTES  # a tool whose input schema is larger is left out
     max_output_chars: int = 32 << 10  # of a call's output, what the model reads and the item holds
 
 
@@ -109,7 +110,10 @@ def _client(config: dict, limits: McpLimits) -> Client:
     from mcp import Client
     from mcp.client.streamable_http import streamable_http_client
 
-    http = httpx2.AsyncClient(headers=config.get("headers") or {},
+    headers = dict(config.get("headers") or {})
+    if config.get("authorization"):
+        headers["Authorization"] = f"Bearer {config['authorization']}"
+    http = httpx2.AsyncClient(headers=headers,
                               timeout=httpx2.Timeout(limits.timeout_s),
                               transport=_Bounded(limits.max_response_bytes))
     return Client(streamable_http_client(config["server_url"], http_client=http),
@@ -156,8 +160,20 @@ class McpTools:
         self.limits = limits
 
     def check(self, config: dict, param: str) -> None:
-        """A request's tool entry (at `param`): its server must be allowed."""
+        """A request's tool entry (at `param`): its server must be allowed; its token goes in
+        `authorization` or in `headers`, not both."""
         check_url(config["server_url"], self.limits, f"{param}.server_url")
+        if config.get("authorization") and any(
+                name.lower() == "authorization" for name in config.get("headers") or ()):
+            raise InvalidRequest(f"'{param}.authorization' and an Authorization header in "
+                                 f"'{param}.headers' cannot both be given",
+                                 param=f"{param}.authorization")
+
+    @staticmethod
+    def failure(config: dict, listing: dict) -> FailedDependency:
+        """The request's error for a listing that failed (OpenAI's 424)."""
+        return FailedDependency(f"Error retrieving tool list from MCP server: "
+                                f"'{config['server_label']}'. {listing['error']}", param="tools")
 
     @staticmethod
     def listing(item_id: str, config: dict, status: str) -> dict:
@@ -208,10 +224,12 @@ class McpTools:
 
     @staticmethod
     def listing_in(items: list[dict], config: dict) -> dict | None:
-        """The conversation's last completed listing of this server."""
+        """The conversation's last completed listing of this server (one a client sent back
+        as input has no status: it is taken as completed)."""
         for item in reversed(items):
             if item.get("type") == LIST_ITEM and item.get("server_label") == \
-                    config["server_label"] and not item.get("error"):
+                    config["server_label"] and not item.get("error") \
+                    and item.get("status", "completed") == "completed":
                 return item
         return None
 
@@ -253,6 +271,9 @@ class McpFunction:
         self.config = config
         self.name = tool["name"]
         self.description = tool["description"] or f"{self.name} ({config['server_label']})"
+        if config.get("server_description"):
+            self.description += (f"\n(A tool of the MCP server {config['server_label']!r}: "
+                                 f"{config['server_description']})")
         self.parameters = tool["input_schema"]
         self.needs_approval = needs_approval(config.get("require_approval"), self.name)
 

@@ -178,6 +178,8 @@ class Run:
             listing = (await self._step("list_tools", tool.kind, {
                 "server": config.get("server_label")}, work))["item"]
             result.output.append(listing)
+            if listing["status"] == "failed":  # the run cannot offer what was asked
+                raise tool.failure(config, listing)
         for function in tool.functions(listing, config):
             if function.name in self.functions:  # a name taken first keeps it
                 continue

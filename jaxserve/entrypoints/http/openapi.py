@@ -25,6 +25,8 @@ _DESCRIPTIONS = {200: "OK", 201: "Created", 202: "Accepted (it goes on in the ba
                  409: "Conflicts with the current state (or the same Idempotency-Key still runs)",
                  415: "The body is not sent as JSON (Content-Type: application/json)",
                  422: "Idempotency-Key reused with a different body",
+                 424: "A service the request names failed (a remote MCP server's tools could "
+                      "not be listed)",
                  429: "A rate limit of the tenant, or too many failed keys from this address "
                       "(Retry-After says when to retry)",
                  500: "The request failed inside the server",

@@ -117,8 +117,11 @@ async def _create(request: web.Request, runner: ResponseRunner, req, ctx, keep: 
 def _store_new(store: ResponseStore, job: ResponseJob, status: str,
                owner: str | None = None) -> None:
     settings = job.req.model_dump(mode="json", by_alias=True, exclude_none=True)
-    if not job.req.background:  # only a background run, resumed, needs an MCP tool's headers
-        for tool in settings.get("tools", ()):
+    for tool in settings.get("tools", ()):
+        # An MCP token is never stored (a background run resumed after a restart goes on
+        # without it); only such a run needs an MCP tool's headers.
+        tool.pop("authorization", None)
+        if not job.req.background:
             tool.pop("headers", None)
     store.create(job.tenant, job.response.build(status, []), settings, job.input_items,
                  bool(job.req.background), job.deadline_at, owner)
@@ -377,7 +380,8 @@ def routes(models) -> list[Route]:
     return [
         Route("POST", "/v1/responses", create, "Response (OpenAI Responses API): stored unless "
               "store is false, chained by previous_response_id, or run in the background",
-              models.responses, out.Response, chunk=out.ResponseEvent, errors=gen,
+              models.responses, out.Response, chunk=out.ResponseEvent,
+              errors=gen + (424,),  # an MCP server's tools could not be listed
               tags=("openai",)),
         Route("GET", one, retrieve, "A stored response; stream=true&starting_after=N replays "
               "a background run's stream and follows it", ok=out.Response,

@@ -18,12 +18,15 @@ the grammar library can enforce) is checked by `jaxserve.entrypoints.serving.str
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator,
+                      Field, Tag, model_validator)
+from pydantic_core import PydanticCustomError
 
+from jaxserve.agents.mcp_tools import MAX_SCHEMA_BYTES
 from jaxserve.config import RequestLimits, SpeculativeConfig
 from jaxserve.errors import InvalidRequest
 from jaxserve.rag.config import SEARCH_MODES
@@ -296,20 +299,82 @@ class McpApprovalResponseItem(_Item):
     reason: Annotated[str, Field(max_length=1024)] | None = None
 
 
+# The MCP items of an earlier response, sent back by a client that keeps its own history
+# (agents/mcp_tools.py reads them as it reads the previous_response_id chain's).
+McpItemId = Annotated[str, Field(min_length=1, max_length=128)]
+McpLabel = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+McpToolName = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+def _small_schema(schema: dict) -> dict:
+    if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
+        raise PydanticCustomError("too_large", f"an input schema of at most {MAX_SCHEMA_BYTES} "
+                                               f"bytes of JSON")
+    return schema
+
+
+class McpListedTool(Body):
+    name: McpToolName
+    description: Annotated[str, Field(max_length=1024)] | None = None
+    input_schema: Annotated[dict[str, Any], AfterValidator(_small_schema)]
+    annotations: dict[str, Any] | None = None
+
+
+class McpListToolsItem(Body):
+    """A server's tools listed before: the run offers them instead of listing again."""
+
+    type: Literal["mcp_list_tools"]
+    id: McpItemId
+    server_label: McpLabel
+    tools: Annotated[list[McpListedTool], Field(max_length=64)]
+    error: Annotated[str, Field(max_length=4096)] | None = None
+    status: Literal["in_progress", "completed", "failed"] | None = None
+
+
+class McpCallItem(Body):
+    """A call made before: the model reads its output (or error); an approval it answers is
+    not made again."""
+
+    type: Literal["mcp_call"]
+    id: McpItemId
+    server_label: McpLabel
+    name: McpToolName
+    arguments: str
+    output: str | None = None
+    error: Annotated[str, Field(max_length=4096)] | dict[str, Any] | None = None
+    approval_request_id: McpItemId | None = None
+    status: Literal["in_progress", "calling", "completed", "incomplete", "failed"] | None = None
+
+
+class McpApprovalRequestItem(Body):
+    """A call waiting for approval: an mcp_approval_response after it may answer it."""
+
+    type: Literal["mcp_approval_request"]
+    id: McpItemId
+    server_label: McpLabel
+    name: McpToolName
+    arguments: str
+
+
+_ITEM_MODELS = {"message": InputMessage, None: InputMessage, "function_call": FunctionCallItem,
+                "function_call_output": FunctionCallOutputItem,
+                "mcp_list_tools": McpListToolsItem, "mcp_call": McpCallItem,
+                "mcp_approval_request": McpApprovalRequestItem,
+                "mcp_approval_response": McpApprovalResponseItem}
+
+
 def _item_tag(value: Any) -> str | None:
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
-    return {"message": "InputMessage", None: "InputMessage", "function_call": "FunctionCallItem",
-            "function_call_output": "FunctionCallOutputItem",
-            "mcp_approval_response": "McpApprovalResponseItem"}.get(kind)
+    model = _ITEM_MODELS.get(kind) if isinstance(kind, str | None) else None
+    return None if model is None else model.__name__
 
 
-InputItem = Annotated[Union[Annotated[InputMessage, Tag("InputMessage")],
-                            Annotated[FunctionCallItem, Tag("FunctionCallItem")],
-                            Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
-                            Annotated[McpApprovalResponseItem, Tag("McpApprovalResponseItem")]],
+InputItem = Annotated[Union[tuple(Annotated[m, Tag(m.__name__)]
+                                  for m in dict.fromkeys(_ITEM_MODELS.values()))],
                       Discriminator(_item_tag, custom_error_type="invalid_type",
                                     custom_error_message="an input item's 'type' must be "
-                                    "'message', 'function_call', 'function_call_output' or "
+                                    "'message', 'function_call', 'function_call_output', "
+                                    "'mcp_list_tools', 'mcp_call', 'mcp_approval_request' or "
                                     "'mcp_approval_response'")]
 
 
@@ -381,13 +446,28 @@ class McpApprovalFilter(Body):
 _HEADER_NAME = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$"  # an HTTP token
 
 
+def _no_connector(value: Any) -> None:
+    if value is not None:
+        raise PydanticCustomError("unsupported", "connectors are not served here: give the MCP "
+                                                 "server's server_url")
+
+
 class ResponsesMcpTool(Body):
     """A server-side tool (agents/mcp_tools.py): a remote MCP server's tools, on a host the
     operator allows (--mcp-allowed-hosts)."""
 
     type: Literal["mcp"]
     server_label: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    # Before server_url: a request naming a connector is told that, not that server_url is missing.
+    connector_id: Annotated[str | None, AfterValidator(_no_connector)] = Field(
+        None, description="Not served (no connectors here): a 400.")
     server_url: Annotated[str, Field(min_length=1, max_length=2048)]
+    server_description: Annotated[str, Field(max_length=1024)] | None = Field(
+        None, description="Offered to the model with the server's tools.")
+    authorization: Annotated[str, Field(min_length=1, max_length=8192,
+                                        pattern=r"^[^\r\n\x00]*$")] | None = Field(
+        None, description="An OAuth access token, sent to the server as `Authorization: Bearer "
+                          "<token>`; never echoed or stored.")
     allowed_tools: Annotated[list[McpName], Field(max_length=64)] | McpToolFilter | None = None
     require_approval: (Literal["always", "never"] | McpApprovalFilter | None) = Field(
         None, description="Default \"always\", as OpenAI's.")

@@ -327,10 +327,19 @@ class Reranked(Reply):
 # ---- POST /v1/responses (entrypoints/serving/responses.py) ---------------------------------------
 
 
+class FileCitation(Reply):
+    """Where an answer names a file that file_search returned (agents/file_search.citations)."""
+
+    type: Literal["file_citation"]
+    file_id: str
+    filename: str
+    index: int  # in the text, where a client inserts the citation
+
+
 class OutputText(Reply):
     type: Literal["output_text"]
     text: str
-    annotations: list[Any]
+    annotations: list[FileCitation]
 
 
 class OutputMessage(Reply):
@@ -483,7 +492,8 @@ class ItemList(Reply):
 class ResponseEvent(Reply):
     """One event of a streamed response (the SSE `event:` line repeats `type`): response.created,
     response.in_progress, response.output_item.added / .done, response.content_part.added / .done,
-    response.output_text.delta / .done, response.function_call_arguments.delta / .done,
+    response.output_text.delta / .annotation.added / .done,
+    response.function_call_arguments.delta / .done,
     response.file_search_call.in_progress / .searching / .completed,
     response.code_interpreter_call.in_progress / .interpreting / .completed,
     response.mcp_list_tools.in_progress / .completed / .failed,

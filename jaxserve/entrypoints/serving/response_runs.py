@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from jaxserve.agents.conversations import ConversationStore
-from jaxserve.agents.mcp_tools import APPROVAL_REQUEST, APPROVAL_RESPONSE
+from jaxserve.agents.file_search import searched_files
+from jaxserve.agents.mcp_tools import APPROVAL_REQUEST, APPROVAL_RESPONSE, LIST_ITEM
 from jaxserve.agents.run import SHUTDOWN, Run, TurnResult
 from jaxserve.agents.store import UNFINISHED, ResponseStore
 from jaxserve.agents.tools import ServerTool, ToolRegistry
@@ -144,16 +145,19 @@ class ResponseRunner:
             await emit(events.started())
 
         async def opened() -> None:
-            """response.created and .in_progress, before the run's first event."""
+            """response.created and .in_progress, before the run's first event (then the
+            listings made before it)."""
             if not state["opened"]:
                 state["opened"] = True
                 for event in events.opening():
                     await emit(event)
+                await run_events.flush()
 
         async def turn(items: list[dict], tool_texts: dict[str, str],
                        allowed: bool) -> TurnResult:
             tools = {name: entry[0] for name, entry in run.functions.items()}
             events.hidden = frozenset(tools)  # read as the run's, not streamed as functions
+            events.files = searched_files(items)
             body = chat_body(job.req, items, tools, tool_texts, allowed)
             remaining = None
             if job.deadline_at is not None:
@@ -173,8 +177,9 @@ class ResponseRunner:
             usage = events.usage or {}  # none: the stream ended before its usage chunk
             return TurnResult(events.items, usage, events.finish)
 
+        run_events = _Events(events, emit, opened, lambda: state["opened"])
         run = Run(job.response.id, job.tenant, self.store if job.stored else None,
-                  job.server_tools, turn, _Events(events, emit, opened),
+                  job.server_tools, turn, run_events,
                   max_tool_calls=job.req.max_tool_calls, deadline_at=job.deadline_at,
                   audit=self.audit.write if self.audit is not None else None)
         try:
@@ -217,33 +222,55 @@ class ResponseRunner:
 
 
 def _check_approvals(items: list[dict], history: list[dict]) -> None:
-    """Each mcp_approval_response of the input answers an approval request of the chain."""
+    """Each mcp_approval_response of the input answers an approval request before it (of the
+    chain, or of the input itself)."""
     requests = {i["id"] for i in history if i.get("type") == APPROVAL_REQUEST}
     for i, item in enumerate(items):
-        if item.get("type") == APPROVAL_RESPONSE and item["approval_request_id"] not in requests:
-            raise InvalidRequest(f"no mcp_approval_request {item['approval_request_id']!r} in "
-                                 f"the previous_response_id chain",
+        if item.get("type") == APPROVAL_REQUEST:
+            requests.add(item["id"])
+        elif item.get("type") == APPROVAL_RESPONSE and \
+                item["approval_request_id"] not in requests:
+            raise InvalidRequest(f"no mcp_approval_request {item['approval_request_id']!r} "
+                                 f"before it (in the previous_response_id chain or the input)",
                                  param=f"input[{i}].approval_request_id")
 
 
 class _Events:
-    """agents.run.RunEvents: a server tool's call as Responses events."""
+    """agents.run.RunEvents: a server tool's call as Responses events. An MCP listing made
+    before the response opened is held until it does (`flush`): a listing that fails ends the
+    run first, and the request then gets its plain error reply (424), as OpenAI's."""
 
-    def __init__(self, events: ResponseEvents, emit: Emit, opened: Callable[[], Awaitable]):
-        """`opened()`: the response's opening events, sent unless they were (an MCP listing
-        runs before the first model turn)."""
+    def __init__(self, events: ResponseEvents, emit: Emit, opened: Callable[[], Awaitable],
+                 is_open: Callable[[], bool]):
+        """`opened()`: the response's opening events, sent unless they were."""
         self.events = events
         self.emit = emit
         self.opened = opened
+        self.is_open = is_open
+        self.held: dict[str, list[dict]] = {}  # item id -> a listing's items: started, done
 
     async def tool_started(self, item: dict) -> None:
+        if item["type"] == LIST_ITEM and not self.is_open():
+            self.held[item["id"]] = [item]
+            return
         await self.opened()
         for event in self.events.tool_started(item):
             await self.emit(event)
 
     async def tool_done(self, item: dict) -> None:
+        if item["id"] in self.held:
+            self.held[item["id"]].append(item)
+            return
         for event in self.events.tool_done(item):
             await self.emit(event)
+
+    async def flush(self) -> None:
+        """The held listings' events, now that the response is open."""
+        held, self.held = self.held, {}
+        for started, *done in held.values():
+            for event in self.events.tool_started(started) + [
+                    e for item in done for e in self.events.tool_done(item)]:
+                await self.emit(event)
 
     async def added(self, item: dict) -> None:
         for event in self.events.added(item):

@@ -23,7 +23,9 @@ import json
 import secrets
 from typing import Any, AsyncIterator
 
-from jaxserve.agents.mcp_tools import APPROVAL_REQUEST, APPROVAL_RESPONSE, CALL_ITEM, call_text
+from jaxserve.agents.file_search import citations
+from jaxserve.agents.mcp_tools import (APPROVAL_REQUEST, APPROVAL_RESPONSE, CALL_ITEM, LIST_ITEM,
+                                       call_text)
 from jaxserve.errors import InvalidRequest
 from jaxserve.entrypoints.serving import protocol
 
@@ -48,7 +50,8 @@ def rename_param(exc: InvalidRequest) -> InvalidRequest:
 
 
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
-                APPROVAL_RESPONSE: "mcpa"}
+                APPROVAL_RESPONSE: "mcpa", LIST_ITEM: "mcpl", CALL_ITEM: "mcp",
+                APPROVAL_REQUEST: "mcpr"}
 # A server tool's event between its .in_progress and .completed, as OpenAI's stream sends it.
 RUNNING_EVENTS = {"file_search_call": "searching", "code_interpreter_call": "interpreting"}
 # The server tool items whose failure OpenAI's stream says (.failed) rather than only ending them.
@@ -223,8 +226,8 @@ class ResponseObject:
             "incomplete_details": incomplete, "error": error, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "temperature": req.temperature,
             "top_p": req.top_p,
-            # An MCP tool's headers (credentials, as a rule) are not echoed.
-            "tools": [t.model_dump(exclude_none=True, exclude={"headers"})
+            # An MCP tool's headers and token (credentials, as a rule) are not echoed.
+            "tools": [t.model_dump(exclude_none=True, exclude={"headers", "authorization"})
                       for t in req.tools or ()],
             "tool_choice": (req.tool_choice if isinstance(req.tool_choice, str)
                             else req.tool_choice.model_dump() if req.tool_choice is not None
@@ -255,6 +258,9 @@ class ResponseEvents:
         self.response = response
         self.hidden = hidden
         self.sequence = sequence
+        # file id -> filename of the files file_search gave the model: an answer naming one
+        # cites it (agents/file_search.citations)
+        self.files: dict[str, str] = {}
         self.output: list[dict] = []  # the items, as they stand
         self.open_message: int | None = None  # output index of the message being written
         self.open_reasoning: int | None = None  # output index of the reasoning being written
@@ -445,6 +451,11 @@ class ResponseEvents:
         elif item["type"] == "message":
             self.open_message = None
             part = item["content"][0]
+            part["annotations"] = citations(part["text"], self.files) if self.files else []
+            for n, annotation in enumerate(part["annotations"]):
+                yield self._event("response.output_text.annotation.added", item_id=item["id"],
+                                  output_index=index, content_index=0, annotation_index=n,
+                                  annotation=annotation)
             yield self._event("response.output_text.done", item_id=item["id"],
                               output_index=index, content_index=0, text=part["text"],
                               logprobs=[])
