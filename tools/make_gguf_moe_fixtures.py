@@ -167,19 +167,31 @@ def build(arch: str, config_cls, changes: dict, out: Path, init_range: float) ->
         model.save_pretrained(tmp, safe_serialization=True)
         state = load_file(str(Path(tmp) / "model.safetensors"))
     write_gguf(path / "model.gguf", "llama" if arch == "mixtral" else arch, config, state)
+    record(model, path, lambda **off: config_cls(
+        **{**SMALL, **changes, **off}, initializer_range=init_range), BINDING[arch], init_range)
+
+
+def record(model, path: Path, make_config, offs: dict, init_range: float,
+           more_binding=None) -> None:
+    """HF's outputs beside the file: logits.npy over prompt 0 and expected.json (the prompts, HF's
+    32 greedy tokens for each, the smallest top-2 and routing gaps, how far switching off each
+    feature of `offs` moves HF's logits, plus `more_binding(model, ids)`'s)."""
+    import torch
+    import transformers as tf
+
     with torch.no_grad():
         np.save(path / "logits.npy", model(torch.tensor([PROMPTS[0]])).logits[0].float().numpy())
     route_gaps = _watch_routers(model)
     results = [greedy(model, p) for p in PROMPTS]
     full = torch.tensor([PROMPTS[0] + results[0][0]])
-    binding = feature_binding(model, lambda **off: config_cls(
-        **{**SMALL, **changes, **off}, initializer_range=init_range), BINDING[arch], full)
+    binding = feature_binding(model, make_config, offs, full)
+    binding.update(more_binding(model, full) if more_binding else {})
     expected = {"prompts": PROMPTS, "greedy": [r[0] for r in results], "binding": binding,
                 "min_top2_gap": min(r[1] for r in results), "min_route_gap": min(route_gaps),
                 "transformers": tf.__version__, "initializer_range": init_range}
     (path / "expected.json").write_text(json.dumps(expected, indent=1))
-    print(f"{arch}: min top-2 gap {expected['min_top2_gap']:.4f}, route gap "
-          f"{expected['min_route_gap']:.4f}, "
+    print(f"{path.name}: min top-2 gap {expected['min_top2_gap']:.4f}, route gap "
+          f"{expected['min_route_gap']:.4f}, binding {binding}, "
           f"{sum(f.stat().st_size for f in path.iterdir()) / 1024:.0f} KiB")
 
 
