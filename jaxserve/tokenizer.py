@@ -55,6 +55,17 @@ _DEEPSEEK3_SPLITS = (
     r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
 )
 
+# Kimi K2 (llama.cpp's `kimi-k2`): its tiktoken pattern (tokenization_kimi.py's pat_str), o200k's
+# with Han runs on their own and kept out of the letter classes (`&&`: Oniguruma's intersection).
+_KIMI_K2_SPLIT = (
+    r"[\p{Han}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 def _gpt2_split():
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -86,6 +97,7 @@ _PRE_TOKENIZERS = {
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _regex_split(_QWEN2_SPLIT)),
     **dict.fromkeys(("gpt-4o", "llama4"), _regex_split(_O200K_SPLIT)),
     "deepseek-v3": _regex_split(*_DEEPSEEK3_SPLITS),
+    "kimi-k2": _regex_split(_KIMI_K2_SPLIT),
 }
 
 # llama.cpp's token types (gguf.TokenType): unknown and control tokens are special (skipped when

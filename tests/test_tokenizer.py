@@ -206,6 +206,41 @@ def test_gguf_pre_tokenizer_decides_the_merges(tmp_path):
         "hi", "世界", " a", ".b", " (", "c", ")", " don", "'t"]
 
 
+def test_gguf_kimi_k2_tokenizer_encodes_as_tiktoken(tmp_path):
+    """Kimi K2's vocabulary is tiktoken's (its pattern, ranks as merges): a GGUF of the tiny
+    vocabulary with pre `kimi-k2` splits text as Kimi's pat_str does (the `regex` module's
+    engine, which has its class intersection) and gives the tokens tiktoken gives."""
+    import regex
+    import tiktoken
+
+    from jaxserve.tokenizer import _KIMI_K2_SPLIT
+
+    # GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the others for
+    # 256, 257, ... in byte order.
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = iter(range(256, 512))
+    byte_of = {chr(b if b in printable else next(others)): b for b in range(256)}
+
+    def _to_bytes(token: str) -> bytes:
+        return bytes(byte_of[c] for c in token)
+
+    ranks = {bytes([b]): b for b in range(256)}
+    for merge in _TINY_MERGES:  # a merge's rank is its priority
+        left, right = merge.split(" ")
+        ranks[_to_bytes(left) + _to_bytes(right)] = len(ranks)
+    reference = tiktoken.Encoding("kimi-tiny", pat_str=_KIMI_K2_SPLIT, mergeable_ranks=ranks,
+                                  special_tokens={})
+    kimi = Tokenizer.from_gguf(tiny_gguf(tmp_path / "k.gguf", pre="kimi-k2"))
+    for text in ("hi世界  12345 HTTPServer don't", "ÉCOLE naïve a/b//c 中文テスト\n\n x"):
+        want = [reference.decode_single_token_bytes(t) for t in reference.encode(text)]
+        got = [_to_bytes(kimi._backend.id_to_token(i))
+               for i in kimi.encode(text, add_special_tokens=False)]
+        assert got == want, text
+        pieces = kimi._backend.pre_tokenizer.pre_tokenize_str(text)
+        assert [_to_bytes(p) for p, _ in pieces] == [
+            m.encode() for m in regex.findall(_KIMI_K2_SPLIT, text, flags=regex.V1)], text
+
+
 def test_gguf_flags_and_special_tokens(tmp_path):
     tok = Tokenizer.from_gguf(tiny_gguf(tmp_path / "t.gguf", add_bos=True))
     assert tok.bos_token_id == 0 and tok.eos_token_ids == (1,)
