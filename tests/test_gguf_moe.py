@@ -158,6 +158,34 @@ def test_gpt_oss_mxfp4_experts_dequantize_to_ggufs_values():
         np.testing.assert_array_equal(params["moe"][f"{proj}_proj"][1], want)
 
 
+def test_gpt_oss_fused_gate_up_experts_load_the_same_weights(tmp_path):
+    """convert_hf_to_gguf.py --fuse-gate-up-exps: one ffn_gate_up_exps per layer (gate rows, then
+    up rows; MXFP4 rows as they were, the biases likewise) loads the same weights."""
+    from jaxserve.weights import load_host
+
+    src = FIXTURES / "gpt-oss" / "model.gguf"
+
+    def fused(reader):
+        tensors = {t.name: t for t in reader.tensors}
+        for name, t in tensors.items():
+            if "ffn_up_exps" in name:
+                continue
+            if "ffn_gate_exps" not in name:
+                yield name, quants.dequantize(t.data, t.tensor_type), None
+                continue
+            up = tensors[name.replace("gate", "up")]
+            raw = t.tensor_type if name.endswith(".weight") else None
+            parts = [(x.data if raw else quants.dequantize(x.data, x.tensor_type)) for x in (t, up)]
+            yield name.replace("ffn_gate_exps", "ffn_gate_up_exps"), np.concatenate(parts, 1), raw
+
+    dst = tmp_path / "fused.gguf"
+    _rewrite(src, dst, tensors=fused)
+    names = {t.name for t in GGUFReader(str(dst)).tensors}
+    assert "blk.0.ffn_gate_up_exps.weight" in names and "blk.0.ffn_up_exps.weight" not in names
+    _same_tree(load_host(ModelSpec("split", "gguf", src))[1],
+               load_host(ModelSpec("fused", "gguf", dst))[1])
+
+
 def test_older_deepseek2_files_load_the_same_weights(tmp_path):
     """Files from before llama.cpp split kv_b (one attn_kv_b) and wrote MLA as MQA (key_length /
     value_length the real head sizes, head_count_kv the heads) load the same weights."""
