@@ -71,9 +71,7 @@ class CacheUse:
         kept. The answer's finish reasons and interventions are read then."""
         if self.status != "miss" or not self.write:
             return None
-        key = self.key
-
-        parsed = gen.parsed
+        key, parsed = self.key, gen.parsed
         # `length` at the request's own max_tokens, not at one the server chose or cut
         own_length = parsed.max_tokens_given \
             and gen.params.max_tokens == parsed.sampling_params.max_tokens
