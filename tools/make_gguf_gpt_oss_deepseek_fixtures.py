@@ -52,22 +52,18 @@ YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, b
 
 
 def families():
-    import transformers as tf
+    """The safetensors fixtures' models (tools/make_model_fixtures.py) with what a GGUF can say:
+    gpt-oss's clamp at llama.cpp's fixed 7.0 (sliding and full layers alternating, YaRN past 16
+    untruncated, 4 experts top-2), DeepSeek's mscale equal to mscale_all_dim (what llama.cpp's
+    deepseek2 computes)."""
+    from make_model_fixtures import families as model_families
 
+    models = model_families()
+    gpt_oss, deepseek = models["gpt_oss"], models["deepseek_v3"]
     return {
-        # Sliding (8) and full layers alternating, YaRN past 16 untruncated, 4 experts top-2.
-        "gpt-oss": (tf.GptOssConfig, dict(
-            num_local_experts=4, num_experts_per_tok=2, swiglu_limit=7.0, sliding_window=8,
-            rope_parameters=dict(YARN, rope_theta=150000.0, truncate=False))),
-        # The safetensors fixture's DeepSeek-V3 (tools/make_model_fixtures.py) with mscale equal
-        # to mscale_all_dim, which is what llama.cpp's deepseek2 computes.
-        "deepseek2": (tf.DeepseekV3Config, dict(
-            num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
-            qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_group=4,
-            topk_group=2, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
-            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-            rope_interleave=True, num_nextn_predict_layers=0,
-            rope_parameters=dict(YARN, rope_theta=10000.0, mscale=0.7, mscale_all_dim=0.7))),
+        "gpt-oss": (gpt_oss[0], {**gpt_oss[1], "swiglu_limit": 7.0}),
+        "deepseek2": (deepseek[0], {**deepseek[1], "rope_parameters": {
+            **deepseek[1]["rope_parameters"], "mscale": 0.7, "mscale_all_dim": 0.7}}),
     }
 
 
