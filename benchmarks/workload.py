@@ -87,3 +87,34 @@ def grounded_workload(tokenizer, num_requests: int, *, seed: int, max_chars: int
                                             add_generation_prompt=True)
         work.append((list(ids), max_tokens))
     return work
+
+
+def multi_turn_workload(num_conversations: int, turns: int, *, seed: int,
+                        user_chars: tuple[int, int] = (150, 400),
+                        assistant_chars: tuple[int, int] = (300, 700)) -> list[list[dict]]:
+    """Multi-turn chats, replayed: the chat messages each request sends, in the order they
+    are sent. Conversation c's turn t is its t earlier turns (their user messages and recorded
+    assistant replies, documentation passages as in `pydoc_workload`) and a new user message;
+    the conversations take turns round-robin, so every turn's history was sent one round
+    before and was pushed out of a pool smaller than the working set (all conversations'
+    final histories) by the others meanwhile."""
+    from pydoc_data.topics import topics
+
+    rng = random.Random(seed)
+    corpus = "\n\n".join(topics[k] for k in sorted(topics))
+
+    def text(chars: tuple[int, int]) -> str:
+        n = rng.randint(*chars)
+        start = rng.randrange(len(corpus) - n)
+        return corpus[start:start + n]
+
+    chats = [[{"role": "system", "content": "You answer questions about Python."}]
+             for _ in range(num_conversations)]
+    order = []
+    for _ in range(turns):
+        for chat in chats:
+            chat.append({"role": "user", "content": f"{rng.choice(TEXT_TASKS)}\n\n"
+                                                    f"{text(user_chars)}"})
+            order.append(list(chat))
+            chat.append({"role": "assistant", "content": text(assistant_chars)})
+    return order
