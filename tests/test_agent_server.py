@@ -24,9 +24,11 @@ import socket
 import sqlite3
 import subprocess
 import sys
+from typing import Annotated
 
 import openai
 import pytest
+from pydantic import Field
 
 from jaxserve.agents.mcp_tools import McpLimits, McpTools
 from jaxserve.agents.run import SHUTDOWN, Run, TurnResult
@@ -478,3 +480,45 @@ def test_a_conversation_is_the_history_of_the_responses_naming_it(server):
     with pytest.raises(openai.NotFoundError):
         alice.conversations.retrieve(conv.id)
     assert b"Hello there." not in (server.data_dir / "conversations.sqlite3").read_bytes()
+
+
+# ---------------------------------------------------------------- the OpenAI Agents SDK
+
+
+def test_the_agents_sdk_runs_an_agent_with_a_function_tool(server, tmp_path):
+    """The OpenAI Agents SDK (`openai-agents`) unchanged: its Responses model runs an agent whose
+    function tool the SDK executes (the call forced, the run stopped on the tool's answer), then
+    a second turn in the same session, which sends the whole history back as input items."""
+    import agents  # here, not at the top: it loads OpenTelemetry and more, for this test only
+
+    agents.set_tracing_disabled(True)  # the SDK would export its traces to OpenAI
+    calls = []
+
+    @agents.function_tool
+    def lookup(city: Annotated[str, Field(max_length=8)]) -> str:
+        """Look up the weather of a city."""
+        calls.append(city)
+        return f"{city}: sunny"
+
+    async def conversation():
+        model = agents.OpenAIResponsesModel("tiny", openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=ALICE, max_retries=0))
+        agent = agents.Agent(
+            name="weather", instructions="Answer with the lookup tool.", tools=[lookup],
+            model=model, tool_use_behavior="stop_on_first_tool",
+            model_settings=agents.ModelSettings(tool_choice="lookup", temperature=0,
+                                                max_tokens=128))
+        session = agents.SQLiteSession("s1", str(tmp_path / "session.db"))
+        first = await agents.Runner.run(agent, "Weather in Paris?", session=session)
+        second = await agents.Runner.run(agent, "And in Rome?", session=session)
+        return first, second, await session.get_items()
+
+    first, second, items = asyncio.run(conversation())
+    assert len(calls) == 2
+    assert (first.final_output, second.final_output) == (f"{calls[0]}: sunny",
+                                                         f"{calls[1]}: sunny")
+    kinds = [item.get("type", "message") for item in items]
+    assert kinds.count("function_call") == 2 and kinds.count("function_call_output") == 2, kinds
+    # The second turn's prompt is the whole conversation, the first call and its output included.
+    assert second.raw_responses[0].usage.input_tokens > \
+        first.raw_responses[0].usage.input_tokens + 10
