@@ -123,6 +123,11 @@ class EngineDead(JaxServeError):
     """The engine loop stopped; no request can be served."""
 
 
+class PrefillFailed(JaxServeError):
+    """A decode server's prefill server (serve --role decode) failed the request: it could not
+    be reached, it went away or timed out, or what it sent was not the pages asked for."""
+
+
 class NotFound(JaxServeError):
     """A named resource other than a model (a collection, a document, a URL) does not exist."""
 
@@ -197,6 +202,7 @@ _STATUS_TABLE: tuple[tuple[type[Exception], ErrorStatus], ...] = (
     (InvalidRequest, ErrorStatus(400, "INVALID_ARGUMENT", "invalid_request_error")),
     (EngineOverloaded, ErrorStatus(503, "RESOURCE_EXHAUSTED", "server_error", "overloaded")),
     (EngineDead, ErrorStatus(503, "UNAVAILABLE", "server_error", "overloaded")),
+    (PrefillFailed, ErrorStatus(502, "UNAVAILABLE", "server_error", "prefill_failed")),
     # the gateway's (QueueTimeout is a RateLimitExceeded), as their docstrings say
     (QuotaExceeded, ErrorStatus(429, "RESOURCE_EXHAUSTED", "insufficient_quota",
                                 "insufficient_quota")),

@@ -23,7 +23,7 @@ LAYERS = (
     ("entrypoints",),  # cli, launcher, batch, grpc, LLM: they wire the layers below together
     ("entrypoints.http",),  # the aiohttp app and its routes
     ("entrypoints.serving",),  # the request path every transport shares, no I/O of its own
-    ("fleet", "agents", "evals", "batches"),
+    ("fleet", "agents", "evals", "batches", "disagg"),
     ("gateway",),
     ("core", "rag"),
     ("tokenizer",),
@@ -37,7 +37,8 @@ LAYERS = (
     ("errors",),
 )
 # Host side: scheduling, bookkeeping and request handling, tested without a device.
-HOST_SIDE = ("core", "gateway", "fleet", "agents", "evals", "batches", "entrypoints.serving",
+HOST_SIDE = ("core", "gateway", "fleet", "agents", "evals", "batches", "disagg",
+             "entrypoints.serving",
              "tokenizer", "model_registry", "engine_settings", "config", "shapes", "errors",
              "structured", "tool_calling", "reasoning", "safety", "audit", "telemetry",
              "sqlite_store", "gguf_file")

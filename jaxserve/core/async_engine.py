@@ -298,7 +298,12 @@ class AsyncEngine:
             with self._wake:
                 self._sleeping = self.engine.sleeping_tags
 
-    def _call(self, fn: Callable[[], object]) -> None:
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """fn(engine) on the engine thread between steps, awaited (its error is raised here; the
+        engine goes on): the KV pages' export and import of jaxserve.core.kv_transfer."""
+        return await asyncio.to_thread(self._call, lambda: fn(self.engine))
+
+    def _call(self, fn: Callable[[], object]):
         """Run fn on the engine thread between steps and wait for it (its error is raised here;
         the engine goes on)."""
         done: Future = Future()

@@ -98,6 +98,24 @@ class HostTier:
             self._fetched[page_hash] = data
         return data is not None
 
+    def put(self, page_hash: bytes, tokens: tuple[int, ...]) -> int | None:
+        """The slot to fill with a page computed elsewhere (a prefill server's, jaxserve.disagg),
+        which the caller writes at once; None when the page is held already. Taken like a save's
+        slot (a free one, else the least recently used is overwritten)."""
+        if page_hash in self._slots:
+            self._slots.move_to_end(page_hash)
+            return None
+        assert not self._saves and not self._reading, "between steps: no copy is pending"
+        if self._free:
+            slot = self._free.pop()
+        else:
+            old = next(iter(self._slots))
+            slot = self._slots.pop(old)
+            del self._tokens[old]
+        self._slots[page_hash] = slot
+        self._tokens[page_hash] = tokens
+        return slot
+
     def reserve(self, page_hashes) -> None:
         """Keep the slots of these held pages from being overwritten until the copies are taken
         (they are about to be restored)."""

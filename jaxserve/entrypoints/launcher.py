@@ -63,6 +63,7 @@ _QUOTA_HELP = {
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from jaxserve.disagg.config import add_disagg_arguments
     from jaxserve.entrypoints.engine_flags import (add_deployment_arguments,
                                                    add_distributed_arguments)
 
@@ -81,6 +82,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "(repeatable; default: the model cache only); its chat_template "
                              "is always the template's text, never a path")
     add_distributed_arguments(parser)
+    add_disagg_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--grpc-port", type=int, default=None,
@@ -328,7 +330,9 @@ async def serve(args: argparse.Namespace, group_leader: bool = False, lines=None
     `lines(serving, rag, responses)`: the Batch API's line executor (cli's:
     entrypoints/batch_lines.py, which shares the `jaxserve batch` command's line parsing; None:
     no Batch API)."""
+    from jaxserve.disagg.config import disagg_config
     from jaxserve.entrypoints.engine_flags import engine_args
+    from jaxserve.entrypoints.http.kv_transfer_routes import add_prefill_routes
     from jaxserve.fleet.loader import EngineLoader
     from jaxserve.entrypoints.grpc import start_grpc_server
     from jaxserve.entrypoints.http.app import attach_engine, build_app, serving_of, start_server
@@ -343,7 +347,10 @@ async def serve(args: argparse.Namespace, group_leader: bool = False, lines=None
     model_name = config.served_model_name or args.model or str(args.deployment)
     tls = TlsConfig.from_args(args.ssl_certfile, args.ssl_keyfile)
     scheme = "https" if tls else "http"
+    disagg = disagg_config(args)
     app = build_app(config, model_name)
+    if disagg.role == "prefill":
+        add_prefill_routes(app, disagg.secret)
     rag = None if args.no_rag else _rag_service(args.data_dir, RagQuotas(
         **{f.name: getattr(args, f"rag_{f.name}") for f in dataclasses.fields(RagQuotas)}))
     if rag is not None:
@@ -395,6 +402,7 @@ async def serve(args: argparse.Namespace, group_leader: bool = False, lines=None
             load_s, compile_s = _fleet_times(fleet)
         else:
             engine, leader = load.result()
+            engine = _take_role(app, engine, disagg)
             load_s, compile_s = engine.load_seconds, engine.compile_seconds
             # With --admin-key, versions can be loaded beside it.
             loader = (EngineLoader(stall_timeout=args.engine_stall_timeout)
@@ -453,6 +461,22 @@ async def _shutdown(app, runner, grpc_server, engine, timeout: float, batches) -
     log.error("the engine thread did not stop (a step that never returns); its stack:\n%s",
               engine.engine_thread_stack())
     return True
+
+
+def _take_role(app, engine, disagg):
+    """The engine to serve as --role says: a decode server's generates from a prefill server's
+    pages (jaxserve.disagg); a prefill server's also answers the KV transfer route."""
+    if disagg.role == "decode":
+        from jaxserve.disagg.decode_engine import DecodeEngine
+        from jaxserve.disagg.prefill_client import PrefillClient
+
+        return DecodeEngine(engine, PrefillClient(disagg.prefill_urls, disagg.secret,
+                                                  disagg.prefill_timeout_s))
+    if disagg.role == "prefill":
+        from jaxserve.entrypoints.http.kv_transfer_routes import set_prefill_engine
+
+        set_prefill_engine(app, engine)
+    return engine
 
 
 def _start_engine(args: argparse.Namespace, settings: dict, group_leader: bool,

@@ -188,6 +188,25 @@ class HostKVPool:
         flat = padded.reshape(self.num_layers * n, *self.buffer.shape[2:])
         return program(("load_pages", n))(kv_cache, self._put(rows), self._put(flat))
 
+    def read_pages(self, pages: Sequence[int], kv_cache: jax.Array,
+                   program: Callable[[tuple], Callable]) -> np.ndarray:
+        """The pages' rows of every layer, [layers, len(pages), *page row], on the host now (a
+        prefill server hands them to a decode server: jaxserve.disagg)."""
+        pages = np.asarray(pages, np.int32)
+        out = []
+        for start in range(0, len(pages), self.buckets[-1]):
+            chunk = pages[start:start + self.buckets[-1]]
+            n, rows = self._rows(chunk)
+            got = np.asarray(program(("save_pages", n))(kv_cache, self._put(rows)))
+            out.append(got.reshape(self.num_layers, n, *self.buffer.shape[2:])[:, :len(chunk)])
+        return np.concatenate(out, axis=1) if out else self.buffer[:, :0].copy()
+
+    def write_slot(self, slot: int, page: np.ndarray) -> None:
+        """Fill a slot with a page received from elsewhere ([layers, *page row]); saves on their
+        way land first, so none of them overwrites it later."""
+        self.land()
+        self.buffer[:, slot] = page
+
     def land(self) -> None:
         """Write the saves still on their way into their slots, in the order they were made (a
         slot saved twice keeps the later page)."""

@@ -486,6 +486,11 @@ class ModelRunner:
         if copies:
             self.kv_cache = self.host_pool.run(copies, self.kv_cache, self._program)
 
+    def read_pages(self, pages) -> np.ndarray:
+        """Pages of the pool on the host now, [layers, len(pages), *page] (the host tier's
+        programs; a prefill server hands them to a decode server)."""
+        return self.host_pool.read_pages(pages, self.kv_cache, self._program)
+
     def score(self, target_token_ids: np.ndarray) -> ScoreOutput:
         """Score the last forward's rows: row i's log-probability of target_token_ids[i]
         (i32[T], T the plan's flat tokens), its rank and the top MAX_LOGPROBS."""

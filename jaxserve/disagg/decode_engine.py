@@ -1,0 +1,60 @@
+"""DecodeEngine: the serving engine of `serve --role decode`.
+
+It is the ServingEngine it wraps (an AsyncEngine: every member is that engine's) but for
+`generate`, which first has a prefill server compute the prompt's full pages (PrefillClient),
+puts them in this engine's host KV tier (jaxserve.core.kv_transfer.import_prefix), and then
+generates here, where admission restores them as a prefix-cache hit and computes only the
+prompt's last page. Skipped when there is nothing to hand over (a prompt shorter than a page and
+a token), when the prompt's pages are all in this engine's prefix cache already, and for prompt
+logprobs (every prompt position is scored where the request runs). A failed prefill ends the
+request before it reaches this engine (PrefillFailed); leaving the stream while the prefill runs
+cancels the call (the prefill server aborts its request).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+
+from jaxserve.core.async_engine import AsyncEngine
+from jaxserve.core.cache import extend_page_hashes
+from jaxserve.core.kv_transfer import import_prefix, kv_layout
+from jaxserve.core.preparation import PreparedRequest
+from jaxserve.disagg.prefill_client import PrefillClient
+from jaxserve.errors import ConfigError
+
+
+class DecodeEngine:
+    def __init__(self, engine: AsyncEngine, client: PrefillClient):
+        if not isinstance(engine, AsyncEngine):
+            raise ConfigError("--role decode serves one engine (no --data-parallel-size)")
+        self._engine = engine
+        self.client = client
+        self.layout = kv_layout(engine.engine)  # ConfigError without the host tier
+        self.pages_received = 0  # pages a prefill server computed for this engine, in all
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    async def generate(self, prompt=None, params=None, request_id: str | None = None,
+                       priority: int = 0, *, qos=None, prepared: PreparedRequest | None = None):
+        if prepared is None:
+            prepared = self._engine.prepare(request_id or f"req-{uuid.uuid4().hex}", prompt,
+                                            params, priority, qos=qos)
+        await self._prefill(prepared)
+        async with contextlib.aclosing(self._engine.generate(prepared=prepared)) as stream:
+            async for out in stream:
+                yield out
+
+    async def _prefill(self, prepared: PreparedRequest) -> None:
+        ids, salt = prepared.prompt_token_ids, prepared.qos.cache_salt
+        num_pages = (len(ids) - 1) // self.layout.page_size
+        if num_pages == 0 or prepared.params.prompt_logprobs is not None:
+            return
+        hashes = extend_page_hashes([], ids, self.layout.page_size, num_pages, salt)
+        # A hint read off the engine thread (count_cached_prefix): at worst one needless prefill.
+        if self._engine.engine.scheduler.cache.count_cached_prefix(hashes) == num_pages:
+            return
+        pages = await self.client.prefill(prepared.request_id, ids, salt, self.layout)
+        await self._engine.call(lambda engine: import_prefix(engine, ids, salt, pages))
+        self.pages_received += pages.shape[1]

@@ -1,0 +1,215 @@
+"""Prefill/decode disaggregation (issue 40, jaxserve.disagg): the KV frame's checks, then real
+`serve --role prefill` and `--role decode` processes on 127.0.0.1 with a tiny random model: the
+decode server's tokens equal a colocated engine's, and each side is killed mid-request (a dead
+prefill fails the request with a 502 at once; a client abort and a dead decode server free the
+prefill server's request; no page is left held on either side)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from jaxserve.core.kv_transfer import KVLayout
+from jaxserve.disagg import transport
+from jaxserve.disagg.config import DisaggConfig
+from jaxserve.disagg.prefill_client import PrefillClient
+from jaxserve.entrypoints.process import ServerProcess
+from jaxserve.errors import ConfigError, PrefillFailed
+from tests.serve_slowed import STEP_DELAY_ENV
+from tests.test_cli import ROOT, tiny_gguf
+from tests.test_server import scrape, wait_for, wait_idle
+
+LAYOUT = KVLayout(2, 16, (16, 4, 8), "float32")
+SECRET = "s3cret-shared-by-both-sides"
+
+
+def _pages(n: int) -> np.ndarray:
+    return np.arange(2 * n * 16 * 4 * 8, dtype=np.float32).reshape(2, n, 16, 4, 8)
+
+
+def test_a_frame_round_trips_and_a_bad_one_is_named():
+    frame = transport.encode("r1", LAYOUT, _pages(3))
+    np.testing.assert_array_equal(transport.decode(frame, "r1", LAYOUT, 3), _pages(3))
+    flipped = bytearray(frame)
+    flipped[100] ^= 1
+    cases = [(bytes(flipped), "r1", LAYOUT, 3, "checksum"),
+             (frame, "r2", LAYOUT, 3, "for request 'r1'"),
+             (frame, "r1", KVLayout(2, 16, (16, 4, 8), "bfloat16"), 3, "layout"),
+             (frame, "r1", LAYOUT, 2, "3 pages where the prompt has 2"),
+             (frame[:60], "r1", LAYOUT, 3, "a header of"),
+             (b"GET / HTTP/1.1" * 4, "r1", LAYOUT, 3, "not a KV frame")]
+    for data, rid, layout, max_pages, why in cases:
+        with pytest.raises(PrefillFailed, match=why):
+            transport.decode(data, rid, layout, max_pages)
+
+
+def test_the_roles_flags_are_checked():
+    for kwargs, why in [(dict(role="decode", secret=SECRET), "--prefill-url"),
+                        (dict(role="decode", prefill_urls=("ftp://x",), secret=SECRET), "http"),
+                        (dict(role="prefill", secret="short"), "secret"),
+                        (dict(role="both", prefill_urls=("http://x",)), "--role decode"),
+                        (dict(role="prefill", secret=SECRET, prefill_timeout_s=0), "timeout")]:
+        with pytest.raises(ConfigError, match=why):
+            DisaggConfig(**kwargs)
+    client = PrefillClient(["http://a:1", "http://b:1", "http://c:1"], SECRET, 1.0)
+    firsts = [bytes([i]) * 16 for i in range(32)]
+    chosen = {client.order(h)[0] for h in firsts}
+    assert chosen == set(client.urls)  # spread over all, and stable for one prefix:
+    assert all(client.order(h) == client.order(h) for h in firsts)
+
+
+# ---------------------------------------------------------------- real servers
+
+STEP_DELAY_S = 0.2  # the prefill server's steps: LONG's prefill takes over 3 s
+# One sequence a step and a short context: few programs to compile (three servers start).
+ENGINE = ["--num-pages", "40", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
+          "--min-token-bucket", "16", "--max-model-len", "256", "--kv-offloading-size", "0.0003",
+          "--no-rag"]
+PREFILL_TIMEOUT_S = 3  # decode server b's
+LONG = [1000 + 7 * i for i in range(240)]  # 14 full pages to send: 15 prefill steps
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, smollm2_tokenizer_fields):
+    """(prefill, decode a, decode b): both decode servers use the one prefill server; b waits
+    PREFILL_TIMEOUT_S for it."""
+    tmp = tmp_path_factory.mktemp("disagg")
+    model = tiny_gguf(tmp / "tiny.gguf", smollm2_tokenizer_fields, max_position_embeddings=256)
+    secret = tmp / "secret"
+    secret.write_text(SECRET)
+    with socket.socket() as s:  # the decode servers need the prefill server's port up front
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ["--model", str(model), "--served-model-name", "tiny", *ENGINE, "--kv-transfer-secret-file", str(secret)]
+    env = dict(os.environ, **{STEP_DELAY_ENV: str(STEP_DELAY_S)})
+    starts = [dict(args=[*common, "--role", "prefill", "--port", str(port)],
+                   module="tests.serve_slowed", env=env)]
+    starts += [dict(args=[*common, "--role", "decode", "--port", "0", "--prefill-url",
+                          f"http://127.0.0.1:{port}", "--prefill-timeout", str(timeout)])
+               for timeout in (60, PREFILL_TIMEOUT_S)]
+    logs = [(tmp / f"{i}.log").open("w") for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(ServerProcess, cwd=ROOT, stderr=log, ready_timeout_s=600, **kw)
+                   for kw, log in zip(starts, logs)]
+        procs = [f.result() for f in futures]
+    yield procs
+    for p in procs:
+        p.kill()
+    for log in logs:
+        log.close()
+
+
+def _base(proc) -> str:
+    return proc.url.removesuffix("/v1")
+
+
+def _complete(proc, prompt):
+    import openai
+
+    client = openai.OpenAI(base_url=proc.url, api_key="none", max_retries=0)
+    return client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                     logprobs=1, extra_body={"ignore_eos": True}).choices[0]
+
+
+def _send(proc, prompt, max_tokens: int = 8) -> socket.socket:
+    """A completion request on a raw connection (to close mid-request, or read to its end)."""
+    port = int(_base(proc).rsplit(":", 1)[1])
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}).encode()
+    conn = socket.create_connection(("127.0.0.1", port))
+    conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                 f"Connection: close\r\n\r\n".encode() + body)
+    return conn
+
+
+def _reply(conn: socket.socket) -> tuple[int, bytes]:
+    data = b""
+    while chunk := conn.recv(65536):
+        data += chunk
+    conn.close()
+    return int(data.split(b" ", 2)[1]), data.split(b"\r\n\r\n", 1)[1]
+
+
+def test_decode_server_continues_from_the_prefill_servers_pages(servers):
+    prefill, decode, _ = servers
+    prompt = LONG[:100]  # 6 full pages travel; the last 4 tokens are computed on the decode side
+    colocated = _complete(prefill, prompt)  # the prefill server serves /v1 itself too
+    before = scrape(_base(decode))
+    ours = _complete(decode, prompt)
+    assert ours.text == colocated.text
+    for a, b in zip(ours.logprobs.token_logprobs, colocated.logprobs.token_logprobs):
+        assert abs(a - b) < 1e-4
+    after = wait_idle(_base(decode))
+    assert after["jaxserve:kv_offload_hits_total"] - before["jaxserve:kv_offload_hits_total"] \
+        == 6 * 16  # the 6 pages were restored from what the prefill server sent, not computed
+    wait_idle(_base(prefill))
+
+
+def _until_prefilling(prefill) -> None:
+    wait_for(lambda: scrape(_base(prefill))["jaxserve:num_requests_running"] >= 1,
+             "the prefill server to run the request", 30)
+
+
+def _prompts_done(proc) -> float:
+    """Prompt tokens of requests that produced their first token (an aborted prefill: none)."""
+    return scrape(_base(proc))["jaxserve:prompt_tokens_total"]
+
+
+def test_a_client_abort_reaches_both_sides(servers):
+    prefill, decode, _ = servers
+    done = _prompts_done(prefill)
+    conn = _send(decode, LONG)
+    _until_prefilling(prefill)
+    conn.close()  # the client goes away mid-prefill
+    wait_idle(_base(prefill))
+    assert _prompts_done(prefill) == done  # aborted there, not run to its end
+    wait_idle(_base(decode))
+
+
+def test_a_hung_prefill_server_fails_the_request_after_the_timeout(servers):
+    prefill, _, decode = servers
+    prefill.proc.send_signal(signal.SIGSTOP)  # it accepts connections (the kernel does) but
+    try:                                      # answers nothing
+        started = time.monotonic()
+        status, body = _reply(_send(decode, [4000 + i for i in range(40)]))
+        waited = time.monotonic() - started
+    finally:
+        prefill.proc.send_signal(signal.SIGCONT)
+    assert status == 502 and f"within {PREFILL_TIMEOUT_S} s".encode() in body, body
+    assert PREFILL_TIMEOUT_S <= waited < PREFILL_TIMEOUT_S + 10
+    wait_idle(_base(decode))
+    wait_idle(_base(prefill))  # awake, it finds its caller gone: nothing is left running
+
+
+def test_a_dead_decode_server_frees_the_prefill_servers_pages(servers):
+    prefill, _, decode = servers
+    done = _prompts_done(prefill)
+    conn = _send(decode, LONG)
+    _until_prefilling(prefill)
+    decode.proc.send_signal(signal.SIGKILL)
+    wait_idle(_base(prefill))
+    assert _prompts_done(prefill) == done
+    conn.close()
+
+
+def test_a_dead_prefill_server_fails_the_request_at_once(servers):
+    prefill, decode, _ = servers
+    conn = _send(decode, LONG)
+    _until_prefilling(prefill)
+    prefill.proc.send_signal(signal.SIGKILL)
+    started = time.monotonic()
+    status, body = _reply(conn)
+    assert time.monotonic() - started < 10.0  # the connection's end, not --prefill-timeout
+    assert status == 502 and b"prefill_failed" in body and b"failed during the prefill" in body
+    wait_idle(_base(decode))
+    # With no prefill server left, a new request fails the same way, at once.
+    status, body = _reply(_send(decode, [3000 + i for i in range(40)]))
+    assert status == 502 and b"no prefill server could be reached" in body, body
+    wait_idle(_base(decode))
