@@ -34,6 +34,7 @@ from jaxserve.errors import ConfigError
 # well under the server's default 64 MiB file bound (a log-likelihood line echoes its prompt).
 MAX_LINES = 5_000
 POLL_S = 1.0
+_PROGRESS_S = 30.0  # a waiting runner says how far its batch is this often
 _TIMEOUT_S = 120  # one HTTP call (an upload or download of up to a file's bound)
 _ENDED = ("completed", "failed", "expired", "cancelled")
 
@@ -123,9 +124,14 @@ class BatchClient:
         return batch
 
     def _wait(self, batch: dict) -> dict:
+        logged = time.monotonic()
         while batch["status"] not in _ENDED:
             time.sleep(POLL_S)
             batch = self._get(f"batches/{batch['id']}").json()
+            if time.monotonic() - logged >= _PROGRESS_S:
+                counts, logged = batch.get("request_counts") or {}, time.monotonic()
+                _log(f"eval: batch {batch['id']} {batch['status']}: {counts.get('completed')} "
+                     f"of {counts.get('total')} requests done")
         return batch
 
     def _get(self, path: str) -> requests.Response:
