@@ -15,16 +15,16 @@ import pytest
 from jaxserve.config import CacheConfig
 from jaxserve.core.cache import KVCacheManager
 from jaxserve.core.engine_factory import build_engine
-from jaxserve.core.kv_disk import DiskTier, open_directory
+from jaxserve.core.kv_disk import DiskTier, num_disk_files, open_directory
 from jaxserve.core.kv_offload import HostTier
 from jaxserve.core.request import Request
-from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.errors import ConfigError
 from jaxserve.executor.kv_files import SUFFIX, file_bytes, write_page
 from jaxserve.executor.page_copies import DiskLoads, DiskWrites
 from jaxserve.telemetry.metrics import ServerMetrics
 from tests.test_cli import tiny_gguf
 from tests.test_engine import assert_no_leaks
+from tests.test_kv_offload import _generate
 
 PS = 4  # tokens per page in the bookkeeping tests
 
@@ -144,6 +144,11 @@ def test_directory_is_private_locked_and_emptied_and_settings_are_checked(tmp_pa
     os.symlink(d, tmp_path / "link")
     with pytest.raises(ConfigError, match="symlink"):
         open_directory(str(tmp_path / "link"))
+    with pytest.raises(ConfigError, match="kv-offloading-disk-size .* free space"):
+        num_disk_files(1 << 20, 1000, str(d))  # a PiB
+    with pytest.raises(ConfigError, match="holds no KV page"):
+        num_disk_files(1e-9, 1000, str(d))
+    assert num_disk_files(1, 1 << 20, str(d)) == 1024
     with pytest.raises(ConfigError, match="go together"):
         CacheConfig(kv_offloading_size=1, kv_offloading_disk_path=str(d))
     with pytest.raises(ConfigError, match="needs kv_offloading_size"):
@@ -166,16 +171,6 @@ def engine(tmp_path_factory, smollm2_tokenizer_fields):
                         kv_offloading_disk_path=str(d / "tier"),
                         kv_offloading_disk_size=DISK_FILES * file_bytes(16, PAGE_BYTES) / 2 ** 30,
                         strict_compile=True, progress=False)
-
-
-def _generate(engine, request_id: str, prompt: list[int]):
-    engine.add_request(request_id, {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final = out
-    return final
 
 
 def _same(a, b) -> None:

@@ -27,9 +27,8 @@ from collections import OrderedDict
 
 from jaxserve.errors import ConfigError
 from jaxserve.executor.kv_files import FORMAT_VERSION, SUFFIX, file_bytes, page_file, read_page
-from jaxserve.executor.page_copies import DiskWrites
+from jaxserve.executor.page_copies import DiskWrites, tier_pages
 
-GIB = 1 << 30
 MARKER = "JAXSERVE_KV_TIER"  # names the format version; holds the lock
 
 
@@ -79,17 +78,9 @@ def open_directory(path: str):
 
 
 def num_disk_files(size_gib: float, file_bytes: int, path: str) -> int:
-    """Files of a tier of size_gib GiB; a ConfigError naming the flag when it holds no page or
-    asks for more than the filesystem has free."""
-    size = int(size_gib * GIB)
-    free = shutil.disk_usage(path).free
-    if size > free:
-        raise ConfigError(f"--kv-offloading-disk-size {size_gib} GiB is more than the free space "
-                          f"under {path} ({free / GIB:.1f} GiB)")
-    if size < file_bytes:
-        raise ConfigError(f"--kv-offloading-disk-size {size_gib} GiB holds no KV page (a page's "
-                          f"file is {file_bytes} bytes)")
-    return size // file_bytes
+    """Files of a tier of size_gib GiB (tier_pages' ConfigErrors, against the free space)."""
+    return tier_pages("--kv-offloading-disk-size", size_gib, file_bytes,
+                      shutil.disk_usage(path).free, f"the free space under {path}")
 
 
 class DiskTier:

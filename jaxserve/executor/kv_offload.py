@@ -29,14 +29,12 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from jaxserve.errors import ConfigError
 from jaxserve.executor.batch_plan import NULL_PAGE, next_power_of_two
 from jaxserve.executor.kv_files import write_page
-from jaxserve.executor.page_copies import DiskLoads, DiskWrites, PageCopies
+from jaxserve.executor.page_copies import DiskLoads, DiskWrites, PageCopies, tier_pages
 
 log = logging.getLogger(__name__)
 
-GIB = 1 << 30
 # The largest copy one program runs; a longer run is cut into copies of this many pages.
 MAX_COPY_BUCKET = 256
 
@@ -50,16 +48,9 @@ def _scatter(kv_cache: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Arr
 
 
 def num_host_slots(size_gib: float, page_bytes: int, available_bytes: int) -> int:
-    """Slots of a host pool of size_gib GiB; a ConfigError naming the flag when it holds no
-    page or asks for more than the host's available memory."""
-    size = int(size_gib * GIB)
-    if size > available_bytes:
-        raise ConfigError(f"--kv-offloading-size {size_gib} GiB is more than the host's "
-                          f"available memory ({available_bytes / GIB:.1f} GiB)")
-    if size < page_bytes:
-        raise ConfigError(f"--kv-offloading-size {size_gib} GiB holds no KV page (a page is "
-                          f"{page_bytes} bytes)")
-    return size // page_bytes
+    """Slots of a host pool of size_gib GiB (tier_pages' ConfigErrors)."""
+    return tier_pages("--kv-offloading-size", size_gib, page_bytes, available_bytes,
+                      "the host's available memory")
 
 
 class HostKVPool:

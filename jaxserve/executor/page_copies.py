@@ -11,6 +11,24 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from jaxserve.errors import ConfigError
+
+GIB = 1 << 30
+
+
+def tier_pages(flag: str, size_gib: float, page_bytes: int, available_bytes: int,
+               available: str) -> int:
+    """The pages a KV tier of size_gib GiB holds (host slots, disk files of page_bytes each); a
+    ConfigError naming the flag when it holds none or asks for more than `available` has."""
+    size = int(size_gib * GIB)
+    if size > available_bytes:
+        raise ConfigError(f"{flag} {size_gib} GiB is more than {available} "
+                          f"({available_bytes / GIB:.1f} GiB)")
+    if size < page_bytes:
+        raise ConfigError(f"{flag} {size_gib} GiB holds no KV page (a page is {page_bytes} "
+                          f"bytes)")
+    return size // page_bytes
+
 
 class PageCopies(NamedTuple):
     """A run of copies in one direction: device page pages[i] <-> host slot slots[i]."""
