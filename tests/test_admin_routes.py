@@ -25,8 +25,9 @@ from tests.test_manifest import small_vocab_gguf
 
 KEY = "s3cret-admin-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+# One token bucket (16) per version: the admin API is the subject here, not small steps.
 ENGINE = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 16,
-          "num_pages": 40}
+          "min_token_bucket": 16, "num_pages": 40}
 
 
 @pytest.fixture(scope="module")
