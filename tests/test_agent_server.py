@@ -326,8 +326,11 @@ def test_mcp_items_sent_back_as_input(server, mcp_server):
         max_output_tokens=128, temperature=0)
     listing, request = first.output
     assert (listing.type, request.type) == ("mcp_list_tools", "mcp_approval_request")
-    history = [{"role": "user", "content": "Shout a word."},
-               listing.model_dump(exclude_none=True), request.model_dump(exclude_none=True),
+    sent = listing.model_dump(exclude_none=True)
+    for tool in sent["tools"]:
+        del tool["description"]  # optional in OpenAI's shape
+    history = [{"role": "user", "content": "Shout a word."}, sent,
+               request.model_dump(exclude_none=True),
                {"type": "mcp_approval_response", "approval_request_id": request.id,
                 "approve": True}]
     second = alice.responses.create(model="tiny", input=history, tools=tools, store=False,

@@ -270,7 +270,7 @@ class McpFunction:
         self.limits = limits
         self.config = config
         self.name = tool["name"]
-        self.description = tool["description"] or f"{self.name} ({config['server_label']})"
+        self.description = tool.get("description") or f"{self.name} ({config['server_label']})"
         if config.get("server_description"):
             self.description += (f"\n(A tool of the MCP server {config['server_label']!r}: "
                                  f"{config['server_description']})")
