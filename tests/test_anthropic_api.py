@@ -247,6 +247,19 @@ def test_openai_prompt_cache_breakpoint_pins_through_a_flood(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         ask(pinned * 5)
     assert e.value.param == "prompt_cache_breakpoint"
+    # The Responses API: the same pin through an input_text part (stored nowhere: store false).
+    text = "Pinned by a response: reply in one word. " * 3
+    mark = [{"role": "system", "content": [{"type": "input_text", "text": text,
+                                            "prompt_cache_breakpoint": {"mode": "explicit"}}]},
+            {"role": "user", "content": "What is 2 + 2?"}]
+    pins = metric_values(server.url)[("jaxserve:kv_cache_pins", ())]
+    oai.responses.create(model="tiny", input=mark, max_output_tokens=1, store=False,
+                         temperature=0, prompt_cache_options={"ttl": "5m"})
+    assert metric_values(server.url)[("jaxserve:kv_cache_pins", ())] == pins + 1
+    _flood(client, 3)
+    usage = oai.responses.create(model="tiny", input=mark, max_output_tokens=1, store=False,
+                                 temperature=0).usage
+    assert usage.input_tokens_details.cached_tokens >= 32
 
 
 def test_cache_control_pins_the_system_prompt_through_a_flood(client):

@@ -258,6 +258,7 @@ class InputTextPart(Body):
     # What an earlier response's output_text carried, when a client replays it as input.
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class _Item(Body):
@@ -688,6 +689,7 @@ def request_models(limits: RequestLimits = RequestLimits()) -> RequestModels:
         user: str | None = Field(None, description="An opaque end-user id; not used.")
         prompt_cache_key: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
             None, description="As on chat completions.")
+        prompt_cache_options: PromptCacheOptions | None = None
 
         @model_validator(mode="after")
         def _storage(self):

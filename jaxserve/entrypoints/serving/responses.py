@@ -129,8 +129,15 @@ def chat_messages(items: list[dict], server_tools: dict | None = None,
             messages.append({"role": "tool", "tool_call_id": item["id"],
                              "content": text if text is not None else tool.model_text(item)})
         elif kind == "message":
-            content = item["content"] if isinstance(item["content"], str) \
-                else "".join(p["text"] for p in item["content"])
+            parts = item["content"]
+            if isinstance(parts, str):
+                content = parts
+            elif any("prompt_cache_breakpoint" in p for p in parts):
+                # the parts stay apart: the chat path pins the prompt through a marked one
+                content = [{"type": "text", "text": p["text"], **{
+                    k: v for k, v in p.items() if k == "prompt_cache_breakpoint"}} for p in parts]
+            else:
+                content = "".join(p["text"] for p in parts)
             messages.append({"role": item["role"], "content": content})
     return messages
 
@@ -170,6 +177,8 @@ def chat_body(req: Any, items: list[dict] | None = None, server_tools: dict | No
     elif fmt is not None and fmt.type == "json_schema":
         body["response_format"] = {"type": "json_schema", "json_schema": fmt.model_dump(
             exclude={"type"}, exclude_none=True, by_alias=True)}
+    if req.prompt_cache_options is not None:
+        body["prompt_cache_options"] = req.prompt_cache_options.model_dump(exclude_none=True)
     body["stream"] = True  # a turn is read as its stream, whether the client streams or not
     body["stream_options"] = {"include_usage": True}  # response.completed carries usage
     return body
