@@ -9,6 +9,15 @@ request ended exactly once and no KV page leaked.
 The server is the real HTTP app (jaxserve.entrypoints.http.app) with a tenants file, in this process
 on its own event loop and thread; the clients are aiohttp streams on another. Baseline and flood run
 in the same process, one after the other, on the same engine.
+
+`--degrade`: the flood against a route (fleet/degrade.py) over two versions, "big" (the engine
+above) and "small" (a second engine, `--small-model` with `--small-max-num-seqs` seats: by default
+the same model, so moving requests there adds capacity as well as degrading them), three phases of
+the same flood in one run: degradation off, A's class capped at `--degrade-max-tokens`, and capped
+and moved to "small". Each prints B's TTFT p99 and the shares of all requests degraded (an
+x-jaxserve-degraded answer) and shed (503).
+
+    python benchmarks/tenancy.py --degrade [--seconds 30] [--flood 3]
 """
 
 from __future__ import annotations
@@ -46,7 +55,10 @@ weight = 1
 class Server:
     """The app on its own loop thread, bound to 127.0.0.1 on a free port."""
 
-    def __init__(self, model: str, tenants_file: Path, max_queued: int, engine_kwargs: dict):
+    def __init__(self, model: str, tenants_file: Path, max_queued: int, engine_kwargs: dict,
+                 small: tuple[str, dict] | None = None):
+        """`small`: (model, engine kwargs) of a second version; then the app serves a fleet of
+        "big" and "small" (routes set by the caller) instead of the one engine."""
         from jaxserve.core.async_engine import AsyncEngine
         from jaxserve.config import ServerConfig
         from jaxserve.core.engine_factory import build_engine
@@ -55,13 +67,24 @@ class Server:
         self.llm = build_engine(model, strict_compile=True, progress=False,
                                 **engine_kwargs)
         self.engine = AsyncEngine(self.llm)
+        self.fleet = self.small_llm = None
+        if small is not None:
+            from jaxserve.fleet.deployment import VersionSpec
+            from jaxserve.fleet.fleet import Fleet
+
+            self.small_llm = build_engine(small[0], strict_compile=True, progress=False,
+                                          **small[1])
+            self.fleet = Fleet.of_engine("big", self.engine, max_queued_requests=max_queued)
+            self.fleet.adopt(VersionSpec("small", small[0]), AsyncEngine(self.small_llm))
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.app = build_app(ServerConfig(port=0, tenants_file=str(tenants_file),
                                           max_queued_requests=max_queued), model)
         self.runner, port = self._call(start_server(self.app, "127.0.0.1", 0))
-        self.loop.call_soon_threadsafe(attach_engine, self.app, self.engine)
+        self.loop.call_soon_threadsafe(
+            lambda: attach_engine(self.app, self.engine if self.fleet is None else None,
+                                  fleet=self.fleet))
         self._call(asyncio.sleep(0))  # runs after the attach: the server is ready
         self.url = f"http://127.0.0.1:{port}"
 
@@ -72,11 +95,15 @@ class Server:
         self._call(self.runner.cleanup())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
-        self.engine.shutdown()
+        if self.fleet is not None:
+            self.fleet.shutdown()
+        else:
+            self.engine.shutdown()
 
 
 async def one(session: aiohttp.ClientSession, url: str, key: str, body: dict) -> dict:
-    """One streaming completion: its status, TTFT (first text) and how it ended."""
+    """One streaming completion: its status, TTFT (first text), how it ended and whether its
+    route degraded it (x-jaxserve-degraded)."""
     start = time.perf_counter()
     ttft, ends = None, []
     async with session.post(f"{url}/v1/completions", json={**body, "stream": True},
@@ -84,6 +111,7 @@ async def one(session: aiohttp.ClientSession, url: str, key: str, body: dict) ->
         if resp.status != 200:
             await resp.read()
             return {"status": resp.status, "ttft": None, "ends": 1}
+        degraded = resp.headers.get("x-jaxserve-degraded")
         async for line in resp.content:
             if not line.startswith(b"data: "):
                 continue
@@ -98,7 +126,7 @@ async def one(session: aiohttp.ClientSession, url: str, key: str, body: dict) ->
                 ttft = time.perf_counter() - start
     # exactly one [DONE] per stream: "ended once"
     return {"status": 200, "ttft": ttft, "ends": ends.count("done"),
-            "stream_error": "error" in ends}
+            "stream_error": "error" in ends, "degraded": degraded}
 
 
 async def trickle(session, url, key, body, interval: float, seconds: float) -> list[dict]:
@@ -184,6 +212,53 @@ async def run(args, url: str) -> dict:
     }
 
 
+def route(degrade: dict | None):
+    from jaxserve.fleet.deployment import parse_route
+
+    return parse_route("chat", {"weights": {"big": 1}, "degrade": degrade or False})
+
+
+def shares(results: list[dict]) -> dict:
+    n = len(results)
+    return {"requests": n,
+            "degraded_share": round(sum(bool(r.get("degraded")) for r in results) / n, 3),
+            "shed_share": round(sum(r["status"] == 503 for r in results) / n, 3)}
+
+
+async def run_degrade(args, server: Server) -> dict:
+    """The same flood three times on one server: degradation off, A's class capped, capped and
+    moved to "small"."""
+    rng = random.Random(0)
+    a_body = {"model": "chat", "prompt": "Once upon a time " * 16, "max_tokens": 32,
+              "ignore_eos": True}
+    b_body = {"model": "chat", "prompt": "Hello, how are", "max_tokens": 8, "ignore_eos": True}
+    cap = {"classes": ["standard"], "max_tokens": args.degrade_max_tokens}
+    phases = {"off": None, "max_tokens": cap, "max_tokens+version": {**cap, "degrade_to": "small"}}
+    timeout = aiohttp.ClientTimeout(total=600)
+    result: dict = {}
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        server.fleet.set_route(route(None))
+        capacity_req_s = await capacity(session, server.url, "sk-a", a_body,
+                                        args.max_num_seqs + args.max_queued,
+                                        args.capacity_seconds)
+        rate = args.flood * capacity_req_s
+        result.update(capacity_req_s=round(capacity_req_s, 2), flood_rate_req_s=round(rate, 2))
+        ended = True
+        for name, degrade in phases.items():
+            server.fleet.set_route(route(degrade))
+            a_task = asyncio.ensure_future(flood(session, server.url, "sk-a", a_body, rate,
+                                                 args.seconds, rng))
+            b = await trickle(session, server.url, "sk-b", b_body, args.b_interval, args.seconds)
+            a = await a_task
+            ended = ended and all(r["ends"] == 1 for r in a + b)
+            result[name] = {"b": summary(b), "a_statuses": statuses(a), "all": shares(a + b),
+                            "b_degraded": sum(bool(r.get("degraded")) for r in b)}
+            await asyncio.sleep(2)  # the phase's last requests leave the queue
+    result["every_request_ended_once"] = ended
+    return result
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -194,6 +269,13 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-queued", type=int, default=4, help="--max-queued-requests")
     p.add_argument("--output", type=Path, default=None, help="also write the JSON result here")
+    p.add_argument("--degrade", action="store_true",
+                   help="flood a route with degradation off, capped, capped and moved (above)")
+    p.add_argument("--degrade-max-tokens", type=int, default=8,
+                   help="--degrade: the cap on A's completions (A asks for 32)")
+    p.add_argument("--small-model", default=None, help="--degrade: the smaller version's model "
+                                                         "(default: --model)")
+    p.add_argument("--small-max-num-seqs", type=int, default=4)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tenants = Path(tmp) / "tenants.toml"
@@ -201,19 +283,24 @@ def main() -> int:
         # each of B's arrivals at a full queue sheds one of A's queued requests (a 503 for A).
         tenants.write_text(TENANTS.format(
             a_concurrency=args.max_num_seqs + args.max_queued))
-        server = Server(args.model, tenants, args.max_queued,
-                        dict(num_pages=512, max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=256, max_model_len=512))
+        engine_kwargs = dict(num_pages=512, max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=256, max_model_len=512)
+        small = ((args.small_model or args.model,
+                  {**engine_kwargs, "max_num_seqs": args.small_max_num_seqs})
+                 if args.degrade else None)
+        server = Server(args.model, tenants, args.max_queued, engine_kwargs, small)
         try:
-            result = asyncio.run(run(args, server.url))
+            result = asyncio.run(run_degrade(args, server) if args.degrade
+                                 else run(args, server.url))
             time.sleep(0.5)  # aborts land on the engine thread a moment after a stream ends
-            stats = server.engine.stats()
-            server.llm.scheduler.cache.check_invariants()
-            result["pages_leaked"] = stats.pages_in_use
-            result["engine_unfinished"] = server.llm.has_unfinished()
+            llms = [server.llm] + ([server.small_llm] if server.small_llm is not None else [])
+            for llm in llms:
+                llm.scheduler.cache.check_invariants()
+            result["pages_leaked"] = sum(llm.stats().pages_in_use for llm in llms)
+            result["engine_unfinished"] = any(llm.has_unfinished() for llm in llms)
         finally:
             server.stop()
-    result.update(model=args.model, seconds=args.seconds, flood=args.flood,
+    result.update(model=args.model, degrade=args.degrade, seconds=args.seconds, flood=args.flood,
                   b_interval=args.b_interval, max_num_seqs=args.max_num_seqs,
                   max_queued=args.max_queued, commit=commit(), cpu=cpu(),
                   date=time.strftime("%Y-%m-%d", time.gmtime()))
