@@ -217,6 +217,11 @@ def test_approval_requests_are_answered_by_the_next_request(server, mcp_server):
         {"name": "shout", "input_schema": {"description": "x" * 20_000}}]}]}, 400, "input"),
     ({"input": [{"type": "mcp_approval_request", "id": "mcpr_1", "server_label": "a b",
                  "name": "shout", "arguments": "{}"}]}, 400, "input"),
+    ({"input": [{"type": "mcp_call", "id": "mcp_1", "server_label": "x", "name": "shout",
+                 "arguments": "[1"}]}, 400, "input"),
+    ({"input": [{"type": "mcp_call", "id": "mcp_1", "server_label": "x", "name": "shout",
+                 "arguments": "{}", "status": "failed", "error": {"content": [5]}}]},
+     400, "input"),
     # no connectors here; one token, not two
     ({"tools": [{"type": "mcp", "server_label": "x", "connector_id": "connector_gmail"}]},
      400, "tools"),

@@ -320,7 +320,7 @@ def call_text(item: dict) -> str:
     error = item.get("error")
     if isinstance(error, dict):
         error = error.get("message") or "".join(
-            c.get("text", "") for c in error.get("content") or () if isinstance(c, dict))
+            c.get("text") or "" for c in error.get("content") or ())
     return f"error: {error or 'the call failed'}"
 
 

@@ -305,6 +305,22 @@ class McpApprovalResponseItem(_Item):
 McpItemId = Annotated[str, Field(min_length=1, max_length=128)]
 McpLabel = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 McpToolName = Annotated[str, Field(min_length=1, max_length=128)]
+# An output or error text: this server's items keep 32,768 characters of a call's output.
+McpText = Annotated[str, Field(max_length=1 << 16)]
+
+
+def _json_object_text(text: str) -> str:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise PydanticCustomError("json_object", "must be a JSON object, as text")
+    return text
+
+
+# A call's arguments: what the chat path reads back as the model's call (JSON object text).
+McpArguments = Annotated[str, Field(max_length=1 << 16), AfterValidator(_json_object_text)]
 
 
 def _small_schema(schema: dict) -> dict:
@@ -328,8 +344,23 @@ class McpListToolsItem(Body):
     id: McpItemId
     server_label: McpLabel
     tools: Annotated[list[McpListedTool], Field(max_length=64)]
-    error: Annotated[str, Field(max_length=4096)] | None = None
+    error: McpText | None = None
     status: Literal["in_progress", "completed", "failed"] | None = None
+
+
+class McpErrorContent(Body):
+    type: Annotated[str, Field(max_length=64)]
+    text: McpText | None = None
+
+
+class McpCallError(Body):
+    """OpenAI's error of a failed call: {type: mcp_tool_execution_error, content} or
+    {type: mcp_protocol_error | http_error, code, message}."""
+
+    type: Annotated[str, Field(max_length=64)]
+    code: int | None = None
+    message: McpText | None = None
+    content: Annotated[list[McpErrorContent], Field(max_length=16)] | None = None
 
 
 class McpCallItem(Body):
@@ -340,9 +371,9 @@ class McpCallItem(Body):
     id: McpItemId
     server_label: McpLabel
     name: McpToolName
-    arguments: str
-    output: str | None = None
-    error: Annotated[str, Field(max_length=4096)] | dict[str, Any] | None = None
+    arguments: McpArguments
+    output: McpText | None = None
+    error: McpText | McpCallError | None = None
     approval_request_id: McpItemId | None = None
     status: Literal["in_progress", "calling", "completed", "incomplete", "failed"] | None = None
 
@@ -354,7 +385,7 @@ class McpApprovalRequestItem(Body):
     id: McpItemId
     server_label: McpLabel
     name: McpToolName
-    arguments: str
+    arguments: McpArguments
 
 
 _ITEM_MODELS = {"message": InputMessage, None: InputMessage, "function_call": FunctionCallItem,
