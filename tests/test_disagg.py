@@ -118,14 +118,14 @@ def _complete(proc, prompt):
                                      logprobs=1, extra_body={"ignore_eos": True}).choices[0]
 
 
-def _send(proc, prompt, max_tokens: int = 8) -> socket.socket:
+def _send(proc, prompt, max_tokens: int = 8, headers: str = "") -> socket.socket:
     """A completion request on a raw connection (to close mid-request, or read to its end)."""
     port = int(_base(proc).rsplit(":", 1)[1])
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}).encode()
     conn = socket.create_connection(("127.0.0.1", port))
     conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                 f"Connection: close\r\n\r\n".encode() + body)
+                 f"Connection: close\r\n{headers}\r\n".encode() + body)
     return conn
 
 
@@ -180,10 +180,17 @@ def test_a_hung_prefill_server_fails_the_request_after_the_timeout(servers):
         started = time.monotonic()
         status, body = _reply(_send(decode, [4000 + i for i in range(40)]))
         waited = time.monotonic() - started
+        # A request's own deadline, shorter than the timeout, ends its wait first: a 504.
+        started = time.monotonic()
+        deadline_status, deadline_body = _reply(_send(decode, [5000 + i for i in range(40)],
+                                                      headers="X-Request-Timeout: 1\r\n"))
+        deadline_waited = time.monotonic() - started
     finally:
         prefill.proc.send_signal(signal.SIGCONT)
     assert status == 502 and f"within {PREFILL_TIMEOUT_S} s".encode() in body, body
     assert PREFILL_TIMEOUT_S <= waited < PREFILL_TIMEOUT_S + 10
+    assert deadline_status == 504 and b"waiting for its prefill" in deadline_body, deadline_body
+    assert 1 <= deadline_waited < PREFILL_TIMEOUT_S
     wait_idle(_base(decode))
     wait_idle(_base(prefill))  # awake, it finds its caller gone: nothing is left running
 

@@ -7,13 +7,16 @@ generates here, where admission restores them as a prefix-cache hit and computes
 prompt's last page. Skipped when there is nothing to hand over (a prompt shorter than a page and
 a token), when the prompt's pages are all in this engine's prefix cache already, and for prompt
 logprobs (every prompt position is scored where the request runs). A failed prefill ends the
-request before it reaches this engine (PrefillFailed); leaving the stream while the prefill runs
-cancels the call (the prefill server aborts its request).
+request before it reaches this engine (PrefillFailed), and so does the request's deadline
+(DeadlineExceeded) when it comes first; leaving the stream while the prefill runs cancels the
+call (the prefill server aborts its request).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 import uuid
 
 from jaxserve.core.async_engine import AsyncEngine
@@ -21,7 +24,7 @@ from jaxserve.core.cache import extend_page_hashes
 from jaxserve.core.kv_transfer import import_prefix, kv_layout
 from jaxserve.core.preparation import PreparedRequest
 from jaxserve.disagg.prefill_client import PrefillClient
-from jaxserve.errors import ConfigError
+from jaxserve.errors import ConfigError, DeadlineExceeded
 
 
 class DecodeEngine:
@@ -55,6 +58,15 @@ class DecodeEngine:
         # A hint read off the engine thread (count_cached_prefix): at worst one needless prefill.
         if self._engine.engine.scheduler.cache.count_cached_prefix(hashes) == num_pages:
             return
-        pages = await self.client.prefill(prepared.request_id, ids, salt, self.layout)
+        prefill = self.client.prefill(prepared.request_id, ids, salt, self.layout)
+        deadline = prepared.qos.deadline
+        if deadline is None:
+            pages = await prefill
+        else:  # the request's own deadline bounds the wait too (X-Request-Timeout, a tenant's)
+            try:
+                pages = await asyncio.wait_for(prefill, max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded(f"request {prepared.request_id} ran out of time waiting "
+                                       f"for its prefill") from None
         await self._engine.call(lambda engine: import_prefix(engine, ids, salt, pages))
         self.pages_received += pages.shape[1]
