@@ -34,7 +34,6 @@ class DecodeEngine:
         self._engine = engine
         self.client = client
         self.layout = kv_layout(engine.engine)  # ConfigError without the host tier
-        self.pages_received = 0  # pages a prefill server computed for this engine, in all
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -69,4 +68,3 @@ class DecodeEngine:
                 raise DeadlineExceeded(f"request {prepared.request_id} ran out of time waiting "
                                        f"for its prefill") from None
         await self._engine.call(lambda engine: import_prefix(engine, ids, salt, pages))
-        self.pages_received += pages.shape[1]
