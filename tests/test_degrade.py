@@ -52,7 +52,7 @@ def server(tmp_path_factory, smollm2_tokenizer_fields):
 
     def engine() -> AsyncEngine:
         return AsyncEngine(build_engine(model, num_pages=48, max_num_seqs=1,
-                                        max_num_batched_tokens=32, max_model_len=128,
+                                        max_num_batched_tokens=16, max_model_len=128,
                                         min_token_bucket=16, progress=False))
 
     big, small = engine(), engine()
