@@ -249,7 +249,8 @@ class KVCacheManager:
                 if page is not None and self._page_tokens[page] == page_tokens:
                     self._take(page)
                     held.append(page)
-                elif page is None and self.host_tier.find(hashes[i], page_tokens):
+                elif (page is None and len(wanted) < self.num_free_pages  # no page, no read
+                      and self.host_tier.find(hashes[i], page_tokens)):
                     wanted.append((hashes[i], page_tokens))
                 else:
                     break
