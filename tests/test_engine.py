@@ -108,9 +108,11 @@ def test_golden_with_int8_weights_or_a_bf16_kv_cache(smollm2_golden, engine):
     # quarter of the layers' f32 weight bytes. gguf: the Q4_1 / Q8_0 blocks read in place by the
     # CPU kernel in decodes of up to 8 rows (the prefills here dequantize through XLA). bf16 KV
     # cache: K and V rounded to bf16, attention still in f32. Each way, and int8 with bf16, the
-    # golden tokens stay equal.
+    # golden tokens stay equal. Steps of at least 8 tokens (the gguf decode path's largest): the
+    # smaller buckets' programs are test_golden_alone_mixed_and_prefix_cached's subject, and
+    # each bucket below 8 is one more forward, and one more row count of samplers, to compile.
     llm = LLM(SMOLLM2, **engine, num_pages=64, max_num_seqs=8, max_num_batched_tokens=256,
-              max_model_len=512, strict_compile=True, progress=False)
+              max_model_len=512, min_token_bucket=8, strict_compile=True, progress=False)
     assert llm.engine.config.model.quantization == {"none": None}.get(engine["quantization"],
                                                                       engine["quantization"])
     assert llm.engine.runner.kv_cache.dtype == engine.get("kv_cache_dtype", "float32")
