@@ -6,6 +6,7 @@ prefill server's request; no page is left held on either side)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from jaxserve.core.cache import extend_page_hashes
 from jaxserve.core.kv_transfer import KVLayout
 from jaxserve.disagg import transport
 from jaxserve.disagg.config import DisaggConfig
@@ -149,6 +151,20 @@ def test_decode_server_continues_from_the_prefill_servers_pages(servers):
     after = wait_idle(_base(decode))
     assert after["jaxserve:kv_offload_hits_total"] - before["jaxserve:kv_offload_hits_total"] \
         == 6 * 16  # the 6 pages were restored from what the prefill server sent, not computed
+    wait_idle(_base(prefill))
+
+
+def test_an_unreachable_prefill_server_is_passed_over(servers):
+    prefill = servers[0]
+    with socket.socket() as s:  # a port nothing listens on: the connection is refused
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    client = PrefillClient([dead, _base(prefill)], SECRET, 30.0)
+    # A prompt whose first page puts the dead server first in its order.
+    ids = next(ids for k in range(64) if client.order(extend_page_hashes(
+        [], ids := [6000 + k + i for i in range(40)], 16, 1, None)[0])[0] == dead)
+    pages = asyncio.run(client.prefill("r-pass", ids, None, LAYOUT))
+    assert pages.shape == (2, 2, 16, 4, 8) and np.abs(pages).sum() > 0
     wait_idle(_base(prefill))
 
 
