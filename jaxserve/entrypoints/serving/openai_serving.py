@@ -183,6 +183,8 @@ class OpenAIServing:
         # executor, it outlived a caller that left meanwhile and was never settled (review H3).
         prepared, tool_output, degraded = await asyncio.get_running_loop().run_in_executor(
             None, self._prepare_prompts, parsed, ctx, lease, gen_id, tool_output, pins)
+        if not degraded:  # a cap that changed nothing: served as asked (and canary-judged so)
+            lease.degradation = None
         if not engine.is_running:
             raise EngineDead("the engine is not running; the server cannot generate")
         if engine.is_stalled:  # a request now would only wait for nothing
