@@ -195,3 +195,29 @@ def test_overload_signals():
     assert DegradeConfig(max_tokens=8).queue_threshold(1) == 1  # never above the threshold
     assert not DegradeConfig(max_tokens=8, classes=("batch",)).applies(-1)
     assert DegradeConfig(max_tokens=8, classes=("batch", "standard")).applies(0)
+
+
+def test_selection_degrades_only_listed_classes_of_an_overloaded_version():
+    from jaxserve.core.request import ServiceClass
+    from jaxserve.fleet.degrade import Degradation
+    from tests.test_fleet import ready_fleet
+
+    fleet = ready_fleet("big", "small", max_queued_requests=4)
+    engines = fleet.engines()  # test_fleet's fakes, given the numbers overload() reads
+    for e in engines.values():
+        e.num_queued = 0
+    fleet.set_route(parse_route("r", {"weights": {"big": 1}, "breaker": {}, "degrade": {
+        "max_tokens": 8, "degrade_to": "small"}}))
+
+    def pick(priority):
+        with fleet.select("r", priority=priority) as lease:
+            return lease.version.name, lease.degradation
+
+    assert pick(ServiceClass.BATCH) == ("big", None)  # 0 queued: not overloaded
+    engines["big"].num_queued = 2
+    assert pick(ServiceClass.BATCH) == ("small", Degradation("queue", 8, moved_from="big"))
+    for priority in (ServiceClass.STANDARD, ServiceClass.INTERACTIVE, None):
+        assert pick(priority) == ("big", None)  # not a class the route degrades
+    engines["small"].is_stalled = True  # degrade_to cannot take it: only capped
+    assert pick(ServiceClass.BATCH) == ("big", Degradation("queue", 8))
+    fleet.shutdown()
