@@ -3,10 +3,11 @@ of a tiny random model ("big", one sequence at a time and slowed while the test 
 overloaded, and "small"), the server's shedding threshold at 4 queued sequences, and two routes
 that degrade the batch class from 2 queued: `tiny` moves it to "small" and caps it, `capped`
 only caps it. Below the threshold nobody is degraded; at it, a batch request is answered by
-"small" capped (x-jaxserve-degraded, the counter by reason, the access and audit logs) while interactive
-traffic is not degraded; at the shedding threshold a batch request that can only be capped is
-refused 503 as before, and one that can be moved is still answered. Then the route table's
-checks, and the overload signals read from an engine's numbers."""
+"small" capped (x-jaxserve-degraded, over gRPC too; the counter by reason, the access and audit
+logs) while interactive traffic is not degraded; at the shedding threshold a batch request that
+can only be capped is refused 503 as before, and one that can be moved is still answered. Then
+the route table's checks, the overload signals read from an engine's numbers, and selection on
+fake engines."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,6 +26,8 @@ from jaxserve.fleet.degrade import DegradeConfig, overload
 from jaxserve.fleet.deployment import VersionSpec, parse_deployment, parse_route
 from jaxserve.entrypoints.http.app_state import STATE_KEY
 from jaxserve.fleet.fleet import Fleet
+from jaxserve.protos import generation_pb2 as pb
+from jaxserve.protos import generation_pb2_grpc as pb_grpc
 from tests.test_server import ServerThread, _request, slowable, wait_for
 
 CHAT, BULK = "sk-chat-0123456789abcdefghijklmn", "sk-bulk-0123456789abcdefghijklmn"
@@ -43,7 +47,8 @@ MAX_QUEUED = 4  # the shedding threshold; the routes degrade from ceil(0.5 * 4) 
 def server(tmp_path_factory, smollm2_tokenizer_fields):
     from jaxserve.core.async_engine import AsyncEngine
     from jaxserve.core.engine_factory import build_engine
-    from jaxserve.entrypoints.http.app import attach_engine
+    from jaxserve.entrypoints.grpc import start_grpc_server
+    from jaxserve.entrypoints.http.app import attach_engine, serving_of
     from tests.test_cli import tiny_gguf
 
     d = tmp_path_factory.mktemp("degrade")
@@ -66,10 +71,14 @@ def server(tmp_path_factory, smollm2_tokenizer_fields):
                         max_queued_requests=MAX_QUEUED, audit_log_dir=str(d / "audit"))
     http.loop.call_soon_threadsafe(lambda: attach_engine(http.app, None, fleet=fleet))
     wait_for(lambda: _request("GET", f"{http.url}/ready").status_code == 200, "ready")
+    grpc_server, port = http._call(start_grpc_server(None, "127.0.0.1", 0, "unused",
+                                                     serving=serving_of(http.app)))
+    http.grpc_target = f"127.0.0.1:{port}"
     http.big, http.small, http.fleet, http.dir = big, small, fleet, d
     http.slow = slowable(big.engine, 0.25)  # set: each of big's steps takes 250 ms longer
     yield http
     http.slow.clear()
+    http._call(grpc_server.stop(grace=None))
     http.stop()
     fleet.shutdown()
 
@@ -101,6 +110,13 @@ def test_lower_classes_are_degraded_before_anyone_is_shed(server, caplog):
                  "big to hold 2 queued sequences")
         # Overloaded: batch moves to "small", capped to 4 tokens, with no wait on big.
         answered(ask(server, BULK, "tiny"), "small", 4, "max_tokens,version")
+        with grpc.insecure_channel(server.grpc_target) as channel:  # gRPC: trailing metadata
+            stream = pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+                model="tiny", prompt="Hello", max_tokens=16, ignore_eos=True, temperature=0),
+                metadata=(("authorization", f"Bearer {BULK}"),))
+            deltas = list(stream)
+            assert dict(stream.trailing_metadata())["x-jaxserve-degraded"] == "max_tokens,version"
+        assert {d.model for d in deltas} == {"small"} and deltas[-1].usage.completion_tokens == 4
         interactive = pool.submit(ask, server, CHAT, "tiny")  # never degraded: waits on big
         wait_for(lambda: server.big.num_queued == 3, "the interactive request to queue")
         capped = pool.submit(ask, server, BULK, "capped")  # capped, on big
@@ -126,23 +142,24 @@ def test_lower_classes_are_degraded_before_anyone_is_shed(server, caplog):
                 for s in family.samples if s.name == "jaxserve:requests_degraded_total"}
     assert degraded == {
         (("model_name", "small"), ("reason", "max_tokens"), ("route", "tiny"),
-         ("tier", "batch")): 2.0,
-        (("model_name", "small"), ("reason", "version"), ("route", "tiny"), ("tier", "batch")): 2.0,
+         ("tier", "batch")): 3.0,
+        (("model_name", "small"), ("reason", "version"), ("route", "tiny"), ("tier", "batch")): 3.0,
         (("model_name", "big"), ("reason", "max_tokens"), ("route", "capped"),
          ("tier", "batch")): 1.0}, degraded
     records = [json.loads(r.getMessage()) for r in caplog.records if r.name == "jaxserve.access"]
     degraded = sorted((r["model"], r["route"], tuple(r["degraded"])) for r in records
                       if "degraded" in r)
-    assert degraded == [("big", "capped", ("max_tokens",)),
-                        ("small", "tiny", ("max_tokens", "version")),
-                        ("small", "tiny", ("max_tokens", "version"))], records
+    assert degraded == [("big", "capped", ("max_tokens",))] + [
+        ("small", "tiny", ("max_tokens", "version"))] * 3, records
     audit = server.app[STATE_KEY].policy.audit
     wait_for(lambda: audit.pending == 0, "the audit writer")
     audited = sorted((r["version"], r["route"], tuple(r["degraded"]))
                      for p in sorted((server.dir / "audit").glob("audit-*.jsonl"))
                      for r in map(json.loads, p.read_bytes().splitlines()) if "degraded" in r)
-    assert audited == [("big", "/v1/chat/completions", ("max_tokens",))] + [
-        ("small", "/v1/chat/completions", ("max_tokens", "version"))] * 2, audited
+    assert audited == [("big", "/v1/chat/completions", ("max_tokens",)),
+                       ("small", "/v1/chat/completions", ("max_tokens", "version")),
+                       ("small", "/v1/chat/completions", ("max_tokens", "version")),
+                       ("small", "grpc:Generate", ("max_tokens", "version"))], audited
     # The route as the admin API shows it, degradation included.
     assert server.fleet.route_info("tiny")["degrade"]["degrade_to"] == "small"
 

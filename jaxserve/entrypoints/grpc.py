@@ -5,7 +5,8 @@ OpenAIServing layer as HTTP, so both front ends accept and reject exactly the sa
 logprobs and prompt_logprobs included: the Generation computes them, this module only frames
 them as messages). The
 caller's key is the metadata `authorization` ("Bearer KEY"); the call's deadline is the request's;
-a refusal that may pass later carries `retry-after` (seconds) in its trailing metadata."""
+a refusal that may pass later carries `retry-after` (seconds) in its trailing metadata, and a
+request its route degraded under overload `x-jaxserve-degraded` (fleet/degrade.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from jaxserve.errors import InvalidRequest, JaxServeError, error_status, retry_a
 from jaxserve.gateway.limits import retry_after_header
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
+from jaxserve.entrypoints.serving import degradation
 from jaxserve.entrypoints.serving.admission import CallContext
 from jaxserve.entrypoints.serving.calls import Call
 from jaxserve.entrypoints.serving.logprobs import wire_logprob
@@ -155,6 +157,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             gen = await self.serving.prepare_async("completion", body, ctx, call)
         except JaxServeError as e:
             await abort_with(context, e)
+        if gen.degraded:  # trailing: the initial metadata went out before the version was chosen
+            context.set_trailing_metadata(tuple(degradation.headers(gen.degraded).items()))
         # Cancellation (the client left, or its deadline passed) ends the block too: the
         # request's pages are freed now rather than when it would have finished. So does a
         # client that reads nothing (HTTP/2 flow control holds the write) for the write timeout.
