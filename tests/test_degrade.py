@@ -21,7 +21,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.errors import ConfigError, InvalidRequest
+from jaxserve.errors import ConfigError, Conflict, InvalidRequest
 from jaxserve.fleet.degrade import DegradeConfig, overload
 from jaxserve.fleet.deployment import VersionSpec, parse_deployment, parse_route
 from jaxserve.entrypoints.http.app_state import STATE_KEY
@@ -237,4 +237,6 @@ def test_selection_degrades_only_listed_classes_of_an_overloaded_version():
         assert pick(priority) == ("big", None)  # not a class the route degrades
     engines["small"].is_stalled = True  # degrade_to cannot take it: only capped
     assert pick(ServiceClass.BATCH) == ("big", Degradation("queue", 8))
+    with pytest.raises(Conflict, match="route"):  # the route may send it traffic
+        fleet.unload("small")
     fleet.shutdown()
