@@ -244,10 +244,19 @@ def tiny_path(tmp_path_factory, smollm2_tokenizer_fields):
     return tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", smollm2_tokenizer_fields)
 
 
-def test_abort_mid_generation_frees_pages(tiny_path):
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_path):
+    """One engine (compiled once) for the abort and failure tests: each leaves it empty, which
+    assert_no_leaks checks."""
     engine = build_engine(str(tiny_path), num_pages=40, max_num_seqs=4,
                           max_num_batched_tokens=32, max_model_len=128,
                           strict_compile=True, progress=False)
+    yield engine
+    engine.close()
+
+
+def test_abort_mid_generation_frees_pages(tiny_engine):
+    engine = tiny_engine
     long = SamplingParams(max_tokens=80, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"r{i}", {"prompt_token_ids": list(range(10, 40 + 7 * i))}, long)
@@ -271,10 +280,8 @@ def test_abort_mid_generation_frees_pages(tiny_path):
     assert_no_leaks(engine)
 
 
-def test_abort_one_sequence_of_n_frees_its_pages_and_its_siblings_go_on(tiny_path):
-    engine = build_engine(str(tiny_path), num_pages=40, max_num_seqs=4,
-                          max_num_batched_tokens=32, max_model_len=128,
-                          strict_compile=True, progress=False)
+def test_abort_one_sequence_of_n_frees_its_pages_and_its_siblings_go_on(tiny_engine):
+    engine = tiny_engine
     params = SamplingParams(n=3, max_tokens=40, ignore_eos=True, seed=1)
     engine.add_request("r", {"prompt_token_ids": list(range(10, 50))}, params)
     for _ in range(4):
@@ -363,14 +370,12 @@ def test_request_validation(tiny_path):
     assert_no_leaks(engine)
 
 
-def test_one_failing_request_ends_alone(tiny_path, monkeypatch):
+def test_one_failing_request_ends_alone(tiny_engine, monkeypatch):
     """A request whose host-side processing raises ends with an error and frees its pages; the
     others in the same batches finish; through AsyncEngine the failure is that stream's error."""
     from jaxserve.errors import RequestFailed
 
-    engine = build_engine(str(tiny_path), num_pages=40, max_num_seqs=4,
-                          max_num_batched_tokens=32, max_model_len=128,
-                          strict_compile=True, progress=False)
+    engine = tiny_engine
     on_token = engine.output_processor._on_token
 
     def failing(group, seq, token, *args):
