@@ -42,8 +42,10 @@ SMOLLM2 = "smollm2-135m-instruct"
 KEY = "admin-s3cret"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
 SYSTEM = "You answer in one word."
-# Small programs to compile: 4 sequences a step, 64 tokens a step, a 256-token context.
-ENGINE = "max_model_len = 256\nmax_num_seqs = 4\nmax_num_batched_tokens = 64\nnum_pages = 96\n"
+# Few, small programs to compile: 4 sequences a step, 64 tokens a step, a 256-token context,
+# steps of at least 16 tokens (the fleet is the subject here, not small steps: conftest.py).
+ENGINE = ("max_model_len = 256\nmax_num_seqs = 4\nmax_num_batched_tokens = 64\nnum_pages = 96\n"
+          "min_token_bucket = 16\n")
 DEPLOYMENT = f"""
 [version.smol-a]
 model = "{SMOLLM2}"
