@@ -75,6 +75,16 @@ def test_records_chain_across_rotated_files(rotated):
     assert report.ok and report.records == len(recs) and report.head_hash == recs[-1]["hash"]
 
 
+def test_no_file_passes_its_size_with_its_rotate_record(tmp_path):
+    """Records of every length: the rotate record closing a file fits under max_file_bytes
+    too (the check once counted only the record before it)."""
+    write_log(tmp_path, 150, tenants=tuple("t" * n for n in range(1, 80, 3)))
+    files = sorted(tmp_path.glob("audit-*.jsonl"))
+    assert len(files) >= 5 and all(p.stat().st_size <= SMALL for p in files)
+    assert all(lines(p)[-1].startswith(b'{"seq"') and b'"type":"rotate"' in lines(p)[-1]
+               for p in files[:-1])
+
+
 def test_content_only_when_given(tmp_path):
     log = AuditLog(AuditLogConfig(tmp_path))
     log.write(AuditRecord("a", "/v1/completions", "ok", prompt=["my [REDACTED:email]"],

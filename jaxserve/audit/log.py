@@ -9,11 +9,11 @@ the batch being written: at most `max_pending` (admission refuses new requests w
 wait: `check_accepting`), in practice those of the last few milliseconds. `close()` writes the
 rest and syncs.
 
-Files are `audit-000001.jsonl`, `audit-000002.jsonl`, ...: when the next record would push a file
-past `max_file_bytes`, a `rotate` record naming the next file closes it, and the chain goes on in
-the next. On start the writer continues the newest file; a last line cut by a crash is removed
-and a `recovered` record says how many bytes were dropped. One process at a time: the directory
-is locked (`.lock`).
+Files are `audit-000001.jsonl`, `audit-000002.jsonl`, ...: when the next record and the rotate
+record after it would push a file past `max_file_bytes`, a `rotate` record naming the next file
+closes it, and the chain goes on in the next. On start the writer continues the newest file; a
+last line cut by a crash is removed and a `recovered` record says how many bytes were dropped.
+One process at a time: the directory is locked (`.lock`).
 
 Refusals nobody can be held to (refusals.py) are counted and written as one `refusals` summary per
 client and interval (`summary_interval_s`), not a record each. The log's disk use is bounded:
@@ -291,10 +291,12 @@ class AuditLog:
             for body in batch:
                 before = (self._size, self._seq, self._prev)
                 line = self._line(body)
-                if self._size > self.config.max_file_bytes and before[0] > 0:
+                # Room must stay for the rotate record that would close the file after this one
+                # (its size is known now: seq, prev and next fixed, ts of fixed width).
+                closing = len(encode(self._record(self._rotate(body["ts"])), self.config.key)[0])
+                if self._size + closing + 1 > self.config.max_file_bytes and before[0] > 0:
                     self._size, self._seq, self._prev = before  # it goes to the next file
-                    lines.append(self._line({"type": "rotate", "ts": body["ts"],
-                                             "next": data_file_name(self._number + 1)}))
+                    lines.append(self._line(self._rotate(body["ts"])))
                     self._flush(lines)
                     self._next_file()
                     line = self._line(body)
@@ -308,11 +310,18 @@ class AuditLog:
             os.ftruncate(self._fd, self._size)
             raise
 
-    def _line(self, body: dict) -> bytes:
-        """The next chained line for body (seq, ts, type and prev first)."""
+    def _rotate(self, ts: str) -> dict:
+        return {"type": "rotate", "ts": ts, "next": data_file_name(self._number + 1)}
+
+    def _record(self, body: dict) -> dict:
+        """body as the next chained record (seq, ts, type and prev first)."""
         record = {"seq": self._seq, "ts": body["ts"], "type": body["type"], "prev": self._prev}
         record.update((k, v) for k, v in body.items() if k not in ("ts", "type"))
-        line, self._prev = encode(record, self.config.key)
+        return record
+
+    def _line(self, body: dict) -> bytes:
+        """The next chained line for body."""
+        line, self._prev = encode(self._record(body), self.config.key)
         self._seq += 1
         self._size += len(line) + 1
         return line
