@@ -21,13 +21,13 @@ TOL = {"float32": 2e-3, "bfloat16": 2e-2}
 
 
 def make_case(rng, *, q_lens, ctx_lens, page_size, Hq, Hkv, D, dtype, cache_dtype=None,
-              pad_tokens=3, pad_seqs=2, pages_per_seq=None):
+              pad_tokens=3, pad_seqs=2, pages_per_seq=None, num_pages=None):
     """A batch of sequences with random cached contexts; returns kernel args and the raw cache.
     The cache is `cache_dtype` (default `dtype`, the queries')."""
     kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     need = [cdiv(n, page_size) for n in kv_lens]
     pages_per_seq = pages_per_seq or max(need) + 1
-    num_pages = 1 + sum(need) + 2
+    num_pages = num_pages or 1 + sum(need) + 2
     # Pages dealt out shuffled so a sequence's pages are not contiguous; page 0 stays the null page.
     free = list(rng.permutation(np.arange(1, num_pages)))
     S = len(q_lens) + pad_seqs
@@ -47,12 +47,38 @@ def make_case(rng, *, q_lens, ctx_lens, page_size, Hq, Hkv, D, dtype, cache_dtyp
             jnp.asarray([len(q_lens)], jnp.int32))
 
 
+def padded_to_one_shape(q_lens_ctx_lens, page_size):
+    """make_case's keyword arguments for each (q_lens, ctx_lens): every batch padded to the same
+    tokens, sequences, page-table width and pool, so that one compiled program takes them all
+    (the paths a batch takes are chosen at run time, from its live lengths)."""
+    kv_pages = [[cdiv(c + q, page_size) for q, c in zip(*case)] for case in q_lens_ctx_lens]
+    T = max(sum(q_lens) for q_lens, _ in q_lens_ctx_lens) + 3
+    S = max(len(q_lens) for q_lens, _ in q_lens_ctx_lens) + 2
+    shape = dict(pages_per_seq=max(map(max, kv_pages)) + 1,
+                 num_pages=max(map(sum, kv_pages)) + 3, page_size=page_size)
+    return [dict(q_lens=q_lens, ctx_lens=ctx_lens, pad_tokens=T - sum(q_lens),
+                 pad_seqs=S - len(q_lens), **shape) for q_lens, ctx_lens in q_lens_ctx_lens]
+
+
+@functools.cache
+def _attention(impl, interpret, **kw):
+    """One jitted function per implementation and static arguments, so that cases of one shape
+    share its compiled program (cleared after the module: _free_programs)."""
+    return jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl, interpret=interpret,
+                                     **kw))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_programs():
+    yield
+    _attention.cache_clear()
+
+
 def check(impl, args, *, dtype, sliding_window=None, soft_cap=None, interpret=False):
     q, cache, kv_lens, page_indices, cu, num_seqs = args
     D = q.shape[-1]
     kw = dict(sm_scale=D ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
-    fn = jax.jit(functools.partial(rpa.ragged_paged_attention, impl=impl, interpret=interpret,
-                                   **kw))
+    fn = _attention(impl, interpret, **kw)
     got = np.asarray(fn(*args).astype(jnp.float32), np.float64)
     want = reference.ragged_paged_attention(*args, **kw)
     live = int(cu[int(num_seqs[0])])
@@ -110,15 +136,16 @@ def test_long_context_crosses_kv_blocks(impl):
     # nine decodes of mixed lengths fill more than two groups of the decode path, the last one
     # partly, with a chunk among them; five short queries (speculative verify rows, 2-8
     # queries) fill more than one group of theirs, beside decodes and a chunk, and then without
-    # the chunk (the cpu path's kernel-only branch).
+    # the chunk (the cpu path's kernel-only branch). All six padded to one shape: two compiled
+    # programs (with and without the window) instead of twelve.
     rng = np.random.default_rng(0)
     nine = ([1] * 4 + [30] + [1] * 5, [70, 5, 600, 129, 40, 0, 64, 65, 300, 1])
     verify = ([5, 1, 8, 2, 30, 3, 1, 6], [600, 70, 130, 63, 40, 0, 300, 64])
     verify_only = ([n for n in verify[0] if n <= 8], [c for n, c in zip(*verify) if n <= 8])
-    for q_lens, ctx_lens in (([1, 45, 1], [600, 300, 0]), ([1, 1, 1], [600, 130, 63]), nine,
-                             ([1] * 9, nine[1][:9]), verify, verify_only):
-        args = make_case(rng, q_lens=q_lens, ctx_lens=ctx_lens, page_size=16, Hq=4, Hkv=2, D=64,
-                         dtype="float32")
+    cases = (([1, 45, 1], [600, 300, 0]), ([1, 1, 1], [600, 130, 63]), nine,
+             ([1] * 9, nine[1][:9]), verify, verify_only)
+    for case in padded_to_one_shape(cases, page_size=16):
+        args = make_case(rng, **case, Hq=4, Hkv=2, D=64, dtype="float32")
         check(impl, args, dtype="float32")
         check(impl, args, dtype="float32", sliding_window=100)
     # Windows shorter than a verify's queries, and pages smaller than the CPU kernel's prefetch
@@ -311,6 +338,7 @@ def test_cpu_kernel_falls_back_to_the_xla_path_without_a_compiler(tmp_path, monk
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
     library.load.cache_clear()
+    _attention.cache_clear()  # traced afresh: the kernels' switch is read when tracing
     try:
         assert not cpu_kernels.enabled()
         assert cpu_kernels.why_off().startswith("no C++ compiler")
@@ -320,6 +348,7 @@ def test_cpu_kernel_falls_back_to_the_xla_path_without_a_compiler(tmp_path, monk
         check("cpu", args, dtype="float32")
     finally:
         library.load.cache_clear()  # the next caller builds (or finds) the real kernel again
+        _attention.cache_clear()
 
 
 # ---- Pallas kernels in interpret mode (slow on CPU: few, small examples) -------------------------
