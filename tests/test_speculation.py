@@ -190,8 +190,12 @@ def test_structured_outputs_and_prefix_cache_with_real_ngram_drafts(tiny_llm):
 
 @pytest.mark.slow
 def test_smollm2_golden_and_input_grounded_output_with_ngram_drafts(smollm2_path, smollm2_golden):
+    # Steps of at least 8 tokens: a decode verifying its 4 drafts (5 tokens) takes that bucket
+    # whatever the smallest, and each bucket below it is one more forward, and one more row
+    # count of samplers, to compile.
     llm = LLM(SMOLLM2, num_pages=256, max_num_seqs=8, max_num_batched_tokens=128,
-              max_model_len=512, speculative_ngram=4, strict_compile=True, progress=False)
+              max_model_len=512, min_token_bucket=8, speculative_ngram=4, strict_compile=True,
+              progress=False)
     greedy = SamplingParams(temperature=0, max_tokens=32)
     for prompt, case in zip(golden_prompts(smollm2_golden), smollm2_golden["cases"]):
         assert_golden(llm.generate(prompt, greedy), {"cases": [case]})  # batch 1: most drafts
@@ -226,7 +230,7 @@ def test_http_num_speculative_tokens_opts_out_caps_and_is_bounded(tmp_path,
 
     path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields)
     engine = build_engine(str(path), num_pages=40, max_num_seqs=2,
-                          max_num_batched_tokens=32, max_model_len=128,
+                          max_num_batched_tokens=32, max_model_len=128, min_token_bucket=16,
                           # 1-token matches too: the random model repeats single tokens
                           speculative_config={"num_speculative_tokens": 3,
                                                       "prompt_lookup_max": 4,
