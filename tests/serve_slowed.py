@@ -21,7 +21,6 @@ def slowed_step(self: LLMEngine):
     return _step(self)
 
 
-LLMEngine.step = slowed_step
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # only then: importing STEP_DELAY_ENV (a test does) patches nothing
+    LLMEngine.step = slowed_step
     sys.exit(cli.main())

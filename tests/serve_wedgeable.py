@@ -20,7 +20,6 @@ def step_or_wedge(self: LLMEngine):
     return _step(self)
 
 
-LLMEngine.step = step_or_wedge
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # only then: importing WEDGE_SEED (a test does) patches nothing
+    LLMEngine.step = step_or_wedge
     sys.exit(cli.main())
