@@ -313,7 +313,7 @@ def test_the_serve_flag_offers_the_tool_with_each_tenant_s_limits(tmp_path):
 
     path = tmp_path / "tenants.toml"
     path.write_text('[tenant.acme]\napi_keys = ["sk-acme-0123456789abcdefghijkl"]\n'
-                    '[tenant.acme.code_interpreter]\nwall_s = 1.5\nprocesses = 4\n'
+                    '[tenant.acme.code_interpreter]\nwall_s = 1.5\nprocesses = 4\ncode_chars = 64\n'
                     '[tenant.other]\napi_keys = ["sk-other-0123456789abcdefghijk"]\n')
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
@@ -324,7 +324,15 @@ def test_the_serve_flag_offers_the_tool_with_each_tenant_s_limits(tmp_path):
     state.config = server_config(parser.parse_args(["--code-interpreter"]))
     (tool,) = _server_tools(state)
     assert tool.kind == "code_interpreter" and tool.limits == SandboxLimits()
-    assert tool.by_tenant == {"acme": replace(SandboxLimits(), wall_s=1.5, processes=4)}
+    acme = tool.for_tenant("acme")
+    assert acme.limits == replace(SandboxLimits(), wall_s=1.5, processes=4, code_chars=64)
+    assert acme.parameters["properties"]["code"]["maxLength"] == 64
+    assert tool.for_tenant("other") is tool
+    assert tool.parameters["properties"]["code"]["maxLength"] == SandboxLimits().code_chars
+    long_code = "print(1)\n" * 10  # 90 characters: over acme's 64, not the default's
+    with pytest.raises(ToolError, match="longer than 64 characters"):
+        asyncio.run(tool.execute(replace(CONTEXT, tenant="acme"), {"code": long_code}, {}))
+    assert asyncio.run(tool.execute(CONTEXT, {"code": long_code}, {}))["exit_code"] == 0
     started = time.monotonic()
     with pytest.raises(ToolError, match="wall-time limit of 1.5 s"):
         asyncio.run(tool.execute(replace(CONTEXT, tenant="acme"), {"code": "import time\n"

@@ -30,19 +30,23 @@ class CodeInterpreter:
         """`tenant_limits`: a tenant's overrides of `limits` by name (the tenants file's
         `[tenant.NAME.code_interpreter]`)."""
         self.limits = limits
-        self.by_tenant = {tenant: replace(limits, **dict(overrides))
-                          for tenant, overrides in tenant_limits.items() if overrides}
+        # The schema offered to the model bounds the code by the limits of whoever is offered it.
         self.parameters = {"type": "object", "properties": {"code": {
             "type": "string", "minLength": 1, "maxLength": limits.code_chars}},
             "required": ["code"], "additionalProperties": False}
+        self._by_tenant = {tenant: CodeInterpreter(replace(limits, **dict(overrides)))
+                           for tenant, overrides in tenant_limits.items() if overrides}
+
+    def for_tenant(self, tenant: str) -> CodeInterpreter:
+        return self._by_tenant.get(tenant, self)
 
     async def execute(self, context: ToolContext, arguments: dict, config: dict) -> dict:
         code = arguments.get("code")
         if not isinstance(code, str) or not code.strip():
             raise ToolError("code_interpreter needs non-empty 'code'")
-        if len(code) > self.limits.code_chars:
-            raise ToolError(f"the code is longer than {self.limits.code_chars} characters")
-        limits = self.by_tenant.get(context.tenant, self.limits)
+        limits = self.for_tenant(context.tenant).limits
+        if len(code) > limits.code_chars:
+            raise ToolError(f"the code is longer than {limits.code_chars} characters")
         try:
             result = await run_code(code, limits)
         except OSError as e:  # the runtime is missing or refused to start

@@ -31,6 +31,9 @@ class FileSearch:
         """`rag`: a jaxserve.rag.service.RagService."""
         self.rag = rag
 
+    def for_tenant(self, tenant: str) -> FileSearch:
+        return self
+
     async def execute(self, context: ToolContext, arguments: dict, config: dict) -> list[dict]:
         query = arguments.get("query")
         if not isinstance(query, str) or not query:

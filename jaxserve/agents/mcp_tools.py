@@ -159,6 +159,9 @@ class McpTools:
     def __init__(self, limits: McpLimits):
         self.limits = limits
 
+    def for_tenant(self, tenant: str) -> McpTools:
+        return self
+
     def check(self, config: dict, param: str) -> None:
         """A request's tool entry (at `param`): its server must be allowed; its token goes in
         `authorization` or in `headers`, not both."""

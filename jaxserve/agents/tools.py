@@ -53,6 +53,9 @@ class ServerTool(Protocol):
     description: str
     parameters: dict  # the JSON schema of the call's arguments
 
+    def for_tenant(self, tenant: str) -> ServerTool:
+        """This tool as `tenant` is offered it (its own limits and schema; else itself)."""
+
     async def execute(self, context: ToolContext, arguments: dict, config: dict) -> Any:
         """The result (JSON), or ToolError."""
 

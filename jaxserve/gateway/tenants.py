@@ -282,7 +282,7 @@ def _bool(value: Any, where: str) -> bool:
 CODE_LIMITS: dict[str, Callable[[Any, str], Any]] = {
     "wall_s": _positive, "cpu_s": _positive_int, "memory_bytes": _positive_int,
     "processes": _positive_int, "file_bytes": _positive_int, "open_files": _positive_int,
-    "output_bytes": _positive_int}
+    "output_bytes": _positive_int, "code_chars": _positive_int}
 
 
 # The server-side tools of /v1/responses a tenant's `tools` may name.

@@ -110,6 +110,7 @@ class ResponseRunner:
             if tool is None:
                 raise InvalidRequest(f"the tool type {entry.type!r} is not available on this "
                                      f"server", param=f"tools[{i}].type")
+            tool = tool.for_tenant(principal.tenant.name)
             key = entry.type
             if entry.type == "mcp":
                 tool.check(entry.model_dump(), f"tools[{i}]")
