@@ -13,13 +13,15 @@ with SmolLM2's tokenizer and chat template; the model's call forced by tool_choi
 output the MCP server's answer to the arguments the model wrote) and logged as steps, the stream's
 MCP events, approval requests answered by a following request (approved: the call is made; denied:
 not), the bounds (hosts not allowed, duplicate labels, unknown approvals: 400 naming the field; a
-tenant's tool allowlist: 403), failures as the model reads them; and, host side with scripted
+tenant's tool allowlist: 403), failures as the model reads them; code_interpreter's forced call run
+in the real sandbox (bubblewrap) with the tenant's own code length bound; and, host side with scripted
 model turns, an MCP call interrupted by a shutdown re-issued with the same step id on resume."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
 import sqlite3
 import subprocess
@@ -43,6 +45,9 @@ from tests.test_server import ServerThread, _request, wait_for
 TENANTS = """
 [tenant.alice]
 api_keys = ["sk-alice-mcp-tools-0000000"]
+
+[tenant.alice.code_interpreter]
+code_chars = 40
 
 [tenant.bob]
 api_keys = ["sk-bob-mcp-tools-000000000"]
@@ -98,7 +103,7 @@ def server(tmp_path_factory, smollm2_tokenizer_fields, mcp_server):
     llm = tiny_chat_engine(d, smollm2_tokenizer_fields)
     engine = AsyncEngine(llm)
     http = ServerThread("tiny", tenants_file=str(tenants), data_dir=str(d / "data"),
-                        mcp_allowed_hosts=("127.0.0.1",))
+                        mcp_allowed_hosts=("127.0.0.1",), code_interpreter=True)
     http.data_dir = d / "data"
     http.attach(engine)
     yield http
@@ -261,6 +266,26 @@ def test_failures_are_what_the_model_reads(server, mcp_server):
     assert (call.type, call.status) == ("mcp_call", "failed")
     assert call.error.type == "mcp_tool_execution_error"
     assert "broken" in call.error.content[0]["text"]
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is absent")
+def test_code_interpreter_runs_the_model_s_code_in_the_sandbox(server):
+    """code_interpreter end to end: the model's forced call, its code bounded by the schema it is
+    offered (alice's own code_chars, 40), runs in the real sandbox; the call's item carries the
+    sandbox's outcome (a random model's code rarely runs: then the item failed, and what the model
+    read next is the sandbox's error), and the run is logged as steps."""
+    r = _client(server).responses.create(
+        model="tiny", input="Compute 2+2 in Python.", temperature=0, max_output_tokens=64,
+        tools=[{"type": "code_interpreter", "container": {"type": "auto"}}],
+        tool_choice={"type": "code_interpreter"}, max_tool_calls=1)
+    (call,) = [item for item in r.output if item.type == "code_interpreter_call"]
+    assert 1 <= len(call.code) <= 40
+    assert call.status in ("completed", "failed")
+    if call.status == "completed":  # it ran: the sandbox's logs are its output
+        assert call.outputs[0].type == "logs"
+    steps = _steps(server, r.id)
+    assert [kind for kind, *_ in steps] == ["model_turn", "tool_call", "model_turn"]
+    assert steps[1][1:3] == ("code_interpreter", call.status)
 
 
 def test_a_failed_listing_is_a_424_naming_the_server(server):
