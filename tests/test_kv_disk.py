@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 
 from jaxserve.config import CacheConfig
-from jaxserve.core.cache import KVCacheManager
+from jaxserve.core.cache import KVCacheManager, extend_page_hashes
 from jaxserve.core.engine_factory import build_engine
 from jaxserve.core.kv_disk import DiskTier, num_disk_files, open_directory
 from jaxserve.core.kv_offload import HostTier
-from jaxserve.core.request import Request
+from jaxserve.core.kv_transfer import export_prefix, import_prefix
+from jaxserve.core.request import QoS, Request
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.errors import ConfigError
 from jaxserve.executor.kv_files import SUFFIX, file_bytes, write_page
 from jaxserve.executor.page_copies import DiskLoads, DiskWrites
@@ -58,9 +60,9 @@ class Pools:
 
     def copies(self) -> None:
         for run in self.kv.take_page_copies():
-            if isinstance(run, DiskWrites):
-                for slot, path, h, tokens in zip(*run):
-                    write_page(path, h, tokens, self.host[slot])
+            if isinstance(run, DiskWrites):  # queued for the worker, as the executor does
+                for slot, path, h, tokens in run.pages():
+                    run.io.write(path, h, tokens, self.host[slot].copy())
             elif isinstance(run, DiskLoads):
                 for page, data in zip(*run):
                     self.device[page] = np.frombuffer(data, np.int64)
@@ -87,6 +89,7 @@ def test_pages_spill_to_disk_and_come_back_intact_salts_apart(tmp_path):
     prompt = list(range(13))  # 3 full pages + 1 token
     assert pools.run(Request("a", prompt, cache_salt="t:a")) == 0
     _flood(pools, 4)  # 8 pages through 4 device pages and 2 host slots: a's pages reach disk
+    disk.io.flush()
     assert disk.num_pages >= 3 and disk.pages_written == disk.num_pages
     files = sorted(f for f in os.listdir(tmp_path) if f.endswith(SUFFIX))
     assert len(files) == disk.num_pages
@@ -106,6 +109,7 @@ def test_corrupt_partial_and_missing_files_are_misses_and_the_bound_holds(tmp_pa
     for i, p in enumerate(prompts):
         pools.run(Request(f"p{i}", p))
     _flood(pools, 2)  # 10 pages: 4 on the device, 2 in host slots, 4 spilled into 3 files
+    disk.io.flush()
     assert disk.pages_written == 4
     assert disk.num_pages == 3 and len(os.listdir(tmp_path)) == 3 + 1  # the marker
     names = sorted(f for f in os.listdir(tmp_path) if f.endswith(SUFFIX))
@@ -121,8 +125,58 @@ def test_corrupt_partial_and_missing_files_are_misses_and_the_bound_holds(tmp_pa
     for i, p in enumerate(prompts):
         pools.run(Request(f"again{i}", p))  # Pools.run checks any page it gets
     assert disk.bad_files >= 2  # read, refused, dropped
+    disk.io.flush()
     assert not set(names) & set(os.listdir(tmp_path)) - {names[2]}  # (names[2] was unlinked)
     assert disk.num_pages <= 3
+    pools.kv.check_invariants()
+
+
+def test_pages_put_overwrites_go_to_disk_and_come_back_intact(tmp_path):
+    """A transfer's pages (HostTier.put, jaxserve.core.kv_transfer) past the host tier's slots
+    are spilled: the caller runs the copies (the file written from the slot's page) before it
+    fills the slot, as import_prefix does."""
+    pools, disk = _manager(tmp_path, device_pages=8)
+    prompt = list(range(500, 521))  # 5 full pages + 1 token
+    hashes = extend_page_hashes([], prompt, PS, 5, "t:x")
+    for i in reversed(range(5)):  # tail first, as import_prefix puts them
+        slot = pools.kv.host_tier.put(hashes[i], tuple(prompt[i * PS:(i + 1) * PS]))
+        pools.copies()
+        pools.host[slot] = prompt[i * PS:(i + 1) * PS]
+    disk.io.flush()
+    assert disk.pages_written == 3 and pools.kv.host_tier.num_pages == 2
+    assert pools.run(Request("x", prompt, cache_salt="t:x")) == 20  # Pools.run checked them
+    assert pools.kv.disk_tier_hits == 12
+    pools.kv.check_invariants()
+
+
+def test_a_waiting_requests_disk_pages_are_read_ahead_and_checked(tmp_path):
+    pools, disk = _manager(tmp_path)
+    prompt = list(range(13))  # 3 full pages + 1 token
+    pools.run(Request("a", prompt))
+    _flood(pools, 4)
+    disk.io.flush()
+    waiting = Request("a2", prompt)
+    pools.kv.read_ahead(waiting)
+    disk.io.flush()  # the reads ran on the worker: the files are no longer needed
+    names = [f for f in os.listdir(tmp_path) if f.endswith(SUFFIX)]
+    on_disk = {bytes.fromhex(f[:-len(SUFFIX)]) for f in names}
+    wanted = set(extend_page_hashes([], prompt, PS, 3, None)) & on_disk
+    assert wanted
+    for f in names:
+        os.unlink(tmp_path / f)
+    assert pools.run(waiting) == 12  # Pools.run checked them
+    assert pools.kv.disk_tier_hits == len(wanted) * PS
+    # A read ahead of a damaged file is refused when the page is restored, as a direct read is.
+    pools.run(Request("b", list(range(700, 713))))
+    _flood(pools, 4, base=9000)
+    disk.io.flush()
+    for f in os.listdir(tmp_path):
+        if f.endswith(SUFFIX):
+            write_page(str(tmp_path / f), b"\0" * 16, (1, 2, 3, 4), np.zeros(4, np.int64))
+    bad = disk.bad_files
+    waiting = Request("b2", list(range(700, 713)))
+    pools.kv.read_ahead(waiting)
+    assert pools.run(waiting) < 12 and disk.bad_files > bad
     pools.kv.check_invariants()
 
 
@@ -186,6 +240,7 @@ def test_a_prefix_spilled_to_disk_is_read_back_with_the_same_tokens(engine):
     first = _generate(engine, "a", prompt)
     for i in range(2):  # evict a's 4 pages from the device, and all but one from the host
         _generate(engine, f"flood{i}", [3000 + 500 * i + j for j in range(65)])
+    tier.disk.io.flush()
     before = engine.stats()
     assert before.kv_disk_pages >= 4 and before.kv_disk_bytes_written > 0
     again = _generate(engine, "a2", prompt)
@@ -202,6 +257,7 @@ def test_a_prefix_spilled_to_disk_is_read_back_with_the_same_tokens(engine):
     # Damaged files are misses: the prompt is computed again, to the same tokens.
     for i in range(2):
         _generate(engine, f"flood-again{i}", [5000 + 500 * i + j for j in range(65)])
+    tier.disk.io.flush()
     for name in os.listdir(tier.disk.directory):
         if name.endswith(SUFFIX):
             path = os.path.join(tier.disk.directory, name)
@@ -215,4 +271,32 @@ def test_a_prefix_spilled_to_disk_is_read_back_with_the_same_tokens(engine):
     _same(third, first)
     assert engine.stats().kv_disk_hits == hits and tier.disk.bad_files > 0
     assert engine.runner.num_serving_compiles == 0
+    assert_no_leaks(engine)
+
+
+def test_a_transfers_pages_past_the_host_tier_are_restored_from_disk(engine):
+    """import_prefix (a decode server's side of P/D) into a one-page host tier: the pages it
+    overwrites are spilled to disk, each from its own bytes, and come back to the same tokens."""
+    prompt = [2000 + 3 * i for i in range(65)]  # 4 full pages + 1 token
+    first = _generate(engine, "computed", prompt)
+    pages = export_prefix(engine, prompt, None)
+    assert pages.shape[1] == 4
+    written = engine.stats().kv_disk_bytes_written
+    assert import_prefix(engine, prompt, "t:other", pages) == 4  # another tenant's prefix
+    tier = engine.scheduler.cache.host_tier
+    tier.disk.io.flush()
+    before = engine.stats()
+    assert before.kv_disk_bytes_written - written >= 3 * PAGE_BYTES
+    engine.add_request("imported", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0),
+                       qos=QoS(cache_salt="t:other"))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                again = out
+    _same(again, first)
+    assert again.num_cached_tokens == 64
+    assert engine.stats().kv_disk_hits - before.kv_disk_hits == 48
+    assert engine.runner.num_serving_compiles == 0
+    tier.check_invariants()
     assert_no_leaks(engine)

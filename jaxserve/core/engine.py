@@ -87,8 +87,9 @@ class EngineStats:
     kv_offload_bytes_to_device: int = 0
     kv_offload_seconds: float = 0.0
     # Its disk tier (--kv-offloading-disk-path; jaxserve.core.kv_disk): of the hits, those read
-    # from disk; files held and the bound; bytes written to and read from the files; host
-    # seconds writing, reading and checking them.
+    # from disk; files held and the bound; bytes written to and read from the files; the engine
+    # thread's seconds on them (queueing writes, waiting for reads, loading pages: the files
+    # are written, read and checked on the tier's worker thread).
     kv_disk_hits: int = 0
     kv_disk_pages: int = 0
     kv_disk_capacity_pages: int = 0
@@ -512,7 +513,7 @@ class LLMEngine:
         pool = self.runner.host_pool
         return dict(kv_disk_hits=s.disk_tier_hits, kv_disk_pages=s.disk_tier_pages,
                     kv_disk_capacity_pages=s.disk_tier_files,
-                    kv_disk_bytes_written=pool.bytes_to_disk,
+                    kv_disk_bytes_written=s.disk_tier_bytes_written,
                     kv_disk_bytes_read=pool.bytes_from_disk,
                     kv_disk_seconds=pool.disk_seconds + s.disk_tier_read_seconds)
 

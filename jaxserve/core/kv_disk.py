@@ -6,8 +6,14 @@ own (jaxserve.executor.kv_files: keyed by the chained per-tenant hash, so tenant
 as in the other tiers; token ids and a checksum inside), and read back when a waiting request's
 prefix needs it: the scheduler reads and checks the file (`read`) before it restores the page into
 the device pool, so a corrupt, partial or vanished file is a miss, never a wrong page. Files are
-a fixed number (the size over one file's), least recently used first out; the writes are the
-executor's (`take_writes`, run with the step's other copies), the deletions are made here.
+a fixed number (the size over one file's), least recently used first out; which slot is written
+where is the executor's (`take_writes`, run with the step's other copies).
+
+The file operations run on the tier's worker thread (kv_files.DiskIO), in the order asked: the
+executor copies a slot's bytes and queues its write, deletions are queued here, and a read waits
+only for its own file. A waiting request's disk pages are read ahead (`prefetch`, up to
+MAX_PREFETCHED pages held) while it waits, so its admission finds them read; what `read` returns
+is checked by the worker exactly as before (read_page).
 
 The directory is this process's alone: created 0700 (an existing one must be ours, not a
 symlink, and either empty or marked as a jaxserve KV tier by an earlier run), locked (a second
@@ -24,12 +30,16 @@ import shutil
 import stat
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 
 from jaxserve.errors import ConfigError
-from jaxserve.executor.kv_files import FORMAT_VERSION, SUFFIX, file_bytes, page_file, read_page
+from jaxserve.executor.kv_files import FORMAT_VERSION, SUFFIX, DiskIO, file_bytes, page_file
 from jaxserve.executor.page_copies import DiskWrites, tier_pages
 
 MARKER = "JAXSERVE_KV_TIER"  # names the format version; holds the lock
+# Pages read ahead and not yet restored, at most (the oldest is forgotten first): their bytes
+# are held in memory.
+MAX_PREFETCHED = 64
 
 
 def disk_tier(cache_config, page_bytes: int) -> DiskTier | None:
@@ -91,9 +101,11 @@ class DiskTier:
         self.page_bytes = page_bytes
         self._files: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # hash -> tokens, LRU
         self._writes: dict[bytes, int] = {}  # hash -> host slot, not yet taken
+        self._prefetched: OrderedDict[bytes, Future] = OrderedDict()  # hash -> its read
+        self.io = DiskIO()
         self.pages_written = 0
         self.pages_read = 0
-        self.read_seconds = 0.0
+        self.read_seconds = 0.0  # the engine thread's time waiting for reads
         self.bad_files = 0  # files that did not hold their page intact (dropped)
 
     @property
@@ -114,11 +126,30 @@ class DiskTier:
         self._writes[page_hash] = slot
         self.pages_written += 1
 
+    @property
+    def writes_pending(self) -> bool:
+        """Whether spilled pages wait for `take_writes`."""
+        return bool(self._writes)
+
+    def prefetch(self, page_hash: bytes, tokens: tuple[int, ...]) -> None:
+        """Start reading the page's file, if held and not read already (skipped while the
+        worker's queue is full)."""
+        if page_hash in self._prefetched or not self.holds(page_hash, tokens):
+            return
+        future = self.io.read(page_file(self.directory, page_hash), page_hash, tokens,
+                              self.page_bytes, wait_for_room=False)
+        if future is None:
+            return
+        self._prefetched[page_hash] = future
+        if len(self._prefetched) > MAX_PREFETCHED:
+            self._prefetched.popitem(last=False)
+
     def read(self, page_hash: bytes, tokens: tuple[int, ...]) -> bytes | None:
         """The page's bytes, checked; None (and the file dropped) when it is not intact."""
         started = time.perf_counter()
-        data = read_page(page_file(self.directory, page_hash), page_hash, tokens,
-                         self.page_bytes)
+        future = self._prefetched.pop(page_hash, None) or self.io.read(
+            page_file(self.directory, page_hash), page_hash, tokens, self.page_bytes)
+        data = future.result()
         self.read_seconds += time.perf_counter() - started
         if data is None:
             self.bad_files += 1
@@ -139,7 +170,7 @@ class DiskTier:
         hashes = tuple(self._writes)
         out = DiskWrites(tuple(self._writes.values()),
                          tuple(page_file(self.directory, h) for h in hashes), hashes,
-                         tuple(self._files[h] for h in hashes))
+                         tuple(self._files[h] for h in hashes), self.io)
         self._writes = {}
         return out
 
@@ -149,12 +180,12 @@ class DiskTier:
 
     def _drop(self, page_hash: bytes) -> None:
         del self._files[page_hash]
+        self._prefetched.pop(page_hash, None)
         if self._writes.pop(page_hash, None) is None:  # a pending write has no file yet
-            try:
-                os.unlink(page_file(self.directory, page_hash))
-            except FileNotFoundError:
-                pass
+            self.io.unlink(page_file(self.directory, page_hash))
 
     def check_invariants(self) -> None:
         assert len(self._files) <= self.num_files, "more files than the bound"
         assert self._writes.keys() <= self._files.keys()
+        assert self._prefetched.keys() <= self._files.keys()
+        assert len(self._prefetched) <= MAX_PREFETCHED

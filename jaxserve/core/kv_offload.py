@@ -21,7 +21,8 @@ runner waits for that save).
 
 With a disk tier (jaxserve.core.kv_disk), a page whose slot the LRU overwrites is written to disk
 first (those writes come first in a step's copies, before the saves that overwrite the slots; a
-slot saved in this step is not overwritten again in it, so what is written is a landed page), and
+slot saved in this step is not overwritten again in it, so what is written is a landed page; a
+slot `put` overwrites between steps has its page's write taken and run before it is filled), and
 `find` reads a page the host no longer holds back from its file, checked, before the scheduler
 restores it: such a page goes from the file's bytes straight into its device page (the restores
 from disk come last).
@@ -101,17 +102,22 @@ class HostTier:
     def put(self, page_hash: bytes, tokens: tuple[int, ...]) -> int | None:
         """The slot to fill with a page computed elsewhere (a prefill server's, jaxserve.disagg),
         which the caller writes at once; None when the page is held already. Taken like a save's
-        slot (a free one, else the least recently used is overwritten)."""
+        slot (a free one, else the least recently used is overwritten, spilled to the disk tier
+        when there is one: the caller runs `take_copies` before writing the slot, so the file
+        is written from the page the slot held)."""
         if page_hash in self._slots:
             self._slots.move_to_end(page_hash)
             return None
         assert not self._saves and not self._reading, "between steps: no copy is pending"
+        assert self.disk is None or not self.disk.writes_pending, "the last spill's copies run"
         if self._free:
             slot = self._free.pop()
         else:
             old = next(iter(self._slots))
             slot = self._slots.pop(old)
-            del self._tokens[old]
+            old_tokens = self._tokens.pop(old)
+            if self.disk is not None:
+                self.disk.spill(old, old_tokens, slot)
         self._slots[page_hash] = slot
         self._tokens[page_hash] = tokens
         return slot

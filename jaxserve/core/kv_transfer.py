@@ -7,7 +7,8 @@ What travels is the prompt's full pages that the prefill engine's prefix cache i
 (the pages `lookup_prefix` would hit: never the page holding the prompt's last token). The decode
 engine keys them by its own chained hashes of the prompt's tokens under the request's cache salt,
 so a page is only ever read behind the very prefix and tenant it was computed for, and puts them
-in its host tier; the request's admission then restores them as any host-tier hit
+in its host tier (those its LRU overwrites go to the disk tier, when there is one); the
+request's admission then restores them as any host-tier hit
 (KVCacheManager.restore_prefix) and computes only the rest of the prompt, which samples the first
 token. That is vLLM's shape for its KV connectors (the decode side recomputes the prompt's last
 token); the prefill's own first token is not sent, so sampling (seeds, penalties, logprobs) stays
@@ -80,6 +81,9 @@ def import_prefix(engine: LLMEngine, token_ids: Sequence[int], cache_salt: str |
         tokens = tuple(token_ids[i * page_size:(i + 1) * page_size])
         slot = cache.host_tier.put(hashes[i], tokens)
         if slot is not None:
+            # The page the slot held goes to the disk tier, if any: its bytes are copied out
+            # before the slot is overwritten.
+            engine.runner.copy_pages(cache.take_page_copies())
             engine.runner.host_pool.write_slot(slot, pages[:, i])
             put += 1
     return put

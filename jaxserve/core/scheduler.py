@@ -21,7 +21,8 @@ Plain Python and numpy (no JAX): `schedule()` returns a padded `BatchPlan` and t
 With a host tier (`num_host_pages`, --kv-offloading-size), a waiting request's prefix pages that
 the device evicted and the host holds are brought back before it is looked up
 (KVCacheManager.restore_prefix); the step's copies to and from the host ride in its output
-(`page_copies`) and run before its forward.
+(`page_copies`) and run before its forward. With a disk tier the next waiting requests' pages
+on disk are read ahead while the step runs (`_read_ahead`).
 Prompt-cache pins (`Request.cache_pins`, Anthropic's cache_control) are made as soon as their
 prefix is computed, and expired pins are released at the start of each step (KVCacheManager.pin);
 a waiting request that cannot start while nothing runs releases pins, oldest first, until it can.
@@ -66,6 +67,9 @@ from jaxserve.core.kv_disk import DiskTier
 from jaxserve.core.kv_offload import HostTier
 from jaxserve.core.request import Request, RequestStatus
 
+
+# Waiting requests whose disk-tier pages are read ahead each step (the next to be admitted).
+READ_AHEAD_REQUESTS = 2
 
 # (request, n) -> up to n draft tokens to follow the request's tokens (jaxserve.core.speculation).
 Drafter = Callable[[Request, int], Sequence[int]]
@@ -139,14 +143,16 @@ class SchedulerStats:
     disk_tier_hits: int = 0  # of host_tier_hits, restored from the disk tier
     disk_tier_pages: int = 0  # pages the disk tier holds
     disk_tier_files: int = 0  # pages it can hold (0: no disk tier)
-    disk_tier_read_seconds: float = 0.0  # host seconds reading and checking them
+    disk_tier_read_seconds: float = 0.0  # the engine thread's seconds waiting for their reads
+    disk_tier_bytes_written: int = 0  # file bytes its worker wrote
 
 
 def _disk_stats(disk: DiskTier | None) -> dict:
     if disk is None:
         return {}
     return dict(disk_tier_pages=disk.num_pages, disk_tier_files=disk.num_files,
-                disk_tier_read_seconds=disk.read_seconds)
+                disk_tier_read_seconds=disk.read_seconds,
+                disk_tier_bytes_written=disk.io.stats.bytes_written)
 
 
 class Scheduler:
@@ -272,6 +278,7 @@ class Scheduler:
                     step.add(r, n)
         if not step.short_of_pages:  # else admitting more would only churn
             self._admit_waiting(step)
+        self._read_ahead()
         if not step.scheduled:
             return None
         if self.drafter is not None:
@@ -482,6 +489,13 @@ class Scheduler:
                 return
             self._preempt(victim)
             step.preempted.append(victim)
+
+    def _read_ahead(self) -> None:
+        """The disk tier reads the files of the next waiting requests' prefixes while the step
+        runs (their admission then finds the pages read)."""
+        if self.cache.host_tier is not None and self.cache.host_tier.disk is not None:
+            for request in itertools.islice(self.waiting, READ_AHEAD_REQUESTS):
+                self.cache.read_ahead(request)
 
     def _admit_waiting(self, step: _Step) -> None:
         in_flight = self.cache.pages_in_flight(self.running) if self.waiting else set()

@@ -12,15 +12,28 @@ little-endian. A read checks all of it against what the caller expects (the salt
 and the token ids the prefix cache holds, the page's byte size): a file that is short, altered,
 of another version or another page is a miss, never a page restored. A file is written under a
 temporary name and renamed, so a crash leaves no partial file under a page's name.
+
+The file operations run on one worker thread (`DiskIO`), off the engine's: the engine thread copies
+a page's bytes out of its host slot and queues the write, and queues a read ahead of the
+admission that will restore it. One thread and one queue keep them in the order asked, so a read
+sees the write queued before it and a deletion follows the write it undoes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import queue
 import struct
+import threading
+import time
+import weakref
+from concurrent.futures import Future
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"JXKV"
 FORMAT_VERSION = 1
@@ -74,3 +87,85 @@ def read_page(path: str, page_hash: bytes, tokens: tuple[int, ...], nbytes: int)
     if hashlib.blake2b(body, digest_size=_DIGEST).digest() != blob[-_DIGEST:]:
         return None
     return bytes(body[len(head):])
+
+
+# Jobs queued at most: a write asked for while the queue is full waits for room, so the page
+# bytes waiting to be written stay under this many pages (a read-ahead is skipped instead).
+MAX_QUEUED = 64
+
+
+class DiskIOStats:
+    """What the worker did (written by its thread, read by the engine's stats)."""
+
+    def __init__(self):
+        self.bytes_written = 0
+        self.write_errors = 0
+        self.seconds = 0.0  # the worker's time on the files
+
+
+class DiskIO:
+    """The disk tier's file operations, in order, on a thread of their own."""
+
+    def __init__(self, max_queued: int = MAX_QUEUED):
+        self._jobs: queue.Queue = queue.Queue(max_queued)
+        self.stats = DiskIOStats()
+        threading.Thread(target=_work, args=(self._jobs, self.stats), name="kv-disk-io",
+                         daemon=True).start()
+        weakref.finalize(self, self._jobs.put, None)  # the thread ends with its owner
+
+    def write(self, path: str, page_hash: bytes, tokens: tuple[int, ...],
+              payload: np.ndarray) -> None:
+        """Queue the page's file write; `payload` must be the caller's own copy."""
+        self._jobs.put((_write, (path, page_hash, tokens, payload), None))
+
+    def unlink(self, path: str) -> None:
+        self._jobs.put((_unlink, (path,), None))
+
+    def read(self, path: str, page_hash: bytes, tokens: tuple[int, ...], nbytes: int, *,
+             wait_for_room: bool = True) -> Future | None:
+        """A future of read_page's answer; None when the queue is full and not `wait_for_room`."""
+        future: Future = Future()
+        try:
+            self._jobs.put((_read, (path, page_hash, tokens, nbytes), future),
+                           block=wait_for_room)
+        except queue.Full:
+            return None
+        return future
+
+    def flush(self) -> None:
+        """Wait until every queued operation is done."""
+        self._jobs.join()
+
+
+def _work(jobs: queue.Queue, stats: DiskIOStats) -> None:
+    while (job := jobs.get()) is not None:
+        run, args, future = job
+        started = time.perf_counter()
+        try:
+            result = run(stats, *args)
+        except Exception:  # never lose the worker: a read that fails is a miss
+            log.exception("the KV disk tier's worker failed on %s", args[0])
+            result = None
+        stats.seconds += time.perf_counter() - started
+        if future is not None:
+            future.set_result(result)
+        jobs.task_done()
+
+
+def _write(stats: DiskIOStats, path, page_hash, tokens, payload) -> None:
+    try:
+        stats.bytes_written += write_page(path, page_hash, tokens, payload)
+    except OSError as e:  # a full or failing disk: the page is a miss when asked for
+        stats.write_errors += 1
+        log.warning("the KV disk tier could not write %s: %s", path, e)
+
+
+def _read(stats: DiskIOStats, path, page_hash, tokens, nbytes) -> bytes | None:
+    return read_page(path, page_hash, tokens, nbytes)
+
+
+def _unlink(stats: DiskIOStats, path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -15,14 +15,14 @@ padded to power-of-two buckets (the null page fills the rest: its contents are n
 load pads with copies of its first slot), so the programs are compiled at warmup like every
 other.
 
-The disk tier's copies ride along (jaxserve.core.kv_disk decides them): `DiskWrites` write
-slots into files (jaxserve.executor.kv_files) before this step's saves can land in those slots,
-and `DiskLoads` scatter pages read back from files into the pool with the same load program.
+The disk tier's copies ride along (jaxserve.core.kv_disk decides them): `DiskWrites` copy slots
+out and queue them for their files (jaxserve.executor.kv_files, written on the tier's worker
+thread) before this step's saves can land in those slots, and `DiskLoads` scatter pages read back
+from files into the pool with the same load program.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Callable, Sequence
 
@@ -30,10 +30,7 @@ import jax
 import numpy as np
 
 from jaxserve.executor.batch_plan import NULL_PAGE, next_power_of_two
-from jaxserve.executor.kv_files import write_page
 from jaxserve.executor.page_copies import DiskLoads, DiskWrites, PageCopies, tier_pages
-
-log = logging.getLogger(__name__)
 
 # The largest copy one program runs; a longer run is cut into copies of this many pages.
 MAX_COPY_BUCKET = 256
@@ -79,10 +76,10 @@ class HostKVPool:
         self.bytes_to_host = 0
         self.bytes_to_device = 0
         self.copy_seconds = 0.0  # host time spent enqueuing and landing copies
-        self.bytes_to_disk = 0  # the disk tier's files written
-        self.bytes_from_disk = 0  # pages read from them, copied into the pool
-        self.disk_seconds = 0.0  # host time spent writing them and loading their pages
-        self.disk_write_errors = 0
+        self.bytes_from_disk = 0  # pages read from the disk tier, copied into the pool
+        # This thread's time queueing the disk tier's writes (the slots copied) and loading its
+        # pages; the files are written and read on the tier's worker (kv_files.DiskIO).
+        self.disk_seconds = 0.0
 
     @property
     def page_bytes(self) -> int:
@@ -127,14 +124,10 @@ class HostKVPool:
         return kv_cache
 
     def _write_files(self, run: DiskWrites) -> None:
-        """The slots' pages into their files (the slots hold landed pages: run() landed the
-        last step's saves, and this step's come after)."""
-        for slot, path, page_hash, tokens in zip(*run):
-            try:
-                self.bytes_to_disk += write_page(path, page_hash, tokens, self.buffer[:, slot])
-            except OSError as e:  # a full or failing disk: the page is a miss when asked for
-                self.disk_write_errors += 1
-                log.warning("the KV disk tier could not write %s: %s", path, e)
+        """Queue the slots' pages for their files, copied now (the slots hold landed pages:
+        run() landed the last step's saves, and this step's, which overwrite them, come after)."""
+        for slot, path, page_hash, tokens in run.pages():
+            run.io.write(path, page_hash, tokens, self.buffer[:, slot].copy())
 
     def _load_disk(self, run: DiskLoads, kv_cache, program) -> jax.Array:
         row = self.buffer.shape[2:]

@@ -9,9 +9,12 @@ restored is in place before the forward reads it.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from jaxserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from jaxserve.executor.kv_files import DiskIO
 
 GIB = 1 << 30
 
@@ -40,12 +43,18 @@ class PageCopies(NamedTuple):
 
 class DiskWrites(NamedTuple):
     """Host slots written to the disk tier's files before the step's saves overwrite them:
-    slots[i] -> paths[i], the page of page_hashes[i] and tokens[i] (jaxserve.executor.kv_files)."""
+    slots[i] -> paths[i], the page of page_hashes[i] and tokens[i] (jaxserve.executor.kv_files).
+    The slots' bytes are copied at once and the files written by the tier's worker (`io`)."""
 
     slots: tuple[int, ...]
     paths: tuple[str, ...]
     page_hashes: tuple[bytes, ...]
     tokens: tuple[tuple[int, ...], ...]
+    io: DiskIO
+
+    def pages(self):
+        """(slot, path, page hash, tokens) of each write."""
+        return zip(self.slots, self.paths, self.page_hashes, self.tokens)
 
 
 class DiskLoads(NamedTuple):
