@@ -12,13 +12,14 @@ import stat
 import numpy as np
 import pytest
 
-from jaxserve.config import CacheConfig
+from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.cache import KVCacheManager, extend_page_hashes
 from jaxserve.core.engine_factory import build_engine
 from jaxserve.core.kv_disk import DiskTier, num_disk_files, open_directory
 from jaxserve.core.kv_offload import HostTier
 from jaxserve.core.kv_transfer import export_prefix, import_prefix
 from jaxserve.core.request import QoS, Request
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.errors import ConfigError
 from jaxserve.executor.kv_files import SUFFIX, file_bytes, write_page
@@ -58,8 +59,9 @@ class Pools:
         self.kv.free(req)
         return restored * PS
 
-    def copies(self) -> None:
-        for run in self.kv.take_page_copies():
+    def copies(self, runs=None) -> None:
+        """Run these copies (default: those the cache holds for the next step)."""
+        for run in self.kv.take_page_copies() if runs is None else runs:
             if isinstance(run, DiskWrites):  # queued for the worker, as the executor does
                 for slot, path, h, tokens in run.pages():
                     run.io.write(path, h, tokens, self.host[slot].copy())
@@ -178,6 +180,37 @@ def test_a_waiting_requests_disk_pages_are_read_ahead_and_checked(tmp_path):
     pools.kv.read_ahead(waiting)
     assert pools.run(waiting) < 12 and disk.bad_files > bad
     pools.kv.check_invariants()
+
+
+def test_the_scheduler_reads_the_next_waiting_requests_disk_pages_ahead(tmp_path):
+    disk = DiskTier(str(tmp_path), 24, PS * 8, lock=open_directory(str(tmp_path)))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=32,
+                                      max_model_len=64), CacheConfig(page_size=PS), 5,
+                      num_host_pages=2, disk_tier=disk)
+    pools = Pools(sched.cache, 2)
+    prompt = list(range(13))  # 3 full pages + 1 token
+    pools.run(Request("a", prompt))
+    _flood(pools, 4)  # a's pages reach disk
+    sched.add_request(Request("busy", [400, 401, 402], max_tokens=4))
+    waiting = Request("a2", prompt)
+    sched.add_request(waiting)
+    out = sched.schedule()  # one sequence at a time: a2 waits, and its pages are read meanwhile
+    assert [s.request.request_id for s in out.scheduled] == ["busy"]
+    pools.copies(out.page_copies)
+    disk.io.flush()
+    for name in os.listdir(tmp_path):  # read already: the files are no longer needed
+        if name.endswith(SUFFIX):
+            os.unlink(tmp_path / name)
+    sched.abort("busy")
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["a2"]
+    pools.copies(out.page_copies)
+    assert waiting.num_computed_tokens == 12
+    for i, page in enumerate(waiting.page_table[:3]):
+        assert list(pools.device[page]) == prompt[i * PS:(i + 1) * PS]
+    assert sched.cache.disk_tier_hits == 12
+    sched.abort("a2")
+    sched.cache.check_invariants()
 
 
 def test_directory_is_private_locked_and_emptied_and_settings_are_checked(tmp_path):
