@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, qu
 
 from jaxserve.errors import WeightsError
 from jaxserve.model_registry import ModelSpec
-from tests.test_model_families import _greedy, _prompt_logits, engine_args
+from tests.test_model_families import _check_engine
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gguf"
 TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
@@ -43,21 +43,19 @@ def test_fixtures_bind():
         assert exp["min_route_gap"] > 1e-3 and exp["min_top2_gap"] > 1e-3
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_gguf_mixture_gives_hf_logits_and_greedy_tokens(arch):
-    from jaxserve.entrypoints.llm import LLM
-
-    exp = _expected(arch)
-    llm = LLM(str(FIXTURES / arch / "model.gguf"), **engine_args())
+def check_gguf(arch: str, **changes):  # -> the LLM, for more
+    """The file's engine (`changes` to tests.test_model_families.engine_args) gives HF's logits
+    and greedy tokens through chunked prefill, prefix caching and preemption."""
+    llm = _check_engine(arch, FIXTURES / arch, FIXTURES / arch / "model.gguf", **changes)
     config = llm.engine.runner.config
     assert (config.architecture, config.num_experts, config.experts_per_token,
             config.norm_topk_prob, config.dense_layers) == CONFIGS[arch]
-    np.testing.assert_allclose(_prompt_logits(llm.engine, exp["prompts"][0]),
-                               np.load(FIXTURES / arch / "logits.npy"), atol=1e-4, rtol=0)
-    got = _greedy(llm, exp["prompts"][:1]) + _greedy(llm, exp["prompts"][1:])
-    assert got == exp["greedy"]
-    stats = llm.engine.stats()
-    assert stats.prefix_cache_hits >= 16 and stats.num_preemptions > 0, stats
+    return llm
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gguf_mixture_gives_hf_logits_and_greedy_tokens(arch):
+    check_gguf(arch)
 
 
 def _rewrite(src: Path, dst: Path, fields: dict | None = None, tensors=None) -> None:

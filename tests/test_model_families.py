@@ -87,13 +87,15 @@ def _greedy(llm, prompts) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _check_engine(family: str, path: Path | None = None, **changes):  # -> the LLM, for more
-    """`path`: the fixture's directory (default: tests/fixtures/models/<family>)."""
+def _check_engine(family: str, path: Path | None = None, weights: Path | None = None,
+                  **changes):  # -> the LLM, for more
+    """`path`: the fixture's directory (default: tests/fixtures/models/<family>); `weights`: what
+    the engine loads, if not that directory (a GGUF file beside expected.json)."""
     from jaxserve.entrypoints.llm import LLM
 
     path = path or FIXTURES / family
     exp = json.loads((path / "expected.json").read_text())
-    llm = LLM(str(path), **engine_args(**changes))
+    llm = LLM(str(weights or path), **engine_args(**changes))
     np.testing.assert_allclose(_prompt_logits(llm.engine, exp["prompts"][0]),
                                np.load(path / "logits.npy"), atol=1e-4, rtol=0)
     # The first prompt alone, then the others together: the second shares its first 16 tokens

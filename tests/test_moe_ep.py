@@ -5,8 +5,9 @@ The MoE layer on 2 and 4 virtual CPU devices equals one device's under skewed ro
 experts taking most copies, one expert none), and the Qwen3-MoE fixture serves HF's logits (1e-4)
 and 32 greedy tokens with EP over 2 and 4 devices (attention tensor parallel beside it; on 4, its
 2 KV heads do not split, so attention runs whole on each device: expert parallelism alone) — the
-tokens tests/test_model_families.py checks on one device. XLA fixes the device count at start, so
-those run in a child pytest with 4 devices."""
+tokens tests/test_model_families.py checks on one device; so do llama.cpp's GGUF files of Mixtral,
+gpt-oss and DeepSeek-V3 (tests/test_gguf_moe.py's, on 2 or 4). XLA fixes the device
+count at start, so those run in a child pytest with 4 devices."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_expert_parallel_in_4_device_subprocess():
                            str(Path(__file__).relative_to(root)), "-k", "on_devices"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "5 passed" in proc.stdout, proc.stdout[-2000:]
+    assert "8 passed" in proc.stdout, proc.stdout[-2000:]
 
 
 @needs_4
@@ -82,6 +83,25 @@ def test_qwen3_moe_on_devices_gives_hfs_logits_and_greedy_tokens(n):
     assert params["moe"]["gate_proj"].sharding.spec == P(None, sharding.MODEL, None, None)
     assert params["moe"]["router"].sharding.spec == P(None, None, None)
     assert params["dense_mlp"]["gate_proj"].sharding.spec == P(None, None, sharding.MODEL)
+
+
+# llama.cpp's files (tests/test_gguf_moe.py checks each on one device): HF's logits and tokens
+# with the experts split, as on one device. Mixtral's (no other test runs Mixtral with EP),
+# gpt-oss's (sinks, sliding layers, MXFP4 experts) and DeepSeek-V3's on 4 (two of
+# its 8 experts and one of its 4 heads each; latent attention, the grouped router, a shared
+# expert, a dense layer). Not gpt-oss on 4: its logits reach ~15 and sit 8.4e-5 from HF's on
+# one device already; summed in another order over 4 devices one of 2,560 lands 1.04e-4 away
+# (its tokens the same). Not Qwen3-MoE's: its safetensors fixture runs above, and its GGUF loads
+# the same tree (test_gguf_moe) that the same shardings place.
+@needs_4
+@pytest.mark.parametrize("arch, n", [("mixtral", 2), ("gpt-oss", 2), ("deepseek2", 4)])
+def test_gguf_mixture_on_devices_gives_hfs_logits_and_greedy_tokens(arch, n):
+    from tests.test_gguf_moe import check_gguf
+
+    llm = check_gguf(arch, tensor_parallel_size=n, enable_expert_parallel=True)
+    moe_params = llm.engine.runner.params["moe"]
+    assert moe_params["gate_proj"].sharding.spec == P(None, sharding.MODEL, None, None)
+    assert moe_params["router"].sharding.spec == P(None, None, None)
 
 
 def _count_one_forward(llm) -> tuple[int, ...]:
