@@ -158,7 +158,7 @@ def test_a_waiting_requests_disk_pages_are_read_ahead_and_checked(tmp_path):
     _flood(pools, 4)
     disk.io.flush()
     waiting = Request("a2", prompt)
-    pools.kv.read_ahead(waiting)
+    pools.kv.read_ahead([waiting])
     disk.io.flush()  # the reads ran on the worker: the files are no longer needed
     names = [f for f in os.listdir(tmp_path) if f.endswith(SUFFIX)]
     on_disk = {bytes.fromhex(f[:-len(SUFFIX)]) for f in names}
@@ -177,7 +177,7 @@ def test_a_waiting_requests_disk_pages_are_read_ahead_and_checked(tmp_path):
             write_page(str(tmp_path / f), b"\0" * 16, (1, 2, 3, 4), np.zeros(4, np.int64))
     bad = disk.bad_files
     waiting = Request("b2", list(range(700, 713)))
-    pools.kv.read_ahead(waiting)
+    pools.kv.read_ahead([waiting])
     assert pools.run(waiting) < 12 and disk.bad_files > bad
     pools.kv.check_invariants()
 

@@ -269,24 +269,35 @@ class KVCacheManager:
         self.host_tier.refresh([h for h, _ in reversed(wanted)])
         return len(wanted)
 
-    def read_ahead(self, request: Request) -> None:
-        """Start reading the disk tier's files of the request's prefix (it waits to be admitted:
-        `restore_prefix` then finds them read), past the pages the device and the host hold."""
+    def read_ahead(self, requests) -> None:
+        """Have the disk tier read the files of these waiting requests' prefixes, past the pages
+        the device and the host hold (`restore_prefix` then finds them read)."""
         disk = self.host_tier.disk if self.host_tier is not None else None
-        if disk is None or request.scores_prompt:
+        if disk is None:
             return
+        wanted = []
+        for request in requests:
+            if not request.scores_prompt:
+                wanted += self._disk_pages(request)
+        disk.read_ahead(wanted)
+
+    def _disk_pages(self, request: Request) -> list[tuple[bytes, tuple[int, ...]]]:
+        """(hash, tokens) of the request's prefix pages that only the disk tier holds, up to the
+        first page no tier holds."""
         max_pages = (request.num_tokens - 1) // self.page_size
         hashes = self._hashes(request, max_pages)
         tokens, ps = request.all_token_ids, self.page_size
+        out = []
         for i in range(max_pages):
             page_tokens = tuple(tokens[i * ps:(i + 1) * ps])
             page = self._hash_to_page.get(hashes[i])
             if (page is not None and self._page_tokens[page] == page_tokens) \
                     or self.host_tier.holds(hashes[i], page_tokens):
                 continue
-            if not disk.holds(hashes[i], page_tokens):
-                return
-            disk.prefetch(hashes[i], page_tokens)
+            if not self.host_tier.disk.holds(hashes[i], page_tokens):
+                break
+            out.append((hashes[i], page_tokens))
+        return out
 
     def take_page_copies(self):
         """The host tier's copies decided since the last call, in order (PageCopies runs)."""

@@ -11,9 +11,9 @@ where is the executor's (`take_writes`, run with the step's other copies).
 
 The file operations run on the tier's worker thread (kv_files.DiskIO), in the order asked: the
 executor copies a slot's bytes and queues its write, deletions are queued here, and a read waits
-only for its own file. A waiting request's disk pages are read ahead (`prefetch`, up to
-MAX_PREFETCHED pages held) while it waits, so its admission finds them read; what `read` returns
-is checked by the worker exactly as before (read_page).
+only for its own file. The next waiting requests' disk pages are read ahead (`read_ahead`, up to
+MAX_PREFETCHED pages held) while they wait, so their admission finds them read; what `read`
+returns is checked by the worker exactly as before (read_page).
 
 The directory is this process's alone: created 0700 (an existing one must be ours, not a
 symlink, and either empty or marked as a jaxserve KV tier by an earlier run), locked (a second
@@ -37,8 +37,7 @@ from jaxserve.executor.kv_files import FORMAT_VERSION, SUFFIX, DiskIO, file_byte
 from jaxserve.executor.page_copies import DiskWrites, tier_pages
 
 MARKER = "JAXSERVE_KV_TIER"  # names the format version; holds the lock
-# Pages read ahead and not yet restored, at most (the oldest is forgotten first): their bytes
-# are held in memory.
+# Pages read ahead and not yet restored, at most: their bytes are held in memory.
 MAX_PREFETCHED = 64
 
 
@@ -101,7 +100,7 @@ class DiskTier:
         self.page_bytes = page_bytes
         self._files: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # hash -> tokens, LRU
         self._writes: dict[bytes, int] = {}  # hash -> host slot, not yet taken
-        self._prefetched: OrderedDict[bytes, Future] = OrderedDict()  # hash -> its read
+        self._prefetched: dict[bytes, Future] = {}  # hash -> its read, started ahead
         self.io = DiskIO()
         self.pages_written = 0
         self.pages_read = 0
@@ -131,18 +130,22 @@ class DiskTier:
         """Whether spilled pages wait for `take_writes`."""
         return bool(self._writes)
 
-    def prefetch(self, page_hash: bytes, tokens: tuple[int, ...]) -> None:
-        """Start reading the page's file, if held and not read already (skipped while the
-        worker's queue is full)."""
-        if page_hash in self._prefetched or not self.holds(page_hash, tokens):
-            return
-        future = self.io.read(page_file(self.directory, page_hash), page_hash, tokens,
-                              self.page_bytes, wait_for_room=False)
-        if future is None:
-            return
-        self._prefetched[page_hash] = future
-        if len(self._prefetched) > MAX_PREFETCHED:
-            self._prefetched.popitem(last=False)
+    def read_ahead(self, pages) -> None:
+        """Have these pages' files read, (hash, tokens) in order, up to MAX_PREFETCHED: the next
+        waiting requests' (reads of pages no longer wanted are forgotten; new ones are skipped
+        while the worker's queue is full)."""
+        pages = pages[:MAX_PREFETCHED]
+        wanted = {h for h, _ in pages}
+        for page_hash in [h for h in self._prefetched if h not in wanted]:
+            del self._prefetched[page_hash]
+        for page_hash, tokens in pages:
+            if page_hash in self._prefetched or not self.holds(page_hash, tokens):
+                continue
+            future = self.io.read(page_file(self.directory, page_hash), page_hash, tokens,
+                                  self.page_bytes, wait_for_room=False)
+            if future is None:
+                return
+            self._prefetched[page_hash] = future
 
     def read(self, page_hash: bytes, tokens: tuple[int, ...]) -> bytes | None:
         """The page's bytes, checked; None (and the file dropped) when it is not intact."""

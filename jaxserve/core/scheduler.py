@@ -494,8 +494,7 @@ class Scheduler:
         """The disk tier reads the files of the next waiting requests' prefixes while the step
         runs (their admission then finds the pages read)."""
         if self.cache.host_tier is not None and self.cache.host_tier.disk is not None:
-            for request in itertools.islice(self.waiting, READ_AHEAD_REQUESTS):
-                self.cache.read_ahead(request)
+            self.cache.read_ahead(list(itertools.islice(self.waiting, READ_AHEAD_REQUESTS)))
 
     def _admit_waiting(self, step: _Step) -> None:
         in_flight = self.cache.pages_in_flight(self.running) if self.waiting else set()
