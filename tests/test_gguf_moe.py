@@ -7,8 +7,10 @@ projection; gpt-oss's experts MXFP4) written by tools/make_gguf_moe_fixtures.py 
 tools/make_gguf_gpt_oss_deepseek_fixtures.py from a tiny random HF model, with HF's logits and
 greedy tokens on it. jaxserve loads the file as a user would: logits within 1e-4 and HF's 32
 greedy tokens through one engine with chunked prefill, prefix caching and preemption.
-Quantized expert tensors (Q8_0, Q4_0, MXFP4) dequantize at load to gguf's own dequantization;
-the file's chat template is the one used.
+Quantized expert tensors (Q8_0, Q4_0, MXFP4) dequantize at load to gguf's own dequantization,
+and so do gpt-oss's and deepseek2's other matrices in Q4_K / Q8_0 (a widened copy of the fixture,
+written at test time); the file's chat template is the one used. Under expert parallelism:
+tests/test_moe_ep.py.
 """
 
 from __future__ import annotations
@@ -252,3 +254,121 @@ def test_the_files_chat_template_is_used(arch, template, parsers, markers):
     assert markers[0] + ("user" if arch == "gpt-oss" else "") in text
     for marker in markers:
         assert len(tok.encode(marker, add_special_tokens=False)) == 1, marker
+
+
+# ------------------------------------------- Q4_K / Q8_0 beside the experts (llama-quantize's)
+
+def _q4_k(rows: np.ndarray) -> np.ndarray:
+    """GGML's Q4_K blocks of `rows` (last axis a multiple of 256; the gguf package decodes Q4_K
+    but does not encode it): per 256 values, float16 d and dmin, eight 6-bit scales and mins
+    (one per 32 values) packed in 12 bytes, then 4-bit q with value = d sc q - dmin m. A plain
+    min/max fit, not llama.cpp's search: a valid file of the format, rounding a little coarser."""
+    x = rows.astype(np.float32).reshape(-1, 8, 32)
+    lo = np.minimum(x.min(-1), 0.0)
+    step = (x.max(-1) - lo) / 15
+    d = (step.max(-1, keepdims=True) / 63).astype(np.float16).astype(np.float32)
+    dmin = (-lo.min(-1, keepdims=True) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(np.divide(step, d, out=np.zeros_like(step), where=d > 0)), 0, 63)
+    m = np.clip(np.rint(np.divide(-lo, dmin, out=np.zeros_like(lo), where=dmin > 0)), 0, 63)
+    scale, offset = (d * sc)[..., None], (dmin * m)[..., None]
+    q = np.clip(np.rint(np.divide(x + offset, scale, out=np.zeros_like(x), where=scale > 0)),
+                0, 15).astype(np.uint8)
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    packed = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, m[:, :4] | (m[:, 4:] >> 4) << 6,
+                             (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4], -1)
+    qs = (q[:, 0::2] | q[:, 1::2] << 4).reshape(-1, 128)  # sub-blocks 2j, 2j+1 share 32 bytes
+    out = np.concatenate([d.astype(np.float16).view(np.uint8), dmin.astype(np.float16)
+                          .view(np.uint8), packed, qs], -1)
+    return out.reshape(*rows.shape[:-1], rows.shape[-1] // 256 * 144)
+
+
+# Where the hidden size is each tensor's input (last axis: tiled, divided by the copies), its
+# output (tiled along that axis) or the vector itself (tiled).
+_HIDDEN_IN = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q_a.weight",
+              "attn_kv_a_mqa.weight", "ffn_gate_inp.weight", "ffn_gate.weight", "ffn_up.weight",
+              "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_gate_exps.weight",
+              "ffn_up_exps.weight", "output.weight")
+_HIDDEN_OUT = ("attn_output.weight", "ffn_down.weight", "ffn_down_shexp.weight",
+               "ffn_down_exps.weight")
+_HIDDEN = ("attn_output.bias", "ffn_down_exps.bias", "token_embd.weight", "attn_norm.weight",
+           "post_attention_norm.weight", "ffn_norm.weight", "output_norm.weight")
+
+
+def _widened(copies: int):
+    """The tensors of the same model with its hidden size `copies` times larger: every hidden
+    vector the original's tiled (embeddings, norms, what each layer adds), inputs divided by the
+    copies (a power of two: exact). RMSNorm's mean over the tiles is the original's, so the
+    logits are (f32 sums aside); rows become wide enough for Q4_K's 256-value blocks."""
+    def tensors(reader):
+        for name, data, _ in _dequantized(reader):
+            role = name.split(".", 2)[2] if name.startswith("blk.") else name
+            if role in _HIDDEN_IN:
+                data = np.concatenate([data / copies] * copies, -1)
+            elif role in _HIDDEN_OUT:
+                data = np.concatenate([data] * copies, -2)
+            elif role in _HIDDEN:
+                data = np.concatenate([data] * copies, -1)
+            yield name, data.astype(np.float32), None
+    return tensors
+
+
+def _llama_quantize(reader):
+    """The non-expert matrices as llama-quantize's Q4_K_M leaves a small model: Q4_K where a row
+    holds 256-value blocks, else Q8_0 where it holds 32-value ones, else as they were; norms,
+    biases, routers, sinks and the experts unchanged."""
+    for name, data, _ in _dequantized(reader):
+        quantize = data.ndim == 2 and "_exps" not in name and "ffn_gate_inp" not in name
+        if quantize and data.shape[-1] % 256 == 0:
+            yield name, _q4_k(data), GGMLQuantizationType.Q4_K
+        elif quantize and data.shape[-1] % 32 == 0:
+            yield name, quants.quantize(data, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
+        else:
+            yield name, data, None
+
+
+def _q_bound(original: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """The largest error per weight of `qtype` for `original`'s rows, per 32-value block: Q8_0
+    half a step (amax / 127) plus the float16 scale's rounding; Q4_K half a step (range / 15)
+    plus the rounding of the 6-bit scale and min (half a unit of d and dmin each, the scale's
+    times the 15 levels; d, dmin = the super-block's largest step, offset / 63) and of float16."""
+    blocks = original.reshape(-1, 32)
+    if qtype == GGMLQuantizationType.Q8_0:
+        return np.abs(blocks).max(-1, keepdims=True) * (0.5 / 127 + 2.0 ** -11)
+    lo = np.minimum(blocks.min(-1), 0.0)
+    step = (blocks.max(-1) - lo) / 15
+    d = step.reshape(-1, 8).max(-1).repeat(8) / 63
+    dmin = -lo.reshape(-1, 8).min(-1).repeat(8) / 63
+    return ((step / 2 + 7.5 * d + dmin / 2) * (1 + 2.0 ** -8))[:, None]
+
+
+# The logits are not compared with the F32 file's: these fixtures' features each move HF's
+# logits by > 3 (test_fixtures_bind), and so does rounding: Q8_0 on the original's matrices
+# alone moved gpt-oss's by 5.1, deepseek2's by 0.73.
+@pytest.mark.parametrize("arch", ["gpt-oss", "deepseek2"])
+def test_q4_k_and_q8_0_beside_the_experts_load_within_their_rounding(tmp_path, arch):
+    """The fixture 8 times wider (the same model: HF's 32 greedy tokens, logits within 6e-5, when
+    written), its attention, shared-expert, dense, embedding and LM-head matrices quantized as
+    llama-quantize's Q4_K_M leaves them: the loaded weights are gguf's dequantization of the
+    blocks (deepseek2's kv_b rebuilt from them), each within its format's rounding of the F32
+    file's. (An engine loads a GGUF through the same load_host.)"""
+    from jaxserve.weights import load_host
+
+    wide, quantized, plain = (tmp_path / f"{n}.gguf" for n in ("wide", "q", "plain"))
+    _rewrite(FIXTURES / arch / "model.gguf", wide, {"{arch}.embedding_length": 256},
+             _widened(8))
+    _rewrite(wide, quantized, tensors=_llama_quantize)
+    originals = {t.name: t.data for t in GGUFReader(str(wide)).tensors}
+    types = {}
+    for t in GGUFReader(str(quantized)).tensors:
+        types[t.name] = t.tensor_type
+        if t.tensor_type in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q8_0):
+            got = quants.dequantize(t.data, t.tensor_type).reshape(-1, 32)
+            err = np.abs(got - originals[t.name].reshape(-1, 32))
+            assert (err <= _q_bound(originals[t.name], t.tensor_type)).all(), t.name
+    q4_k = "attn_q_a" if arch == "deepseek2" else "attn_q"
+    assert types["token_embd.weight"] == types[f"blk.1.{q4_k}.weight"] == GGMLQuantizationType.Q4_K
+    q8_0 = "ffn_down" if arch == "deepseek2" else "attn_output"
+    assert types[f"blk.0.{q8_0}.weight"] == GGMLQuantizationType.Q8_0
+    _rewrite(quantized, plain)  # every tensor as gguf dequantizes it
+    _same_tree(load_host(ModelSpec("plain", "gguf", plain))[1],
+               load_host(ModelSpec("q", "gguf", quantized))[1])
