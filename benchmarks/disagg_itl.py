@@ -12,7 +12,7 @@ device): what the split removes is the prefill chunks from the decode server's s
 competition for compute, so a CPU host understates what two devices would show.
 
     python benchmarks/disagg_itl.py                       # SmolLM2, CPU defaults
-    python benchmarks/disagg_itl.py --long-tokens 8192 --max-model-len 8448
+    python benchmarks/disagg_itl.py --long-tokens 8000 --max-model-len 8192 --num-pages 1400
 """
 
 from __future__ import annotations
@@ -40,9 +40,11 @@ async def _both(url: str, model: str, short, long, args):
         serving.run_load(url, model, long, args.long_rate, None, args.seed + 1))
 
 
-def _measure(url: str, short, long, args) -> dict:
+def _measure(url: str, short, long, warm, args) -> dict:
     serving_model = "bench"
-    asyncio.run(_both(url, serving_model, short[:2], long[:1], args))  # warm the path
+    # Warm the path (the first connection, a page transfer) with prompts of their own: a warm-up
+    # sending long[0] would make the measured long[0] a prefix-cache hit.
+    asyncio.run(_both(url, serving_model, warm[:2], warm[2:], args))
     (s_res, s_sec), (l_res, l_sec) = asyncio.run(_both(url, serving_model, short, long, args))
     return {"short": serving.summarize(s_res, s_sec, short, slo_ttft=1.0, slo_tpot=0.1),
             "long": serving.summarize(l_res, l_sec, long, slo_ttft=60.0, slo_tpot=1.0)}
@@ -69,6 +71,9 @@ def main() -> int:
     p.add_argument("--long-rate", type=float, default=0.5)
     p.add_argument("--long-tokens", type=int, default=2048)
     p.add_argument("--offload-gib", type=float, default=0.5, help="each server's host KV tier")
+    p.add_argument("--prefill-timeout", type=float, default=600.0,
+                   help="the decode server's --prefill-timeout (an 8k-token prompt waits minutes "
+                        "for its prefill on a CPU host)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     commit = provenance.commit()  # before anything runs: the tree may change while it does
@@ -78,6 +83,11 @@ def main() -> int:
     long = pydoc_workload(tok, args.num_long, seed=args.seed + 1,
                           prompt_tokens=(args.long_tokens, args.long_tokens),
                           output_tokens=(4, 4))
+    # Two short prompts and one of 512 tokens (32 full pages: the transfer runs), from a third seed.
+    warm = (pydoc_workload(tok, 2, seed=args.seed + 2, prompt_tokens=(32, 128),
+                           output_tokens=(4, 4))
+            + pydoc_workload(tok, 1, seed=args.seed + 3, prompt_tokens=(512, 512),
+                             output_tokens=(4, 4)))
     flags = serving.serve_flags(args) + ["--served-model-name", "bench",
                                          "--kv-offloading-size", str(args.offload_gib)]
     env = dict(os.environ, JAXSERVE_KV_TRANSFER_SECRET=secrets.token_hex(16))
@@ -85,12 +95,13 @@ def main() -> int:
               "short": {"requests": args.num_short, "rate": args.short_rate,
                         "output_tokens": args.short_output},
               "long": {"requests": args.num_long, "rate": args.long_rate,
-                       "prompt_tokens": args.long_tokens}}
+                       "prompt_tokens": args.long_tokens},
+              "load_average_at_start": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         logs = [open(Path(tmp) / f"{i}.log", "w") for i in range(3)]
         server = ServerProcess(flags, logs[0], cwd=ROOT)
         try:
-            report["colocated"] = _measure(server.url, short, long, args)
+            report["colocated"] = _measure(server.url, short, long, warm, args)
             server.stop()
         finally:
             server.kill()
@@ -100,16 +111,18 @@ def main() -> int:
                                 cwd=ROOT, env=env)
         try:
             decode = ServerProcess(flags + ["--role", "decode", "--prefill-url",
-                                            f"http://127.0.0.1:{port}"], logs[2], cwd=ROOT,
+                                            f"http://127.0.0.1:{port}", "--prefill-timeout",
+                                            str(args.prefill_timeout)], logs[2], cwd=ROOT,
                                    env=env)
             try:
-                report["disaggregated"] = _measure(decode.url, short, long, args)
+                report["disaggregated"] = _measure(decode.url, short, long, warm, args)
                 decode.stop()
             finally:
                 decode.kill()
             prefill.stop()
         finally:
             prefill.kill()
+    report["load_average_at_end"] = os.getloadavg()
     report["itl_p99_ratio"] = (report["disaggregated"]["short"]["itl_s"]["p99"]
                                / report["colocated"]["short"]["itl_s"]["p99"])
     print(json.dumps(report, indent=1))
