@@ -3,7 +3,9 @@ template (Qwen3-Thinking style: the generation prompt opens `<think>`, `enable_t
 closes it): the output is returned as `reasoning_content` (whole, streamed, and as a Responses
 reasoning item) unless `chat_template_kwargs` turns thinking off, and a JSON response format
 holds only after the block; a forced tool call cut by max_tokens comes back with finish_reason
-"length" and its arguments so far."""
+"length" and its arguments so far. Forced calls in the marker formats (gpt-oss's Harmony,
+DeepSeek's), and llama.cpp's gpt-oss and deepseek2 GGUF mixtures of experts served with the
+file's template and the parsers it implies."""
 
 from __future__ import annotations
 
@@ -176,3 +178,82 @@ def test_forced_calls_in_marker_formats_through_the_chat_route(
     finally:
         srv.stop()
         engine.shutdown()
+
+
+# llama.cpp's gpt-oss and deepseek2 files (mixtures of experts; tests/test_gguf_moe.py checks
+# their outputs against HF's) served as a user would, parsers on auto. Their committed
+# vocabularies spell no text (markers and placeholder names), so the same ids get byte-level
+# names here: each file's control tokens (its family's markers) kept, the next 96 ids printable
+# ASCII, space and newline, the rest unused; context 1024 so the family's template fits. The
+# weights and ids are the file's (HF's logits within 1e-4 still, measured).
+CRAFTED = {  # a completion each family's parsers must split (the random weights write none)
+    "gpt-oss": ("<|channel|>analysis<|message|>Needs the weather.<|end|><|start|>assistant"
+                "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+                '{"city": "Paris"}<|call|>', "Needs the weather.", None),
+    "deepseek2": ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+                  'get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>'
+                  "<｜tool▁calls▁end｜>", None, "Let me check."),
+}
+
+
+def _spelled(arch: str, path):
+    from gguf import GGUFReader
+
+    from tests.test_gguf_moe import FIXTURES, _rewrite
+
+    src = FIXTURES / arch / "model.gguf"
+    fields = GGUFReader(str(src)).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    control = sum(t == 3 for t in fields["tokenizer.ggml.token_type"].contents())
+    names = tokens[:control] + [chr(c) for c in range(33, 127)] + ["Ġ", "Ċ"]
+    names += [f"t{i}" for i in range(len(names), len(tokens))]
+    _rewrite(src, path, {"tokenizer.ggml.tokens": names, "{arch}.context_length": 1024})
+    return path
+
+
+@pytest.mark.parametrize("arch, parsers", [("gpt-oss", ("openai", "openai_gptoss")),
+                                           ("deepseek2", ("deepseek_v3", None))])
+def test_gguf_mixture_chats_with_the_files_template_and_parsers(tmp_path, arch, parsers):
+    from jaxserve.entrypoints.http.app_state import STATE_KEY
+    from jaxserve.entrypoints.serving.tool_output import ToolCallOutput
+
+    path = _spelled(arch, tmp_path / f"{arch}.gguf")
+    engine = AsyncEngine(build_engine(str(path), num_pages=72, max_num_seqs=1,
+                                      max_num_batched_tokens=64, max_model_len=1024,
+                                      min_token_bucket=64, warmup=False, progress=False))
+    tok = engine.tokenizer
+    srv = ServerThread("moe")  # --tool-call-parser / --reasoning-parser auto
+    try:
+        srv.attach(engine)
+        chosen = srv.app[STATE_KEY].serving.parsers.for_tokenizer(tok)
+        assert (chosen.tool.name, chosen.reasoning and chosen.reasoning.name) == parsers
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        ask = [{"role": "user", "content": "Weather in Paris, or 2 + 3?"}]
+        r = client.chat.completions.create(model="moe", messages=ask, **GREEDY)
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+        # The file's template rendered the prompt (gpt-oss's opens with its system message).
+        assert r.usage.prompt_tokens == len(tok.apply_chat_template(ask))
+        assert tok.apply_chat_template(ask, tokenize=False).startswith(
+            "<|start|>system<|message|>You are ChatGPT" if arch == "gpt-oss"
+            else "<｜begin▁of▁sentence｜><｜User｜>Weather in Paris")
+        r = client.chat.completions.create(model="moe", messages=ask, tools=[WEATHER, ADD],
+                                           tool_choice="required", temperature=0,
+                                           max_tokens=120, parallel_tool_calls=False)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        (call,) = r.choices[0].message.tool_calls
+        assert set(json.loads(call.function.arguments)) == (
+            {"city"} if call.function.name == "get_weather" else {"a", "b"})
+    finally:
+        srv.stop()
+        engine.shutdown()
+    # A completion in the family's format, through the vocabulary (markers one token each) and
+    # the parsers the server chose, as a chat with tools parses it.
+    text, reasoning, content = CRAFTED[arch]
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    message, finish = ToolCallOutput(chosen.tool, chosen.reasoning).message(text, "stop")
+    assert (message.get("reasoning_content"), message["content"], finish) == (
+        reasoning, content, "tool_calls")
+    (call,) = message["tool_calls"]
+    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == (
+        "get_weather", {"city": "Paris"})
