@@ -40,6 +40,7 @@ priority = "interactive"
 api_keys = ["{BULK}"]
 priority = "batch"
 """
+DEGRADED = "x-jaxserve-degraded"
 MAX_QUEUED = 4  # the shedding threshold; the routes degrade from ceil(0.5 * 4) = 2 queued
 
 
@@ -110,6 +111,25 @@ def test_lower_classes_are_degraded_before_anyone_is_shed(server, caplog):
                  "big to hold 2 queued sequences")
         # Overloaded: batch moves to "small", capped to 4 tokens, with no wait on big.
         answered(ask(server, BULK, "tiny"), "small", 4, "max_tokens,version")
+        # The Responses API says so too, whole and streamed, and a replay (Idempotency-Key)
+        # says what its original was.
+        for path, body in (("/v1/responses", {"model": "tiny", "input": "Say something.",
+                                              "max_output_tokens": 16, "temperature": 0}),
+                           ("/v1/chat/completions", {
+                               "model": "tiny", "max_tokens": 16, "temperature": 0,
+                               "messages": [{"role": "user", "content": "Say something."}]})):
+            key = {"Authorization": f"Bearer {BULK}", "Idempotency-Key": f"degraded{path}"}
+            first = _request("POST", f"{server.url}{path}", body, headers=key)
+            replay = _request("POST", f"{server.url}{path}", body, headers=key)
+            assert first.status_code == replay.status_code == 200, first.text
+            assert replay.headers["idempotent-replayed"] == "true" and replay.text == first.text
+            assert first.headers.get(DEGRADED) == replay.headers.get(DEGRADED) \
+                == "max_tokens,version", (path, first.headers, replay.headers)
+        streamed = _request("POST", f"{server.url}/v1/responses", {
+            "model": "tiny", "input": "Say something.", "max_output_tokens": 16, "stream": True},
+            headers={"Authorization": f"Bearer {BULK}"})
+        assert streamed.status_code == 200 and "event: response.incomplete" in streamed.text
+        assert streamed.headers.get(DEGRADED) == "max_tokens,version", streamed.headers
         with grpc.insecure_channel(server.grpc_target) as channel:  # gRPC: trailing metadata
             stream = pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
                 model="tiny", prompt="Hello", max_tokens=16, ignore_eos=True, temperature=0),
@@ -142,24 +162,24 @@ def test_lower_classes_are_degraded_before_anyone_is_shed(server, caplog):
                 for s in family.samples if s.name == "jaxserve:requests_degraded_total"}
     assert degraded == {
         (("model_name", "small"), ("reason", "max_tokens"), ("route", "tiny"),
-         ("tier", "batch")): 3.0,
-        (("model_name", "small"), ("reason", "version"), ("route", "tiny"), ("tier", "batch")): 3.0,
+         ("tier", "batch")): 6.0,
+        (("model_name", "small"), ("reason", "version"), ("route", "tiny"), ("tier", "batch")): 6.0,
         (("model_name", "big"), ("reason", "max_tokens"), ("route", "capped"),
          ("tier", "batch")): 1.0}, degraded
     records = [json.loads(r.getMessage()) for r in caplog.records if r.name == "jaxserve.access"]
     degraded = sorted((r["model"], r["route"], tuple(r["degraded"])) for r in records
                       if "degraded" in r)
     assert degraded == [("big", "capped", ("max_tokens",))] + [
-        ("small", "tiny", ("max_tokens", "version"))] * 3, records
+        ("small", "tiny", ("max_tokens", "version"))] * 6, records
     audit = server.app[STATE_KEY].policy.audit
     wait_for(lambda: audit.pending == 0, "the audit writer")
     audited = sorted((r["version"], r["route"], tuple(r["degraded"]))
                      for p in sorted((server.dir / "audit").glob("audit-*.jsonl"))
                      for r in map(json.loads, p.read_bytes().splitlines()) if "degraded" in r)
-    assert audited == [("big", "/v1/chat/completions", ("max_tokens",)),
-                       ("small", "/v1/chat/completions", ("max_tokens", "version")),
-                       ("small", "/v1/chat/completions", ("max_tokens", "version")),
-                       ("small", "grpc:Generate", ("max_tokens", "version"))], audited
+    assert audited == [("big", "/v1/chat/completions", ("max_tokens",))] + [
+        ("small", "/v1/chat/completions", ("max_tokens", "version"))] * 3 + [
+        ("small", "/v1/responses", ("max_tokens", "version"))] * 2 + [
+        ("small", "grpc:Generate", ("max_tokens", "version"))], audited
     # The route as the admin API shows it, degradation included.
     assert server.fleet.route_info("tiny")["degrade"]["degrade_to"] == "small"
 

@@ -9,6 +9,7 @@ set, rollback, unload), and the key."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import openai
@@ -200,6 +201,21 @@ def test_only_answers_cut_at_the_requests_own_length_are_kept(server):
            for _ in range(2)]
     assert own[0][1]["choices"][0]["finish_reason"] == "length"
     assert [status for status, _ in own] == ["miss", "hit"]
+
+
+def test_a_hit_of_a_degraded_answer_says_so_as_its_original_did(server):
+    # The answer as its route's degradation would have kept it (a version move, which keeps the
+    # answer cacheable; tests/test_degrade.py degrades for real): its hit names the reason.
+    messages = [{"role": "user", "content": "A degraded one"}]
+    assert chat(server, messages=messages)[0] == "miss"
+    cache = server.app[STATE_KEY].response_cache
+    key, (_, answer) = next(reversed(cache._entries.items()))
+    assert answer.degraded == ()  # not degraded: kept as such
+    cache.put(key, dataclasses.replace(answer, degraded=("version",)))
+    raw = client(server).chat.completions.with_raw_response.create(
+        model="tiny", temperature=0, max_tokens=CHAT["max_tokens"], messages=messages)
+    assert raw.headers["x-jaxserve-cache"] == "hit"
+    assert raw.headers["x-jaxserve-degraded"] == "version"
 
 
 def test_a_routes_change_drops_its_answers(server):

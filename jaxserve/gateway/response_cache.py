@@ -29,13 +29,15 @@ EVICTION_REASONS = ("size", "expired", "invalidated")
 class CachedAnswer:
     """An answer as it was sent: `body` (a JSON response) or `events` (a stream's SSE events, in
     order, [DONE] included); `version` and `route` answered it ("" for a version addressed by
-    name); `finish_reasons`, per choice, for the replay's record."""
+    name); `finish_reasons`, per choice, for the replay's record; `degraded`: why its route
+    degraded the original (a replay's x-jaxserve-degraded says so too)."""
 
     body: bytes | None
     events: tuple[bytes, ...]
     version: str
     route: str
     finish_reasons: tuple[str, ...] = ()
+    degraded: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:

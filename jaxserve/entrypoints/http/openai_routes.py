@@ -76,8 +76,8 @@ async def _run(request: web.Request, serving: OpenAIServing, kind: str, body,
     if isinstance(gen, response_cache.CachedAnswer):  # a hit: its call has ended
         stored = idempotency.StoredResponse(
             200, (("Content-Type", "application/json" if gen.body is not None
-                   else "text/event-stream"),), body=gen.body, events=gen.events,
-            version=gen.version)
+                   else "text/event-stream"), *degradation.headers(gen.degraded).items()),
+            body=gen.body, events=gen.events, version=gen.version)
         if keep is not None:
             keep(stored)
         return await _replay(request, stored, {})
@@ -110,9 +110,11 @@ async def respond(gen: Generation, whole, stream, keep: Keep | None = None
     async with gen.running():
         if gen.parsed.stream:
             return await stream()
-        resp = web.json_response(await whole(), headers=degradation.headers(gen.degraded))
-        if keep is not None:
-            keep(idempotency.StoredResponse(200, (("Content-Type", resp.content_type),),
+        degraded = degradation.headers(gen.degraded)
+        resp = web.json_response(await whole(), headers=degraded)
+        if keep is not None:  # a replay says what the original was, degraded or not
+            keep(idempotency.StoredResponse(200, (("Content-Type", resp.content_type),
+                                                  *degraded.items()),
                                             body=resp.body, version=gen.version.name))
         return resp
 

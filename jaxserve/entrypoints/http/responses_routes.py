@@ -37,6 +37,7 @@ from jaxserve.entrypoints.http.json_body import read_json
 from jaxserve.entrypoints.http.openai_routes import keyed
 from jaxserve.entrypoints.http.openapi import Route
 from jaxserve.entrypoints.http.sse import SSE_HEADERS, Keep, sse
+from jaxserve.entrypoints.serving import degradation
 from jaxserve.entrypoints.serving import response_models as out
 from jaxserve.entrypoints.serving.request_models import request_models
 from jaxserve.entrypoints.serving.response_runs import ResponseJob, ResponseRunner
@@ -109,9 +110,14 @@ async def _create(request: web.Request, runner: ResponseRunner, req, ctx, keep: 
     if req.stream:
         return await _stream(request, runner, job, keep)
     final = await runner.execute(job, _discard, call_of(request), client=request.remote)
-    resp = web.json_response(final)
+    resp = web.json_response(final, headers=_degraded(job))
     _keep(keep, resp)
     return resp
+
+
+def _degraded(job: ResponseJob) -> dict[str, str]:
+    """x-jaxserve-degraded: why the route degraded any of the run's model turns so far."""
+    return degradation.headers(tuple(sorted(job.degraded)))
 
 
 def _store_new(store: ResponseStore, job: ResponseJob, status: str,
@@ -128,8 +134,10 @@ def _store_new(store: ResponseStore, job: ResponseJob, status: str,
 
 
 def _keep(keep: Keep | None, resp: web.Response) -> None:
-    if keep is not None:
-        keep(idempotency.StoredResponse(200, (("Content-Type", resp.content_type),),
+    if keep is not None:  # its headers replayed too (x-jaxserve-degraded)
+        keep(idempotency.StoredResponse(200, (("Content-Type", resp.content_type),
+                                              *((k, v) for k, v in resp.headers.items()
+                                                if k.lower() == degradation.HEADER)),
                                         body=resp.body))
 
 
@@ -146,7 +154,8 @@ async def _stream(request: web.Request, runner: ResponseRunner, job: ResponseJob
     timeout_s = request.app[STATE_KEY].config.stream_write_timeout_s
 
     async def emit(event: dict | None) -> None:
-        if not resp.prepared:
+        if not resp.prepared:  # after the first model turn was admitted: its degradation known
+            resp.headers.update(_degraded(job))
             await resp.prepare(request)
         data = b": keep-alive\n\n" if event is None else sse(event, event["type"])
         if event is not None:
@@ -155,8 +164,8 @@ async def _stream(request: web.Request, runner: ResponseRunner, job: ResponseJob
 
     await runner.execute(job, emit, call_of(request), client=request.remote)
     if keep is not None:
-        keep(idempotency.StoredResponse(200, (("Content-Type", "text/event-stream"),),
-                                        events=tuple(sent)))
+        keep(idempotency.StoredResponse(200, (("Content-Type", "text/event-stream"),
+                                              *_degraded(job).items()), events=tuple(sent)))
     await resp.write_eof()
     return resp
 

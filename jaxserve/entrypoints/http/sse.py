@@ -100,8 +100,10 @@ async def _write_events(request: web.Request, resp: web.StreamResponse, gen: Gen
     end = [sse("[DONE]")] if done else []
     # Kept before the end leaves (see openai_routes.respond).
     if gen.error is None and keep is not None:
-        keep(idempotency.StoredResponse(200, (("Content-Type", "text/event-stream"),),
-                                        events=(*sent, *end), version=gen.version.name))
+        keep(idempotency.StoredResponse(
+            200, (("Content-Type", "text/event-stream"),
+                  *degradation.headers(gen.degraded).items()),
+            events=(*sent, *end), version=gen.version.name))
     for data in end:
         await write(data)
     await resp.write_eof()

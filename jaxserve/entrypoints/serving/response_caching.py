@@ -81,7 +81,7 @@ class CacheUse:
             clean = gen.screening is None or not gen.screening.interventions
             if clean and all(r == "stop" or (r == "length" and own_length) for r in reasons):
                 self.cache.put(key, CachedAnswer(stored.body, stored.events, gen.version.name,
-                                                 gen.route, reasons))
+                                                 gen.route, reasons, gen.degraded))
         return keep
 
 

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from jaxserve.agents.conversations import ConversationStore
@@ -48,6 +48,8 @@ class ResponseJob:
     # kind (an MCP server: "mcp:" + its label) -> (tool, its `tools` entry)
     server_tools: dict[str, tuple[ServerTool, dict]]
     deadline_at: float | None  # unix time
+    # why its route degraded any of its model turns (x-jaxserve-degraded), as they run
+    degraded: set[str] = field(default_factory=set)
 
     @property
     def tenant(self) -> str:
@@ -171,6 +173,7 @@ class ResponseRunner:
                 gen = await self.serving.prepare_async("chat", body, ctx, this_call)
             except InvalidRequest as exc:
                 raise rename_param(exc) from None
+            job.degraded.update(gen.degraded)
             await opened()
             async with gen.running():
                 async for event in events.turn(gen.chunks(self.keepalive_s)):
