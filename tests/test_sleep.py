@@ -1,8 +1,9 @@
 """Sleep and wake (vLLM's POST /sleep, /wake_up, GET /is_sleeping) on a real server over a fleet of
 one tiny version: level 1 frees the KV cache, level 2 also moves the weights to host memory; a
-sleeping version answers 503 and /ready says "asleep"; waking compiles nothing (strict compile)
-and answers as before; requests in flight finish first; a routed version does not sleep; bad
-query parameters are 400s naming them; the routes need the admin key."""
+sleeping version answers 503, /ready says "asleep" and its metrics stay (0 in use); waking
+compiles nothing (strict compile) and answers as before; requests in flight finish first; a
+routed version does not sleep; bad query parameters are 400s naming them; the routes need the
+admin key."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from jaxserve.fleet.fleet import Fleet
 from jaxserve.fleet.loader import EngineLoader
 from jaxserve.fleet.manifest import FileHashCache
 from tests.test_manifest import small_vocab_gguf
-from tests.test_server import ServerThread, _request, wait_for
+from tests.test_server import ServerThread, _request, scrape, wait_for
 
 KEY = "sleepy-admin-key"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
@@ -62,6 +63,7 @@ def test_sleep_levels_and_wake_answer_as_before_without_compiling(server):
     assert admin(url, "GET", "/is_sleeping").json() == {
         "model": "v1", "is_sleeping": False, "state": "ready", "sleeping": []}
 
+    awake = scrape(url)
     # level 1: the KV pool freed, the prefix cache forgotten; requests get 503, /ready "asleep"
     r = admin(url, "POST", "/sleep?level=1")
     assert r.status_code == 200 and r.json()["sleeping"] == ["kv_cache"], r.text
@@ -74,6 +76,12 @@ def test_sleep_levels_and_wake_answer_as_before_without_compiling(server):
     ready = _request("GET", f"{url}/ready")
     assert (ready.status_code, ready.json()) == (503, {"status": "asleep"})
     assert admin(url, "GET", "/admin/v1/versions/v1").json()["state"] == "sleeping"
+    # its series stay, reading what it holds (nothing) and its counts so far, not vanishing
+    metrics = scrape(url)
+    assert metrics["jaxserve:num_requests_running"] == metrics["jaxserve:num_requests_waiting"] \
+        == metrics["jaxserve:kv_cache_usage_perc"] == 0
+    assert metrics["jaxserve:generation_tokens_total"] \
+        == awake["jaxserve:generation_tokens_total"] == before.json()["usage"]["completion_tokens"]
 
     r = admin(url, "POST", "/wake_up")
     assert r.status_code == 200 and r.json()["is_sleeping"] is False, r.text

@@ -572,6 +572,15 @@ class Fleet:
                     if v.engine is not None and v.state in (VersionState.READY,
                                                             VersionState.DRAINING)}
 
+    def metered_engines(self) -> dict[str, ServingEngine]:
+        """The engines whose numbers /metrics reads, by version name: those that serve and
+        those asleep, whose series keep their values (nothing running, their token counts)
+        instead of vanishing while they sleep."""
+        with self._lock:
+            return {n: v.engine for n, v in sorted(self._versions.items())
+                    if v.engine is not None and v.state in (
+                        VersionState.READY, VersionState.DRAINING, VersionState.SLEEPING)}
+
     def health(self) -> str:
         """"ready" while any serving version can answer (others may be loading or draining),
         else "asleep" (every version that could answer sleeps: POST /wake_up), "engine stopped"

@@ -82,7 +82,7 @@ class AppState:
         if self.serving is None:  # warming up: no engine numbers yet
             return {}
         return {name: engine.replica_stats()
-                for name, engine in self.serving.fleet.engines().items()}
+                for name, engine in self.serving.fleet.metered_engines().items()}
 
     def _counters(self) -> dict:
         return {} if self.serving is None else self.serving.fleet.counters()
