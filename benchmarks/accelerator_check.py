@@ -435,7 +435,9 @@ def main() -> int:
     p.add_argument("--context", type=int, default=None,
                    help="decode context (default 2048 on an accelerator, 128 on the CPU)")
     p.add_argument("--batches", type=lambda s: [int(n) for n in s.split(",")],
-                   default=[1, 16, 64])
+                   default=[1, 16, 64], help="the roofline's decode batch sizes")
+    p.add_argument("--engine-batches", type=lambda s: [int(n) for n in s.split(",")],
+                   default=[1, 16], help="LLM.generate's batch sizes in the engine decode step")
     args = p.parse_args()
     args.accelerator = jax.default_backend() != "cpu"
     kind = "accelerator" if args.accelerator else "cpu"
@@ -444,7 +446,6 @@ def main() -> int:
     args.prefill_seqs, args.prefill_tokens = (4, 512) if args.accelerator else (2, 128)
     args.repeats = 5 if args.accelerator else 2
     args.engine_tokens = 256 if args.accelerator else 32
-    args.engine_batches = [1, 16]
     args.tests = args.tests or TEST_MODULES[kind]
 
     report = Report(args.out, args.budget_s)
