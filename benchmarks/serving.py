@@ -31,7 +31,10 @@ filters cost under 5%).
 With --otlp the workload runs again on a fresh server started with --otlp-traces-endpoint, its
 spans sent to an OTLP/HTTP receiver in this process (tests/otlp_receiver.py: it decodes them);
 `traced_over_plain` is the ratio of the two output rates (issue 39's goal: above 0.98 at 32
-streams: `--max-concurrency 32 --otlp`).
+streams: `--max-concurrency 32 --otlp`). `--otlp-rounds N` alternates plain and traced runs N
+times (plain, traced, plain, traced, ...; each on a fresh server), so a machine whose load drifts
+during the run weighs on both sides: `traced_rounds` lists each pair, and `traced_over_plain` is
+then the ratio of the summed output tokens per summed second, traced over plain.
 """
 
 from __future__ import annotations
@@ -251,6 +254,12 @@ def serve_and_load(args, work, extra_flags: list[str]) -> dict:
     return summarize(results, seconds, work, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
 
 
+def _rate(runs: list[dict]) -> float:
+    """Output tokens per second over several runs together."""
+    return (sum(r["output_tok_s"] * r["seconds"] for r in runs)
+            / sum(r["seconds"] for r in runs))
+
+
 def _fmt(stats: dict, scale: float = 1000.0) -> str:
     return " ".join(f"{k} {v * scale:.1f}" for k, v in stats.items() if v is not None)
 
@@ -275,6 +284,8 @@ def main() -> int:
                    help="run again with this policy (and an audit log) and compare")
     p.add_argument("--otlp", action="store_true",
                    help="run again exporting traces (--otlp-traces-endpoint) and compare")
+    p.add_argument("--otlp-rounds", type=int, default=1, metavar="N",
+                   help="with --otlp: alternate plain and traced runs N times")
     args = p.parse_args()
 
     from jaxserve.model_registry import resolve
@@ -333,13 +344,25 @@ def main() -> int:
         sys.path.insert(0, str(ROOT))
         from tests.otlp_receiver import Receiver  # decodes the exports, as a collector does
 
-        receiver = Receiver()
-        try:
-            traced = serve_and_load(args, work, ["--otlp-traces-endpoint", receiver.url])
-        finally:
-            receiver.close()  # the server has stopped: its spans were sent
-        report["traced"] = {**traced, "spans_received": len(receiver.spans)}
-        report["traced_over_plain"] = traced["output_tok_s"] / serving["output_tok_s"]
+        rounds, plain = [], serving
+        for i in range(args.otlp_rounds):
+            if i:  # alternated: the machine's load drifts over a long run
+                plain = serve_and_load(args, work, [])
+            receiver = Receiver()
+            try:
+                traced = serve_and_load(args, work, ["--otlp-traces-endpoint", receiver.url])
+            finally:
+                receiver.close()  # the server has stopped: its spans were sent
+            traced = {**traced, "spans_received": len(receiver.spans)}
+            rounds.append({"plain": plain, "traced": traced,
+                           "traced_over_plain": traced["output_tok_s"] / plain["output_tok_s"]})
+            print(f"round {i + 1}: plain {plain['output_tok_s']:.1f}, traced "
+                  f"{traced['output_tok_s']:.1f} output tok/s ({traced['spans_received']} "
+                  f"spans received)", file=sys.stderr, flush=True)
+        report["traced"] = traced
+        report["traced_rounds"] = rounds
+        report["traced_over_plain"] = (_rate([r["traced"] for r in rounds])
+                                       / _rate([r["plain"] for r in rounds]))
         print(f"with --otlp-traces-endpoint: {traced['output_tok_s']:.1f} output tok/s "
               f"({traced['errors']} errors, {len(receiver.spans)} spans received); "
               f"traced / plain = "
@@ -354,7 +377,8 @@ def main() -> int:
     print(json.dumps(report))
     if args.result_json:
         args.result_json.write_text(json.dumps(report, indent=2) + "\n")
-    runs = [serving] + [report[k] for k in ("llamacpp", "with_policy", "traced") if k in report]
+    runs = [serving] + [report[k] for k in ("llamacpp", "with_policy") if k in report] + [
+        run for r in report.get("traced_rounds", ()) for run in r.values() if isinstance(run, dict)]
     return 1 if any(r["errors"] or r["wrong_token_counts"] for r in runs) else 0
 
 
