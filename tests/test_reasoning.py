@@ -151,8 +151,7 @@ def test_a_json_constraint_holds_after_the_reasoning_block(smollm2_grammars):
     for tail, opened in cases.items():
         out, params = output.after_prompt(Tok(tail), [1], SamplingParams(structured_outputs=schema))
         constraint = params.structured_outputs
-        assert out.in_reasoning is opened and constraint.reasoning == ("<think>", "</think>",
-                                                                       opened)
+        assert out.in_reasoning is opened and constraint.reasoning == qwen3.grammar(opened)
         assert constraint.param == "response_format"
 
         def accepts(text):
@@ -164,4 +163,29 @@ def test_a_json_constraint_holds_after_the_reasoning_block(smollm2_grammars):
         assert accepts('{"a": 1}') is not opened  # no block: only where the model opens it
         assert not accepts('<think>\nx\n</think>\n\n{"b": 1}') and not accepts("Paris")
     regex = SO(regex="[0-9]+")  # other kinds still hold from the first token
-    assert regex.after_reasoning("<think>", "</think>", True) is regex
+    assert regex.after_reasoning(qwen3.grammar(True)) is regex
+
+
+def test_a_json_constraint_holds_in_harmony_s_final_message(smollm2_tok):
+    """gpt-oss: the constraint lets the model open its analysis channel with the vocabulary's
+    special tokens (not their text spelled out), then holds the final message to the schema."""
+    from jaxserve.structured import StructuredOutputsParams as SO
+    from jaxserve.structured.grammar import GrammarCompiler
+    from tests.test_tool_calling import MARKED, with_special_tokens
+
+    tok = with_special_tokens(smollm2_tok, MARKED["openai"] + ["<|return|>"])
+    grammars = (tok, GrammarCompiler(tok, vocab_size=tok.vocab_size,
+                                     eos_token_ids=tok.eos_token_ids))
+    schema = SO(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                      "required": ["a"], "additionalProperties": False}, param="response_format")
+    constraint = schema.after_reasoning(get_reasoning_parser("openai_gptoss").grammar(False))
+
+    def accepts(text):
+        return grammar_accepts(grammars, constraint, text)
+
+    assert accepts('<|channel|>analysis<|message|>Say {"b": 2}?\nYes.<|end|>'
+                   '<|start|>assistant<|channel|>final<|message|>{"a": 1}')
+    assert accepts('<|channel|>final<|message|>{"a": 1}')  # no analysis
+    assert not accepts('{"a": 1}')  # the body belongs in the final message
+    assert not accepts('<|channel|>final<|message|>{"b": 1}')
+    assert not accepts('<|channel|>analysis<|message|>x<|end|><|start|>assistant{"a": 1}')

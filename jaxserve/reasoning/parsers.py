@@ -26,6 +26,7 @@ Pure Python: no JAX, no engine.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -67,6 +68,16 @@ class ReasoningParser:
         if self.always_starts_in_reasoning:
             return True
         return prompt_tail.rfind(self.START) > prompt_tail.rfind(self.END)
+
+    def grammar(self, opened: bool) -> str:
+        """Lark (llguidance's dialect) for a structured output that follows this format's
+        reasoning: a `start` rule reading the block, then `body` (the caller's rule). The block
+        is free text, opened by the prompt or optional and opened by the model, and a lazy
+        lexeme ended by the end marker, so its text is anything up to the first end marker."""
+        block = "thought WS?" if opened else f"({json.dumps(self.START)} thought WS?)?"
+        return (f"start: {block} body\n"
+                f"thought[suffix={json.dumps(self.END)}]: /(.|\\n)*/\n"
+                f"WS: /[ \\t\\r\\n]+/\n")
 
     def _scan(self, text: str, in_reasoning: bool, final: bool) -> _Scan:
         in_reasoning = in_reasoning or self.always_starts_in_reasoning
@@ -116,6 +127,15 @@ class HarmonyReasoningParser(ReasoningParser):
 
     def starts_in_reasoning(self, prompt_tail: str) -> bool:
         return False  # the output opens with a message's header
+
+    def grammar(self, opened: bool) -> str:
+        # Harmony's markers are special tokens: named unquoted, as tokens (quoted, llguidance
+        # holds them to their text, which the model could then only spell out in plain
+        # characters). An optional analysis message, then the final message holds the body.
+        channel, message = harmony.CHANNEL, harmony.MESSAGE
+        return (f'start: ({channel} "analysis" {message} thought {self.END} {harmony.START} '
+                f'"assistant")? {channel} "final" {message} body\n'
+                f"thought: /(.|\\n)*/\n")
 
     def parts(self, text: str, final: bool) -> tuple[str | None, str]:
         """(the analysis messages' text, None if none; the content, tool calls whole)."""

@@ -76,16 +76,9 @@ def grammar_text(constraint: StructuredOutputsParams) -> str:
 
 
 def _after_reasoning(constraint: StructuredOutputsParams) -> str:
-    """Lark: a reasoning block of free text (opened by the prompt, or optional and opened by the
-    model), whitespace, then the JSON. The block is a lazy lexeme ended by its end marker, so
-    its text is anything up to the first end marker."""
-    start, end, opened = constraint.reasoning
+    """Lark: the reasoning block's rules (the format's own), then the JSON as `body`."""
     schema = constraint.schema() if constraint.kind == "json" else {"type": "object"}
-    block = "thought WS?" if opened else f"({json.dumps(start)} thought WS?)?"
-    return (f"start: {block} body\n"
-            f"thought[suffix={json.dumps(end)}]: /(.|\\n)*/\n"
-            f"WS: /[ \\t\\r\\n]+/\n"
-            f"body: {lark_json(schema)}\n")
+    return f"{constraint.reasoning}body: {lark_json(schema)}\n"
 
 
 def _invalid(constraint: StructuredOutputsParams, error: str) -> InvalidRequest:

@@ -41,9 +41,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     param: str = field(default="structured_outputs", compare=False)
-    # A thinking model's reasoning block first, free text: (its start marker, its end marker,
-    # whether the prompt opened it). The constraint holds after the block (`after_reasoning`).
-    reasoning: tuple[str, str, bool] | None = None
+    # A thinking model's reasoning block first: Lark rules whose `start` reads the block, then
+    # `body`, the constraint itself (a reasoning parser's `grammar`; `after_reasoning`).
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.json_object, bool):
@@ -61,12 +61,12 @@ class StructuredOutputsParams:
         if self.grammar is not None:
             self._text("grammar", self.grammar)
 
-    def after_reasoning(self, start: str, end: str, opened: bool) -> StructuredOutputsParams:
-        """This constraint after a reasoning block (json and json_object; any other kind is
-        returned as it is, constraining from the first token)."""
+    def after_reasoning(self, block: str) -> StructuredOutputsParams:
+        """This constraint after a reasoning block, `block` the Lark rules reading it (json and
+        json_object; any other kind is returned as it is, constraining from the first token)."""
         if self.kind not in REASONING_KINDS:
             return self
-        return dataclasses.replace(self, reasoning=(start, end, opened))
+        return dataclasses.replace(self, reasoning=block)
 
     @property
     def kind(self) -> str:

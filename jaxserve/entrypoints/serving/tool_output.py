@@ -108,7 +108,7 @@ class ToolCallOutput:
         constraint = params.structured_outputs
         if constraint is not None:
             params = params.replace(structured_outputs=constraint.after_reasoning(
-                self.reasoning.START, self.reasoning.END, opened))
+                self.reasoning.grammar(opened)))
         return ToolCallOutput(self.parser, self.reasoning, opened), params
 
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
