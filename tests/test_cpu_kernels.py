@@ -1,9 +1,10 @@
 """The CPU kernels (jaxserve.kernels.cpu): the one switch and what it turns off, the library
 (jaxserve.kernels.cpu.library: its sources, handlers and cache), the sampler's top-k / top-p
 thresholds (jaxserve.kernels.sampling) against a float64 reference and the pure-JAX path, the
-stacked-weights matmul (jaxserve.kernels.matmul) against a float64 reference, the matmul on GGUF
-blocks (Q4_0 / Q4_1 / Q8_0) against the gguf package's dequantization, and the library built for
-older x86 ISAs. The attention kernel's tests are in test_ragged_paged_attention.py; the
+stacked-weights matmul (jaxserve.kernels.matmul) and the experts' grouped matmul
+(jaxserve.kernels.grouped_matmul) against float64 references, the matmul on GGUF blocks (Q4_0 /
+Q4_1 / Q8_0) against the gguf package's dequantization, and the library built for older x86
+ISAs. The attention kernel's tests are in test_ragged_paged_attention.py; the
 model through the matmul kernel in test_llama.py."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 
 from jaxserve.kernels import cpu as cpu_kernels
 from jaxserve.kernels.cpu import library as cpu_library
+from jaxserve.kernels import grouped_matmul as cpu_grouped
 from jaxserve.kernels import matmul as cpu_matmul
 from jaxserve.kernels import sampling as cpu_sampling
 from jaxserve.executor import sampler
@@ -57,12 +59,12 @@ def test_the_library_builds_every_source_and_registers_every_handler_they_define
     # them, and each wrapper's FFI target is one of theirs.
     from jaxserve.kernels.attention import cpu as attention_cpu
 
-    assert [p.name for p in cpu_library.sources()] == ["attention.cc", "matmul.cc",
-                                                       "quantized_matmul.cc", "sampling.cc"]
+    assert [p.name for p in cpu_library.sources()] == [
+        "attention.cc", "grouped_matmul.cc", "matmul.cc", "quantized_matmul.cc", "sampling.cc"]
     handlers = cpu_library.handlers()
     assert handlers["jaxserve_paged_decode"] == "JaxservePagedDecode"
     assert set(handlers) == {*attention_cpu.TARGETS, cpu_sampling._TARGET, cpu_matmul._TARGET,
-                             cpu_matmul._QUANTIZED_TARGET}
+                             cpu_matmul._QUANTIZED_TARGET, cpu_grouped._TARGET}
     assert cpu_library.plan().path.name == f"cpu_kernels-{cpu_library.plan().key}.so"
 
 
@@ -209,6 +211,45 @@ def check_stacked_matmul(T: int, K: int, N: int) -> None:
         np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(K), rtol=0)
 
 
+# (group sizes, K, N), 2 layers of experts; rows past the groups' sum must come out zero.
+GROUPED_CASES = [
+    ([0, 37, 1, 0, 2, 0], 300, 80),  # empty groups first, between and last; a row tail; 2 blocks
+    ([41, 0, 0, 0], 64, 16),  # one group holding every row; one vector of columns
+    ([3, 5, 0, 9, 1, 4, 0, 2], 512, 192),  # a decode's few rows per expert (Qwen3-30B's shape)
+    ([0, 0, 0], 48, 32),  # no rows routed here (another device's experts)
+]
+
+
+@needs_library
+@pytest.mark.parametrize("sizes,K,N", GROUPED_CASES)
+def test_grouped_matmul_matches_a_float64_reference(sizes, K, N):
+    check_grouped_matmul(sizes, K, N)
+
+
+def check_grouped_matmul(sizes: list[int], K: int, N: int) -> None:
+    rng = np.random.default_rng(len(sizes) + K + N)
+    rows = sum(sizes) + 3  # 3 rows past the groups: other devices' copies under EP
+    x = rng.standard_normal((rows, K)).astype(np.float32)
+    w = rng.standard_normal((2, len(sizes), K, N)).astype(np.float32)
+    group_sizes = np.asarray(sizes, np.int32)
+    run = jax.jit(cpu_grouped.grouped_matmul)
+    for layer in range(2):
+        want = cpu_grouped.reference(x, w, layer, group_sizes)
+        got = np.asarray(run(x, w, np.int32(layer), group_sizes))
+        # f32 sums over K: ~1e-7 relative per term, far below a wrong group, row or layer.
+        np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(K), rtol=0)
+        assert not got[sum(sizes):].any()
+
+
+@needs_library
+def test_grouped_matmul_refuses_group_sizes_past_its_rows():
+    x, w = np.ones((4, 16), np.float32), np.ones((1, 2, 16, 16), np.float32)
+    run = jax.jit(cpu_grouped.grouped_matmul)
+    for sizes in ([3, 2], [5, -1]):
+        with pytest.raises(Exception, match="group sizes negative or over the rows"):
+            np.asarray(run(x, w, np.int32(0), np.asarray(sizes, np.int32)))
+
+
 QUANTIZED_CASES = [  # T, K, N
     (1, 64, 5),  # a decode row; one block pair; an output tail (tiles of 4 or 2)
     (6, 96, 8),  # a row tail (tiles of 4 or 2 rows)
@@ -251,7 +292,8 @@ _OLDER_X86_SCRIPT = """
 import numpy as np
 from jaxserve.kernels import cpu
 from jaxserve.kernels.matmul import FORMATS
-from tests.test_cpu_kernels import MATMUL_CASES, check_quantized_matmul, check_stacked_matmul
+from tests.test_cpu_kernels import (GROUPED_CASES, MATMUL_CASES, check_grouped_matmul,
+                                    check_quantized_matmul, check_stacked_matmul)
 from tests.test_ragged_paged_attention import check, make_case
 assert cpu.enabled()
 rng = np.random.default_rng(0)
@@ -267,6 +309,8 @@ for case in MATMUL_CASES:
     check_stacked_matmul(*case)
 for fmt in FORMATS:
     check_quantized_matmul(fmt)
+for case in GROUPED_CASES:
+    check_grouped_matmul(*case)
 """
 
 

@@ -1,7 +1,9 @@
 """The mixture-of-experts MLP (jaxserve.executor.models.moe) against a per-token loop: dropless
-whatever the load (one expert taking most tokens, another none), both top-k weightings; and the
-CPU's tiled grouped matmul against XLA's ragged_dot (what GPUs and TPUs run). The HF comparison
-of whole models is tests/test_model_families.py's."""
+whatever the load (one expert taking most tokens, another none), both top-k weightings; the
+CPU's tiled grouped matmul against XLA's ragged_dot (what GPUs and TPUs run); and the CPU's
+grouped-matmul kernel, reading each layer's experts in place from the stacks, against the tiles
+(with gpt-oss's biases and clamped SwiGLU). The HF comparison of whole models is
+tests/test_model_families.py's (the kernel in use there where the CPU kernels are)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import pytest
 
 from jaxserve.config import ModelConfig
 from jaxserve.executor.models import moe
+from jaxserve.kernels import cpu as cpu_kernels
+from jaxserve.kernels import grouped_matmul as cpu_grouped
 
 
 def _config(norm_topk_prob: bool) -> ModelConfig:
@@ -60,3 +64,26 @@ def test_tiled_grouped_matmul_equals_ragged_dot(group_sizes):
     args = (sizes, p, moe.gated(c, jax.nn.silu), jax.lax.Precision.HIGHEST)
     np.testing.assert_allclose(moe.tiled_grouped_mlp(rows, *args),
                                moe.ragged_grouped_mlp(rows, *args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_kernels.enabled(),
+                    reason="the CPU kernels' library")
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_cpu_kernel_reads_each_layer_in_place_as_the_tiles_compute_it(gpt_oss):
+    extra = dict(moe_bias=True, swiglu_limit=0.5) if gpt_oss else {}  # a clamp that binds
+    c = ModelConfig(name="moe", vocab_size=16, hidden_size=32, intermediate_size=48, num_layers=3,
+                    num_heads=2, num_kv_heads=1, head_dim=16, num_experts=6,
+                    experts_per_token=2, moe_intermediate_size=16, norm_topk_prob=True, **extra)
+    assert moe.experts_in_place(c, None)
+    stacks = {k: np.array(v) for k, v in nn.unbox(moe.boxed_init(c, jax.random.key(3)))["moe"]
+              .items()}
+    stacks["router"][1, :, 2] += 5.0  # layer 1: expert 2 takes most tokens
+    x = np.random.default_rng(1).normal(size=(19, c.hidden_size)).astype(np.float32)
+    args = (c, jax.nn.silu, jax.lax.Precision.HIGHEST)
+    kernel = jax.jit(lambda x, p, layer: moe.experts_mlp(x, p, *args, layer=layer))
+    tiles = jax.jit(lambda x, p: moe.experts_mlp(x, p, *args))
+    for layer in range(3):
+        want = tiles(x, {k: v[layer] for k, v in stacks.items()})
+        got = kernel(x, stacks, np.int32(layer))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    assert cpu_grouped._TARGET in kernel.lower(x, stacks, np.int32(0)).as_text()

@@ -6,10 +6,12 @@ by expert and each expert's rows run through one grouped matmul (row group e tim
 weights), so there is no capacity factor and no token is ever dropped; the results go back to
 token order and are summed with the router's weights. The router (logits, softmax, top-k,
 renormalization) runs in f32 whatever the model's dtype. The grouped matmul is
-`jax.lax.ragged_dot` on GPU and TPU (XLA's own); on the CPU, whose lowering of it multiplies every
+`jax.lax.ragged_dot` on GPU and TPU (XLA's own). On the CPU, whose lowering of it multiplies every
 row by every expert (E times the work: 100-500x a dense MLP of the active width on a Qwen3-30B-A3B
-shape), a loop over tiles of rows of one expert each (`tiled_grouped_mlp`) does the work of
-the rows present, padded to a tile per expert.
+shape), the C++ grouped-matmul kernel (jaxserve.kernels.grouped_matmul: one call per projection,
+each expert present read once where it lies in the sparse layers' stack) runs where the CPU
+kernels do and takes the weights (`experts_in_place`); elsewhere a loop over tiles of rows of one
+expert each (`tiled_grouped_mlp`) does the work of the rows present, padded to a tile per expert.
 
 Parameters, outside the decoder's per-layer stacks because a model may mix dense and sparse layers
 (Qwen3-MoE's mlp_only_layers): `moe/router` [S, H, E], `moe/{gate,up}_proj` [S, E, H, I],
@@ -35,6 +37,8 @@ from jax.sharding import PartitionSpec
 
 from jaxserve.config import ModelConfig
 from jaxserve.executor import sharding
+from jaxserve.kernels import cpu as cpu_kernels
+from jaxserve.kernels import grouped_matmul as cpu_grouped
 
 Activation = Callable[[jax.Array], jax.Array]
 Glu = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> the experts' hidden units
@@ -142,12 +146,18 @@ def routing(x: jax.Array, p: dict, config: ModelConfig) -> tuple[jax.Array, jax.
 
 
 def experts_mlp(x: jax.Array, p: dict, config: ModelConfig, activation: Activation,
-                precision: jax.lax.Precision, num_local: int | None = None) -> jax.Array:
+                precision: jax.lax.Precision, num_local: int | None = None,
+                layer: jax.Array | None = None) -> jax.Array:
     """x [T, H] through its top-k experts (one layer's `moe` parameters), dropless: [T, H].
     num_local: expert parallelism (inside `expert_parallel`'s shard_map): `p` holds this
     device's num_local experts, the copies routed to other devices' experts are theirs, and the
-    devices' partial sums are added."""
+    devices' partial sums are added. layer: where `experts_in_place`, `p` holds every sparse
+    layer's parameters ([S, ...]) and `layer` indexes them; the CPU kernel reads the experts'
+    weights there (a slice would copy the layer's experts out of the stack first)."""
     c = config
+    stacks = p
+    if layer is not None:  # the router and biases are small: sliced as usual
+        p = {name: w[layer] for name, w in stacks.items() if not name.endswith("_proj")}
     T, k = x.shape[0], c.experts_per_token
     experts, weights = routing(x, p, c)
     num_groups = c.num_experts
@@ -162,9 +172,12 @@ def experts_mlp(x: jax.Array, p: dict, config: ModelConfig, activation: Activati
     group_sizes = jnp.bincount(flat, length=num_groups).astype(jnp.int32)
     rows = jnp.take(x, order // k, axis=0)
 
-    args = (group_sizes, p, gated(c, activation), precision)
-    out = jax.lax.platform_dependent(rows, cpu=lambda r: tiled_grouped_mlp(r, *args),
-                                     default=lambda r: ragged_grouped_mlp(r, *args))
+    if layer is not None:
+        out = kernel_grouped_mlp(rows, group_sizes, p, gated(c, activation), stacks, layer)
+    else:
+        args = (group_sizes, p, gated(c, activation), precision)
+        out = jax.lax.platform_dependent(rows, cpu=lambda r: tiled_grouped_mlp(r, *args),
+                                         default=lambda r: ragged_grouped_mlp(r, *args))
     # Back to token order (a gather, not a scatter-add: deterministic) and weighted per choice.
     out = jnp.take(out, jnp.argsort(order), axis=0).reshape(T, k, -1)
     out = jnp.einsum("tkh,tk->th", out.astype(jnp.float32), weights)
@@ -189,12 +202,15 @@ def expert_parallel(config: ModelConfig, mesh: jax.sharding.Mesh, activation: Ac
     local = functools.partial(experts_mlp, config=config, activation=activation,
                               precision=precision, num_local=config.num_experts // n)
 
-    def run(x: jax.Array, p: dict) -> jax.Array:
-        specs = {name: sharding.mesh_spec(PartitionSpec(*AXES["moe"][name][1:]), w.shape, mesh,
-                                          rules) for name, w in p.items()}
+    def run(x: jax.Array, p: dict, layer: jax.Array | None = None) -> jax.Array:
+        # p: one layer's parameters, or with `layer` every sparse layer's (experts_mlp's layer)
+        lead = 1 if layer is None else 0
+        specs = {name: sharding.mesh_spec(PartitionSpec(*AXES["moe"][name][lead:]), w.shape,
+                                          mesh, rules) for name, w in p.items()}
         # (check_vma off: the CPU's tile loop carries per-device rows the checker cannot type.)
-        return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), specs),
-                             out_specs=PartitionSpec(), check_vma=False)(x, p)
+        return jax.shard_map(lambda x, p, layer: local(x, p, layer=layer), mesh=mesh,
+                             in_specs=(PartitionSpec(), specs, PartitionSpec()),
+                             out_specs=PartitionSpec(), check_vma=False)(x, p, layer)
 
     return run
 
@@ -213,19 +229,52 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, *, alpha: float, limit: float
     return (jnp.clip(up, -limit, limit) + 1) * gate * jax.nn.sigmoid(gate * alpha)
 
 
-def ragged_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, glu: Glu,
-                       precision: jax.lax.Precision) -> jax.Array:
-    """The experts' gated MLPs over `rows` [N, H] sorted by expert (group_sizes [E] of them), as
-    XLA's grouped matmul; `{gate,up,down}_bias` (gpt-oss) added by each row's expert."""
+def grouped_gated_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, glu: Glu,
+                      product: Callable[[jax.Array, str], jax.Array]) -> jax.Array:
+    """The experts' gated MLPs over `rows` [N, H] sorted by expert (group_sizes [E] of them),
+    each projection `product(lhs, name)` (a grouped matmul); `{gate,up,down}_bias` (gpt-oss, in
+    `p`) added by each row's expert."""
     expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
                         total_repeat_length=rows.shape[0])
 
     def grouped(lhs, name):
-        out = jax.lax.ragged_dot(lhs, p[f"{name}_proj"], group_sizes, precision=precision)
+        out = product(lhs, name)
         bias = p.get(f"{name}_bias")
         return out if bias is None else out + jnp.take(bias, expert, axis=0)
 
     return grouped(glu(grouped(rows, "gate"), grouped(rows, "up")), "down")
+
+
+def ragged_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, glu: Glu,
+                       precision: jax.lax.Precision) -> jax.Array:
+    """`grouped_gated_mlp` through XLA's grouped matmul."""
+    return grouped_gated_mlp(rows, group_sizes, p, glu, lambda lhs, name: jax.lax.ragged_dot(
+        lhs, p[f"{name}_proj"], group_sizes, precision=precision))
+
+
+def kernel_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, glu: Glu,
+                       stacks: dict, layer: jax.Array) -> jax.Array:
+    """`grouped_gated_mlp` through the CPU kernel, which reads the projections of layer `layer`
+    of the sparse layers' stacks ({gate,up,down}_proj [S, E, ...] in `stacks`) in place; rows
+    past the groups (other devices' copies under expert parallelism, weighted 0) come out
+    finite: the kernel writes them zeros."""
+    return grouped_gated_mlp(rows, group_sizes, p, glu, lambda lhs, name: (
+        cpu_grouped.grouped_matmul(lhs, stacks[f"{name}_proj"], layer, group_sizes)))
+
+
+def experts_in_place(config: ModelConfig, mesh: jax.sharding.Mesh | None) -> bool:
+    """Whether the experts run through the CPU grouped-matmul kernel (`kernel_grouped_mlp`):
+    where the CPU kernels are enabled and take the experts' weights (f32, widths a multiple of
+    the kernel's vectors), on one device or per device under expert parallelism's shard_map —
+    not where XLA shards the experts' MLPs itself (tensor parallel without expert parallelism)."""
+    c = config
+    shapes = [(c.hidden_size, c.moe_intermediate_size), (c.moe_intermediate_size, c.hidden_size)]
+    sharded = mesh is not None and not _expert_parallel(c, mesh)
+    return not sharded and cpu_grouped.supports(shapes, c.dtype) and cpu_kernels.enabled()
+
+
+def _expert_parallel(config: ModelConfig, mesh: jax.sharding.Mesh | None) -> bool:
+    return config.expert_parallel and mesh is not None and mesh.shape[sharding.MODEL] > 1
 
 
 MAX_TILE = 16  # rows of one expert per step of the CPU's grouped matmul, at most
@@ -277,11 +326,13 @@ def layer_mlp(config: ModelConfig, params: dict, activation: Activation,
               ) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """(h [T, H], layer id) -> the MLP of that layer, for the decoder's scan: its slice of the
     sparse layers' stack, or (lax.cond, only where the model has dense layers) of the dense
-    ones'. With config.expert_parallel on a mesh, the experts run `expert_parallel`."""
+    ones'. With config.expert_parallel on a mesh, the experts run `expert_parallel`; where
+    `experts_in_place`, they get the whole stacks and the layer's index."""
     c = config
     experts = functools.partial(experts_mlp, config=c, activation=activation, precision=precision)
-    if c.expert_parallel and mesh is not None and mesh.shape[sharding.MODEL] > 1:
+    if _expert_parallel(c, mesh):
         experts = expert_parallel(c, mesh, activation, precision)
+    in_place = experts_in_place(c, mesh)
     slot, is_sparse = layer_slots(c)
 
     def take(group, layer):
@@ -289,7 +340,10 @@ def layer_mlp(config: ModelConfig, params: dict, activation: Activation,
         return jax.tree.map(lambda w: w[i], params[group])
 
     def sparse(h, layer):
-        out = experts(h, take("moe", layer))
+        if in_place:
+            out = experts(h, params["moe"], layer=jnp.asarray(slot)[layer])
+        else:
+            out = experts(h, take("moe", layer))
         if c.num_shared_experts:
             out = out + dense_mlp(h, take("shared_mlp", layer), activation, precision)
         return out

@@ -9,123 +9,20 @@
 // then runs the dots on the copy; dots reading the weights from memory themselves run slower
 // still (measured: benchmarks/RESULTS.md, "The layers' projections read in place"). Here the
 // weights stream from memory while the cores compute: each thread owns a contiguous run of column
-// panels, and while it computes one block of a panel it prefetches the block it computes next.
-//
-// Arithmetic: f32 FMAs in order within each block of kDepth contraction rows, the blocks' sums
-// then added in order (a plain running sum over K = 1536 loses ~3x the precision).
+// panels, and while it computes one block of a panel it prefetches the block it computes next
+// (the tiles and the panels' loop: matmul_tiles.h).
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <utility>
 
 #include "cpu_common.h"
+#include "matmul_tiles.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxserve_cpu::kLanes;
+using jaxserve_cpu::kPanel;
 
 namespace {
-
-// A tile is kRows rows by kVecs vectors of kLanes floats in registers (AVX-512: 24 of 32 zmm;
-// AVX2: 12 of 16 ymm, leaving room for the weights' two vectors, so a step of k loads 2 + 6 for 12
-// FMAs, where a 4 x 3 tile read its weights again for each FMA and ran well below this one;
-// measured: benchmarks/RESULTS.md, "The AVX2 build").
-#if defined(__AVX512F__)
-constexpr int kLanes = 16, kRows = 8, kVecs = 3;
-#elif defined(__AVX2__)
-constexpr int kLanes = 8, kRows = 6, kVecs = 2;
-#else
-constexpr int kLanes = 4, kRows = 4, kVecs = 2;
-#endif
-constexpr int64_t kPanel = kVecs * kLanes;  // columns per panel
-// Contraction rows per block: a panel's block of weights (AVX-512: 256 x 48 floats, 48 KiB) is
-// read from memory once, by the first row tile, and from cache by the others.
-constexpr int64_t kDepth = 256;
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-
-// Rows of weights to prefetch while a block computes: the thread's next block.
-struct Prefetch {
-  const float* w = nullptr;  // its first row, or null for none
-  int64_t rows = 0, vecs = 0;
-};
-
-// out[R, V * kLanes] (+)= x[R, depth] @ w[depth, V * kLanes]; row strides ldx, ldw, ldo.
-template <int R, int V>
-void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out, int64_t ldo,
-          int64_t depth, bool accumulate, const Prefetch& next) {
-  // The loops unrolled whole and each x broadcast straight from memory, so the accumulators
-  // stay in registers: without that GCC 12's AVX2 build kept them on the stack, at a fraction of
-  // the AVX-512 build's rate (measured: benchmarks/RESULTS.md, "The AVX2 build").
-  Vec acc[R][V] = {};
-  for (int64_t k = 0; k < depth; ++k) {
-    Vec b[V];
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) std::memcpy(&b[v], w + k * ldw + v * kLanes, sizeof(Vec));
-    if (k < next.rows) {
-      for (int64_t v = 0; v < next.vecs; ++v) __builtin_prefetch(next.w + k * ldw + v * kLanes);
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const float a = x[r * ldx + k];
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[r][v] += a * b[v];
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < V; ++v) {
-      if (accumulate) {  // the block's sum added whole: summed by blocks, as XLA's dots sum
-        Vec sum;
-        std::memcpy(&sum, out + r * ldo + v * kLanes, sizeof(Vec));
-        acc[r][v] += sum;
-      }
-      std::memcpy(out + r * ldo + v * kLanes, &acc[r][v], sizeof(Vec));
-    }
-  }
-}
-
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
-                        bool, const Prefetch&);
-
-template <int V, int... R>
-constexpr void FillRows(TileFn (&row)[kRows + 1], std::integer_sequence<int, R...>) {
-  ((row[R + 1] = &Tile<R + 1, V>), ...);
-}
-
-// kTiles.fn[v][r]: the tile of r rows and v vectors.
-struct Tiles {
-  TileFn fn[kVecs + 1][kRows + 1] = {};
-  constexpr Tiles() : Tiles(std::make_integer_sequence<int, kVecs>()) {}
-  template <int... V>
-  constexpr explicit Tiles(std::integer_sequence<int, V...>) {
-    (FillRows<V + 1>(fn[V + 1], std::make_integer_sequence<int, kRows>()), ...);
-  }
-};
-constexpr Tiles kTiles;
-
-// Panels [p0, p1) of out[T, N] = x[T, K] @ w[K, N], a block of kDepth contraction rows at a
-// time across all of them: the rows of w are then read along their run of columns, which streams
-// from memory faster than one panel down all of K, most at 8-16 rows (measured:
-// benchmarks/RESULTS.md, "Then: a block of rows across all panels").
-void Panels(const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out,
-            int64_t p0, int64_t p1) {
-  auto vecs = [N](int64_t p) { return std::min<int64_t>(kVecs, (N - p * kPanel) / kLanes); };
-  for (int64_t k = 0; k < K; k += kDepth) {
-    const int64_t depth = std::min(kDepth, K - k);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n = p * kPanel;
-      Prefetch next;  // the next panel's block, else the first panel's next block
-      if (p + 1 < p1) {
-        next = {w + k * N + n + kPanel, depth, vecs(p + 1)};
-      } else if (k + kDepth < K) {
-        next = {w + (k + kDepth) * N + p0 * kPanel, std::min(kDepth, K - k - kDepth), vecs(p0)};
-      }
-      for (int64_t m = 0; m < T; m += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, T - m);
-        kTiles.fn[vecs(p)][rows](x + m * K + k, K, w + k * N + n, N, out + m * N + n, N, depth,
-                                 k > 0, m == 0 ? next : Prefetch{});
-      }
-    }
-  }
-}
 
 ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                          ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
@@ -145,7 +42,7 @@ ffi::Error StackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   // One contiguous run of panels per thread, so each prefetches what it reads next.
   const int64_t chunks = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), panels);
   jaxserve_cpu::ParallelFor(pool, chunks, [&](int64_t i) {
-    Panels(x.typed_data(), T, K, wl, N, out->typed_data(), panels * i / chunks,
+    jaxserve_cpu::Panels(x.typed_data(), T, K, wl, N, out->typed_data(), panels * i / chunks,
            panels * (i + 1) / chunks);
   });
   return ffi::Error::Success();
