@@ -27,6 +27,25 @@ SMOLLM2 = "smollm2-135m-instruct"
 jax.config.update("jax_enable_compilation_cache", False)
 
 
+@pytest.fixture
+def private_compile_cache(tmp_path):
+    """A directory for the test's own persistent compilation cache, on for this test only: a test
+    that runs one command in-process several times (cli.main, each run a new engine) passes it
+    as `--compile-cache-dir` and compiles each program once, as a user's repeated runs do."""
+    from jax._src import compilation_cache
+
+    path = tmp_path / "xla"
+    # JAX opens its cache once, at the first compile after it is enabled; reset on both sides so
+    # this test's programs go to this directory and later tests' to none.
+    compilation_cache.reset_cache()
+    jax.config.update("jax_enable_compilation_cache", True)
+    try:
+        yield path
+    finally:
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_module_servers():
     """After each module: its servers' engines, and their compiled programs, are freed.

@@ -155,10 +155,12 @@ def test_chat_without_template_and_prompt_errors(tmp_path, capsys, smollm2_token
 # ---------------------------------------------------------------- tiny end to end
 
 
-def test_generate_tiny_model_json_and_sampling(tmp_path, capsys, smollm2_tokenizer_fields):
+def test_generate_tiny_model_json_and_sampling(tmp_path, capsys, smollm2_tokenizer_fields,
+                                               private_compile_cache):
     path = tiny_gguf(tmp_path / "tiny.gguf", smollm2_tokenizer_fields)
+    # Five runs, five engines: the later ones read the first one's programs from the cache.
     args = ["generate", "--model", str(path), "--chat", "--prompt", "Hello", "--max-tokens", "5",
-            "--json"]
+            "--json", "--compile-cache-dir", str(private_compile_cache)]
     assert cli.main(args) == 0
     greedy = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(greedy["token_ids"]) == 5 or greedy["finish_reason"] == "stop"
