@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import secrets
+import shlex
 import socket
 import sys
 import tempfile
@@ -74,6 +75,8 @@ def main() -> int:
     p.add_argument("--prefill-timeout", type=float, default=600.0,
                    help="the decode server's --prefill-timeout (an 8k-token prompt waits minutes "
                         "for its prefill on a CPU host)")
+    p.add_argument("--decode-args", default="",
+                   help="more flags for the decode server, e.g. '--max-local-prefill-length 256'")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     commit = provenance.commit()  # before anything runs: the tree may change while it does
@@ -96,6 +99,7 @@ def main() -> int:
                         "output_tokens": args.short_output},
               "long": {"requests": args.num_long, "rate": args.long_rate,
                        "prompt_tokens": args.long_tokens},
+              "decode_args": args.decode_args,
               "load_average_at_start": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         logs = [open(Path(tmp) / f"{i}.log", "w") for i in range(3)]
@@ -112,7 +116,8 @@ def main() -> int:
         try:
             decode = ServerProcess(flags + ["--role", "decode", "--prefill-url",
                                             f"http://127.0.0.1:{port}", "--prefill-timeout",
-                                            str(args.prefill_timeout)], logs[2], cwd=ROOT,
+                                            str(args.prefill_timeout),
+                                            *shlex.split(args.decode_args)], logs[2], cwd=ROOT,
                                    env=env)
             try:
                 report["disaggregated"] = _measure(decode.url, short, long, warm, args)
