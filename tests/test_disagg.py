@@ -75,13 +75,14 @@ ENGINE = ["--num-pages", "40", "--max-num-seqs", "1", "--max-num-batched-tokens"
           "--min-token-bucket", "16", "--max-model-len", "256", "--kv-offloading-size", "0.0003",
           "--no-rag"]
 PREFILL_TIMEOUT_S = 3  # decode server b's
+LOCAL_PREFILL_TOKENS = 32  # decode server b's --max-local-prefill-length
 LONG = [1000 + 7 * i for i in range(240)]  # 14 full pages to send: 15 prefill steps
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, smollm2_tokenizer_fields):
     """(prefill, decode a, decode b): both decode servers use the one prefill server; b waits
-    PREFILL_TIMEOUT_S for it."""
+    PREFILL_TIMEOUT_S for it and prefills prompts up to LOCAL_PREFILL_TOKENS itself."""
     tmp = tmp_path_factory.mktemp("disagg")
     model = tiny_gguf(tmp / "tiny.gguf", smollm2_tokenizer_fields, max_position_embeddings=256)
     secret = tmp / "secret"
@@ -94,8 +95,9 @@ def servers(tmp_path_factory, smollm2_tokenizer_fields):
     starts = [dict(args=[*common, "--role", "prefill", "--port", str(port)],
                    module="tests.serve_slowed", env=env)]
     starts += [dict(args=[*common, "--role", "decode", "--port", "0", "--prefill-url",
-                          f"http://127.0.0.1:{port}", "--prefill-timeout", str(timeout)])
-               for timeout in (60, PREFILL_TIMEOUT_S)]
+                          f"http://127.0.0.1:{port}", "--prefill-timeout", str(timeout),
+                          "--max-local-prefill-length", str(local)])
+               for timeout, local in ((60, 0), (PREFILL_TIMEOUT_S, LOCAL_PREFILL_TOKENS))]
     logs = [(tmp / f"{i}.log").open("w") for i in range(3)]
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(ServerProcess, cwd=ROOT, stderr=log, ready_timeout_s=600, **kw)
@@ -108,8 +110,31 @@ def servers(tmp_path_factory, smollm2_tokenizer_fields):
         log.close()
 
 
+@pytest.fixture(scope="module")
+def router(servers, tmp_path_factory):
+    """`jaxserve router` in front of decode servers a and b, reading their load every 0.2 s."""
+    with (tmp_path_factory.mktemp("router") / "router.log").open("w") as log:
+        proc = ServerProcess(["--decode-url", _base(servers[1]), "--decode-url",
+                              _base(servers[2]), "--port", "0", "--load-interval", "0.2",
+                              "--max-body-bytes", str(1 << 20)],
+                             log, cwd=ROOT, ready_timeout_s=60, command="router")
+        yield proc
+        proc.kill()
+
+
 def _base(proc) -> str:
     return proc.url.removesuffix("/v1")
+
+
+def _labeled(proc, name: str) -> dict[tuple, float]:
+    """One metric's samples, {sorted label items: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.test_server import http_get
+
+    return {tuple(sorted(s.labels.items())): s.value
+            for f in text_string_to_metric_families(http_get(f"{_base(proc)}/metrics").text)
+            for s in f.samples if s.name == name}
 
 
 def _complete(proc, prompt):
@@ -144,6 +169,7 @@ def test_decode_server_continues_from_the_prefill_servers_pages(servers):
     prompt = LONG[:100]  # 6 full pages travel; the last 4 tokens are computed on the decode side
     colocated = _complete(prefill, prompt)  # the prefill server serves /v1 itself too
     before = scrape(_base(decode))
+    sent_before = scrape(_base(prefill))
     ours = _complete(decode, prompt)
     assert ours.text == colocated.text
     for a, b in zip(ours.logprobs.token_logprobs, colocated.logprobs.token_logprobs):
@@ -151,7 +177,82 @@ def test_decode_server_continues_from_the_prefill_servers_pages(servers):
     after = wait_idle(_base(decode))
     assert after["jaxserve:kv_offload_hits_total"] - before["jaxserve:kv_offload_hits_total"] \
         == 6 * 16  # the 6 pages were restored from what the prefill server sent, not computed
+    sent = wait_idle(_base(prefill))
+    # The transfer metrics on both sides: one 6-page frame, the same bytes sent and received.
+    for side, a, b in (("prefill", sent_before, sent), ("decode", before, after)):
+        assert b["jaxserve:kv_transfer_pages_total"] - a["jaxserve:kv_transfer_pages_total"] == 6
+        assert b["jaxserve:kv_transfer_seconds_count"] - a["jaxserve:kv_transfer_seconds_count"] \
+            == 1, side
+    moved = [b["jaxserve:kv_transfer_bytes_total"] - a["jaxserve:kv_transfer_bytes_total"]
+             for a, b in ((sent_before, sent), (before, after))]
+    assert moved[0] == moved[1] > 0, moved
+
+
+def test_a_short_prompt_is_prefilled_on_the_decode_server(servers):
+    prefill, _, decode = servers  # b: --max-local-prefill-length 32
+    short, longer = [7000 + i for i in range(30)], [7100 + i for i in range(40)]
+    colocated = _complete(prefill, short)
     wait_idle(_base(prefill))
+    done = _prompts_done(prefill)
+    skipped = _labeled(decode, "jaxserve:kv_transfer_skipped_total")
+    ours = _complete(decode, short)  # a full page, but 30 tokens <= 32: no transfer
+    assert ours.text == colocated.text
+    assert _prompts_done(prefill) == done  # the prefill server never saw it
+    after = _labeled(decode, "jaxserve:kv_transfer_skipped_total")
+    key = (("reason", "short_prompt"),)
+    assert after[key] - skipped.get(key, 0) == 1
+    pages = scrape(_base(decode))["jaxserve:kv_transfer_pages_total"]
+    _complete(decode, longer)  # 40 uncached tokens > 32: its 2 full pages come from prefill
+    assert scrape(_base(decode))["jaxserve:kv_transfer_pages_total"] - pages == 2
+    wait_idle(_base(decode))
+    wait_idle(_base(prefill))
+
+
+def _generated(proc) -> float:
+    return scrape(_base(proc))["jaxserve:generation_tokens_total"]
+
+
+def test_the_router_sends_new_requests_to_the_less_loaded_decode_server(servers, router):
+    import openai
+
+    _, a, b = servers
+    # a made busy directly (short prompts: no prefill server involved): 1 running, 2 waiting.
+    busy = [_send(a, [8000 + k, 8001, 8002], max_tokens=240) for k in range(3)]
+    try:
+        wait_for(lambda: scrape(_base(a))["jaxserve:num_requests_waiting"] >= 2,
+                 "decode server a to queue", 30)
+        time.sleep(0.6)  # the router reads the load every 0.2 s
+        before_b = _generated(b)
+        client = openai.OpenAI(base_url=router.url, api_key="none", max_retries=0)
+        for k in range(4):
+            text = client.completions.create(model="tiny", prompt=[9000 + k, 9001], max_tokens=4,
+                                             temperature=0, extra_body={"ignore_eos": True})
+            assert len(text.choices[0].text) > 0
+        assert _generated(b) - before_b == 16  # all four went to b (a, idle, would win a tie)
+        # Streaming passes through as it comes: the same text, chunk by chunk.
+        whole = client.completions.create(model="tiny", prompt=[9100, 9101], max_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        chunks = [c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=[9100, 9101], max_tokens=8, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) if c.choices]
+        assert len(chunks) >= 2 and "".join(chunks) == whole.choices[0].text
+    finally:
+        for conn in busy:
+            conn.close()  # the client goes away: a aborts them
+    wait_idle(_base(a))
+    # A body over --max-body-bytes is refused by the router itself.
+    status, _ = _reply(_send(router, "x" * (1 << 20)))
+    assert status == 413
+    # A client leaving the router aborts the request on the decode server and its prefill server.
+    prefill = servers[0]
+    done = _prompts_done(prefill)
+    conn = _send(router, LONG)
+    _until_prefilling(prefill)
+    conn.close()
+    wait_idle(_base(prefill))
+    assert _prompts_done(prefill) == done  # aborted there, not run to its end
+    wait_idle(_base(a))
+    wait_idle(_base(b))
 
 
 def test_an_unreachable_prefill_server_is_passed_over(servers):
@@ -178,19 +279,34 @@ def _prompts_done(proc) -> float:
     return scrape(_base(proc))["jaxserve:prompt_tokens_total"]
 
 
+def _failures(proc, role: str, reason: str) -> float:
+    return _labeled(proc, "jaxserve:kv_transfer_failures_total").get(
+        (("reason", reason), ("role", role)), 0.0)
+
+
+def _until_failures(proc, role: str, reason: str, count: float) -> None:
+    wait_for(lambda: _failures(proc, role, reason) == count,
+             f"{role} failures {reason} to reach {count}", 30)
+
+
 def test_a_client_abort_reaches_both_sides(servers):
     prefill, decode, _ = servers
     done = _prompts_done(prefill)
+    failures = [_failures(prefill, "prefill", "cancelled"), _failures(decode, "decode",
+                                                                      "cancelled")]
     conn = _send(decode, LONG)
     _until_prefilling(prefill)
     conn.close()  # the client goes away mid-prefill
     wait_idle(_base(prefill))
     assert _prompts_done(prefill) == done  # aborted there, not run to its end
     wait_idle(_base(decode))
+    _until_failures(prefill, "prefill", "cancelled", failures[0] + 1)
+    _until_failures(decode, "decode", "cancelled", failures[1] + 1)
 
 
 def test_a_hung_prefill_server_fails_the_request_after_the_timeout(servers):
     prefill, _, decode = servers
+    timeouts = _failures(decode, "decode", "timeout")
     prefill.proc.send_signal(signal.SIGSTOP)  # it accepts connections (the kernel does) but
     try:                                      # answers nothing
         started = time.monotonic()
@@ -207,6 +323,7 @@ def test_a_hung_prefill_server_fails_the_request_after_the_timeout(servers):
     assert PREFILL_TIMEOUT_S <= waited < PREFILL_TIMEOUT_S + 10
     assert deadline_status == 504 and b"waiting for its prefill" in deadline_body, deadline_body
     assert 1 <= deadline_waited < PREFILL_TIMEOUT_S
+    assert _failures(decode, "decode", "timeout") == timeouts + 1
     wait_idle(_base(decode))
     wait_idle(_base(prefill))  # awake, it finds its caller gone: nothing is left running
 
@@ -222,8 +339,24 @@ def test_a_dead_decode_server_frees_the_prefill_servers_pages(servers):
     conn.close()
 
 
+def test_the_router_passes_over_a_dead_decode_server(servers, router):
+    import openai
+
+    a, b = servers[1], servers[2]
+    assert b.proc.poll() is not None  # killed by the test before
+    before = _generated(a)
+    client = openai.OpenAI(base_url=router.url, api_key="none", max_retries=0)
+    for k in range(3):
+        client.completions.create(model="tiny", prompt=[9300 + k], max_tokens=2, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert _generated(a) - before == 6
+    wait_idle(_base(a))
+
+
 def test_a_dead_prefill_server_fails_the_request_at_once(servers):
     prefill, decode, _ = servers
+    lost, unreachable = (_failures(decode, "decode", "connection"),
+                         _failures(decode, "decode", "unreachable"))
     conn = _send(decode, LONG)
     _until_prefilling(prefill)
     prefill.proc.send_signal(signal.SIGKILL)
@@ -236,3 +369,5 @@ def test_a_dead_prefill_server_fails_the_request_at_once(servers):
     status, body = _reply(_send(decode, [3000 + i for i in range(40)]))
     assert status == 502 and b"no prefill server could be reached" in body, body
     wait_idle(_base(decode))
+    assert (_failures(decode, "decode", "connection"), _failures(decode, "decode", "unreachable")
+            ) == (lost + 1, unreachable + 1)

@@ -14,6 +14,7 @@ ROLES = ("both", "prefill", "decode")
 SECRET_ENV = "JAXSERVE_KV_TRANSFER_SECRET"
 MIN_SECRET_CHARS = 16  # a guessable secret would let anyone read prompts' KV off a prefill server
 DEFAULT_PREFILL_TIMEOUT_S = 60.0
+MAX_LOCAL_PREFILL_LENGTH = 1 << 20  # above any context: "never transfer"
 
 
 @dataclass(frozen=True)
@@ -22,10 +23,16 @@ class DisaggConfig:
     prefill_urls: tuple[str, ...] = ()  # a decode server's prefill servers (base URLs)
     secret: str | None = None  # shared by a decode server and its prefill servers
     prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S
+    max_local_prefill_length: int = 0  # uncached prompt tokens a decode server computes itself
 
     def __post_init__(self):
         if self.role not in ROLES:
             raise ConfigError(f"--role is one of {', '.join(ROLES)}, got {self.role!r}")
+        if not 0 <= self.max_local_prefill_length <= MAX_LOCAL_PREFILL_LENGTH:
+            raise ConfigError(f"--max-local-prefill-length must be in [0, "
+                              f"{MAX_LOCAL_PREFILL_LENGTH}], got {self.max_local_prefill_length}")
+        if self.max_local_prefill_length and self.role != "decode":
+            raise ConfigError("--max-local-prefill-length is for --role decode")
         if self.role == "both":
             if self.prefill_urls:
                 raise ConfigError("--prefill-url is for --role decode")
@@ -66,6 +73,10 @@ def add_disagg_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a decode server fails a request (HTTP 502) whose prefill server "
                             "has not sent its pages within this many seconds "
                             "(default: %(default)s)")
+    group.add_argument("--max-local-prefill-length", type=int, default=0, metavar="TOKENS",
+                       help="--role decode: a prompt with at most this many tokens not in this "
+                            "server's prefix cache is prefilled here, not sent to a prefill "
+                            "server (default: %(default)s: every prompt with a full page is)")
 
 
 def disagg_config(args: argparse.Namespace) -> DisaggConfig:
@@ -86,4 +97,5 @@ def disagg_config(args: argparse.Namespace) -> DisaggConfig:
                               f"{e.strerror}") from None
     elif args.role != "both":
         secret = os.environ.get(SECRET_ENV) or None
-    return DisaggConfig(args.role, tuple(args.prefill_url or ()), secret, args.prefill_timeout)
+    return DisaggConfig(args.role, tuple(args.prefill_url or ()), secret, args.prefill_timeout,
+                        args.max_local_prefill_length)

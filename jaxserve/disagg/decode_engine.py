@@ -5,8 +5,11 @@ It is the ServingEngine it wraps (an AsyncEngine: every member is that engine's)
 puts them in this engine's host KV tier (jaxserve.core.kv_transfer.import_prefix), and then
 generates here, where admission restores them as a prefix-cache hit and computes only the
 prompt's last page. Skipped when there is nothing to hand over (a prompt shorter than a page and
-a token), when the prompt's pages are all in this engine's prefix cache already, and for prompt
-logprobs (every prompt position is scored where the request runs). A failed prefill ends the
+a token), when the prompt's pages are all in this engine's prefix cache already, when the prompt
+tokens not in that cache are at most --max-local-prefill-length (computing them here is cheaper
+than a round trip: NVIDIA Dynamo's conditional disaggregation rule), and for prompt logprobs
+(every prompt position is scored where the request runs); each skip is counted by reason
+(jaxserve:kv_transfer_skipped_total). A failed prefill ends the
 request before it reaches this engine (PrefillFailed), and so does the request's deadline
 (DeadlineExceeded) when it comes first; leaving the stream while the prefill runs cancels the
 call (the prefill server aborts its request).
@@ -28,11 +31,13 @@ from jaxserve.errors import ConfigError, DeadlineExceeded
 
 
 class DecodeEngine:
-    def __init__(self, engine: AsyncEngine, client: PrefillClient):
+    def __init__(self, engine: AsyncEngine, client: PrefillClient,
+                 max_local_prefill_length: int = 0):
         if not isinstance(engine, AsyncEngine):
             raise ConfigError("--role decode serves one engine (no --data-parallel-size)")
         self._engine = engine
         self.client = client
+        self.max_local_prefill_length = max_local_prefill_length
         self.layout = kv_layout(engine.engine)  # ConfigError without the host tier
 
     def __getattr__(self, name):
@@ -51,12 +56,17 @@ class DecodeEngine:
     async def _prefill(self, prepared: PreparedRequest) -> None:
         ids, salt = prepared.prompt_token_ids, prepared.qos.cache_salt
         num_pages = (len(ids) - 1) // self.layout.page_size
-        if num_pages == 0 or prepared.params.prompt_logprobs is not None:
-            return
+        if prepared.params.prompt_logprobs is not None:
+            return self._skip("prompt_logprobs")
+        if num_pages == 0:
+            return self._skip("short_prompt")
         hashes = extend_page_hashes([], ids, self.layout.page_size, num_pages, salt)
         # A hint read off the engine thread (count_cached_prefix): at worst one needless prefill.
-        if self._engine.engine.scheduler.cache.count_cached_prefix(hashes) == num_pages:
-            return
+        cached = self._engine.engine.scheduler.cache.count_cached_prefix(hashes)
+        if cached == num_pages:
+            return self._skip("cached")
+        if len(ids) - cached * self.layout.page_size <= self.max_local_prefill_length:
+            return self._skip("short_prompt")
         prefill = self.client.prefill(prepared.request_id, ids, salt, self.layout)
         deadline = prepared.qos.deadline
         if deadline is None:
@@ -68,3 +78,7 @@ class DecodeEngine:
                 raise DeadlineExceeded(f"request {prepared.request_id} ran out of time waiting "
                                        f"for its prefill") from None
         await self._engine.call(lambda engine: import_prefix(engine, ids, salt, pages))
+
+    def _skip(self, reason: str) -> None:
+        if self.client.metrics is not None:
+            self.client.metrics.skipped(reason)

@@ -9,12 +9,14 @@ exit code 1 — never a traceback. Progress goes to stderr so stdout carries onl
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
 from pathlib import Path
 
 from jaxserve.audit.cli import add_audit_command
+from jaxserve.disagg.router import add_router_arguments
 from jaxserve.entrypoints.batch import add_batch_arguments
 from jaxserve.entrypoints.capacity import add_capacity_command
 from jaxserve.engine_settings import DTYPES
@@ -153,6 +155,12 @@ def cmd_serve(args) -> int:
     return run(args, ServingLines)
 
 
+def cmd_router(args) -> int:
+    from jaxserve.disagg.router import run_router
+
+    return asyncio.run(run_router(args))
+
+
 def cmd_batch(args) -> int:
     from jaxserve.entrypoints.batch import run_batch
 
@@ -253,6 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (and gRPC with --grpc-port)")
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
+
+    r = sub.add_parser("router", help="load-aware proxy in front of `serve --role decode` "
+                                      "servers (docs/disaggregation.md)")
+    add_router_arguments(r)
+    r.set_defaults(func=cmd_router)
 
     b = sub.add_parser("batch", help="answer an OpenAI Batch API .jsonl file offline")
     add_batch_arguments(b)

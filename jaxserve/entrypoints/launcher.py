@@ -332,7 +332,9 @@ async def serve(args: argparse.Namespace, group_leader: bool = False, lines=None
     no Batch API)."""
     from jaxserve.disagg.config import disagg_config
     from jaxserve.entrypoints.engine_flags import engine_args
+    from jaxserve.entrypoints.http.app_state import STATE_KEY
     from jaxserve.entrypoints.http.kv_transfer_routes import add_prefill_routes
+    from jaxserve.telemetry.metrics import KVTransferMetrics
     from jaxserve.fleet.loader import EngineLoader
     from jaxserve.entrypoints.grpc import start_grpc_server
     from jaxserve.entrypoints.http.app import attach_engine, build_app, serving_of, start_server
@@ -350,7 +352,8 @@ async def serve(args: argparse.Namespace, group_leader: bool = False, lines=None
     disagg = disagg_config(args)
     app = build_app(config, model_name)
     if disagg.role == "prefill":
-        add_prefill_routes(app, disagg.secret)
+        add_prefill_routes(app, disagg.secret, KVTransferMetrics(
+            app[STATE_KEY].metrics.registry, "prefill"))
     rag = None if args.no_rag else _rag_service(args.data_dir, RagQuotas(
         **{f.name: getattr(args, f"rag_{f.name}") for f in dataclasses.fields(RagQuotas)}))
     if rag is not None:
@@ -470,8 +473,13 @@ def _take_role(app, engine, disagg):
         from jaxserve.disagg.decode_engine import DecodeEngine
         from jaxserve.disagg.prefill_client import PrefillClient
 
+        from jaxserve.entrypoints.http.app_state import STATE_KEY
+        from jaxserve.telemetry.metrics import KVTransferMetrics
+
+        metrics = KVTransferMetrics(app[STATE_KEY].metrics.registry, "decode")
         return DecodeEngine(engine, PrefillClient(disagg.prefill_urls, disagg.secret,
-                                                  disagg.prefill_timeout_s))
+                                                  disagg.prefill_timeout_s, metrics),
+                            disagg.max_local_prefill_length)
     if disagg.role == "prefill":
         from jaxserve.entrypoints.http.kv_transfer_routes import set_prefill_engine
 

@@ -18,15 +18,16 @@ _READY_PREFIX = "jaxserve: serving "
 
 class ServerProcess:
     """`python -m jaxserve.entrypoints.cli serve ARGS` (or another entry `module` taking the same
-    command line: a test's wrapper), in `env` (default this process's environment); `url` is the
+    command line: a test's wrapper; `command`: another subcommand that prints the same ready line,
+    e.g. `router`), in `env` (default this process's environment); `url` is the
     base URL (`http://HOST:PORT/v1`) once the engine is warm, `startup_lines` what stdout said until
     then (e.g. `jaxserve: gRPC on ...`). stderr (logs, compile progress) goes to `stderr` (a file)
     so the pipe can never fill and stall the server."""
 
     def __init__(self, args: Sequence[str], stderr: IO, *, cwd: Path | None = None,
                  ready_timeout_s: float = 600.0, module: str = "jaxserve.entrypoints.cli",
-                 env: dict[str, str] | None = None):
-        self.proc = subprocess.Popen([sys.executable, "-m", module, "serve", *args],
+                 env: dict[str, str] | None = None, command: str = "serve"):
+        self.proc = subprocess.Popen([sys.executable, "-m", module, command, *args],
                                      cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=stderr,
                                      text=True)
         self.startup_lines: list[str] = []

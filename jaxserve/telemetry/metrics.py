@@ -251,6 +251,40 @@ class PolicyMetrics:
             self.interventions.labels(i.rule, i.action, i.stage).inc()
 
 
+class KVTransferMetrics:
+    """P/D disaggregation's KV transfers (jaxserve.disagg), on the side that registers them:
+    role="prefill" counts the frames a prefill server sent, role="decode" those a decode server
+    received (the seconds there include the prefill's compute). `skipped` counts a decode
+    server's prompts that needed no transfer, by reason."""
+
+    def __init__(self, registry: CollectorRegistry, role: str):
+        self.role = role
+        self.bytes = Counter("jaxserve:kv_transfer_bytes", "KV frame bytes moved.", ["role"],
+                             registry=registry).labels(role)
+        self.pages = Counter("jaxserve:kv_transfer_pages", "KV pages moved.", ["role"],
+                             registry=registry).labels(role)
+        self.seconds = Histogram("jaxserve:kv_transfer_seconds",
+                                 "Per transfer: prefill asked to frame answered (prefill side) "
+                                 "or checked (decode side).", ["role"],
+                                 buckets=_LATENCY_BUCKETS, registry=registry).labels(role)
+        self._failures = Counter("jaxserve:kv_transfer_failures", "Failed transfers, by reason.",
+                                 ["role", "reason"], registry=registry)
+        self._skipped = Counter("jaxserve:kv_transfer_skipped",
+                                "Prompts a decode server prefilled itself, by reason.",
+                                ["reason"], registry=registry)
+
+    def sent(self, num_bytes: int, num_pages: int, seconds: float) -> None:
+        self.bytes.inc(num_bytes)
+        self.pages.inc(num_pages)
+        self.seconds.observe(seconds)
+
+    def failed(self, reason: str) -> None:
+        self._failures.labels(self.role, reason).inc()
+
+    def skipped(self, reason: str) -> None:
+        self._skipped.labels(reason).inc()
+
+
 def tenant_pseudonyms(key: bytes) -> Callable[[str], str]:
     """A tenant name -> "t-" and 12 hex digits of HMAC-SHA256(key, name): the same series for a
     tenant across restarts, and no name a reader of the metrics can try candidates against

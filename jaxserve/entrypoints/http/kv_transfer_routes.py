@@ -11,8 +11,10 @@ its pages return at once.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ from jaxserve.disagg import transport
 from jaxserve.disagg.prefill_client import PREFILL_PATH
 from jaxserve.errors import EngineOverloaded, InvalidRequest, Unauthenticated
 from jaxserve.entrypoints.http.json_body import read_object
+from jaxserve.telemetry.metrics import KVTransferMetrics
 
 MAX_REQUEST_ID_CHARS = 200
 MAX_SALT_CHARS = 512
@@ -33,15 +36,16 @@ MAX_SALT_CHARS = 512
 @dataclass(eq=False)
 class _PrefillState:
     secret: str
+    metrics: KVTransferMetrics
     engine: object = None  # the AsyncEngine, once warmed up
 
 
 _STATE = web.AppKey("prefill_state", _PrefillState)
 
 
-def add_prefill_routes(app: web.Application, secret: str) -> None:
+def add_prefill_routes(app: web.Application, secret: str, metrics: KVTransferMetrics) -> None:
     """Before the server starts; the engine comes with `set_prefill_engine` once warm."""
-    app[_STATE] = _PrefillState(secret)
+    app[_STATE] = _PrefillState(secret, metrics)
     app.router.add_post(PREFILL_PATH, _prefill)
 
 
@@ -58,6 +62,20 @@ def _own_key(handler):
 
 @_own_key
 async def _prefill(request: web.Request) -> web.Response:
+    metrics, started = request.app[_STATE].metrics, time.monotonic()
+    try:
+        frame, num_pages = await _answer(request)
+    except asyncio.CancelledError:  # the decode server (or its client) went away
+        metrics.failed("cancelled")
+        raise
+    except Exception as e:
+        metrics.failed(type(e).__name__)  # Unauthenticated, InvalidRequest, EngineOverloaded...
+        raise
+    metrics.sent(len(frame), num_pages, time.monotonic() - started)
+    return web.Response(body=frame, content_type=transport.CONTENT_TYPE)
+
+
+async def _answer(request: web.Request) -> tuple[bytes, int]:
     state = request.app[_STATE]
     given = request.headers.get("Authorization", "").encode()
     if not hmac.compare_digest(given, f"Bearer {state.secret}".encode()):
@@ -84,5 +102,4 @@ async def _prefill(request: web.Request) -> web.Response:
         async for _ in stream:
             pass
     pages = await engine.call(lambda e: export_prefix(e, ids, salt))
-    return web.Response(body=transport.encode(request_id, kv_layout(engine.engine), pages),
-                        content_type=transport.CONTENT_TYPE)
+    return transport.encode(request_id, kv_layout(engine.engine), pages), pages.shape[1]
