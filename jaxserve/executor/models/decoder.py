@@ -135,8 +135,6 @@ def why_matmul_off(config: ModelConfig, mesh: jax.sharding.Mesh | None) -> str |
         return "tensor parallel"
     if c.mla is not None:
         return "latent attention"
-    if c.num_experts:
-        return "mixture of experts"
     if _gguf_format(c, "q_proj") is not None:
         return None  # the quantized kernel: any output width
     if c.quantization not in (None, "gguf"):  # (gguf keeping only the embedding: f32 layers)
@@ -149,9 +147,10 @@ def why_matmul_off(config: ModelConfig, mesh: jax.sharding.Mesh | None) -> str |
 
 
 def _projection_shapes(c: ModelConfig) -> list[tuple[int, int]]:
+    """The (K, N) of the layers' projections (a mixture's MLP is the experts': moe.py's)."""
     H, I, q, kv = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, \
         c.num_kv_heads * c.head_dim
-    return [(H, q), (H, kv), (q, H), (H, I), (I, H)]
+    return [(H, q), (H, kv), (q, H)] + ([] if c.num_experts else [(H, I), (I, H)])
 
 
 def _projections_in_place(config: ModelConfig, mesh: jax.sharding.Mesh | None,
@@ -329,8 +328,8 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, layer: jax.Array, batch: BatchPlan,
                  stacked_projections: dict | None = None, moe_mlp=None, moe_counts=None):
-        """`stacked_projections`: the seven projection weights of all layers ([L, ...] each, not
-        in this layer's params), read in place by the CPU kernel (`_projections_in_place`).
+        """`stacked_projections`: the projection weights of all layers ([L, ...] each, not in
+        this layer's params; a mixture's four of attention), read in place by the CPU kernel (`_projections_in_place`).
         `moe_mlp`: with config.num_experts, (h, layer) -> the layer's MLP (moe.layer_mlp), whose
         weights are not in the layer's params. `moe_counts`: (h, layer) -> the tokens it routes
         to each expert (moe.layer_expert_tokens), the layer's scan output; None: no output."""
@@ -542,7 +541,7 @@ def _layers(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: Batch
     layer = DecoderLayer(config, mesh)
     layers, stacked = params["layers"], None
     if _projections_in_place(config, mesh, batch.token_ids.shape[0]):
-        stacked = {name: layers[name] for name in PROJECTIONS}
+        stacked = {name: layers[name] for name in PROJECTIONS if name in layers}
         layers = {name: p for name, p in layers.items() if name not in PROJECTIONS}
 
     moe_mlp = (moe.layer_mlp(config, params, _ACTIVATIONS[config.hidden_act],
