@@ -11,7 +11,10 @@ waiting and KV usage all 0 on /metrics) and still answers a chat. With --server-
 stderr) it also checks the server's side: one access-log line per generation that started, none
 twice, none failed. When it starts the server (with --audit-log and an admin key), it also
 checks the audit log: it verifies, and the wrong keys left no record each, only `refusals`
-summaries that count every one of them (review a70e490, H6).
+summaries that count every one of them (review a70e490, H6); and its usage records agree with
+the token counters on /metrics to the token, per tenant and version, prompt and completion tokens
+apart, and per version with what the engine computed (issue 39: cancels, cut streams and
+refusals included).
 
     python benchmarks/soak.py --num-requests 2000 --concurrency 32     # starts jaxserve itself
     python benchmarks/soak.py --base-url http://127.0.0.1:8000/v1 --max-body-bytes 16777216
@@ -386,9 +389,64 @@ def audit_side(directory: Path, wrong_keys: int) -> dict:
             "wrong_keys_sent": wrong_keys}
 
 
+_TOKEN_COUNTERS = {"jaxserve:tenant_prompt_tokens_total": "prompt",
+                   "jaxserve:tenant_generation_tokens_total": "completion",
+                   "jaxserve:prompt_tokens_total": "engine_prompt",
+                   "jaxserve:generation_tokens_total": "engine_completion"}
+
+
+def token_counters(base: str) -> dict[tuple[str, str, str], float]:
+    """The token counters on /metrics: {(what, version, tenant): tokens}, summed over the
+    other labels (tenant "" for the engine's own)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: Counter = Counter()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in _TOKEN_COUNTERS:
+                out[(_TOKEN_COUNTERS[s.name], s.labels["model_name"],
+                     s.labels.get("tenant", ""))] += s.value
+    return out
+
+
+def usage_side(directory: Path, counters: dict) -> dict:
+    """The audit log's usage records against the token counters read once every request had
+    ended: per (tenant, version), prompt and completion tokens; per version, their sums against
+    the engine's counters (what it computed). `mismatches` names every disagreement."""
+    records: Counter = Counter()
+    for p in sorted(directory.glob("audit-*.jsonl")):
+        for r in map(json.loads, p.read_text().splitlines()):
+            if r["type"] == "request":
+                version = r["version"] or ""
+                records[("prompt", version, r["tenant"])] += r["prompt_tokens"]
+                records[("completion", version, r["tenant"])] += r["completion_tokens"]
+    mismatches = [f"{what} tokens of tenant {tenant} on {version or '(no version)'}: "
+                  f"{records[(what, version, tenant)]} in the audit log, "
+                  f"{counters.get((what, version, tenant), 0):g} counted"
+                  for what, version, tenant in sorted(set(records) | {
+                      k for k in counters if not k[0].startswith("engine_")})
+                  if records[(what, version, tenant)] != counters.get((what, version, tenant), 0)]
+    for version in sorted({v for what, v, _ in counters if what.startswith("engine_")}):
+        for what in ("prompt", "completion"):
+            billed = sum(n for (w, v, _), n in records.items() if (w, v) == (what, version))
+            computed = counters[(f"engine_{what}", version, "")]
+            if billed != computed:
+                mismatches.append(f"{what} tokens on {version}: {billed} in the audit log, "
+                                  f"{computed:g} computed by the engine")
+    return {"prompt_tokens": sum(n for (w, _, _), n in records.items() if w == "prompt"),
+            "completion_tokens": sum(n for (w, _, _), n in records.items()
+                                     if w == "completion"),
+            "mismatches": mismatches}
+
+
 def problems(outcomes: list[Outcome], idle: dict, final_status: int, server: dict | None,
-             e2e_count: float | None, audit: dict | None = None) -> list[str]:
+             e2e_count: float | None, audit: dict | None = None,
+             usage: dict | None = None) -> list[str]:
     found = []
+    if usage is not None:
+        found += [f"usage: {m}" for m in usage["mismatches"]]
     if audit is not None:
         if audit["verify"] != "ok":
             found.append(f"the audit log does not verify: {audit['verify']}")
@@ -476,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         final_status = still_answers(url, args.model)
         # (counted after that last chat, which the server's log holds too)
         e2e = _metrics(base).get("jaxserve:e2e_request_latency_seconds_count", 0.0) - before
+        counters = token_counters(base) if audit_dir is not None else None
     finally:
         exit_code = server.stop() if server is not None else None
     server_report = server_side(log_path.read_text()) if log_path is not None else None
@@ -483,7 +542,9 @@ def main(argv: list[str] | None = None) -> int:
         e2e = None  # a server we did not start may have served others before and during the run
     audit_report = (audit_side(audit_dir, sum(o.kind == "wrong_key" for o in outcomes))
                     if audit_dir is not None else None)
-    found = problems(outcomes, idle, final_status, server_report, e2e, audit_report)
+    usage_report = usage_side(audit_dir, counters) if audit_dir is not None else None
+    found = problems(outcomes, idle, final_status, server_report, e2e, audit_report,
+                     usage_report)
     if exit_code not in (None, 0):
         found.append(f"the server exited with {exit_code} on SIGTERM")
     by_kind: dict[str, Counter] = {}
@@ -499,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         "by_kind": {k: dict(v) for k, v in sorted(by_kind.items())},
         "http_statuses": {k: dict(v) for k, v in sorted(statuses.items())},
         "generations_on_server": e2e, "server_log": server_report, "audit_log": audit_report,
+        "usage": usage_report,
         "idle_after": {k.split(":")[1]: idle[k] for k in (
             "jaxserve:num_requests_running", "jaxserve:num_requests_waiting",
             "jaxserve:kv_cache_usage_perc")},

@@ -15,6 +15,12 @@ them cannot make a more important request's admission fail when nothing in it ca
 limit with shedding: when the queue is full, a request displaces never-started requests of less
 important priorities (`LLMEngine.shed`) instead of being refused.
 
+A caller that bills what was computed passes `generate` a `final` future: it receives the
+request's last RequestOutput once the engine has ended the request, however it ended and whoever
+stopped reading (a caller that leaves early aborts it, and the engine's output of that abort
+counts the tokens drawn meanwhile, which a stream closed first never sees); None when it never
+ran here (refused, or the engine died or stopped).
+
 A request that ends by running out of time or by being shed raises a typed error from `generate`
 after the outputs it already produced: DeadlineExceeded (finish_reason "deadline"), QueueTimeout
 ("queue_timeout"), EngineOverloaded ("shed"); the front ends map those to 504 / 429 / 503.
@@ -111,6 +117,7 @@ class AsyncEngine:
         self._shedding = 0  # sequences being shed, not yet in a published snapshot
         self._wake = threading.Condition()
         self._streams: dict[str, _Stream] = {}  # touched by both threads, one key at a time
+        self._finals: dict[str, asyncio.Future] = {}  # idem: generate's `final`, until resolved
         self._stats = engine.stats()
         self._dead: BaseException | None = None
         self._stopping = False
@@ -215,26 +222,34 @@ class AsyncEngine:
 
     async def generate(self, prompt=None, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0, *,
-                       qos: QoS | None = None,
-                       prepared: PreparedRequest | None = None) -> AsyncIterator[RequestOutput]:
+                       qos: QoS | None = None, prepared: PreparedRequest | None = None,
+                       final: asyncio.Future | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative), the last one finished. Leaving the loop early
         (break, cancellation, client gone) aborts the request and frees its pages. `qos`: see
         `LLMEngine.prepare`; a request that runs out of time or is shed raises (module doc).
-        `prepared` (from `prepare`) replaces prompt, params, request_id, priority and qos."""
-        if not self.is_running:
-            raise EngineDead(f"the engine is not running ({self._dead or 'shut down'})")
-        if prepared is None:
-            prepared = self.prepare(request_id or f"req-{uuid.uuid4().hex}", prompt, params,
-                                    priority, qos=qos)
-        request_id = prepared.request_id
-        if request_id in self._streams:
-            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
-        with self._wake:  # under sleep()'s lock: queued before its command, or refused
-            if self._sleeping:
-                raise EngineOverloaded("the engine is asleep (POST /wake_up wakes it)")
-            stream = self._streams[request_id] = _Stream(asyncio.get_running_loop())
-            self._submit(lambda: self.engine.add_prepared(prepared), request_id,
-                         prepared.params.n)
+        `prepared` (from `prepare`) replaces prompt, params, request_id, priority and qos.
+        `final` (a future of the caller's loop): see the module doc."""
+        try:
+            if not self.is_running:
+                raise EngineDead(f"the engine is not running ({self._dead or 'shut down'})")
+            if prepared is None:
+                prepared = self.prepare(request_id or f"req-{uuid.uuid4().hex}", prompt, params,
+                                        priority, qos=qos)
+            request_id = prepared.request_id
+            if request_id in self._streams:
+                raise InvalidRequest(f"request id {request_id!r} is already in use",
+                                     "request_id")
+            with self._wake:  # under sleep()'s lock: queued before its command, or refused
+                if self._sleeping:
+                    raise EngineOverloaded("the engine is asleep (POST /wake_up wakes it)")
+                stream = self._streams[request_id] = _Stream(asyncio.get_running_loop())
+                if final is not None:
+                    self._finals[request_id] = final
+                self._submit(lambda: self.engine.add_prepared(prepared), request_id,
+                             prepared.params.n)
+        except BaseException:
+            resolve_final(final, None)  # it never reached the engine
+            raise
         finished = False
         try:
             while True:
@@ -335,6 +350,7 @@ class AsyncEngine:
         if self._dead is not None:
             return True
         self._thread.join(timeout)
+        self._drop_finals()  # a wedged thread delivers nothing more
         return not self._thread.is_alive()
 
     def close(self) -> None:
@@ -351,6 +367,12 @@ class AsyncEngine:
             self._wake.notify()
         for stream in list(self._streams.values()):
             stream.put(self._dead)
+        self._drop_finals()
+
+    def _drop_finals(self) -> None:
+        """Nothing more will be delivered: every `final` waiting resolves to None."""
+        for request_id in list(self._finals):
+            resolve_final(self._finals.pop(request_id, None), None)
 
     # ---- engine thread -----------------------------------------------------------------------
 
@@ -425,6 +447,23 @@ class AsyncEngine:
         stream = self._streams.get(request_id) if request_id is not None else None
         if stream is not None:
             stream.put(item)
+        if request_id is not None and _is_last(item):
+            resolve_final(self._finals.pop(request_id, None),
+                          item if isinstance(item, RequestOutput) else None)
+
+
+def resolve_final(final: asyncio.Future | None, output: RequestOutput | None) -> None:
+    """Resolve a `final` future (module doc) with `output`, from any thread, unless done."""
+    if final is None:
+        return
+
+    def resolve():
+        if not final.done():
+            final.set_result(output)
+    try:
+        final.get_loop().call_soon_threadsafe(resolve)
+    except RuntimeError:  # the caller's loop is closed: nobody waits for it any more
+        pass
 
 
 def _outcome_error(request_id: str, out: RequestOutput) -> JaxServeError | None:

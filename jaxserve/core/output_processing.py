@@ -208,7 +208,10 @@ class OutputProcessor:
         now = time.monotonic()
         for request, tokens in new_tokens:
             entry = self._by_seq.get(request.request_id)
-            if entry is None:  # a sibling failed earlier in this loop and ended it
+            if entry is None:  # ended meanwhile (a deadline, a shed, a sibling's failure):
+                # tokens of a step launched before it ended are dropped, as if never drawn,
+                # so its final output shows only the tokens counted (generation_tokens)
+                del request.output_token_ids[len(request.output_token_ids) - len(tokens):]
                 continue
             group, seq = entry
             try:

@@ -16,13 +16,14 @@ answers 503 and the orchestrator replaces the process.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections import Counter
 from dataclasses import fields
 from typing import AsyncIterator, Sequence
 
-from jaxserve.core.async_engine import OVERLOADED_RETRY_AFTER_S, AsyncEngine
+from jaxserve.core.async_engine import OVERLOADED_RETRY_AFTER_S, AsyncEngine, resolve_final
 from jaxserve.core.cache import extend_page_hashes
 from jaxserve.core.engine import EngineStats
 from jaxserve.errors import EngineDead, EngineOverloaded, InvalidRequest
@@ -134,23 +135,29 @@ class ReplicaSet:
 
     async def generate(self, prompt=None, params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0, *,
-                       qos: QoS | None = None,
-                       prepared: PreparedRequest | None = None) -> AsyncIterator[RequestOutput]:
+                       qos: QoS | None = None, prepared: PreparedRequest | None = None,
+                       final: asyncio.Future | None = None) -> AsyncIterator[RequestOutput]:
         """AsyncEngine.generate on the routed replica. Routing and submitting run without an
         await between them, so concurrent requests each see the others' load."""
-        if not self.is_running:
-            raise EngineDead("a data-parallel replica is not running; the server cannot generate")
-        if prepared is None:
-            prepared = self.prepare(request_id or f"req-{uuid.uuid4().hex}", prompt, params,
-                                    priority, qos=qos)
-        if prepared.request_id in self._owner:
-            raise InvalidRequest(f"request id {prepared.request_id!r} is already in use",
-                                 "request_id")
+        try:
+            if not self.is_running:
+                raise EngineDead("a data-parallel replica is not running; the server cannot "
+                                 "generate")
+            if prepared is None:
+                prepared = self.prepare(request_id or f"req-{uuid.uuid4().hex}", prompt, params,
+                                        priority, qos=qos)
+            if prepared.request_id in self._owner:
+                raise InvalidRequest(f"request id {prepared.request_id!r} is already in use",
+                                     "request_id")
+        except BaseException:
+            resolve_final(final, None)
+            raise
         replica = self.replicas[self.route(prepared.prompt_token_ids, prepared.qos.cache_salt)]
         self._owner[prepared.request_id] = replica
         try:
             # aclosing: a consumer that stops early must abort on the replica now, not at GC.
-            async with contextlib.aclosing(replica.generate(prepared=prepared)) as stream:
+            async with contextlib.aclosing(replica.generate(prepared=prepared,
+                                                            final=final)) as stream:
                 async for out in stream:
                     yield out
         finally:

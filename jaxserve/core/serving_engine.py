@@ -8,6 +8,7 @@ the same signature.
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator, Protocol, Sequence
 
 from jaxserve.core.engine import EngineStats
@@ -51,9 +52,11 @@ class ServingEngine(Protocol):
 
     def generate(self, prompt=None, params: SamplingParams | None = None,
                  request_id: str | None = None, priority: int = 0, *,
-                 qos: QoS | None = None,
-                 prepared: PreparedRequest | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs (cumulative), the last one finished."""
+                 qos: QoS | None = None, prepared: PreparedRequest | None = None,
+                 final: asyncio.Future | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs (cumulative), the last one finished. `final` receives
+        the last output once the engine has ended the request, whoever stopped reading (the
+        tokens computed, for usage); None when it never ran (AsyncEngine's module doc)."""
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -22,7 +22,7 @@ import contextlib
 import time
 import uuid
 
-from jaxserve.core.async_engine import AsyncEngine
+from jaxserve.core.async_engine import AsyncEngine, resolve_final
 from jaxserve.core.cache import extend_page_hashes
 from jaxserve.core.kv_transfer import import_prefix, kv_layout
 from jaxserve.core.preparation import PreparedRequest
@@ -44,12 +44,18 @@ class DecodeEngine:
         return getattr(self._engine, name)
 
     async def generate(self, prompt=None, params=None, request_id: str | None = None,
-                       priority: int = 0, *, qos=None, prepared: PreparedRequest | None = None):
-        if prepared is None:
-            prepared = self._engine.prepare(request_id or f"req-{uuid.uuid4().hex}", prompt,
-                                            params, priority, qos=qos)
-        await self._prefill(prepared)
-        async with contextlib.aclosing(self._engine.generate(prepared=prepared)) as stream:
+                       priority: int = 0, *, qos=None, prepared: PreparedRequest | None = None,
+                       final: asyncio.Future | None = None):
+        try:
+            if prepared is None:
+                prepared = self._engine.prepare(request_id or f"req-{uuid.uuid4().hex}", prompt,
+                                                params, priority, qos=qos)
+            await self._prefill(prepared)
+        except BaseException:  # it never reached this engine (its prefill server's is its own)
+            resolve_final(final, None)
+            raise
+        async with contextlib.aclosing(self._engine.generate(prepared=prepared,
+                                                             final=final)) as stream:
             async for out in stream:
                 yield out
 

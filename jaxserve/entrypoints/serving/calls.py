@@ -30,14 +30,14 @@ Sink = Callable[[Outcome], None]
 
 def metrics_sink(metrics) -> Sink:
     """`metrics`: a ServerMetrics. A request that ran counts its latency and usage under its
-    version and route; any other call only its outcome, with no version (""). Every call counts
-    in the SLIs (telemetry/sli.py)."""
+    version and route; any other call its outcome and the tokens an encoder read (as its audit
+    record does), with no version (""). Every call counts in the SLIs (telemetry/sli.py)."""
     def count(o: Outcome) -> None:
         tenant = o.tenant or "none"
         metrics.record_sli(o.version or "", o.route, o.tier, o.status_code, o.status, o.ttft_s,
                            o.streamed)
         if not o.served:
-            metrics.record_request(tenant, o.status)
+            metrics.record_request(tenant, o.status, o.prompt_tokens, o.completion_tokens)
             return
         metrics.e2e.labels(o.version, o.route).observe(o.total_s)
         for reason in o.degraded:
@@ -105,10 +105,14 @@ class Call:
     def __init__(self, sinks: Sinks):
         self.sinks = sinks
         self.outcome: Outcome | None = None
+        # its Generation is ending it: waiting for the engine's last output, which may outlast
+        # the transport's handler (a client that left)
+        self.ending = False
 
     @property
     def ended(self) -> bool:
-        return self.outcome is not None
+        """Ended, or being ended by its Generation: nobody else ends it."""
+        return self.outcome is not None or self.ending
 
     def end(self, o: Outcome, *, tenant_hold=None, version_lease: VersionLease | None = None
             ) -> None:

@@ -5,6 +5,12 @@ response, or its stream of chunks. Every transport answers it inside `running()`
 ends (done, client gone, deadline, error) its call ends once with its Outcome (calls.py: the
 tenant's reservation settles, the version's lease ends, it is counted, logged and audited), and
 its KV pages return at once.
+
+The Outcome's tokens are those the engine computed (its `final` output of each engine request,
+the same numbers its jaxserve:prompt_tokens and generation_tokens counters count): a prompt counts
+once its first token was drawn (a request shed, timed out or left before that computed nothing
+billable), and every token drawn counts, including those drawn after the client left or after
+the output filter ended a choice, until the engine took the abort.
 """
 
 from __future__ import annotations
@@ -30,6 +36,12 @@ from jaxserve.entrypoints.serving.screening import Screening
 from jaxserve.entrypoints.serving.streams import merge_streams, with_keepalive
 from jaxserve.entrypoints.serving.tool_output import ToolCallOutput
 from jaxserve.telemetry.trace_record import request_attributes
+
+# How long a request that ended early waits for the engine's last word on it (its tokens
+# computed) before its call ends with the tokens it saw: an engine takes the abort before its
+# next step; only a wedged one makes a request wait this long.
+FINAL_OUTPUT_WAIT_S = 30.0
+_ending: set[asyncio.Task] = set()  # the tasks ending requests (asyncio keeps weak references)
 
 
 class Generation:
@@ -75,6 +87,8 @@ class Generation:
         self.cache_creation_tokens: dict[int, int] = {}  # per prompt: written under a new pin
         self.completion_tokens: dict[int, int] = {}
         self.prompt_logprobs: dict[int, list] = {}  # per prompt, when the engine scored it
+        self.latest: dict[int, Any] = {}  # per prompt: the engine's latest output seen
+        self.finals: dict[int, asyncio.Future] = {}  # per prompt started: its last output
         self.arrival = ctx.arrival
         self.first_token_at: float | None = None
         self.last_token_at: dict[int, float] = {}  # per choice: ITL is within one sequence
@@ -135,15 +149,33 @@ class Generation:
                                         sum(self.cached_tokens.values())),
                          self.version.pricing)
 
-    def streams(self) -> AsyncIterator[tuple[int, Any]]:
-        return merge_streams([self._until_finished(i, self.engine.generate(prepared=p))
-                              for i, p in enumerate(self.prepared)])
+    def computed_usage(self) -> dict:
+        """The usage object of what the engine computed (module doc): its last output of each
+        engine request, else the latest one seen (the engine died, or never answered)."""
+        prompt = completion = cached = 0
+        for i, ids in enumerate(self.prompt_ids):
+            final = self.finals.get(i)
+            out = final.result() if final is not None and final.done() else None
+            out = out or self.latest.get(i)
+            if out is None:  # it never reached the engine
+                continue
+            if out.metrics is not None and out.metrics.first_token_time is not None:
+                prompt += len(ids)
+                cached += out.num_cached_tokens
+            if not self.parsed.score_only:  # the one token drawn is not part of the answer
+                completion += sum(len(c.token_ids) for c in out.outputs)
+        return with_cost(protocol.usage(prompt, completion, cached), self.version.pricing)
 
-    async def _until_finished(self, index: int, stream: AsyncIterator) -> AsyncIterator:
+    def streams(self) -> AsyncIterator[tuple[int, Any]]:
+        return merge_streams([self._until_finished(i) for i in range(len(self.prepared))])
+
+    async def _until_finished(self, index: int) -> AsyncIterator:
         """Prompt `index`'s engine stream, closed (so the engine request is aborted and its
         pages freed) once every choice of it has ended here: the policy ends a choice before
         the engine does. A choice it ends while its siblings go on (n > 1) has its engine
         sequence ended alone, so its pages return at once too."""
+        final = self.finals[index] = asyncio.get_running_loop().create_future()
+        stream = self.engine.generate(prepared=self.prepared[index], final=final)
         stopped: set[int] = set()
         async with contextlib.aclosing(stream):
             async for out in stream:
@@ -181,6 +213,7 @@ class Generation:
         if out.finished and self.ctx.trace is not None:
             self.ctx.trace.engine_done(stream_index, out.metrics,
                                        sum(len(c.token_ids) for c in out.outputs))
+        self.latest[stream_index] = out
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[stream_index] = out.prompt_logprobs
         self.cached_tokens[stream_index] = out.num_cached_tokens
@@ -359,10 +392,24 @@ class Generation:
             error = exc
             raise
         finally:
-            # Ended first: a client that closes right after [DONE] cancels the handler here,
-            # and the await below would then raise before anything after it ran.
-            self._end(self.error or error)
-            await asyncio.shield(self.abort_unfinished())
+            # In a task of its own: a client that closes right after [DONE] cancels the handler
+            # here, and the task still ends the call (which the transport then leaves alone).
+            self.call.ending = True
+            ending = asyncio.ensure_future(self._finish(self.error or error))
+            _ending.add(ending)
+            ending.add_done_callback(_ending.discard)
+            await asyncio.shield(ending)
+
+    async def _finish(self, error: BaseException | None) -> None:
+        """Abort what is unfinished (its pages return at once), wait for the engine's last
+        output of each engine request (the tokens computed: `computed_usage`), end the call."""
+        try:
+            await self.abort_unfinished()
+            pending = [f for f in self.finals.values() if not f.done()]
+            if pending:
+                await asyncio.wait(pending, timeout=FINAL_OUTPUT_WAIT_S)
+        finally:
+            self._end(error)
 
     def _start_shadows(self) -> None:
         if not self.lease.shadows:
@@ -382,12 +429,13 @@ class Generation:
         self.call.end(self._outcome(error), tenant_hold=self.admission, version_lease=self.lease)
 
     def _outcome(self, error: BaseException | None) -> Outcome:
+        usage = self.computed_usage()
         return Outcome(
             self.id, self.ctx, error, kind=self.parsed.kind, model=self.parsed.model,
             version=self.version.name, route=self.route, served=True,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=sum(self.completion_tokens.values()),
-            cached_tokens=sum(self.cached_tokens.values()), cost=self.usage().get("cost"),
+            prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
+            cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
+            cost=usage.get("cost"),
             finish_reasons=tuple(self.finish_reasons.get(i, "") for i in range(self.num_choices)),
             first_token_at=self.first_token_at, screening=self.screening,
             prompts=self.parsed.prompts, streamed=self.streamed, degraded=self.degraded)
