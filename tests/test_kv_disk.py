@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -333,3 +334,28 @@ def test_a_transfers_pages_past_the_host_tier_are_restored_from_disk(engine):
     assert engine.runner.num_serving_compiles == 0
     tier.check_invariants()
     assert_no_leaks(engine)
+
+
+def test_a_transfer_arriving_while_copies_are_pending_runs_them_first(tmp_path):
+    """A schedule that decided copies (a restore's reads here) but scheduled nothing leaves them
+    pending between steps; a transfer's import_prefix then runs them before it fills slots
+    (HostTier.put refuses to take a slot with copies pending)."""
+    pools, _ = _manager(tmp_path, device_pages=8)
+    prompt = list(range(13))  # 3 full pages + 1 token
+    pools.run(Request("a", prompt))
+    _flood(pools, 4)  # a's pages leave the device for the host tier and the disk
+    assert pools.kv.restore_prefix(Request("a2", prompt)) > 0  # its copies left pending
+    engine = SimpleNamespace(
+        scheduler=SimpleNamespace(cache=pools.kv),
+        config=SimpleNamespace(cache=SimpleNamespace(page_size=PS)),
+        runner=SimpleNamespace(copy_pages=pools.copies, host_pool=SimpleNamespace(
+            write_slot=lambda slot, page: pools.host.__setitem__(slot, page[0]))))
+    other = list(range(300, 309))  # 2 full pages + 1 token, computed "elsewhere"
+    pages = np.array([[other[:PS], other[PS:2 * PS]]])
+    assert import_prefix(engine, other, None, pages) == 2
+    # a2's restore, run by the transfer, put a's pages on the device intact.
+    cached = pools.kv.lookup_prefix(Request("a3", prompt))
+    assert [list(pools.device[p]) for p in cached] == [prompt[i * PS:(i + 1) * PS]
+                                                      for i in range(3)]
+    assert pools.run(Request("b", other)) == 8  # Pools.run checked them
+    pools.kv.check_invariants()

@@ -75,6 +75,9 @@ def import_prefix(engine: LLMEngine, token_ids: Sequence[int], cache_salt: str |
     assert num_pages <= (len(token_ids) - 1) // page_size, "only pages lookup_prefix can hit"
     hashes = extend_page_hashes([], token_ids, page_size, num_pages, cache_salt)
     on_device = cache.count_cached_prefix(hashes)
+    # A schedule that decided copies but scheduled nothing leaves them pending: they run now,
+    # before any slot is taken (as they would before the next forward).
+    engine.runner.copy_pages(cache.take_page_copies())
     put = 0
     # Tail first: when the tier has fewer slots than pages, the prefix's head is what stays.
     for i in reversed(range(on_device, num_pages)):
