@@ -90,7 +90,11 @@ class PrefillClient:
                     raise _failure("connection", f"the prefill server {url} failed during the "
                                    f"prefill of {request_id}: {type(e).__name__}: {e}") from None
                 try:
-                    return transport.decode(frame, request_id, layout, max_pages), len(frame)
+                    # Off the event loop: checking a long prompt's frame (hundreds of MB
+                    # through blake2b) would stall every stream this server is sending.
+                    pages = await asyncio.to_thread(transport.decode, frame, request_id, layout,
+                                                    max_pages)
+                    return pages, len(frame)
                 except PrefillFailed as e:
                     e.reason = "bad_frame"
                     raise

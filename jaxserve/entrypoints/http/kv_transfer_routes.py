@@ -102,4 +102,6 @@ async def _answer(request: web.Request) -> tuple[bytes, int]:
         async for _ in stream:
             pass
     pages = await engine.call(lambda e: export_prefix(e, ids, salt))
-    return transport.encode(request_id, kv_layout(engine.engine), pages), pages.shape[1]
+    # Off the event loop, as the decode side checks it: hundreds of MB for a long prompt.
+    frame = await asyncio.to_thread(transport.encode, request_id, kv_layout(engine.engine), pages)
+    return frame, pages.shape[1]
