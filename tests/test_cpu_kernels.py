@@ -252,8 +252,9 @@ def test_grouped_matmul_refuses_group_sizes_past_its_rows():
 
 QUANTIZED_CASES = [  # T, K, N
     (1, 64, 5),  # a decode row; one block pair; an output tail (tiles of 4 or 2)
-    (6, 96, 8),  # a row tail (tiles of 4 or 2 rows)
+    (6, 96, 8),  # past a tile of rows: the panel path (4 rows or 2, and a tail)
     (9, 576, 36),  # SmolLM2's hidden size: 18 blocks
+    (37, 128, 70),  # wide: two panels of 32 outputs and a tail of 6, a tail of rows
 ]
 
 
@@ -266,7 +267,9 @@ def test_quantized_matmul_matches_the_gguf_dequantization(fmt):
 def check_quantized_matmul(fmt: str) -> None:
     """The blocks as llama.cpp writes them (the gguf package's quantizer, on random weights):
     `dequantize` gives the package's f32 values exactly, and the kernel their product with x
-    (f32 sums: ~1e-7 relative per term, far below a wrong block, nibble, row or layer)."""
+    (f32 sums: ~1e-7 relative per term, far below a wrong block, nibble, row or layer). Past a
+    tile of rows the kernel dequantizes into a panel first: its floats equal the one-row path's,
+    row by row (the same weights and FMAs in the same order)."""
     from gguf import GGMLQuantizationType, quants
 
     kind = GGMLQuantizationType[fmt.upper()]
@@ -282,6 +285,10 @@ def check_quantized_matmul(fmt: str) -> None:
             want = x.astype(np.float64) @ values[layer].T.astype(np.float64)
             got = np.asarray(run(x, blocks, np.int32(layer), fmt))
             np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(K), rtol=0)
+            if T > 1:
+                rows = [np.asarray(run(x[t:t + 1], blocks, np.int32(layer), fmt))
+                        for t in range(T)]
+                np.testing.assert_array_equal(got, np.concatenate(rows))
 
 
 # The library has a variant per x86 ISA (the attention's scores, attention.cc's Vec; the matmuls'

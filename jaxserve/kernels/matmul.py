@@ -48,11 +48,12 @@ FORMATS = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 _FORMAT_CODES = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
 _QUANTIZED_TARGET = "jaxserve_quantized_matmul"  # quantized_matmul.cc's JaxserveQuantizedMatmul
 # Steps of up to this many tokens (and LM heads of up to this many rows) read the blocks in place;
-# larger ones dequantize each layer through XLA and its dots, whose tiles reuse each weight
-# across more rows than the kernel's 4 (whose every tile of rows dequantizes the blocks again):
-# at 16 decodes the kernel took 0.54x the f32 step's rate where the same dequantize-then-dot
-# path of int8 weights was on par with f32 (benchmarks/RESULTS.md, "GGUF blocks read in place").
-QUANTIZED_MAX_ROWS = 8
+# larger ones (prefill chunks) dequantize each layer through XLA and its dots. Past 4 rows the
+# kernel dequantizes each block once per call into an L2-resident panel and runs every tile of
+# rows over it (quantized_matmul.cc's Rows), so its cost past the blocks' stream grows with the
+# rows as the f32 kernel's does (measured to 64: benchmarks/RESULTS.md, "GGUF blocks read in
+# place": wider tiles").
+QUANTIZED_MAX_ROWS = 64
 
 
 def row_bytes(fmt: str, k: int) -> int:

@@ -7,8 +7,10 @@
 // Why: a decode step of a few sequences is bound by the weights' bytes it streams from memory;
 // Q4_1 is 5 bits a weight where f32 is 32. The blocks are dequantized in registers, a vector of
 // weights at a time, and never written anywhere (a kernel that widened each block into an f32
-// buffer first ran slower than XLA: benchmarks/RESULTS.md, "The layers' projections read in
-// place", "Tried and dropped").
+// buffer first ran slower than XLA at one row: benchmarks/RESULTS.md, "The layers' projections
+// read in place", "Tried and dropped"). Past a tile of rows each block is dequantized once per
+// call into a small L2-resident panel that every tile of rows reads (`Rows`): there the rows'
+// FMAs, not the blocks' stream, set the pace, and dequantizing per tile of rows did not pay.
 //
 // Arithmetic: each weight as the f32 value the gguf package's dequantization gives (d * q for
 // Q4_0 / Q8_0, exact in f32; d * q + m for Q4_1, d * q exact, one rounding of the sum either
@@ -18,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -133,18 +136,25 @@ struct Block<kQ8_0> {
   }
 };
 
+// The lanes' sum, halves added pairwise: a few shuffles, not a chain of 16 extracts, for each of
+// a tile's sums (the wide path's tiles of a short K end often).
 inline float Sum(Vec v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(v);
+#elif defined(__AVX2__)
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
+  return (v[0] + v[2]) + (v[1] + v[3]);
+#endif
 }
 
-// out[R, O] = x[R, K] @ w[O rows, K].T: R rows of x (stride K) against O output rows of blocks
+// out[R, O] = x[R, K] @ w[O rows, K].T: R rows of x (stride K) against O output rows of blocks B
 // (stride row_bytes); out's row stride ldo.
-template <Format F, int R, int O>
+template <typename B, int R, int O>
 void Tile(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float* out,
           int64_t ldo) {
-  using B = Block<F>;
   Vec acc[R][O] = {};
   const int64_t blocks = K / kBlock;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -170,15 +180,14 @@ void Tile(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float*
   }
 }
 
-template <Format F>
 using TileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t);
 
-// Tiles<F>::fn[r][o]: the tile of r rows of x and o output rows.
-template <Format F>
-struct Tiles {
-  TileFn<F> fn[kTileRows + 1][kTileOutputs + 1] = {};
-  constexpr Tiles() {
-    Fill(std::make_integer_sequence<int, kTileRows>());
+// TileTable<B, Rows>::fn[r][o]: the tile of r <= Rows rows of x and o output rows of blocks B.
+template <typename B, int Rows>
+struct TileTable {
+  TileFn fn[Rows + 1][kTileOutputs + 1] = {};
+  constexpr TileTable() {
+    Fill(std::make_integer_sequence<int, Rows>());
   }
   template <int... R>
   constexpr void Fill(std::integer_sequence<int, R...>) {
@@ -186,21 +195,80 @@ struct Tiles {
   }
   template <int R, int... O>
   constexpr void FillOutputs(std::integer_sequence<int, O...>) {
-    ((fn[R][O + 1] = &Tile<F, R, O + 1>), ...);
+    ((fn[R][O + 1] = &Tile<B, R, O + 1>), ...);
   }
 };
 
+template <Format F>
+using Tiles = TileTable<Block<F>, kTileRows>;
+
+// The f32 weights of a panel the wide path dequantized: Tile's `w` for a block whose values are
+// already f32 (kBytes of floats), read a vector at a time.
+struct Panel {
+  static constexpr int kBytes = kBlock * sizeof(float);
+  struct Scale {};
+  static Scale ScaleOf(const uint8_t*) { return {}; }
+  static Vec Weights(const uint8_t* b, int v, const Scale&) {
+    Vec w;
+    std::memcpy(&w, b + v * sizeof(Vec), sizeof(w));
+    return w;
+  }
+};
+
+// Output rows per panel: kPanelOutputs * K floats (192 KB for K = 1536) stay in L2 while every
+// tile of rows of x passes over them.
+constexpr int kPanelOutputs = 8 * kTileOutputs;
+using PanelTiles = TileTable<Panel, kTileRows>;
+
 // Output rows [n0, n1) of out[T, N] = x[T, K] @ dequantize(w[N, K]).T.
+//
+// Up to kTileRows rows of x: one tile of rows per group of outputs, each block dequantized in
+// registers. More rows: kPanelOutputs output rows at a time are dequantized once into `panel`
+// and every tile of rows runs over it, so a block is dequantized once per call, not once per
+// tile of rows (6 rows a tile ran slower than 4: 24 accumulators leave GCC too few registers).
+// The two paths give the same floats: the same weights and the same FMAs in the same order.
 template <Format F>
 void Rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, float* out,
           int64_t n0, int64_t n1) {
   static constexpr Tiles<F> kTiles;
   const int64_t row_bytes = K / kBlock * Block<F>::kBytes;
-  for (int64_t n = n0; n < n1; n += kTileOutputs) {
-    const int64_t outputs = std::min<int64_t>(kTileOutputs, n1 - n);
+  if (T <= kTileRows) {
+    for (int64_t n = n0; n < n1; n += kTileOutputs) {
+      const int64_t outputs = std::min<int64_t>(kTileOutputs, n1 - n);
+      kTiles.fn[T][outputs](x, K, w + n * row_bytes, row_bytes, out + n, N);
+    }
+    return;
+  }
+  static constexpr PanelTiles kPanelTiles;
+  using B = Block<F>;
+  const int64_t blocks = K / kBlock, panel_bytes = K * sizeof(float);
+  std::vector<float> panel_buffer(kPanelOutputs * K + kLanes);
+  // Aligned to a vector: the tiles' loads then never split a cache line.
+  float* panel = panel_buffer.data() +
+                 (-reinterpret_cast<uintptr_t>(panel_buffer.data()) / sizeof(float)) % kLanes;
+  const uint8_t* pw = reinterpret_cast<const uint8_t*>(panel);
+  for (int64_t n = n0; n < n1; n += kPanelOutputs) {
+    const int64_t outputs = std::min<int64_t>(kPanelOutputs, n1 - n);
+    for (int64_t o = 0; o < outputs; ++o) {
+      const uint8_t* row = w + (n + o) * row_bytes;
+      float* dst = panel + o * K;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = row + b * B::kBytes;
+        const typename B::Scale scale = B::ScaleOf(block);
+#pragma GCC unroll 8
+        for (int v = 0; v < kVecsPerBlock; ++v) {
+          const Vec wv = B::Weights(block, v, scale);
+          std::memcpy(dst + b * kBlock + v * kLanes, &wv, sizeof(wv));
+        }
+      }
+    }
+    // A tile of rows of x stays in L1 while it meets each group of the panel's outputs.
     for (int64_t m = 0; m < T; m += kTileRows) {
       const int64_t rows = std::min<int64_t>(kTileRows, T - m);
-      kTiles.fn[rows][outputs](x + m * K, K, w + n * row_bytes, row_bytes, out + m * N + n, N);
+      for (int64_t g = 0; g < outputs; g += kTileOutputs) {
+        kPanelTiles.fn[rows][std::min<int64_t>(kTileOutputs, outputs - g)](
+            x + m * K, K, pw + g * panel_bytes, panel_bytes, out + m * N + n + g, N);
+      }
     }
   }
 }
