@@ -182,13 +182,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--dtype", default=None,
                    help="the engine's dtype (default: the model's; e.g. bfloat16 on a GPU)")
+    p.add_argument("--quantization", default=None,
+                   help="the engine's --quantization (e.g. gguf: a GGUF file's blocks read in "
+                        "place; default: the engine's)")
 
 
 def engine_kwargs(args) -> dict:
     kwargs = {"max_model_len": args.max_model_len, "num_pages": args.num_pages,
               "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens}
-    return kwargs if args.dtype is None else {**kwargs, "dtype": args.dtype}
+    for name in ("dtype", "quantization"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    return kwargs
 
 
 def serve_flags(args) -> list[str]:
