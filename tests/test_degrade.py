@@ -28,7 +28,7 @@ from jaxserve.entrypoints.http.app_state import STATE_KEY
 from jaxserve.fleet.fleet import Fleet
 from jaxserve.protos import generation_pb2 as pb
 from jaxserve.protos import generation_pb2_grpc as pb_grpc
-from tests.test_server import ServerThread, _request, slowable, wait_for
+from tests.test_server import ServerThread, _request, queueing_engine, slowable, wait_for
 
 CHAT, BULK = "sk-chat-0123456789abcdefghijklmn", "sk-bulk-0123456789abcdefghijklmn"
 TENANTS = f"""
@@ -46,8 +46,6 @@ MAX_QUEUED = 4  # the shedding threshold; the routes degrade from ceil(0.5 * 4) 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_tokenizer_fields):
-    from jaxserve.core.async_engine import AsyncEngine
-    from jaxserve.core.engine_factory import build_engine
     from jaxserve.entrypoints.grpc import start_grpc_server
     from jaxserve.entrypoints.http.app import attach_engine, serving_of
     from tests.test_cli import tiny_gguf
@@ -56,12 +54,7 @@ def server(tmp_path_factory, smollm2_tokenizer_fields):
     (d / "tenants.toml").write_text(TENANTS)
     model = str(tiny_gguf(d / "tiny.gguf", smollm2_tokenizer_fields))
 
-    def engine() -> AsyncEngine:
-        return AsyncEngine(build_engine(model, num_pages=48, max_num_seqs=1,
-                                        max_num_batched_tokens=16, max_model_len=128,
-                                        min_token_bucket=16, progress=False))
-
-    big, small = engine(), engine()
+    big, small = queueing_engine(model), queueing_engine(model)
     fleet = Fleet.of_engine("big", big, max_queued_requests=MAX_QUEUED)
     fleet.adopt(VersionSpec("small", model), small)
     fleet.set_route(parse_route("tiny", {"weights": {"big": 1}, "degrade": {

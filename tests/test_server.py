@@ -118,6 +118,17 @@ def slowable(llm, delay_s: float) -> threading.Event:
     return slow
 
 
+def queueing_engine(model: str):
+    """A tiny model's engine that runs one sequence at a time in 16-token steps, so a few
+    requests queue behind it (degradation, shedding, usage under load)."""
+    from jaxserve.core.async_engine import AsyncEngine
+    from jaxserve.core.engine_factory import build_engine
+
+    return AsyncEngine(build_engine(model, num_pages=48, max_num_seqs=1,
+                                    max_num_batched_tokens=16, max_model_len=128,
+                                    min_token_bucket=16, progress=False))
+
+
 def scrape(url: str) -> dict[str, float]:
     """/metrics as {sample name: value}; histogram buckets keep their `le` in the name."""
     resp = http_get(f"{url}/metrics")

@@ -21,7 +21,7 @@ from jaxserve.entrypoints.http.app_state import STATE_KEY
 from jaxserve.fleet.deployment import VersionSpec
 from jaxserve.fleet.fleet import Fleet
 from jaxserve.gateway.pricing import Pricing
-from tests.test_server import ServerThread, _request, slowable, wait_for
+from tests.test_server import ServerThread, _request, queueing_engine, slowable, wait_for
 
 PRICES = Pricing(prompt_per_1m=1.0, completion_per_1m=2.0)
 ALICE, BOB = "sk-alice-0123456789abcdefghij", "sk-bob-0123456789abcdefghijkl"
@@ -33,8 +33,6 @@ VERSIONS = ("va", "vb")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_tokenizer_fields):
-    from jaxserve.core.async_engine import AsyncEngine
-    from jaxserve.core.engine_factory import build_engine
     from jaxserve.entrypoints.http.app import attach_engine
     from tests.test_cli import tiny_gguf
 
@@ -42,12 +40,7 @@ def server(tmp_path_factory, smollm2_tokenizer_fields):
     (d / "tenants.toml").write_text(TENANTS)
     model = str(tiny_gguf(d / "tiny.gguf", smollm2_tokenizer_fields))
 
-    def engine() -> AsyncEngine:
-        return AsyncEngine(build_engine(model, num_pages=48, max_num_seqs=1,
-                                        max_num_batched_tokens=16, max_model_len=128,
-                                        min_token_bucket=16, progress=False))
-
-    engines = {name: engine() for name in VERSIONS}
+    engines = {name: queueing_engine(model) for name in VERSIONS}
     fleet = Fleet.of_engine(VERSIONS[0], engines[VERSIONS[0]], pricing=PRICES,
                             max_queued_requests=MAX_QUEUED)
     fleet.adopt(VersionSpec(VERSIONS[1], model), engines[VERSIONS[1]], pricing=PRICES)
