@@ -70,6 +70,7 @@ def test_the_roles_flags_are_checked():
 # ---------------------------------------------------------------- real servers
 
 STEP_DELAY_S = 0.2  # the prefill server's steps: LONG's prefill takes over 3 s
+DECODE_A_STEP_DELAY_S = 0.02  # decode server a's: its busy work outlasts the router test
 # One sequence a step and a short context: few programs to compile (three servers start).
 ENGINE = ["--num-pages", "40", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
           "--min-token-bucket", "16", "--max-model-len", "256", "--kv-offloading-size", "0.0003",
@@ -81,8 +82,9 @@ LONG = [1000 + 7 * i for i in range(240)]  # 14 full pages to send: 15 prefill s
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, smollm2_tokenizer_fields):
-    """(prefill, decode a, decode b): both decode servers use the one prefill server; b waits
-    PREFILL_TIMEOUT_S for it and prefills prompts up to LOCAL_PREFILL_TOKENS itself."""
+    """(prefill, decode a, decode b): both decode servers use the one prefill server; a's steps
+    are slowed a little; b waits PREFILL_TIMEOUT_S for it and prefills prompts up to
+    LOCAL_PREFILL_TOKENS itself."""
     tmp = tmp_path_factory.mktemp("disagg")
     model = tiny_gguf(tmp / "tiny.gguf", smollm2_tokenizer_fields, max_position_embeddings=256)
     secret = tmp / "secret"
@@ -96,8 +98,11 @@ def servers(tmp_path_factory, smollm2_tokenizer_fields):
                    module="tests.serve_slowed", env=env)]
     starts += [dict(args=[*common, "--role", "decode", "--port", "0", "--prefill-url",
                           f"http://127.0.0.1:{port}", "--prefill-timeout", str(timeout),
-                          "--max-local-prefill-length", str(local)])
-               for timeout, local in ((60, 0), (PREFILL_TIMEOUT_S, LOCAL_PREFILL_TOKENS))]
+                          "--max-local-prefill-length", str(local)], **slowed)
+               for timeout, local, slowed in (
+                   (60, 0, dict(module="tests.serve_slowed", env=dict(
+                       os.environ, **{STEP_DELAY_ENV: str(DECODE_A_STEP_DELAY_S)}))),
+                   (PREFILL_TIMEOUT_S, LOCAL_PREFILL_TOKENS, {}))]
     logs = [(tmp / f"{i}.log").open("w") for i in range(3)]
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(ServerProcess, cwd=ROOT, stderr=log, ready_timeout_s=600, **kw)
@@ -145,10 +150,11 @@ def _complete(proc, prompt):
                                      logprobs=1, extra_body={"ignore_eos": True}).choices[0]
 
 
-def _send(proc, prompt, max_tokens: int = 8, headers: str = "") -> socket.socket:
+def _send(proc, prompt, max_tokens: int = 8, headers: str = "", **fields) -> socket.socket:
     """A completion request on a raw connection (to close mid-request, or read to its end)."""
     port = int(_base(proc).rsplit(":", 1)[1])
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}).encode()
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                       **fields}).encode()
     conn = socket.create_connection(("127.0.0.1", port))
     conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
@@ -216,12 +222,15 @@ def test_the_router_sends_new_requests_to_the_less_loaded_decode_server(servers,
     import openai
 
     _, a, b = servers
-    # a made busy directly (short prompts: no prefill server involved): 1 running, 2 waiting.
-    busy = [_send(a, [8000 + k, 8001, 8002], max_tokens=240) for k in range(3)]
+    # a made busy directly (short prompts: no prefill server involved): 1 running, 2 waiting,
+    # each to its full 240 tokens at >= DECODE_A_STEP_DELAY_S a step: busy for 14 s at least,
+    # however fast the host (unslowed, a quiet host drained them before the router's requests).
+    busy = [_send(a, [8000 + k, 8001, 8002], max_tokens=240, ignore_eos=True, temperature=0)
+            for k in range(3)]
     try:
         wait_for(lambda: scrape(_base(a))["jaxserve:num_requests_waiting"] >= 2,
                  "decode server a to queue", 30)
-        time.sleep(0.6)  # the router reads the load every 0.2 s
+        time.sleep(1.5)  # the router reads the load every 0.2 s (slower on a loaded host)
         before_b = _generated(b)
         client = openai.OpenAI(base_url=router.url, api_key="none", max_retries=0)
         for k in range(4):
@@ -229,6 +238,7 @@ def test_the_router_sends_new_requests_to_the_less_loaded_decode_server(servers,
                                              temperature=0, extra_body={"ignore_eos": True})
             assert len(text.choices[0].text) > 0
         assert _generated(b) - before_b == 16  # all four went to b (a, idle, would win a tie)
+        assert scrape(_base(a))["jaxserve:num_requests_running"] == 1  # a was busy throughout
         # Streaming passes through as it comes: the same text, chunk by chunk.
         whole = client.completions.create(model="tiny", prompt=[9100, 9101], max_tokens=8,
                                           temperature=0, extra_body={"ignore_eos": True})
