@@ -28,7 +28,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.core.async_engine import AsyncEngine
+from jaxserve.core.async_engine import AsyncEngine, resolve_final
 from jaxserve.core.engine_factory import build_engine
 from jaxserve.entrypoints.batch import answer_items, batch_gateway, read_input
 from jaxserve.entrypoints.grpc import start_grpc_server
@@ -156,6 +156,9 @@ def server(tmp_path_factory, smollm2_tokenizer_fields):
 
     async def failing_generate(*args, prepared=None, **kwargs):
         if prepared is not None and prepared.params.seed == FAIL_SEED:
+            # It never reached the engine: say so to a caller waiting for its final output, as
+            # the engine's own wrappers do (else the call ends only after FINAL_OUTPUT_WAIT_S).
+            resolve_final(kwargs.get("final"), None)
             raise RuntimeError("injected engine failure")
         async for out in generate(*args, prepared=prepared, **kwargs):
             yield out
@@ -434,9 +437,10 @@ def test_grpc_finished_refused_listed_and_past_its_deadline(server):
             list(stub.Generate(pb.GenerateRequest(model="tiny", prompt="Hi", max_tokens=2),
                                metadata=ALICE, timeout=0.5))
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_for(lambda: len(server.ledger.outcomes) >= sent.outcomes + 6, "the call to end")
     finally:
+        # The held engine takes the abort at its next step: the call ends with its last output.
         server.gate.set()
+    wait_for(lambda: len(server.ledger.outcomes) >= sent.outcomes + 6, "the call to end")
     running[0].join(60)
     outcomes = sent.ended(Counter({("ok", True): 2, ("401_invalid_api_key", False): 1,
                                    ("400_invalid_request_error", False): 1,
