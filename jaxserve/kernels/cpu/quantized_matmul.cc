@@ -130,9 +130,22 @@ struct Block<kQ8_0> {
   };
   static Scale ScaleOf(const uint8_t* b) { return {BroadcastHalf(b)}; }
   static Vec Weights(const uint8_t* b, int v, const Scale& s) {
-    I8 q;
-    std::memcpy(&q, b + 2 + v * kLanes, sizeof(q));
-    return __builtin_convertvector(__builtin_convertvector(q, I32), Vec) * s.d;
+    const uint8_t* q = b + 2 + v * kLanes;
+    // The sign extension spelled out: GCC widens `__builtin_convertvector` of a vector of 16
+    // int8 a lane at a time, which made a Q8_0 row 4-5x slower than a Q4_1 row of the same
+    // values (the LM head, 8 of ~20 ms per batch-1 decode step).
+#if defined(__AVX512F__)
+    const I32 i = reinterpret_cast<I32>(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(q))));
+#elif defined(__AVX2__)
+    const I32 i = reinterpret_cast<I32>(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(q))));
+#else
+    I8 bytes;
+    std::memcpy(&bytes, q, sizeof(bytes));
+    const I32 i = __builtin_convertvector(bytes, I32);
+#endif
+    return __builtin_convertvector(i, Vec) * s.d;
   }
 };
 
