@@ -103,6 +103,10 @@ GGUF_FORMATS = ("q4_0", "q4_1", "q8_0")
 # and the embedding / LM head.
 GGUF_TENSORS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                 "embed_tokens", "lm_head")
+# The matmul weights the CPU kernels read in place (jaxserve.kernels.matmul's stacked matmul,
+# jaxserve.kernels.grouped_matmul), per parameter group: what ModelConfig.weight_dtype stores.
+KERNEL_WEIGHTS = {"layers": GGUF_TENSORS[:7], "moe": ("gate_proj", "up_proj", "down_proj")}
+WEIGHT_DTYPES = (None, "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,12 @@ class ModelConfig:
     # quantization "gguf": (tensor, block format) for each tensor kept as blocks (GGUF_TENSORS,
     # GGUF_FORMATS), in GGUF_TENSORS' order.
     gguf_formats: tuple[tuple[str, str], ...] = ()
+    # The storage of KERNEL_WEIGHTS where it differs from `dtype` (see `param_dtype`): "bfloat16"
+    # keeps a bf16 checkpoint's matmul weights as stored while the model computes in float32:
+    # the CPU kernels widen them in registers, every other path where it uses them; widening is
+    # exact, so the floats are a float32 load's, with half the bytes (jaxserve.weights.load_model
+    # sets it).
+    weight_dtype: str | None = None
     # Expert parallelism (--enable-expert-parallel): a mixture's experts sharded over the mesh's
     # model axis, tokens dispatched to their devices (jaxserve.executor.models.moe). A placement,
     # like dtype: set by the engine factory, never read from a checkpoint.
@@ -231,6 +241,10 @@ class ModelConfig:
                               f"none), embed_tokens, lm_head; got {self.gguf_formats}")
         if formats and self.dtype != "float32":
             raise ConfigError(f"GGUF blocks are read into float32, not {self.dtype}")
+        if self.weight_dtype not in WEIGHT_DTYPES or self.weight_dtype is not None and (
+                self.dtype != "float32" or self.quantization is not None):
+            raise ConfigError(f"weight_dtype must be one of {WEIGHT_DTYPES} (bfloat16 with "
+                              f"float32 and no quantization), got {self.weight_dtype!r}")
         if self.num_experts and not (0 < self.experts_per_token <= self.num_experts
                                      and self.moe_intermediate_size > 0):
             raise ConfigError(f"a mixture of experts needs 0 < experts_per_token <= num_experts "
@@ -269,6 +283,12 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+    def param_dtype(self, group: str, name: str) -> str:
+        """The dtype parameter `name` of `group` ("layers", "moe", ...) is stored in:
+        weight_dtype for KERNEL_WEIGHTS (not latent attention's own projections), else dtype."""
+        kernel = KERNEL_WEIGHTS.get(group, ()) if group != "layers" or self.mla is None else ()
+        return self.weight_dtype if self.weight_dtype and name in kernel else self.dtype
 
     @property
     def sparse_layers(self) -> tuple[int, ...]:

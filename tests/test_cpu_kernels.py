@@ -2,10 +2,10 @@
 (jaxserve.kernels.cpu.library: its sources, handlers and cache), the sampler's top-k / top-p
 thresholds (jaxserve.kernels.sampling) against a float64 reference and the pure-JAX path, the
 stacked-weights matmul (jaxserve.kernels.matmul) and the experts' grouped matmul
-(jaxserve.kernels.grouped_matmul) against float64 references, the matmul on GGUF blocks (Q4_0 /
-Q4_1 / Q8_0) against the gguf package's dequantization, and the library built for older x86
-ISAs. The attention kernel's tests are in test_ragged_paged_attention.py; the
-model through the matmul kernel in test_llama.py."""
+(jaxserve.kernels.grouped_matmul) against float64 references (f32 and bf16 weights), the matmul on
+GGUF blocks (Q4_0 / Q4_1 / Q8_0) against the gguf package's dequantization, and the library built
+for older x86 ISAs. The attention kernel's tests are in test_ragged_paged_attention.py; the model
+through the matmul kernel in test_llama.py."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from jaxserve.kernels import grouped_matmul as cpu_grouped
 from jaxserve.kernels import matmul as cpu_matmul
 from jaxserve.kernels import sampling as cpu_sampling
 from jaxserve.executor import sampler
+from tests import kernel_prebuild
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_library = pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_kernels.enabled(),
@@ -193,22 +194,34 @@ MATMUL_CASES = [
 ]
 
 
+WEIGHT_DTYPES = ["float32", "bfloat16"]
+
+
 @needs_library
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("T,K,N", MATMUL_CASES)
-def test_stacked_matmul_matches_a_float64_reference(T, K, N):
-    check_stacked_matmul(T, K, N)
+def test_stacked_matmul_matches_a_float64_reference(T, K, N, weight_dtype):
+    check_stacked_matmul(T, K, N, weight_dtype)
 
 
-def check_stacked_matmul(T: int, K: int, N: int) -> None:
+def _weights(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32).astype(jax.numpy.dtype(dtype))
+
+
+def check_stacked_matmul(T: int, K: int, N: int, weight_dtype: str = "float32") -> None:
+    """bf16 weights: also the f32 kernel's floats on their widening, bit for bit (the load keeps
+    a bf16 checkpoint's weights bf16 on that promise: jaxserve.weights)."""
     rng = np.random.default_rng(T + K + N)
     x = rng.standard_normal((T, K)).astype(np.float32)
-    w = rng.standard_normal((3, K, N)).astype(np.float32)
+    w = _weights(rng, (3, K, N), weight_dtype)
     run = jax.jit(cpu_matmul.stacked_matmul)
     for layer in range(3):
         want = x.astype(np.float64) @ w[layer].astype(np.float64)
         got = np.asarray(run(x, w, np.int32(layer)))
         # f32 sums over K: ~1e-7 relative per term, far below a wrong row, column or layer.
         np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(K), rtol=0)
+        if weight_dtype != "float32":
+            np.testing.assert_array_equal(got, run(x, w.astype(np.float32), np.int32(layer)))
 
 
 # (group sizes, K, N), 2 layers of experts; rows past the groups' sum must come out zero.
@@ -221,16 +234,18 @@ GROUPED_CASES = [
 
 
 @needs_library
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("sizes,K,N", GROUPED_CASES)
-def test_grouped_matmul_matches_a_float64_reference(sizes, K, N):
-    check_grouped_matmul(sizes, K, N)
+def test_grouped_matmul_matches_a_float64_reference(sizes, K, N, weight_dtype):
+    check_grouped_matmul(sizes, K, N, weight_dtype)
 
 
-def check_grouped_matmul(sizes: list[int], K: int, N: int) -> None:
+def check_grouped_matmul(sizes: list[int], K: int, N: int, weight_dtype: str = "float32") -> None:
+    """bf16 weights: also the f32 kernel's floats on their widening, bit for bit."""
     rng = np.random.default_rng(len(sizes) + K + N)
     rows = sum(sizes) + 3  # 3 rows past the groups: other devices' copies under EP
     x = rng.standard_normal((rows, K)).astype(np.float32)
-    w = rng.standard_normal((2, len(sizes), K, N)).astype(np.float32)
+    w = _weights(rng, (2, len(sizes), K, N), weight_dtype)
     group_sizes = np.asarray(sizes, np.int32)
     run = jax.jit(cpu_grouped.grouped_matmul)
     for layer in range(2):
@@ -239,6 +254,9 @@ def check_grouped_matmul(sizes: list[int], K: int, N: int) -> None:
         # f32 sums over K: ~1e-7 relative per term, far below a wrong group, row or layer.
         np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(K), rtol=0)
         assert not got[sum(sizes):].any()
+        if weight_dtype != "float32":
+            np.testing.assert_array_equal(
+                got, run(x, w.astype(np.float32), np.int32(layer), group_sizes))
 
 
 @needs_library
@@ -312,21 +330,23 @@ for D, (hq, hkv) in ((64, (9, 3)), (128, (8, 1))):
                              cache_dtype=cache_dtype)
             check("cpu", args, dtype="float32")
             check("cpu", args, dtype="float32", sliding_window=7, soft_cap=5.0)
-for case in MATMUL_CASES:
-    check_stacked_matmul(*case)
+for weight_dtype in ("float32", "bfloat16"):
+    for case in MATMUL_CASES:
+        check_stacked_matmul(*case, weight_dtype)
+    for case in GROUPED_CASES:
+        check_grouped_matmul(*case, weight_dtype)
 for fmt in FORMATS:
     check_quantized_matmul(fmt)
-for case in GROUPED_CASES:
-    check_grouped_matmul(*case)
 """
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISA flags")
-@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avx2"])
-def test_cpu_kernels_built_for_older_x86_match_their_references(tmp_path, flags):
-    env = {**os.environ, "CXX": f"{os.environ.get('CXX', 'g++')} {flags}",
-           "JAXSERVE_CACHE": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", _OLDER_X86_SCRIPT], env=env, cwd=ROOT,
+@pytest.mark.parametrize("flags", kernel_prebuild.OLDER_X86_FLAGS)
+def test_cpu_kernels_built_for_older_x86_match_their_references(older_x86_prebuild, flags):
+    # The build itself ran in the background since collection (tests/kernel_prebuild.py).
+    cache = older_x86_prebuild.wait(flags)
+    run = subprocess.run([sys.executable, "-c", _OLDER_X86_SCRIPT], cwd=ROOT,
+                         env=kernel_prebuild.older_x86_env(flags, cache),
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert list((tmp_path / "kernels").glob("cpu_kernels-*.so")), "the kernel was not built"
+    assert list((cache / "kernels").glob("cpu_kernels-*.so")), "the kernel was not built"

@@ -14,20 +14,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.kernels.matmul import COLUMN_MULTIPLE
+from jaxserve.kernels.matmul import COLUMN_MULTIPLE, WEIGHT_DTYPES
 
 _TARGET = "jaxserve_grouped_matmul"  # grouped_matmul.cc's JaxserveGroupedMatmul
 
 
 def supports(shapes: list[tuple[int, int]], dtype) -> bool:
-    """Whether the kernel takes f32 expert weights of these (K, N) shapes."""
-    return jnp.dtype(dtype) == jnp.float32 and all(n % COLUMN_MULTIPLE == 0 for _, n in shapes)
+    """Whether the kernel takes expert weights of these (K, N) shapes in `dtype` (f32 or bf16:
+    jaxserve.kernels.matmul.WEIGHT_DTYPES)."""
+    return jnp.dtype(dtype) in WEIGHT_DTYPES and all(n % COLUMN_MULTIPLE == 0 for _, n in shapes)
 
 
 def grouped_matmul(x, w, layer, group_sizes):
     """x f32[R, K], its rows sorted by group (group_sizes i32[G] of them, in order), times their
-    group's weights in layer `layer` of w f32[L, G, K, N]: f32[R, N], the rows past the groups
-    zero. Where `jaxserve.kernels.cpu.enabled()` and `supports`."""
+    group's weights in layer `layer` of w f32 or bf16 [L, G, K, N] (bf16 widened exactly):
+    f32[R, N], the rows past the groups zero. Where `jaxserve.kernels.cpu.enabled()` and
+    `supports`."""
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[3]), jnp.float32))
     return call(x, w, jnp.asarray(layer, jnp.int32), jnp.asarray(group_sizes, jnp.int32))
 

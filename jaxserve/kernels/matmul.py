@@ -25,15 +25,21 @@ COLUMN_MULTIPLE = 16
 MIN_ROWS, MAX_ROWS = 2, 512
 
 
+# The weights' dtypes the f32 kernels read (matmul_tiles.h): bf16 widens to f32 exactly, in
+# registers, so a bf16 checkpoint's weights stream half the bytes for the same sums.
+WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
 def supports(num_rows: int, shapes: list[tuple[int, int]], dtype) -> bool:
-    """Whether the kernel takes `num_rows` rows through f32 weights of these (K, N) shapes."""
-    return (jnp.dtype(dtype) == jnp.float32 and MIN_ROWS <= num_rows <= MAX_ROWS
+    """Whether the kernel takes `num_rows` f32 rows through weights of these (K, N) shapes in
+    `dtype` (WEIGHT_DTYPES)."""
+    return (jnp.dtype(dtype) in WEIGHT_DTYPES and MIN_ROWS <= num_rows <= MAX_ROWS
             and all(n % COLUMN_MULTIPLE == 0 for _, n in shapes))
 
 
 def stacked_matmul(x, w, layer):
-    """x f32[T, K] @ w[layer] for w f32[L, K, N] and a scalar layer index: f32[T, N]. Where
-    `jaxserve.kernels.cpu.enabled()` and `supports`."""
+    """x f32[T, K] @ w[layer] for w f32 or bf16 [L, K, N] and a scalar layer index: f32[T, N]
+    (bf16 weights widened exactly). Where `jaxserve.kernels.cpu.enabled()` and `supports`."""
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
     return call(x, w, jnp.asarray(layer, jnp.int32))
 
@@ -103,5 +109,5 @@ def quantized_matmul(x, w, layer, fmt: str):
     return call(x, w, jnp.asarray(layer, jnp.int32), format=np.int32(_FORMAT_CODES[fmt]))
 
 
-__all__ = ["BLOCK", "FORMATS", "dequantize", "quantized_matmul", "random_blocks", "row_bytes",
-           "supports", "stacked_matmul"]
+__all__ = ["BLOCK", "FORMATS", "WEIGHT_DTYPES", "dequantize", "quantized_matmul", "random_blocks",
+           "row_bytes", "supports", "stacked_matmul"]

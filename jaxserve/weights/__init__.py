@@ -10,11 +10,12 @@ from jaxserve.errors import ConfigError, WeightsError
 from jaxserve.model_registry import ModelSpec
 
 
-def load_host(spec: ModelSpec, dtype: str = "float32",
-              keep_blocks: bool = False) -> tuple[ModelConfig, dict]:
+def load_host(spec: ModelSpec, dtype: str = "float32", keep_blocks: bool = False,
+              keep_bf16: bool = False) -> tuple[ModelConfig, dict]:
     """GGUF or HF weights as host numpy arrays (before placement); what `convert` saves.
     keep_blocks: a GGUF file's quantized blocks stay as they are where they can
-    (jaxserve.weights.gguf.block_formats; config.quantization "gguf" if any do)."""
+    (jaxserve.weights.gguf.block_formats; config.quantization "gguf" if any do). keep_bf16: an
+    HF checkpoint stored in bf16 keeps its matmul weights bf16 (load_hf)."""
     if spec.format == "gguf":
         from jaxserve.weights.gguf import load_gguf
 
@@ -22,7 +23,7 @@ def load_host(spec: ModelSpec, dtype: str = "float32",
     if spec.format == "hf":
         from jaxserve.weights.safetensors import load_hf
 
-        return load_hf(spec.path, dtype)
+        return load_hf(spec.path, dtype, keep_bf16)
     raise _not_generative(spec)
 
 
@@ -97,7 +98,15 @@ def load_model(spec: ModelSpec, dtype: str | None = None, mesh: jax.sharding.Mes
                 dtype=dtype or config.dtype, expert_parallel=expert_parallel), mesh)
         config, params = load_checkpoint(spec.path, dtype, shardings)
         return config.replace(expert_parallel=expert_parallel), params
-    config, params = load_host(spec, dtype or "float32", keep_blocks=quantization == "gguf")
+    # A bf16 checkpoint computed in f32 by the CPU kernels keeps its matmul weights bf16: the
+    # kernels widen them in registers (half the bytes a step streams, the same floats), every
+    # other path where it uses them. Not on GPU / TPU, where the kernels are not used.
+    from jaxserve.kernels import cpu as cpu_kernels
+
+    keep_bf16 = ((dtype or "float32") == "float32" and quantization is None
+                 and cpu_kernels.enabled())
+    config, params = load_host(spec, dtype or "float32", keep_blocks=quantization == "gguf",
+                               keep_bf16=keep_bf16)
     if quantization != "gguf":  # (else the loader's: "gguf" if it kept any blocks)
         config = config.replace(quantization=quantization)
     config = config.replace(expert_parallel=expert_parallel)

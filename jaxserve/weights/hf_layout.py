@@ -68,14 +68,13 @@ def _layer(config: ModelConfig, get: GetTensor, i: int,
 
 def params_from_hf(config: ModelConfig, get: GetTensor, source: str,
                    skip: frozenset[str] = frozenset()) -> dict:
-    """Build the parameter tree (host numpy, in the model's dtype) from HF-named tensors.
+    """Build the parameter tree (host numpy, each in config.param_dtype: the model's dtype, or
+    weight_dtype for the matmul weights the CPU kernels read) from HF-named tensors.
 
     `source` names the file or directory in errors (a missing or mis-shaped tensor). `skip`:
     parameters the caller fills itself and that are not read (GGUF blocks kept as they are:
     all seven projections or none, embed_tokens, lm_head).
     """
-    dtype = np.dtype(config.dtype) if config.dtype != "bfloat16" else _bfloat16()
-
     def fetch(name: str) -> np.ndarray:
         try:
             return get(name)
@@ -101,15 +100,11 @@ def params_from_hf(config: ModelConfig, get: GetTensor, source: str,
                                                                   config.vocab_size)
     except ValueError as e:  # a reshape that does not fit: the tensor disagrees with the config
         raise WeightsError(f"{source}: a tensor's shape does not match its config ({e})") from None
-    return _cast(params, dtype)
+    return {group: {name: _cast(w, config.param_dtype(group, name)) for name, w in v.items()}
+            if isinstance(v, dict) else _cast(v, config.dtype) for group, v in params.items()}
 
 
-def _bfloat16():
+def _cast(w: np.ndarray, dtype: str) -> np.ndarray:
     import ml_dtypes  # a JAX dependency; numpy has no bfloat16 of its own
 
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-def _cast(tree: dict, dtype) -> dict:
-    return {k: _cast(v, dtype) if isinstance(v, dict) else np.ascontiguousarray(v, dtype)
-            for k, v in tree.items()}
+    return np.ascontiguousarray(w, ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)

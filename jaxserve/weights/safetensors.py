@@ -46,8 +46,13 @@ def read_hf_config(path: Path, dtype: str = "float32") -> ModelConfig:
             from None
 
 
-def load_hf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
-    """Read an HF directory: (ModelConfig, parameter tree of host numpy arrays in `dtype`)."""
+def load_hf(path: Path, dtype: str = "float32",
+            keep_bf16: bool = False) -> tuple[ModelConfig, dict]:
+    """Read an HF directory: (ModelConfig, parameter tree of host numpy arrays in `dtype`).
+    keep_bf16 (a float32 load): a checkpoint whose text tensors are all stored in bf16, as
+    released models are, keeps its matmul weights bf16 (ModelConfig.weight_dtype: the same
+    floats, half the bytes); any other dtype in the file (f32, f16, fp8, mxfp4) loads as
+    before."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -62,6 +67,11 @@ def load_hf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
     cfg = json.loads((path / "config.json").read_text())
     stored = {text_tensor_name(name, cfg.get("model_type")): name for name in files}
     float8: dict[Path, fp8.Float8Reader] = {}
+    quantization = cfg.get("quantization_config")
+    if keep_bf16 and dtype == "float32" and quantization is None and all(
+            handles[files[name]].get_slice(name).get_dtype() == "BF16"
+            for name in stored.values()):
+        config = config.replace(weight_dtype="bfloat16")
 
     def get(name: str) -> np.ndarray:
         file, name = files[stored[name]], stored[name]
@@ -72,7 +82,6 @@ def load_hf(path: Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
 
     # FP8 block-quantized checkpoints, MXFP4 experts (gpt-oss): each weight dequantized as it
     # is read.
-    quantization = cfg.get("quantization_config")
     if mxfp4.is_mxfp4(quantization):
         get = mxfp4.dequantizing(get, set(stored))
     else:

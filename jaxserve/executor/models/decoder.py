@@ -100,7 +100,8 @@ def _blocks(module: nn.Module, name: str, rows: int, k: int, fmt: str, scale: fl
 
 def _weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
             init) -> jax.Array:
-    """A projection weight (its first PROJECTIONS[name] axes contract) in the model's dtype.
+    """A projection weight (its first PROJECTIONS[name] axes contract), stored in
+    config.param_dtype (bf16 where config.weight_dtype says: widened where it is used).
     Quantized int8 (config.quantization): uint8 codes of the same shape, plus `{name}_scale` and
     `{name}_min` [K / INT8_GROUP, *out] per group of INT8_GROUP rows of the flattened
     contraction axes K; dequantized here, inside the step, so only the codes are read from
@@ -108,7 +109,7 @@ def _weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[st
     c = module.config
     dt = jnp.dtype(c.dtype)
     if c.quantization is None or c.quantization == "gguf" and _gguf_format(c, name) is None:
-        return _param(module, name, shape, axes, dt, init)
+        return _param(module, name, shape, axes, jnp.dtype(c.param_dtype("layers", name)), init)
     num_contract = PROJECTIONS[name]
     if c.quantization == "gguf":
         k = math.prod(shape[:num_contract])
@@ -141,7 +142,8 @@ def why_matmul_off(config: ModelConfig, mesh: jax.sharding.Mesh | None) -> str |
         return f"{c.quantization} weights"
     if jnp.dtype(c.dtype) != jnp.float32:
         return f"{c.dtype} weights (the kernel takes float32)"
-    if not cpu_matmul.supports(cpu_matmul.MIN_ROWS, _projection_shapes(c), c.dtype):
+    if not cpu_matmul.supports(cpu_matmul.MIN_ROWS, _projection_shapes(c),
+                               c.param_dtype("layers", "q_proj")):
         return f"output widths not a multiple of {cpu_matmul.COLUMN_MULTIPLE}"
     return None
 
@@ -161,16 +163,18 @@ def _projections_in_place(config: ModelConfig, mesh: jax.sharding.Mesh | None,
         return (why_matmul_off(config, mesh) is None and cpu_kernels.enabled()
                 and num_tokens <= cpu_matmul.QUANTIZED_MAX_ROWS)
     return (why_matmul_off(config, mesh) is None and cpu_kernels.enabled()
-            and cpu_matmul.supports(num_tokens, _projection_shapes(config), config.dtype))
+            and cpu_matmul.supports(num_tokens, _projection_shapes(config),
+                                    config.param_dtype("layers", "q_proj")))
 
 
 def _project(x: jax.Array, w: jax.Array, num_contract: int, layer: jax.Array, in_place: bool,
              precision: jax.lax.Precision, shape: tuple[int, ...], fmt: str | None) -> jax.Array:
     """x [T, *K] @ w [*K, *N] -> [T, *N] (K: the first num_contract axes of the weight's
     `shape`). `in_place`: w is the stack of all layers' weights [L, *K, *N], or with `fmt` their
-    GGUF blocks [L, N, bytes], and `layer` picks one, read where it lies."""
+    GGUF blocks [L, N, bytes], and `layer` picks one, read where it lies. Weights stored in bf16
+    for a float32 model (config.weight_dtype) are widened here, exactly, off the kernel."""
     if not in_place:
-        return jnp.tensordot(x, w, num_contract, precision=precision)
+        return jnp.tensordot(x, w.astype(x.dtype), num_contract, precision=precision)
     if fmt is not None:
         out = cpu_matmul.quantized_matmul(x.reshape(x.shape[0], -1), w, layer, fmt)
         return out.reshape(x.shape[0], *shape[num_contract:])

@@ -84,7 +84,6 @@ def param_shapes(config: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
 
 def boxed_init(config: ModelConfig, rng: jax.Array) -> dict:
     """Random parameters (unit-scale activations, as the decoder's) with their logical axes."""
-    dt = jnp.dtype(config.dtype)
     shapes = param_shapes(config)
     keys = iter(jax.random.split(rng, sum(len(g) for g in shapes.values())))
     out = {}
@@ -93,6 +92,7 @@ def boxed_init(config: ModelConfig, rng: jax.Array) -> dict:
         for name, shape in params.items():
             # Every weight here is [..., in, out]; biases as large as typical activations' tenth.
             scale = 0.1 if name.endswith("_bias") else shape[-2] ** -0.5
+            dt = jnp.dtype(config.param_dtype(group, name))  # the experts' maybe bf16
             w = jax.random.normal(next(keys), shape, dt) * scale
             out[group][name] = nn.Partitioned(w, names=AXES[group][name])
     return out
@@ -249,7 +249,7 @@ def ragged_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, glu: Gl
                        precision: jax.lax.Precision) -> jax.Array:
     """`grouped_gated_mlp` through XLA's grouped matmul."""
     return grouped_gated_mlp(rows, group_sizes, p, glu, lambda lhs, name: jax.lax.ragged_dot(
-        lhs, p[f"{name}_proj"], group_sizes, precision=precision))
+        lhs, p[f"{name}_proj"].astype(lhs.dtype), group_sizes, precision=precision))
 
 
 def kernel_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, glu: Glu,
@@ -264,13 +264,16 @@ def kernel_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, glu: Gl
 
 def experts_in_place(config: ModelConfig, mesh: jax.sharding.Mesh | None) -> bool:
     """Whether the experts run through the CPU grouped-matmul kernel (`kernel_grouped_mlp`):
-    where the CPU kernels are enabled and take the experts' weights (f32, widths a multiple of
-    the kernel's vectors), on one device or per device under expert parallelism's shard_map —
+    where the CPU kernels are enabled and take the experts' weights (a float32 model's, stored
+    f32 or bf16: config.weight_dtype; widths a multiple of the kernel's vectors), on one device
+    or per device under expert parallelism's shard_map —
     not where XLA shards the experts' MLPs itself (tensor parallel without expert parallelism)."""
     c = config
     shapes = [(c.hidden_size, c.moe_intermediate_size), (c.moe_intermediate_size, c.hidden_size)]
     sharded = mesh is not None and not _expert_parallel(c, mesh)
-    return not sharded and cpu_grouped.supports(shapes, c.dtype) and cpu_kernels.enabled()
+    return (not sharded and jnp.dtype(c.dtype) == jnp.float32
+            and cpu_grouped.supports(shapes, c.param_dtype("moe", "gate_proj"))
+            and cpu_kernels.enabled())
 
 
 def _expert_parallel(config: ModelConfig, mesh: jax.sharding.Mesh | None) -> bool:
@@ -302,7 +305,7 @@ def tiled_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, p: dict, glu: Glu
         e, s = expert[i], start[i]
 
         def project(x, name):
-            y = jnp.dot(x, p[f"{name}_proj"][e], precision=precision)
+            y = jnp.dot(x, p[f"{name}_proj"][e].astype(x.dtype), precision=precision)
             return y + p[f"{name}_bias"][e] if f"{name}_bias" in p else y
 
         x = jax.lax.dynamic_slice_in_dim(padded, s, m)

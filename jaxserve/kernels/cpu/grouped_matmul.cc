@@ -2,7 +2,8 @@
 // (built and registered by jaxserve/kernels/cpu/library.py; used by
 // jaxserve/executor/models/moe.py through jaxserve/kernels/grouped_matmul.py):
 // out[rows of group g] = x[rows of group g] @ w[layer, g] for x [R, K] sorted by group,
-// group_sizes [G] and w [L, G, K, N] read in place; rows past the groups' sum are zeros.
+// group_sizes [G] and w [L, G, K, N] (f32, or bf16 widened in registers: matmul_tiles.h) read in
+// place; rows past the groups' sum are zeros.
 //
 // Why: XLA:CPU lowers ragged_dot to every row times every expert, and a loop of XLA dots over
 // tiles of one expert's rows pays a loop step (and a read of that expert's weights) per tile,
@@ -27,7 +28,22 @@ using jaxserve_cpu::kPanel;
 
 namespace {
 
-ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <typename W>
+// The groups present ((group, first row) each) through layer wl's experts.
+void Run(ffi::ThreadPool& pool, const float* x,
+         const std::vector<std::pair<int64_t, int64_t>>& present, const int32_t* group_sizes,
+         int64_t K, const W* wl, int64_t N, float* o) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int64_t chunks = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), panels);
+  jaxserve_cpu::ParallelFor(pool, static_cast<int64_t>(present.size()) * chunks, [&](int64_t i) {
+    const auto [g, first] = present[i / chunks];
+    const int64_t c = i % chunks;
+    jaxserve_cpu::Panels(x + first * K, group_sizes[g], K, wl + g * K * N, N, o + first * N,
+                         panels * c / chunks, panels * (c + 1) / chunks);
+  });
+}
+
+ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> group_sizes,
                          ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), wd = w.dimensions();
@@ -35,6 +51,9 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
       group_sizes.element_count() != static_cast<size_t>(wd[1])) {
     return ffi::Error::InvalidArgument(
         "grouped matmul: x [R, K], w [L, G, K, N], layer [], group_sizes [G]");
+  }
+  if (w.element_type() != ffi::F32 && w.element_type() != ffi::BF16) {
+    return ffi::Error::InvalidArgument("grouped matmul: w must be f32 or bf16");
   }
   const int64_t R = xd[0], K = xd[1], L = wd[0], G = wd[1], N = wd[3];
   if (N % kLanes != 0) {
@@ -56,16 +75,14 @@ ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   float* o = out->typed_data();
   std::memset(o + end * N, 0, sizeof(float) * (R - end) * N);
   if (present.empty() || N == 0) return ffi::Error::Success();
-  const float* wl = w.typed_data() + l * G * K * N;
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int64_t chunks = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), panels);
-  jaxserve_cpu::ParallelFor(pool, static_cast<int64_t>(present.size()) * chunks, [&](int64_t i) {
-    const auto [g, first] = present[i / chunks];
-    const int64_t c = i % chunks;
-    jaxserve_cpu::Panels(x.typed_data() + first * K, group_sizes.typed_data()[g], K,
-                         wl + g * K * N, N, o + first * N, panels * c / chunks,
-                         panels * (c + 1) / chunks);
-  });
+  const int64_t offset = l * G * K * N;
+  if (w.element_type() == ffi::BF16) {
+    Run(pool, x.typed_data(), present, group_sizes.typed_data(), K,
+        w.reinterpret_data<jaxserve_cpu::Bf16>() + offset, N, o);
+  } else {
+    Run(pool, x.typed_data(), present, group_sizes.typed_data(), K, w.typed_data<float>() + offset,
+        N, o);
+  }
   return ffi::Error::Success();
 }
 
@@ -75,7 +92,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGroupedMatmul, GroupedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [R, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [L, G, K, N]
+                                  .Arg<ffi::AnyBuffer>()          // w f32 / bf16 [L, G, K, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [G]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [R, N]

@@ -3,6 +3,10 @@
 // out[T, N] = x[T, K] @ w[K, N] for a run of N's column panels, each block of weights read from
 // memory once while the next one is prefetched.
 //
+// Weights are f32 (W = float) or bf16 (W = Bf16, its bits): bf16 widens to f32 exactly (a 16-bit
+// shift), in registers as it is loaded, so a bf16 checkpoint's weights stream half the bytes and
+// give the sums their f32 widening gives.
+//
 // Arithmetic: f32 FMAs in order within each block of kDepth contraction rows, the blocks' sums
 // then added in order (a plain running sum over K = 1536 loses ~3x the precision).
 #ifndef JAXSERVE_KERNELS_CPU_MATMUL_TILES_H_
@@ -31,17 +35,37 @@ constexpr int64_t kPanel = kVecs * kLanes;  // columns per panel
 // read from memory once, by the first row tile, and from cache by the others.
 constexpr int64_t kDepth = 256;
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint16_t Bf16;  // a bf16 value's bits: the high half of its f32's
+
+// kLanes weights from w, as f32.
+inline Vec LoadWeights(const float* w) {
+  Vec v;
+  std::memcpy(&v, w, sizeof(Vec));
+  return v;
+}
+inline Vec LoadWeights(const Bf16* w) {
+  // Zero-extended and shifted (AVX-512: vpmovzxwd + vpslld, one load of 32 bytes).
+  typedef uint16_t Half __attribute__((vector_size(kLanes * sizeof(Bf16))));
+  typedef uint32_t Wide __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  Half h;
+  std::memcpy(&h, w, sizeof(Half));
+  const Wide bits = __builtin_convertvector(h, Wide) << 16;
+  Vec v;
+  std::memcpy(&v, &bits, sizeof(Vec));
+  return v;
+}
 
 // Rows of weights to prefetch while a block computes: the thread's next block.
+template <typename W>
 struct Prefetch {
-  const float* w = nullptr;  // its first row, or null for none
+  const W* w = nullptr;  // its first row, or null for none
   int64_t rows = 0, vecs = 0;
 };
 
 // out[R, V * kLanes] (+)= x[R, depth] @ w[depth, V * kLanes]; row strides ldx, ldw, ldo.
-template <int R, int V>
-inline void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* out,
-                 int64_t ldo, int64_t depth, bool accumulate, const Prefetch& next) {
+template <typename W, int R, int V>
+inline void Tile(const float* x, int64_t ldx, const W* w, int64_t ldw, float* out, int64_t ldo,
+                 int64_t depth, bool accumulate, const Prefetch<W>& next) {
   // The loops unrolled whole and each x broadcast straight from memory, so the accumulators
   // stay in registers: without that GCC 12's AVX2 build kept them on the stack, at a fraction of
   // the AVX-512 build's rate (measured: benchmarks/RESULTS.md, "The AVX2 build").
@@ -49,7 +73,7 @@ inline void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float
   for (int64_t k = 0; k < depth; ++k) {
     Vec b[V];
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) std::memcpy(&b[v], w + k * ldw + v * kLanes, sizeof(Vec));
+    for (int v = 0; v < V; ++v) b[v] = LoadWeights(w + k * ldw + v * kLanes);
     if (k < next.rows) {
       for (int64_t v = 0; v < next.vecs; ++v) __builtin_prefetch(next.w + k * ldw + v * kLanes);
     }
@@ -72,37 +96,41 @@ inline void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
-                        bool, const Prefetch&);
+template <typename W>
+using TileFn = void (*)(const float*, int64_t, const W*, int64_t, float*, int64_t, int64_t, bool,
+                        const Prefetch<W>&);
 
-template <int V, int... R>
-constexpr void FillRows(TileFn (&row)[kRows + 1], std::integer_sequence<int, R...>) {
-  ((row[R + 1] = &Tile<R + 1, V>), ...);
+template <typename W, int V, int... R>
+constexpr void FillRows(TileFn<W> (&row)[kRows + 1], std::integer_sequence<int, R...>) {
+  ((row[R + 1] = &Tile<W, R + 1, V>), ...);
 }
 
-// kTiles.fn[v][r]: the tile of r rows and v vectors.
+// kTiles<W>.fn[v][r]: the tile of r rows and v vectors.
+template <typename W>
 struct Tiles {
-  TileFn fn[kVecs + 1][kRows + 1] = {};
+  TileFn<W> fn[kVecs + 1][kRows + 1] = {};
   constexpr Tiles() : Tiles(std::make_integer_sequence<int, kVecs>()) {}
   template <int... V>
   constexpr explicit Tiles(std::integer_sequence<int, V...>) {
-    (FillRows<V + 1>(fn[V + 1], std::make_integer_sequence<int, kRows>()), ...);
+    (FillRows<W, V + 1>(fn[V + 1], std::make_integer_sequence<int, kRows>()), ...);
   }
 };
-inline constexpr Tiles kTiles;
+template <typename W>
+inline constexpr Tiles<W> kTiles;
 
 // Panels [p0, p1) of out[T, N] = x[T, K] @ w[K, N], a block of kDepth contraction rows at a
 // time across all of them: the rows of w are then read along their run of columns, which streams
 // from memory faster than one panel down all of K, most at 8-16 rows (measured:
 // benchmarks/RESULTS.md, "Then: a block of rows across all panels").
-inline void Panels(const float* x, int64_t T, int64_t K, const float* w, int64_t N, float* out,
+template <typename W>
+inline void Panels(const float* x, int64_t T, int64_t K, const W* w, int64_t N, float* out,
                    int64_t p0, int64_t p1) {
   auto vecs = [N](int64_t p) { return std::min<int64_t>(kVecs, (N - p * kPanel) / kLanes); };
   for (int64_t k = 0; k < K; k += kDepth) {
     const int64_t depth = std::min(kDepth, K - k);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n = p * kPanel;
-      Prefetch next;  // the next panel's block, else the first panel's next block
+      Prefetch<W> next;  // the next panel's block, else the first panel's next block
       if (p + 1 < p1) {
         next = {w + k * N + n + kPanel, depth, vecs(p + 1)};
       } else if (k + kDepth < K) {
@@ -110,8 +138,8 @@ inline void Panels(const float* x, int64_t T, int64_t K, const float* w, int64_t
       }
       for (int64_t m = 0; m < T; m += kRows) {
         const int64_t rows = std::min<int64_t>(kRows, T - m);
-        kTiles.fn[vecs(p)][rows](x + m * K + k, K, w + k * N + n, N, out + m * N + n, N, depth,
-                                 k > 0, m == 0 ? next : Prefetch{});
+        kTiles<W>.fn[vecs(p)][rows](x + m * K + k, K, w + k * N + n, N, out + m * N + n, N,
+                                    depth, k > 0, m == 0 ? next : Prefetch<W>{});
       }
     }
   }
