@@ -20,8 +20,11 @@ attention and an MLP of width 8 x 192 = 1536, so a token meets the same number o
    Two decodes: every sequence's token the same (token 1, what earlier records measured: the 64
    rows route alike, to about top-k experts) and 64 distinct random tokens (rows spread over the
    experts, as in serving: about 126 of 128 experts hit per layer).
+   `--bf16`: also both models as released, their weights stored in bf16 (a copy of each
+   checkpoint rounded to bf16), which the CPU kernels read as bf16 (ModelConfig.weight_dtype),
+   timed in the same rounds.
 
-    python benchmarks/moe_throughput.py [--num-requests 16] [--out DIR] [--steps-only]
+    python benchmarks/moe_throughput.py [--num-requests 16] [--out DIR] [--steps-only] [--bf16]
 """
 
 from __future__ import annotations
@@ -82,6 +85,25 @@ def build(out: Path, seed: int = 0) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
+def bf16_copy(path: Path) -> Path:
+    """`path`'s checkpoint with every tensor rounded to bf16 and stored so, as released models
+    are (beside it, made once)."""
+    import ml_dtypes
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    out = path.with_name(path.name + "_bf16")
+    if not (out / "model.safetensors").exists():
+        out.mkdir(exist_ok=True)
+        for f in path.iterdir():
+            if f.suffix != ".safetensors":
+                (out / f.name).write_bytes(f.read_bytes())
+        with safe_open(str(path / "model.safetensors"), framework="np") as st:
+            tensors = {k: st.get_tensor(k).astype(ml_dtypes.bfloat16) for k in st.keys()}
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 STEPS = ("decode_64_ms", "decode_64_distinct_ms", "prefill_256_ms")
 
 
@@ -130,6 +152,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "jaxserve-moe-bench")
     p.add_argument("--steps-only", action="store_true", help="only the step phase")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds of the step phase")
+    p.add_argument("--bf16", action="store_true",
+                   help="also time both models with their weights stored in bf16")
     args = p.parse_args()
     args.decode_step = False
 
@@ -151,6 +175,11 @@ def main() -> None:
         print(name, json.dumps(results[name]), flush=True)
     engines = {"moe": step_engine(moe), "moe_tiles": step_engine(moe, "tiles"),
                "dense": step_engine(dense)}
+    if args.bf16:
+        engines.update(moe_bf16=step_engine(bf16_copy(moe)),
+                       dense_bf16=step_engine(bf16_copy(dense)))
+        for name in ("moe_bf16", "dense_bf16"):  # read as bf16, not widened at load
+            assert engines[name][0].config.weight_dtype == "bfloat16", name
     steps = step_times(engines, args.rounds)
     print(json.dumps(steps), flush=True)
     load_after = os.getloadavg()
@@ -169,6 +198,10 @@ def main() -> None:
         m, t, d = steps["moe"][key], steps["moe_tiles"][key], steps["dense"][key]
         print(f"{key}: MoE {m:.1f} ms (tiles {t:.1f} ms), dense of equal active parameters "
               f"{d:.1f} ms: {m / d:.2f}x (tiles {t / d:.2f}x; target <= 1.5x)")
+        if args.bf16:
+            mb, db = steps["moe_bf16"][key], steps["dense_bf16"][key]
+            print(f"  bf16 weights: MoE {mb:.1f} ms, dense {db:.1f} ms: {mb / db:.2f}x "
+                  f"(f32 -> bf16: MoE {m / mb:.2f}x, dense {d / db:.2f}x faster)")
     print(json.dumps({"results": results, "steps": steps, "load": [load, load_after]}))
 
 
