@@ -15,6 +15,8 @@ import jax
 import pytest
 from aiohttp import web_app
 
+from tests import kernel_prebuild
+
 # JAXSERVE_GOLDEN_DIR: where a checkout has no ../shared beside it (benchmarks/accelerator_check.py)
 GOLDEN_DIR = Path(os.environ.get("JAXSERVE_GOLDEN_DIR")
                   or Path(__file__).resolve().parents[2] / "shared" / "golden")
@@ -25,6 +27,24 @@ SMOLLM2 = "smollm2-135m-instruct"
 # (`--compile-cache-dir`'s default), and every later test's engines would share one cache.
 # Servers the tests start as subprocesses still use it, as users' do.
 jax.config.update("jax_enable_compilation_cache", False)
+
+_PREBUILD = pytest.StashKey[kernel_prebuild.Prebuild]()
+
+
+def pytest_collection_finish(session):
+    if kernel_prebuild.wanted(session.items):
+        session.config.stash[_PREBUILD] = kernel_prebuild.Prebuild()
+
+
+def pytest_sessionfinish(session):
+    if _PREBUILD in session.config.stash:
+        session.config.stash[_PREBUILD].close()
+
+
+@pytest.fixture(scope="session")
+def older_x86_prebuild(request) -> kernel_prebuild.Prebuild:
+    """The older-x86 kernel builds started at collection (tests/kernel_prebuild.py)."""
+    return request.config.stash[_PREBUILD]
 
 
 @pytest.fixture
