@@ -287,7 +287,8 @@ def check_quantized_matmul(fmt: str) -> None:
     `dequantize` gives the package's f32 values exactly, and the kernel their product with x
     (f32 sums: ~1e-7 relative per term, far below a wrong block, nibble, row or layer). Past a
     tile of rows the kernel dequantizes into a panel first: its floats equal the one-row path's,
-    row by row (the same weights and FMAs in the same order)."""
+    row by row (the same weights and FMAs in the same order). Several weights in one call (a
+    layer's q, k, v): each one's outputs side by side, the floats of its own call."""
     from gguf import GGMLQuantizationType, quants
 
     kind = GGMLQuantizationType[fmt.upper()]
@@ -307,6 +308,10 @@ def check_quantized_matmul(fmt: str) -> None:
                 rows = [np.asarray(run(x[t:t + 1], blocks, np.int32(layer), fmt))
                         for t in range(T)]
                 np.testing.assert_array_equal(got, np.concatenate(rows))
+            part = np.ascontiguousarray(blocks[:, :N // 2 + 1])
+            together = np.asarray(run(x, (blocks, part, blocks), np.int32(layer), fmt))
+            alone = np.asarray(run(x, part, np.int32(layer), fmt))
+            np.testing.assert_array_equal(together, np.concatenate([got, alone, got], axis=1))
 
 
 # The library has a variant per x86 ISA (the attention's scores, attention.cc's Vec; the matmuls'

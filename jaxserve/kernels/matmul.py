@@ -102,11 +102,15 @@ def random_blocks(key: jax.Array, rows: int, k: int, fmt: str, scale: float) -> 
 
 def quantized_matmul(x, w, layer, fmt: str):
     """x f32[T, K] @ dequantize(w[layer], fmt).T for blocks w u8[L, N, K / 32 * bytes] and a
-    scalar layer index: f32[T, N], read in place by the CPU kernel. Where
+    scalar layer index: f32[T, N], read in place by the CPU kernel. `w` a tuple of such blocks
+    (one format, one K): their outputs side by side, f32[T, sum of N], in one call (a layer's q,
+    k and v: one wake-up of the threads, each streaming a contiguous part of all three). Where
     `jaxserve.kernels.cpu.enabled()`."""
-    call = jax.ffi.ffi_call(_QUANTIZED_TARGET,
-                            jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
-    return call(x, w, jnp.asarray(layer, jnp.int32), format=np.int32(_FORMAT_CODES[fmt]))
+    ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    call = jax.ffi.ffi_call(
+        _QUANTIZED_TARGET,
+        jax.ShapeDtypeStruct((x.shape[0], sum(b.shape[1] for b in ws)), jnp.float32))
+    return call(x, jnp.asarray(layer, jnp.int32), *ws, format=np.int32(_FORMAT_CODES[fmt]))
 
 
 __all__ = ["BLOCK", "FORMATS", "WEIGHT_DTYPES", "dequantize", "quantized_matmul", "random_blocks",

@@ -184,6 +184,21 @@ def _project(x: jax.Array, w: jax.Array, num_contract: int, layer: jax.Array, in
     return out.reshape(x.shape[0], *n_shape)
 
 
+def _project_together(x: jax.Array, ws: list[jax.Array], num_contract: int, layer: jax.Array,
+                      in_place: bool, precision: jax.lax.Precision,
+                      shapes: list[tuple[int, ...]], fmts: list[str | None]) -> list[jax.Array]:
+    """`_project` of x through several weights (a layer's q, k, v or gate, up). GGUF blocks of
+    one format in place: one kernel call over all of them (one wake-up of the threads instead of
+    one per weight: at one row a call's own cost is a good part of a small projection's)."""
+    if not (in_place and fmts[0] is not None and len(set(fmts)) == 1):
+        return [_project(x, w, num_contract, layer, in_place, precision, shape, fmt)
+                for w, shape, fmt in zip(ws, shapes, fmts)]
+    out = cpu_matmul.quantized_matmul(x.reshape(x.shape[0], -1), ws, layer, fmts[0])
+    ends = np.cumsum([w.shape[1] for w in ws])[:-1]
+    return [part.reshape(x.shape[0], *shape[num_contract:])
+            for part, shape in zip(jnp.split(out, ends, axis=1), shapes)]
+
+
 def _precision(config: ModelConfig) -> jax.lax.Precision:
     # float32 means float32: GPUs default f32 matmuls to TF32 and TPUs to one bf16 pass, which moves
     # logits by ~1e-3 relative and breaks the golden comparison. bf16 models are unaffected.
@@ -353,6 +368,11 @@ class DecoderLayer(nn.Module):
             return _project(x, w, PROJECTIONS[name], layer, stacked_projections is not None,
                             _precision(c), shape, _gguf_format(c, name))
 
+        def project_together(x, ws, names, shapes):
+            return _project_together(x, ws, PROJECTIONS[names[0]], layer,
+                                     stacked_projections is not None, _precision(c), shapes,
+                                     [_gguf_format(c, name) for name in names])
+
         def norm(name, x, size=H, axis="embed"):
             # Stored as HF stores it: Gemma's (1 + w) norms start from w = 0.
             init = nn.initializers.constant(1.0 - c.norm_offset)
@@ -363,9 +383,8 @@ class DecoderLayer(nn.Module):
         wq = weight("q_proj", (H, Hq, D), ("embed", "heads", "head_dim"), H)
         wk = weight("k_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"), H)
         wv = weight("v_proj", (H, Hkv, D), ("embed", "kv_heads", "head_dim"), H)
-        q = project(h, wq, "q_proj", (H, Hq, D))
-        k = project(h, wk, "k_proj", (H, Hkv, D))
-        v = project(h, wv, "v_proj", (H, Hkv, D))
+        q, k, v = project_together(h, [wq, wk, wv], ["q_proj", "k_proj", "v_proj"],
+                                   [(H, Hq, D), (H, Hkv, D), (H, Hkv, D)])
         if c.attention_bias:
             # Random biases larger than typical so a test of a tiny model notices a dropped bias.
             bias_init = nn.initializers.normal(stddev=0.1)
@@ -404,8 +423,9 @@ class DecoderLayer(nn.Module):
             w_gate = weight("gate_proj", (H, I), ("embed", "mlp"), H)
             w_up = weight("up_proj", (H, I), ("embed", "mlp"), H)
             w_down = weight("down_proj", (I, H), ("mlp", "embed"), I)
-            mlp = _ACTIVATIONS[c.hidden_act](project(h, w_gate, "gate_proj", (H, I))) * project(
-                h, w_up, "up_proj", (H, I))
+            gate, up = project_together(h, [w_gate, w_up], ["gate_proj", "up_proj"],
+                                        [(H, I), (H, I)])
+            mlp = _ACTIVATIONS[c.hidden_act](gate) * up
             h = project(mlp, w_down, "down_proj", (I, H))
         if c.sandwich_norms:
             h = norm("mlp_output_norm", h)

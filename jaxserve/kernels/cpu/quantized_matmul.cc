@@ -1,8 +1,10 @@
 // One layer's projection read in place from GGUF quantized blocks for XLA:CPU, an XLA FFI custom
 // call (built and registered by jaxserve/kernels/cpu/library.py; used by
 // jaxserve/kernels/matmul.py): out[T, N] = x[T, K] @ dequantize(w[layer]).T, where w is
-// [L, N, K / 32 * bytes]: llama.cpp's layout, each output row's 32-value blocks along K, as the
-// GGUF file holds them (Q4_0 18 bytes, Q4_1 20, Q8_0 34; jaxserve/kernels/matmul.py FORMATS).
+// [L, N, K / 32 * bytes], for one or more such w of one format side by side in out (a layer's
+// q, k and v, or gate and up, in one call): llama.cpp's layout, each output row's 32-value
+// blocks along K, as the GGUF file holds them (Q4_0 18 bytes, Q4_1 20, Q8_0 34;
+// jaxserve/kernels/matmul.py FORMATS).
 //
 // Why: a decode step of a few sequences is bound by the weights' bytes it streams from memory;
 // Q4_1 is 5 bits a weight where f32 is 32. The blocks are dequantized in registers, a vector of
@@ -233,7 +235,7 @@ struct Panel {
 constexpr int kPanelOutputs = 8 * kTileOutputs;
 using PanelTiles = TileTable<Panel, kTileRows>;
 
-// Output rows [n0, n1) of out[T, N] = x[T, K] @ dequantize(w[N, K]).T.
+// Output rows [n0, n1) of out[T, N] = x[T, K] @ dequantize(w[N, K]).T, out's rows `ldo` apart.
 //
 // Up to kTileRows rows of x: one tile of rows per group of outputs, each block dequantized in
 // registers. More rows: kPanelOutputs output rows at a time are dequantized once into `panel`
@@ -241,14 +243,14 @@ using PanelTiles = TileTable<Panel, kTileRows>;
 // tile of rows (6 rows a tile ran slower than 4: 24 accumulators leave GCC too few registers).
 // The two paths give the same floats: the same weights and the same FMAs in the same order.
 template <Format F>
-void Rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, float* out,
+void Rows(const float* x, int64_t T, int64_t K, const uint8_t* w, float* out, int64_t ldo,
           int64_t n0, int64_t n1) {
   static constexpr Tiles<F> kTiles;
   const int64_t row_bytes = K / kBlock * Block<F>::kBytes;
   if (T <= kTileRows) {
     for (int64_t n = n0; n < n1; n += kTileOutputs) {
       const int64_t outputs = std::min<int64_t>(kTileOutputs, n1 - n);
-      kTiles.fn[T][outputs](x, K, w + n * row_bytes, row_bytes, out + n, N);
+      kTiles.fn[T][outputs](x, K, w + n * row_bytes, row_bytes, out + n, ldo);
     }
     return;
   }
@@ -280,32 +282,52 @@ void Rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, flo
       const int64_t rows = std::min<int64_t>(kTileRows, T - m);
       for (int64_t g = 0; g < outputs; g += kTileOutputs) {
         kPanelTiles.fn[rows][std::min<int64_t>(kTileOutputs, outputs - g)](
-            x + m * K, K, pw + g * panel_bytes, panel_bytes, out + m * N + n + g, N);
+            x + m * K, K, pw + g * panel_bytes, panel_bytes, out + m * ldo + n + g, ldo);
       }
     }
   }
 }
 
+// One projection's blocks for `Run`: N output rows, written to out's columns [column, column + N).
+struct Weight {
+  const uint8_t* blocks;
+  int64_t N, column;
+};
+
+// out[T, sum N] = x @ each weight's rows, side by side. The weights' groups of kTileOutputs rows
+// are split as one sequence: one contiguous run per thread, each streaming its own part of the
+// bytes, and one call (one wake-up of the pool) for q, k and v or gate and up at one row.
 template <Format F>
-void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w,
-         int64_t N, float* out) {
-  const int64_t groups = (N + kTileOutputs - 1) / kTileOutputs;
-  // One contiguous run of output rows per thread: each streams its own part of the weights.
+void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K,
+         const std::vector<Weight>& weights, float* out, int64_t ldo) {
+  std::vector<int64_t> first_group{0};  // the weights' groups numbered one after another
+  for (const Weight& w : weights) {
+    first_group.push_back(first_group.back() + (w.N + kTileOutputs - 1) / kTileOutputs);
+  }
+  const int64_t groups = first_group.back();
   const int64_t chunks = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), groups);
   jaxserve_cpu::ParallelFor(pool, chunks, [&](int64_t i) {
-    Rows<F>(x, T, K, w, N, out, std::min(N, groups * i / chunks * kTileOutputs),
-            std::min(N, groups * (i + 1) / chunks * kTileOutputs));
+    const int64_t g0 = groups * i / chunks, g1 = groups * (i + 1) / chunks;
+    for (size_t j = 0; j < weights.size(); ++j) {
+      const int64_t a = std::max(g0, first_group[j]), b = std::min(g1, first_group[j + 1]);
+      if (a >= b) continue;
+      const Weight& w = weights[j];
+      Rows<F>(x, T, K, w.blocks, out + w.column, ldo,
+              std::min(w.N, (a - first_group[j]) * kTileOutputs),
+              std::min(w.N, (b - first_group[j]) * kTileOutputs));
+    }
   });
 }
 
-ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
-                           int32_t format) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || layer.element_count() != 1) {
-    return ffi::Error::InvalidArgument("quantized matmul: x [T, K], w [L, N, bytes], layer []");
+ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs ws,
+                           ffi::ResultBuffer<ffi::F32> out, int32_t format) {
+  const auto xd = x.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || od.size() != 2 || layer.element_count() != 1 || ws.size() == 0) {
+    return ffi::Error::InvalidArgument(
+        "quantized matmul: x [T, K], layer [], weights [L, N, bytes]...");
   }
-  const int64_t T = xd[0], K = xd[1], L = wd[0], N = wd[1];
+  const int64_t T = xd[0], K = xd[1], l = layer.typed_data()[0];
   int64_t block_bytes;
   switch (format) {
     case kQ4_0: block_bytes = Block<kQ4_0>::kBytes; break;
@@ -313,17 +335,32 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     case kQ8_0: block_bytes = Block<kQ8_0>::kBytes; break;
     default: return ffi::Error::InvalidArgument("quantized matmul: unknown format");
   }
-  if (K % kBlock != 0 || wd[2] != K / kBlock * block_bytes) {
-    return ffi::Error::InvalidArgument("quantized matmul: K must be whole blocks of w's rows");
+  if (K % kBlock != 0) {
+    return ffi::Error::InvalidArgument("quantized matmul: K must be whole blocks");
   }
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("quantized matmul: layer out of range");
-  if (T == 0 || N == 0) return ffi::Error::Success();
-  const uint8_t* wl = w.typed_data() + l * N * wd[2];
+  std::vector<Weight> weights;
+  int64_t columns = 0;
+  for (size_t j = 0; j < ws.size(); ++j) {
+    auto w = ws.get<ffi::Buffer<ffi::U8>>(j);
+    if (!w.has_value()) return w.error();
+    const auto wd = w->dimensions();
+    if (wd.size() != 3 || wd[2] != K / kBlock * block_bytes) {
+      return ffi::Error::InvalidArgument("quantized matmul: w [L, N, K / 32 * bytes]");
+    }
+    if (l < 0 || l >= wd[0]) {
+      return ffi::Error::InvalidArgument("quantized matmul: layer out of range");
+    }
+    weights.push_back({w->typed_data() + l * wd[1] * wd[2], wd[1], columns});
+    columns += wd[1];
+  }
+  if (od[0] != T || od[1] != columns) {
+    return ffi::Error::InvalidArgument("quantized matmul: out [T, the weights' N summed]");
+  }
+  if (T == 0 || columns == 0) return ffi::Error::Success();
   switch (format) {
-    case kQ4_0: Run<kQ4_0>(pool, x.typed_data(), T, K, wl, N, out->typed_data()); break;
-    case kQ4_1: Run<kQ4_1>(pool, x.typed_data(), T, K, wl, N, out->typed_data()); break;
-    default: Run<kQ8_0>(pool, x.typed_data(), T, K, wl, N, out->typed_data()); break;
+    case kQ4_0: Run<kQ4_0>(pool, x.typed_data(), T, K, weights, out->typed_data(), columns); break;
+    case kQ4_1: Run<kQ4_1>(pool, x.typed_data(), T, K, weights, out->typed_data(), columns); break;
+    default: Run<kQ8_0>(pool, x.typed_data(), T, K, weights, out->typed_data(), columns); break;
   }
   return ffi::Error::Success();
 }
@@ -334,7 +371,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmul, QuantizedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // w [L, N, K / 32 * bytes]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, N]
+                                  .RemainingArgs()               // w [L, N, K / 32 * bytes]...
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, sum of N]
                                   .Attr<int32_t>("format"));
