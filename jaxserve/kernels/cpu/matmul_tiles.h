@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 namespace jaxserve_cpu {
@@ -118,6 +119,28 @@ struct Tiles {
 template <typename W>
 inline constexpr Tiles<W> kTiles;
 
+// A bf16 block that kWidenOnceRows rows or more read, widened once into this thread's f32 copy
+// (kDepth x kPanel floats, 48 KiB on AVX-512: it stays in L2) for the f32 tiles to run over:
+// widened in each tile instead, the conversions took ~15% of a compute-bound step (64-256 rows;
+// benchmarks/RESULTS.md, "bf16 weights read as bf16"); below 4 tiles the copy's stores and
+// loads cost about what they save. The same FMAs in the same order, so the same floats.
+// Prefetches `next` as it streams the block.
+constexpr int64_t kWidenOnceRows = 4 * kRows;
+inline const float* Widened(const Bf16* w, int64_t ldw, int64_t depth, int64_t vecs,
+                            const Prefetch<Bf16>& next) {
+  alignas(64) static thread_local float block[kDepth * kPanel];
+  for (int64_t k = 0; k < depth; ++k) {
+    for (int64_t v = 0; v < vecs; ++v) {
+      const Vec b = LoadWeights(w + k * ldw + v * kLanes);
+      std::memcpy(block + k * kPanel + v * kLanes, &b, sizeof(Vec));
+    }
+    if (k < next.rows) {
+      for (int64_t v = 0; v < next.vecs; ++v) __builtin_prefetch(next.w + k * ldw + v * kLanes);
+    }
+  }
+  return block;
+}
+
 // Panels [p0, p1) of out[T, N] = x[T, K] @ w[K, N], a block of kDepth contraction rows at a
 // time across all of them: the rows of w are then read along their run of columns, which streams
 // from memory faster than one panel down all of K, most at 8-16 rows (measured:
@@ -135,6 +158,17 @@ inline void Panels(const float* x, int64_t T, int64_t K, const W* w, int64_t N, 
         next = {w + k * N + n + kPanel, depth, vecs(p + 1)};
       } else if (k + kDepth < K) {
         next = {w + (k + kDepth) * N + p0 * kPanel, std::min(kDepth, K - k - kDepth), vecs(p0)};
+      }
+      if constexpr (std::is_same_v<W, Bf16>) {
+        if (T >= kWidenOnceRows) {
+          const float* block = Widened(w + k * N + n, N, depth, vecs(p), next);
+          for (int64_t m = 0; m < T; m += kRows) {
+            const int64_t rows = std::min<int64_t>(kRows, T - m);
+            kTiles<float>.fn[vecs(p)][rows](x + m * K + k, K, block, kPanel, out + m * N + n, N,
+                                            depth, k > 0, Prefetch<float>{});
+          }
+          continue;
+        }
       }
       for (int64_t m = 0; m < T; m += kRows) {
         const int64_t rows = std::min<int64_t>(kRows, T - m);
