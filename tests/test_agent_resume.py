@@ -1,13 +1,15 @@
-"""A background agent run survives a SIGKILL: a server subprocess (tests/serve_agents.py: slow
-engine steps, the tiny random encoder) runs a response with file_search (tool_choice required,
-max_tool_calls 4); the test kills it with SIGKILL once 2 of the 4 tool calls have completed and
-the next model turn has started, restarts it on the same data directory, and the run finishes:
+"""A background agent run survives a SIGKILL: a server subprocess (tests/serve_agents.py: an engine
+that stops a few steps into its third request, the tiny random encoder) runs a response with
+file_search (tool_choice required, max_tool_calls 4); the test kills it with SIGKILL once 2 of the
+4 tool calls have completed and the next model turn is held mid-way, restarts it (without the
+hold) on the same data directory, and the run finishes:
 its step log shows every step once, each tool call executed exactly once, the interrupted model
 turn run again, and `jaxserve audit verify` passes."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sqlite3
 import subprocess
@@ -17,6 +19,7 @@ import pytest
 
 from jaxserve.agents.store import FILE_NAME
 from jaxserve.entrypoints.process import ServerProcess
+from tests.serve_agents import HOLD_REQUEST_ENV
 from tests.test_cli import ROOT, tiny_gguf
 from tests.test_server import _request, wait_for
 
@@ -46,12 +49,13 @@ def test_a_background_run_resumes_after_sigkill(tmp_path, smollm2_tokenizer_fiel
             "--max-num-batched-tokens", "32", "--min-token-bucket", "16",
             "--data-dir", str(data), "--audit-log", str(audit)]
 
-    def start(log_name: str) -> ServerProcess:
+    def start(log_name: str, **env: str) -> ServerProcess:
         with (tmp_path / log_name).open("w") as stderr:
             return ServerProcess(args, stderr, cwd=ROOT, module="tests.serve_agents",
-                                 ready_timeout_s=600)
+                                 ready_timeout_s=600, env={**os.environ, **env})
 
-    server = start("first.log")
+    # The run's model turns are its requests to the engine: the third is the one after 2 tool calls.
+    server = start("first.log", **{HOLD_REQUEST_ENV: "3"})
     try:
         base = server.url.removesuffix("/v1")
         assert _request("POST", f"{base}/v1/collections", {"name": "notes"}).status_code == 201
@@ -74,7 +78,7 @@ def test_a_background_run_resumes_after_sigkill(tmp_path, smollm2_tokenizer_fiel
                         and len(steps) == 5), f"the run went past the kill point: {steps}"
             return len(steps) == 5 and steps[4][1:3] == ("model_turn", "started")
 
-        wait_for(third_turn_running, "2 tool calls done and the third turn running", 300)
+        wait_for(third_turn_running, "2 tool calls done and the third turn held", 300)
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait(30)
     finally:
