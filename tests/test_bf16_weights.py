@@ -3,7 +3,8 @@
 released models are, loads its attention projections and experts as bf16 (half their bytes) and
 gives the float32 load's logits bit for bit and its greedy tokens: through the kernels (which
 widen the weights in registers) in the engine's steps, and through XLA's paths (one-token steps,
-the kernels switched off), which widen them where they use them."""
+the kernels switched off), which widen them where they use them. Under tensor and expert
+parallelism: tests/test_moe_ep.py."""
 
 from __future__ import annotations
 
@@ -31,10 +32,8 @@ needs_kernels = pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_ker
                                    reason="the CPU kernels' library")
 
 
-@pytest.fixture(scope="module")
-def bf16_dir(tmp_path_factory) -> Path:
-    """The fixture's model with every tensor rounded to bf16 and stored so."""
-    out = tmp_path_factory.mktemp("qwen3_moe_bf16")
+def write_bf16_copy(out: Path) -> Path:
+    """The fixture's model with every tensor rounded to bf16 and stored so, in `out`."""
     for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(FIXTURE / f, out / f)
     cfg = json.loads((out / "config.json").read_text())
@@ -43,6 +42,11 @@ def bf16_dir(tmp_path_factory) -> Path:
         tensors = {k: st.get_tensor(k).astype(ml_dtypes.bfloat16) for k in st.keys()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory) -> Path:
+    return write_bf16_copy(tmp_path_factory.mktemp("qwen3_moe_bf16"))
 
 
 def _f32_load(monkeypatch):
@@ -81,9 +85,10 @@ def test_bf16_load_keeps_the_matmul_weights_bf16_and_half_their_bytes(bf16_dir, 
             np.testing.assert_array_equal(np.asarray(w, np.float32), f32_params[group][name])
 
 
-@needs_kernels
-def test_engine_gives_the_f32_loads_logits_bit_for_bit_and_its_greedy_tokens(bf16_dir,
-                                                                              monkeypatch):
+def check_engine_against_f32_load(path: Path, monkeypatch, **changes) -> None:
+    """An engine on the bf16 copy at `path` (`changes` to engine_args: a mesh) gives the float32
+    load's logits bit for bit and its greedy tokens, the experts and attention projections
+    bf16 in its params."""
     from jaxserve.entrypoints.llm import LLM
 
     prompts = json.loads((FIXTURE / "expected.json").read_text())["prompts"]
@@ -91,11 +96,20 @@ def test_engine_gives_the_f32_loads_logits_bit_for_bit_and_its_greedy_tokens(bf1
     for load in ("bf16", "f32"):
         if load == "f32":
             _f32_load(monkeypatch)
-        llm = LLM(str(bf16_dir), **engine_args())
+        llm = LLM(str(path), **engine_args(**changes))
         assert llm.engine.runner.config.weight_dtype == ("bfloat16" if load == "bf16" else None)
+        params = llm.engine.runner.params
+        for w in (params["moe"]["gate_proj"], params["layers"]["q_proj"]):
+            assert w.dtype == (jax.numpy.bfloat16 if load == "bf16" else jax.numpy.float32)
         got[load] = (_prompt_logits(llm.engine, prompts[0]), _greedy(llm, prompts))
     np.testing.assert_array_equal(got["bf16"][0], got["f32"][0])
     assert got["bf16"][1] == got["f32"][1]
+
+
+@needs_kernels
+def test_engine_gives_the_f32_loads_logits_bit_for_bit_and_its_greedy_tokens(bf16_dir,
+                                                                              monkeypatch):
+    check_engine_against_f32_load(bf16_dir, monkeypatch)
 
 
 def _forward_logits(config, params, tokens: list[int]) -> np.ndarray:

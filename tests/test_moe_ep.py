@@ -6,8 +6,10 @@ experts taking most copies, one expert none), and the Qwen3-MoE fixture serves H
 and 32 greedy tokens with EP over 2 and 4 devices (attention tensor parallel beside it; on 4, its
 2 KV heads do not split, so attention runs whole on each device: expert parallelism alone) — the
 tokens tests/test_model_families.py checks on one device; so do llama.cpp's GGUF files of Mixtral,
-gpt-oss and DeepSeek-V3 (tests/test_gguf_moe.py's, on 2 or 4). XLA fixes the device
-count at start, so those run in a child pytest with 4 devices."""
+gpt-oss and DeepSeek-V3 (tests/test_gguf_moe.py's, on 2 or 4). A bf16 checkpoint's weights kept
+bf16 (tests/test_bf16_weights.py) give the float32 load's logits bit for bit and its greedy tokens
+with EP=2. XLA fixes the device count at start, so those run in a child pytest with 4
+devices."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def test_expert_parallel_in_4_device_subprocess():
                            str(Path(__file__).relative_to(root)), "-k", "on_devices"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "8 passed" in proc.stdout, proc.stdout[-2000:]
+    assert "9 passed" in proc.stdout, proc.stdout[-2000:]
 
 
 @needs_4
@@ -101,6 +103,19 @@ def test_gguf_mixture_on_devices_gives_hfs_logits_and_greedy_tokens(arch, n):
     moe_params = llm.engine.runner.params["moe"]
     assert moe_params["gate_proj"].sharding.spec == P(None, sharding.MODEL, None, None)
     assert moe_params["router"].sharding.spec == P(None, None, None)
+
+
+# bf16 weights (config.weight_dtype) on a mesh, EP=2 with attention tensor parallel beside it:
+# the attention projections widen their sharded bf16 weights where XLA uses them, and each
+# device's grouped-matmul kernel reads its experts in bf16. The widening is exact and each path
+# sums as the float32 load's does: the same floats. (TP=2 alone, the experts' tiles on XLA, also
+# gives them bit for bit; not run here, as it costs another two engines.)
+@needs_4
+def test_bf16_weights_on_devices_give_the_f32_loads_logits_and_tokens(tmp_path, monkeypatch):
+    from tests.test_bf16_weights import check_engine_against_f32_load, write_bf16_copy
+
+    check_engine_against_f32_load(write_bf16_copy(tmp_path), monkeypatch, tensor_parallel_size=2,
+                                  enable_expert_parallel=True)
 
 
 def _count_one_forward(llm) -> tuple[int, ...]:
