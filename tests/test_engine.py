@@ -244,13 +244,18 @@ def tiny_path(tmp_path_factory, smollm2_tokenizer_fields):
     return tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", smollm2_tokenizer_fields)
 
 
+# The tiny engines' tests are about aborts, failures, queues and deadlines, not small steps (the
+# SmolLM2 engines above compile every bucket from 1 token): steps of at least 16 tokens, 2 forwards
+# and one row count of samplers to compile instead of 6 and up to 3 (conftest.py).
+TINY_ENGINE = dict(num_pages=40, max_num_batched_tokens=32, max_model_len=128,
+                   min_token_bucket=16, strict_compile=True, progress=False)
+
+
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_path):
     """One engine (compiled once) for the abort and failure tests: each leaves it empty, which
     assert_no_leaks checks."""
-    engine = build_engine(str(tiny_path), num_pages=40, max_num_seqs=4,
-                          max_num_batched_tokens=32, max_model_len=128,
-                          strict_compile=True, progress=False)
+    engine = build_engine(str(tiny_path), max_num_seqs=4, **TINY_ENGINE)
     yield engine
     engine.close()
 
@@ -411,9 +416,7 @@ def test_one_failing_request_ends_alone(tiny_engine, monkeypatch):
 def test_num_queued_counts_sequences_not_yet_running(tiny_path):
     """num_queued (what a server's admission limit reads) counts each sequence of an n > 1
     request, from submission on, and drops as requests leave."""
-    engine = build_engine(str(tiny_path), num_pages=40, max_num_seqs=1,
-                          max_num_batched_tokens=32, max_model_len=128,
-                          strict_compile=True, progress=False)
+    engine = build_engine(str(tiny_path), max_num_seqs=1, **TINY_ENGINE)
     async_engine = AsyncEngine(engine)
     params = SamplingParams(max_tokens=120, ignore_eos=True)
 
@@ -453,9 +456,7 @@ def test_deadlines_queue_timeouts_and_shedding_end_whole_requests(tiny_path):
     from jaxserve.errors import DeadlineExceeded, EngineOverloaded, QueueTimeout
     from jaxserve.core.request import QoS, ServiceClass
 
-    engine = build_engine(str(tiny_path), num_pages=40, max_num_seqs=2,
-                          max_num_batched_tokens=32, max_model_len=128,
-                          strict_compile=True, progress=False)
+    engine = build_engine(str(tiny_path), max_num_seqs=2, **TINY_ENGINE)
     now = [0.0]
     engine.scheduler.clock = lambda: now[0]
     long = SamplingParams(max_tokens=50, ignore_eos=True)
