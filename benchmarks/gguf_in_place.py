@@ -10,12 +10,15 @@ Engines, built side by side and taking turns each round:
 - gguf: `--quantization gguf` (the default for a quantized GGUF file): the blocks read in place
   by jaxserve/kernels/cpu/quantized_matmul.cc in steps of up to QUANTIZED_MAX_ROWS tokens;
 - gguf-xla: the same blocks, every step's layers dequantized through XLA (QUANTIZED_MAX_ROWS 0
-  while it compiles; the LM head still through the kernel): where the kernel's row limit goes.
+  while it compiles; the LM head still through the kernel): where the kernel's row limit goes;
+- gguf-int8: `--quantization gguf --gguf-dot int8`: steps of up to INT8_DOT_MAX_ROWS tokens
+  round x to int8 per block and take integer dot products (llama.cpp's arithmetic).
 
-Prints: the golden greedy tokens of the gguf engines against ../shared/golden; each engine's
-decode step (forward + greedy sampler, tokens on the host; best of 5 per round) at --decodes
-sequences; one request's decode rate (16 prompt tokens, 128 output tokens) and 16 requests'
-together; the bytes of weights a step reads; the CPU's model and flags and the load average.
+Prints: the golden greedy tokens of the gguf engines against ../shared/golden (the prompts
+together, then each alone); each engine's decode step (forward + greedy sampler, tokens on the
+host; best of 5 per round) at --decodes sequences; one request's decode rate (16 prompt tokens, 128
+output tokens) and 16 requests' together; the bytes of weights a step reads; the CPU's model and
+flags and the load average.
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ def main() -> None:
             llms["gguf-xla"] = LLM("smollm2-135m-instruct", quantization="gguf", **kw)
         finally:
             matmul.QUANTIZED_MAX_ROWS = limit
+    if "gguf-int8" in engines:
+        llms["gguf-int8"] = LLM("smollm2-135m-instruct", quantization="gguf", gguf_dot="int8",
+                                **kw)
     print(f"engines built; load average {os.getloadavg()}", flush=True)
     for name, llm in llms.items():
         c = llm.engine.config.model
@@ -87,12 +93,16 @@ def main() -> None:
 
     golden = json.loads(Path(args.golden).read_text())
     greedy = SamplingParams(temperature=0, max_tokens=32)
-    for name in [e for e in ("gguf", "gguf-xla") if e in llms]:
-        outs = llms[name].generate([{"prompt_token_ids": c["input_ids"]} for c in golden["cases"]],
-                                   greedy)
-        equal = sum(o.outputs[0].token_ids == c["greedy_ids"]
-                    for o, c in zip(outs, golden["cases"]))
-        print(f"golden {name}: {equal} of {len(golden['cases'])} prompts equal", flush=True)
+    for name in [e for e in ("gguf", "gguf-xla", "gguf-int8") if e in llms]:
+        prompts = [{"prompt_token_ids": c["input_ids"]} for c in golden["cases"]]
+        together = llms[name].generate(prompts, greedy)
+        # Alone: one-row decode steps (the integer dot products' path); together: 6 rows.
+        alone = [llms[name].generate(p, greedy)[0] for p in prompts]
+        for how, outs in (("together", together), ("alone", alone)):
+            equal = sum(o.outputs[0].token_ids == c["greedy_ids"]
+                        for o, c in zip(outs, golden["cases"]))
+            print(f"golden {name}, {how}: {equal} of {len(golden['cases'])} prompts equal",
+                  flush=True)
 
     decodes = [int(n) for n in args.decodes.split(",")]
     steps = {(name, n): float("inf") for name in llms for n in decodes}

@@ -99,6 +99,8 @@ QUANTIZATIONS = (None, "int8", "gguf")
 INT8_GROUP = 32  # contraction rows per int8 scale: a Q4_1 / Q4_0 block, so those load exactly
 # GGUF block formats kept as they are (quantization "gguf"; jaxserve.kernels.matmul.FORMATS).
 GGUF_FORMATS = ("q4_0", "q4_1", "q8_0")
+# How the CPU kernel multiplies GGUF blocks at decode rows (ModelConfig.gguf_dot).
+GGUF_DOTS = ("f32", "int8")
 # What quantization "gguf" may keep as blocks: the layers' seven projections (all of them or none)
 # and the embedding / LM head.
 GGUF_TENSORS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -154,6 +156,10 @@ class ModelConfig:
     # quantization "gguf": (tensor, block format) for each tensor kept as blocks (GGUF_TENSORS,
     # GGUF_FORMATS), in GGUF_TENSORS' order.
     gguf_formats: tuple[tuple[str, str], ...] = ()
+    # quantization "gguf", steps of up to jaxserve.kernels.matmul.INT8_DOT_MAX_ROWS rows through
+    # the CPU kernel: "f32" multiplies x as it is; "int8" rounds x to int8 per block of 32 first
+    # (llama.cpp's integer dot products: faster, moves the logits; docs/engine.md).
+    gguf_dot: str = "f32"
     # The storage of KERNEL_WEIGHTS where it differs from `dtype` (see `param_dtype`): "bfloat16"
     # keeps a bf16 checkpoint's matmul weights as stored while the model computes in float32:
     # the CPU kernels widen them in registers, every other path where it uses them; widening is
@@ -232,6 +238,9 @@ class ModelConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got "
                               f"{self.quantization!r}")
+        if self.gguf_dot not in GGUF_DOTS or self.gguf_dot != "f32" and not self.gguf_formats:
+            raise ConfigError(f"gguf_dot must be one of {GGUF_DOTS} (int8 with quantization "
+                              f"'gguf' only), got {self.gguf_dot!r}")
         formats = dict(self.gguf_formats)
         if ((self.quantization == "gguf") != bool(formats) or not set(formats) <= set(GGUF_TENSORS)
                 or 0 < len(set(formats) & set(GGUF_TENSORS[:7])) < 7

@@ -8,14 +8,15 @@ default of its own here.
 
 What a setting feeds: CacheConfig, SchedulerConfig or ParallelConfig (`field` names the config's
 field where it differs), the speculative config, or the weights and tokenizer loading itself
-(LOAD: dtype, quantization, chat_template, read by the engine factory, not by EngineConfig).
+(LOAD: dtype, quantization, gguf_dot, chat_template, read by the engine factory, not by
+EngineConfig).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxserve.config import (QUANTIZATIONS, CacheConfig, EngineConfig, ParallelConfig,
+from jaxserve.config import (GGUF_DOTS, QUANTIZATIONS, CacheConfig, EngineConfig, ParallelConfig,
                              SchedulerConfig, SpeculativeConfig)
 from jaxserve.errors import ConfigError, ContextLengthExceeded, InvalidRequest
 
@@ -58,6 +59,11 @@ SETTINGS = (
                  "place by the CPU kernel (faster for one or a few sequences); none (the "
                  "default): dequantized to --dtype at load; int8: the decoder layers' weights stored as int8 groups of 32 "
                  "(a quarter of the f32 bytes)"),
+    Setting("gguf_dot", str, LOAD, choices=GGUF_DOTS, grouped=False,
+            help="with --quantization gguf, steps of up to 4 tokens (one user's decodes): int8 "
+                 "rounds the activations to int8 per block of 32 and takes the CPU's integer dot "
+                 "products, as llama.cpp does (faster; moves the logits: 3 of the 6 golden "
+                 "prompts' greedy tokens change); f32 (the default) keeps them f32"),
     Setting("kv_cache_dtype", str, CACHE, field="dtype", choices=DTYPES, grouped=False,
             help="the KV cache's element type (default: the model's dtype); bfloat16 halves its "
                  "memory (golden greedy tokens unchanged on SmolLM2)"),

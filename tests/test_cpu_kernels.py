@@ -270,8 +270,10 @@ def test_grouped_matmul_refuses_group_sizes_past_its_rows():
 
 QUANTIZED_CASES = [  # T, K, N
     (1, 64, 5),  # a decode row; one block pair; an output tail (tiles of 4 or 2)
+    (3, 96, 7),  # the integer path's rows; an odd number of blocks (AVX-512: a half pair)
     (6, 96, 8),  # past a tile of rows: the panel path (4 rows or 2, and a tail)
-    (9, 576, 36),  # SmolLM2's hidden size: 18 blocks
+    (4, 576, 12),  # SmolLM2's hidden size: 18 blocks; the integer path's widest tile
+    (9, 576, 36),
     (37, 128, 70),  # wide: two panels of 32 outputs and a tail of 6, a tail of rows
 ]
 
@@ -282,17 +284,61 @@ def test_quantized_matmul_matches_the_gguf_dequantization(fmt):
     check_quantized_matmul(fmt)
 
 
+def int8_reference(x: np.ndarray, blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    """The integer path of `quantized_matmul` in numpy, for x f32[T, K] and one layer's blocks
+    u8[N, bytes]: x rounded to int8 per block as the kernel does (dx = max|x| / 127 in f32, codes
+    rint(x * (1 / dx)), ties to even), each block's integer sum exact (int64), scaled by the f32
+    product d_w * dx (Q4_1: plus m * the f32 dx * sum of x's codes), summed in float64. Returns
+    that sum and the scale of the kernel's f32 rounding: each block's scale times the sum of its
+    products' magnitudes (the kernel converts partial sums of a block, lane by lane; Q4_0's -8 *
+    sum of x's codes is one of them), plus the m terms' magnitudes."""
+    T, K = x.shape
+    size, n = cpu_matmul.FORMATS[fmt], blocks.shape[0]
+    xb = x.reshape(T, K // 32, 32)
+    dx = np.abs(xb).max(-1) / np.float32(127)
+    inverse = np.divide(np.float32(1), dx, out=np.zeros_like(dx), where=dx != 0)
+    qx = np.rint(xb * inverse[..., None]).astype(np.int64)
+    b = blocks.reshape(n, K // 32, size)
+    half = lambda at: b[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if fmt == "q8_0":
+        qw = b[..., 2:].view(np.int8).astype(np.int64)
+    else:
+        qs = b[..., size - 16:]
+        qw = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int64)
+    isum = np.einsum("tbj,nbj->tnb", qx, qw)
+    partial = np.einsum("tbj,nbj->tnb", np.abs(qx), np.abs(qw))
+    if fmt == "q4_0":  # the codes are nibble - 8
+        isum, partial = isum - 8 * qx.sum(-1)[:, None], partial + 8 * np.abs(qx.sum(-1))[:, None]
+    scale = (half(0)[None] * dx[:, None]).astype(np.float64)  # f32 [T, N, blocks]
+    want, magnitude = (scale * isum).sum(-1), (np.abs(scale) * partial).sum(-1)
+    if fmt == "q4_1":
+        offset = dx * qx.sum(-1).astype(np.float32)  # f32 [T, blocks]
+        m_terms = half(2)[None].astype(np.float64) * offset[:, None]
+        want, magnitude = want + m_terms.sum(-1), magnitude + np.abs(m_terms).sum(-1)
+    return want, magnitude
+
+
 def check_quantized_matmul(fmt: str) -> None:
     """The blocks as llama.cpp writes them (the gguf package's quantizer, on random weights):
-    `dequantize` gives the package's f32 values exactly, and the kernel their product with x
-    (f32 sums: ~1e-7 relative per term, far below a wrong block, nibble, row or layer). Past a
-    tile of rows the kernel dequantizes into a panel first: its floats equal the one-row path's,
-    row by row (the same weights and FMAs in the same order). Several weights in one call (a
-    layer's q, k, v): each one's outputs side by side, the floats of its own call."""
+    `dequantize` gives the package's f32 values exactly.
+
+    f32 (int8_dot off): the kernel gives their product with x (f32 sums: ~1e-7 relative per
+    term, far below a wrong block, nibble, row or layer). Past a tile of rows the kernel
+    dequantizes into a panel first: its floats equal the one-row path's, row by row (the same
+    weights and FMAs in the same order).
+
+    int8 (the default; up to INT8_DOT_MAX_ROWS rows): `int8_reference`'s value within the f32
+    rounding of its terms (a few units of 2^-24 of their magnitude each: far below one block's
+    term, so a wrong code, scale, rounding or block fails), and within the 8-bit rounding's own
+    bound of the exact product (each x off by at most dx / 2: sum of dx / 2 * |w| per block); each
+    row's floats those of its own call. More rows: the f32 path's floats.
+
+    Several weights in one call (a layer's q, k, v): each one's outputs side by side, the floats
+    of its own call, on both paths."""
     from gguf import GGMLQuantizationType, quants
 
     kind = GGMLQuantizationType[fmt.upper()]
-    run = jax.jit(cpu_matmul.quantized_matmul, static_argnums=3)
+    run = jax.jit(cpu_matmul.quantized_matmul, static_argnums=(3, 4))
     for T, K, N in QUANTIZED_CASES:
         rng = np.random.default_rng(T + K + N)
         w = rng.standard_normal((2, N, K)).astype(np.float32)
@@ -300,18 +346,33 @@ def check_quantized_matmul(fmt: str) -> None:
         values = np.stack([quants.dequantize(layer, kind) for layer in blocks])
         np.testing.assert_array_equal(np.asarray(cpu_matmul.dequantize(blocks, fmt)), values)
         x = rng.standard_normal((T, K)).astype(np.float32)
+        x[0, :32] = 0  # a block of zeros: scale 0
+        part = np.ascontiguousarray(blocks[:, :N // 2 + 1])
         for layer in range(2):
-            want = x.astype(np.float64) @ values[layer].T.astype(np.float64)
-            got = np.asarray(run(x, blocks, np.int32(layer), fmt))
-            np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(K), rtol=0)
-            if T > 1:
-                rows = [np.asarray(run(x[t:t + 1], blocks, np.int32(layer), fmt))
-                        for t in range(T)]
-                np.testing.assert_array_equal(got, np.concatenate(rows))
-            part = np.ascontiguousarray(blocks[:, :N // 2 + 1])
-            together = np.asarray(run(x, (blocks, part, blocks), np.int32(layer), fmt))
-            alone = np.asarray(run(x, part, np.int32(layer), fmt))
-            np.testing.assert_array_equal(together, np.concatenate([got, alone, got], axis=1))
+            exact = x.astype(np.float64) @ values[layer].T.astype(np.float64)
+            f32 = np.asarray(run(x, blocks, np.int32(layer), fmt, False))
+            np.testing.assert_allclose(f32, exact, atol=2e-5 * np.sqrt(K), rtol=0)
+            got = np.asarray(run(x, blocks, np.int32(layer), fmt, True))
+            if T <= cpu_matmul.INT8_DOT_MAX_ROWS:
+                want, magnitude = int8_reference(x, blocks[layer], fmt)
+                np.testing.assert_array_less(np.abs(got - want),
+                                             (2 * K // 32 + 16) * 2.0 ** -24 * magnitude + 1e-30)
+                dx = np.abs(x.reshape(T, -1, 32)).max(-1) / 127
+                w_abs = np.abs(values[layer]).reshape(N, -1, 32).sum(-1)
+                bound = (dx / 2) @ w_abs.T.astype(np.float64)
+                np.testing.assert_array_less(np.abs(got - exact), 1.001 * bound + 1e-5)
+            else:
+                np.testing.assert_array_equal(got, f32)
+            for int8_dot, full in ((False, f32), (True, got)):
+                # (Many rows with int8_dot are the f32 path's floats, checked above.)
+                if 1 < T and not (int8_dot and T > cpu_matmul.INT8_DOT_MAX_ROWS):
+                    rows = [np.asarray(run(x[t:t + 1], blocks, np.int32(layer), fmt, int8_dot))
+                            for t in range(T)]
+                    np.testing.assert_array_equal(full, np.concatenate(rows))
+                together = np.asarray(run(x, (blocks, part, blocks), np.int32(layer), fmt,
+                                          int8_dot))
+                alone = np.asarray(run(x, part, np.int32(layer), fmt, int8_dot))
+                np.testing.assert_array_equal(together, np.concatenate([full, alone, full], 1))
 
 
 # The library has a variant per x86 ISA (the attention's scores, attention.cc's Vec; the matmuls'

@@ -45,8 +45,8 @@ def build_engines(model: str, *, strict_compile: bool = False, warmup: bool = Tr
     spec = resolve(model)
     started = time.perf_counter()
     args = {**spec.engine_defaults, **{k: v for k, v in settings.items() if v is not None}}
-    dtype, quantization, chat_template = (args.pop(k, None)
-                                          for k in ("dtype", "quantization", "chat_template"))
+    dtype, quantization, gguf_dot, chat_template = (
+        args.pop(k, None) for k in ("dtype", "quantization", "gguf_dot", "chat_template"))
     sizes = parallel_config(args)
     if quantization not in (None, "none") and sizes.tensor_parallel_size > 1:
         # The scales of a group span heads (o_proj): they do not shard with them.
@@ -56,6 +56,8 @@ def build_engines(model: str, *, strict_compile: bool = False, warmup: bool = Tr
     meshes = parallel.replica_meshes(sizes)
     model_config, replica_params = parallel.wait_until_ready(
         load_model_replicas(spec, dtype, meshes, quantization, sizes.enable_expert_parallel))
+    if gguf_dot is not None:  # (ModelConfig says when the blocks it needs are not kept)
+        model_config = model_config.replace(gguf_dot=gguf_dot)
     load_seconds = time.perf_counter() - started
     parallel.warn_if_kv_heads_replicated(model_config, meshes[0])
     config = make_engine_config(model_config, args)

@@ -60,6 +60,9 @@ _QUANTIZED_TARGET = "jaxserve_quantized_matmul"  # quantized_matmul.cc's Jaxserv
 # rows as the f32 kernel's does (measured to 64: benchmarks/RESULTS.md, "GGUF blocks read in
 # place": wider tiles").
 QUANTIZED_MAX_ROWS = 64
+# With int8_dot, steps of up to this many rows round x to int8 per block of 32 and take integer
+# dot products (`quantized_matmul`; quantized_matmul.cc's kIntRows).
+INT8_DOT_MAX_ROWS = 4
 
 
 def row_bytes(fmt: str, k: int) -> int:
@@ -100,18 +103,25 @@ def random_blocks(key: jax.Array, rows: int, k: int, fmt: str, scale: float) -> 
     return jnp.concatenate([head, codes], axis=-1).reshape(rows, blocks * size)
 
 
-def quantized_matmul(x, w, layer, fmt: str):
+def quantized_matmul(x, w, layer, fmt: str, int8_dot: bool = False):
     """x f32[T, K] @ dequantize(w[layer], fmt).T for blocks w u8[L, N, K / 32 * bytes] and a
     scalar layer index: f32[T, N], read in place by the CPU kernel. `w` a tuple of such blocks
     (one format, one K): their outputs side by side, f32[T, sum of N], in one call (a layer's q,
     k and v: one wake-up of the threads, each streaming a contiguous part of all three). Where
-    `jaxserve.kernels.cpu.enabled()`."""
+    `jaxserve.kernels.cpu.enabled()`.
+
+    `int8_dot` (ModelConfig.gguf_dot "int8") and up to INT8_DOT_MAX_ROWS rows: each row of x is
+    first rounded to int8 per block of 32 (scale max|x| / 127, as llama.cpp's Q8_1) and each weight
+    block meets it in an integer dot product (tests/test_cpu_kernels.py's `int8_reference` computes
+    the same in numpy); else x stays f32 and each weight is the f32 value `dequantize` gives.
+    """
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     call = jax.ffi.ffi_call(
         _QUANTIZED_TARGET,
         jax.ShapeDtypeStruct((x.shape[0], sum(b.shape[1] for b in ws)), jnp.float32))
-    return call(x, jnp.asarray(layer, jnp.int32), *ws, format=np.int32(_FORMAT_CODES[fmt]))
+    return call(x, jnp.asarray(layer, jnp.int32), *ws, format=np.int32(_FORMAT_CODES[fmt]),
+                int8_dot=np.int32(int8_dot))
 
 
-__all__ = ["BLOCK", "FORMATS", "WEIGHT_DTYPES", "dequantize", "quantized_matmul", "random_blocks",
-           "row_bytes", "supports", "stacked_matmul"]
+__all__ = ["BLOCK", "FORMATS", "INT8_DOT_MAX_ROWS", "WEIGHT_DTYPES", "dequantize",
+           "quantized_matmul", "random_blocks", "row_bytes", "supports", "stacked_matmul"]

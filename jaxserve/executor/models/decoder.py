@@ -168,15 +168,17 @@ def _projections_in_place(config: ModelConfig, mesh: jax.sharding.Mesh | None,
 
 
 def _project(x: jax.Array, w: jax.Array, num_contract: int, layer: jax.Array, in_place: bool,
-             precision: jax.lax.Precision, shape: tuple[int, ...], fmt: str | None) -> jax.Array:
+             precision: jax.lax.Precision, shape: tuple[int, ...], fmt: str | None,
+             int8_dot: bool = False) -> jax.Array:
     """x [T, *K] @ w [*K, *N] -> [T, *N] (K: the first num_contract axes of the weight's
     `shape`). `in_place`: w is the stack of all layers' weights [L, *K, *N], or with `fmt` their
-    GGUF blocks [L, N, bytes], and `layer` picks one, read where it lies. Weights stored in bf16
+    GGUF blocks [L, N, bytes] (`int8_dot`: config.gguf_dot "int8"), and `layer` picks one, read
+    where it lies. Weights stored in bf16
     for a float32 model (config.weight_dtype) are widened here, exactly, off the kernel."""
     if not in_place:
         return jnp.tensordot(x, w.astype(x.dtype), num_contract, precision=precision)
     if fmt is not None:
-        out = cpu_matmul.quantized_matmul(x.reshape(x.shape[0], -1), w, layer, fmt)
+        out = cpu_matmul.quantized_matmul(x.reshape(x.shape[0], -1), w, layer, fmt, int8_dot)
         return out.reshape(x.shape[0], *shape[num_contract:])
     k_shape, n_shape = w.shape[1:1 + num_contract], w.shape[1 + num_contract:]
     out = cpu_matmul.stacked_matmul(x.reshape(x.shape[0], math.prod(k_shape)),
@@ -186,14 +188,15 @@ def _project(x: jax.Array, w: jax.Array, num_contract: int, layer: jax.Array, in
 
 def _project_together(x: jax.Array, ws: list[jax.Array], num_contract: int, layer: jax.Array,
                       in_place: bool, precision: jax.lax.Precision,
-                      shapes: list[tuple[int, ...]], fmts: list[str | None]) -> list[jax.Array]:
+                      shapes: list[tuple[int, ...]], fmts: list[str | None],
+                      int8_dot: bool = False) -> list[jax.Array]:
     """`_project` of x through several weights (a layer's q, k, v or gate, up). GGUF blocks of
     one format in place: one kernel call over all of them (one wake-up of the threads instead of
     one per weight: at one row a call's own cost is a good part of a small projection's)."""
     if not (in_place and fmts[0] is not None and len(set(fmts)) == 1):
-        return [_project(x, w, num_contract, layer, in_place, precision, shape, fmt)
+        return [_project(x, w, num_contract, layer, in_place, precision, shape, fmt, int8_dot)
                 for w, shape, fmt in zip(ws, shapes, fmts)]
-    out = cpu_matmul.quantized_matmul(x.reshape(x.shape[0], -1), ws, layer, fmts[0])
+    out = cpu_matmul.quantized_matmul(x.reshape(x.shape[0], -1), ws, layer, fmts[0], int8_dot)
     ends = np.cumsum([w.shape[1] for w in ws])[:-1]
     return [part.reshape(x.shape[0], *shape[num_contract:])
             for part, shape in zip(jnp.split(out, ends, axis=1), shapes)]
@@ -366,12 +369,13 @@ class DecoderLayer(nn.Module):
 
         def project(x, w, name, shape):
             return _project(x, w, PROJECTIONS[name], layer, stacked_projections is not None,
-                            _precision(c), shape, _gguf_format(c, name))
+                            _precision(c), shape, _gguf_format(c, name), c.gguf_dot == "int8")
 
         def project_together(x, ws, names, shapes):
             return _project_together(x, ws, PROJECTIONS[names[0]], layer,
                                      stacked_projections is not None, _precision(c), shapes,
-                                     [_gguf_format(c, name) for name in names])
+                                     [_gguf_format(c, name) for name in names],
+                                     c.gguf_dot == "int8")
 
         def norm(name, x, size=H, axis="embed"):
             # Stored as HF stores it: Gemma's (1 + w) norms start from w = 0.
@@ -600,7 +604,8 @@ def compute_logits(params: dict, config: ModelConfig, hidden_rows: jax.Array) ->
     if (fmt := _gguf_format(config, name)) is not None:
         w = params[name]  # [V, H / 32 * bytes] either way
         if cpu_kernels.enabled() and hidden_rows.shape[0] <= cpu_matmul.QUANTIZED_MAX_ROWS:
-            logits = cpu_matmul.quantized_matmul(hidden_rows, w[None], 0, fmt)
+            logits = cpu_matmul.quantized_matmul(hidden_rows, w[None], 0, fmt,
+                                                 config.gguf_dot == "int8")
         else:
             logits = jnp.einsum("nh,vh->nv", hidden_rows, cpu_matmul.dequantize(w, fmt),
                                 precision=_precision(config), preferred_element_type=jnp.float32)

@@ -14,12 +14,25 @@
 // call into a small L2-resident panel that every tile of rows reads (`Rows`): there the rows'
 // FMAs, not the blocks' stream, set the pace, and dequantizing per tile of rows did not pay.
 //
-// Arithmetic: each weight as the f32 value the gguf package's dequantization gives (d * q for
-// Q4_0 / Q8_0, exact in f32; d * q + m for Q4_1, d * q exact, one rounding of the sum either
-// way), then f32 FMAs: each output's lanes sum every kLanes-th product in order along K, the
-// lanes are added at the end. The activations stay f32: VNNI / BF16 dot products would need them
-// rounded to int8 or bf16, which moves the logits (llama.cpp rounds them to Q8).
+// Arithmetic, two ways (the `int8_dot` attribute, jaxserve/kernels/matmul.py):
+// - f32: each weight as the f32 value the gguf package's dequantization gives (d * q for Q4_0 /
+//   Q8_0, exact in f32; d * q + m for Q4_1, d * q exact, one rounding of the sum either way), then
+//   f32 FMAs: each output's lanes sum every kLanes-th product in order along K, the lanes are
+//   added at the end. The panel path (more than a tile of rows) always computes this way.
+// - int8 (steps of up to 4 rows, kIntRows): llama.cpp's. Each row of x is rounded once per call to
+//   int8 per 32-value block (`Activations`: dx = max|x| / 127, codes rint(x / dx)), and each
+//   weight block meets it in an integer dot product (AVX-512 VNNI `vpdpbusd`, two blocks an
+//   instruction; AVX-VNNI; AVX2 / AVX-512BW `pmaddubsw` + `pmaddwd`; plain loops in the generic
+//   build): the codes as u8 (Q4's nibbles 0..15; Q8_0's |code|, its sign moved onto x's code), x's
+//   codes as s8. The block's int32 sums are exact; each is converted once and FMA'd with d_w * dx
+//   into f32 accumulators. Q4_0's "- 8" is -8 * sum(x codes) added to the int32 sum; Q4_1's m term
+//   is m * (dx * sum(x codes)) (llama.cpp's Q8_1 s: the result is then exactly the dot product of
+//   the dequantized weights with the rounded x, up to the f32 scaling). The 8-bit rounding of x
+//   moves each output by ~2e-4 of sum |w * x| (random x; f32: ~5e-9), bounded by the sum of dx / 2
+//   * |w| (tests/test_cpu_kernels.py checks both); in exchange a block pair costs ~13 vector
+//   instructions an output where widening each vector of weights to f32 took ~32.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -35,6 +48,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+#if defined(__AVX512F__) && !defined(__AVX512BW__)
+#error "AVX-512F without AVX-512BW (Xeon Phi): build with -mno-avx512f"
+#endif
 #if defined(__AVX512F__)
 constexpr int kLanes = 16, kTileRows = 4, kTileOutputs = 4;
 #elif defined(__AVX2__)
@@ -197,10 +213,18 @@ void Tile(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float*
 
 using TileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t);
 
-// TileTable<B, Rows>::fn[r][o]: the tile of r <= Rows rows of x and o output rows of blocks B.
-template <typename B, int Rows>
+// The f32 tiles of blocks B, for TileTable.
+template <typename B>
+struct FloatTiles {
+  using Fn = TileFn;
+  template <int R, int O>
+  static constexpr Fn kFn = &Tile<B, R, O>;
+};
+
+// TileTable<Kind, Rows>::fn[r][o]: Kind's tile of r <= Rows rows of x and o output rows.
+template <typename Kind, int Rows>
 struct TileTable {
-  TileFn fn[Rows + 1][kTileOutputs + 1] = {};
+  typename Kind::Fn fn[Rows + 1][kTileOutputs + 1] = {};
   constexpr TileTable() {
     Fill(std::make_integer_sequence<int, Rows>());
   }
@@ -210,12 +234,291 @@ struct TileTable {
   }
   template <int R, int... O>
   constexpr void FillOutputs(std::integer_sequence<int, O...>) {
-    ((fn[R][O + 1] = &Tile<B, R, O + 1>), ...);
+    ((fn[R][O + 1] = Kind::template kFn<R, O + 1>), ...);
   }
 };
 
 template <Format F>
-using Tiles = TileTable<Block<F>, kTileRows>;
+using Tiles = TileTable<FloatTiles<Block<F>>, kTileRows>;
+
+// ---- The integer path: x rounded to int8 per block, integer dot products (the header). ----
+
+// Blocks per integer dot product: a 512-bit one takes two blocks' codes, x's in their order.
+#if defined(__AVX512F__)
+constexpr int kDotBlocks = 2;
+#else
+constexpr int kDotBlocks = 1;
+#endif
+constexpr int kDotBytes = kDotBlocks * kBlock;
+// Steps of up to this many rows take the integer path (on every build: the same rows round the
+// same way whatever the ISA; jaxserve/kernels/matmul.py INT8_DOT_MAX_ROWS).
+constexpr int kIntRows = 4;
+constexpr int kBlockLanes = kLanes / kDotBlocks;  // a block's int32 / f32 lanes in a dot's result
+typedef int8_t Codes __attribute__((vector_size(kDotBytes)));
+
+// x's rows rounded to int8 per block, as llama.cpp's quantize_row_q8_1 does: dx = max|x| / 127
+// (f32 division), codes rint(x * (1 / dx)) (ties to even), |code| <= 127. For each row, `steps`
+// dot steps of kDotBlocks blocks; an odd block count's last step pads a block of zero codes
+// with a zero scale.
+struct Activations {
+  int64_t blocks, steps;
+  std::vector<Codes> codes;  // [T, steps]
+  std::vector<Vec> scale;    // [T, steps]: each block's dx in its kBlockLanes lanes
+  std::vector<I32> sums;     // [T, steps]: each block's sum of codes in its first lane, 0 after
+  std::vector<Vec> offsets;  // [T, steps]: dx * that sum in HeadHalves' lane of m, 0 elsewhere
+};
+
+Activations RoundToInt8(const float* x, int64_t T, int64_t K) {
+  Activations a;
+  a.blocks = K / kBlock;
+  a.steps = (a.blocks + kDotBlocks - 1) / kDotBlocks;
+  a.codes.assign(T * a.steps, Codes{});
+  a.scale.assign(T * a.steps, Vec{});
+  a.sums.assign(T * a.steps, I32{});
+  a.offsets.assign(T * a.steps, Vec{});
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const float* v = x + t * K + b * kBlock;
+      float amax = 0.0f;
+      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+      const int64_t step = t * a.steps + b / kDotBlocks, slot = b % kDotBlocks;
+      int8_t* codes = reinterpret_cast<int8_t*>(&a.codes[step]) + slot * kBlock;
+      int32_t sum = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        codes[j] = static_cast<int8_t>(std::nearbyint(v[j] * inverse));
+        sum += codes[j];
+      }
+      for (int l = 0; l < kBlockLanes; ++l) a.scale[step][slot * kBlockLanes + l] = d;
+      a.sums[step][slot * kBlockLanes] = sum;
+      a.offsets[step][2 * slot + 1] = d * static_cast<float>(sum);
+    }
+  }
+  return a;
+}
+
+// acc + each int32 lane's sum of its 4 (generic: 8) adjacent products u[j] * s[j], u read as
+// unsigned bytes, s as signed. |u| <= 128 and |s| <= 127: pmaddubsw's int16 pairs never saturate.
+inline I32 DotU8S8(I32 acc, Codes u, Codes s) {
+#if defined(__AVX512VNNI__)
+  return reinterpret_cast<I32>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc),
+                                                   reinterpret_cast<__m512i>(u),
+                                                   reinterpret_cast<__m512i>(s)));
+#elif defined(__AVX512F__)
+  return acc + reinterpret_cast<I32>(_mm512_madd_epi16(
+                   _mm512_maddubs_epi16(reinterpret_cast<__m512i>(u), reinterpret_cast<__m512i>(s)),
+                   _mm512_set1_epi16(1)));
+#elif defined(__AVXVNNI__)
+  return reinterpret_cast<I32>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc),
+                                                       reinterpret_cast<__m256i>(u),
+                                                       reinterpret_cast<__m256i>(s)));
+#elif defined(__AVX2__)
+  return acc + reinterpret_cast<I32>(_mm256_madd_epi16(
+                   _mm256_maddubs_epi16(reinterpret_cast<__m256i>(u), reinterpret_cast<__m256i>(s)),
+                   _mm256_set1_epi16(1)));
+#else
+  constexpr int kPer = kDotBytes / kLanes;
+  for (int l = 0; l < kLanes; ++l) {
+    for (int j = l * kPer; j < (l + 1) * kPer; ++j) {
+      acc[l] += static_cast<uint8_t>(u[j]) * static_cast<int32_t>(s[j]);
+    }
+  }
+  return acc;
+#endif
+}
+
+// acc + the same sums of w[j] * s[j], both signed: |w| as u8 (-128 too: 0x80 is 128), w's sign
+// moved onto s (|s| <= 127, so its negation never overflows).
+inline I32 DotS8S8(I32 acc, Codes w, Codes s) {
+#if defined(__AVX512F__)
+  const __m512i wv = reinterpret_cast<__m512i>(w), sv = reinterpret_cast<__m512i>(s);
+  const __m512i signed_s =
+      _mm512_mask_sub_epi8(sv, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), sv);
+  return DotU8S8(acc, reinterpret_cast<Codes>(_mm512_abs_epi8(wv)),
+                 reinterpret_cast<Codes>(signed_s));
+#elif defined(__AVX2__)
+  const __m256i wv = reinterpret_cast<__m256i>(w), sv = reinterpret_cast<__m256i>(s);
+  return DotU8S8(acc, reinterpret_cast<Codes>(_mm256_sign_epi8(wv, wv)),
+                 reinterpret_cast<Codes>(_mm256_sign_epi8(sv, wv)));
+#else
+  constexpr int kPer = kDotBytes / kLanes;
+  for (int l = 0; l < kLanes; ++l) {
+    for (int j = l * kPer; j < (l + 1) * kPer; ++j) acc[l] += w[j] * static_cast<int32_t>(s[j]);
+  }
+  return acc;
+#endif
+}
+
+// The two f16 at p (a block's d and the half after it: Q4_1's m) and, with two blocks a dot,
+// the two at p + stride, as f32 lanes 0, 1 (and 2, 3); 0 in the other lanes. One conversion for
+// a block pair's scales where a broadcast per scale took 3-4 shuffles (the path's largest cost).
+inline Vec HeadHalves(const uint8_t* p, int64_t stride) {
+#if defined(__AVX512F__)
+  int32_t h0, h1;
+  std::memcpy(&h0, p, sizeof(h0));
+  std::memcpy(&h1, p + stride, sizeof(h1));
+  return _mm512_zextps128_ps512(_mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(h0), h1, 1)));
+#elif defined(__AVX2__) && defined(__F16C__)
+  (void)stride;
+  int32_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return _mm256_zextps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+#else
+  (void)stride;
+  Vec v = {};
+  v[0] = BroadcastHalf(p)[0];
+  v[1] = BroadcastHalf(p + 2)[0];
+  return v;
+#endif
+}
+
+// Each block's d (HeadHalves' lanes 0 and 2) over the block's lanes of a dot's result.
+inline Vec BlockScales(Vec heads) {
+#if defined(__AVX512F__)
+  return _mm512_permutexvar_ps(_mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0),
+                               heads);
+#elif defined(__AVX2__)
+  return _mm256_broadcastss_ps(_mm256_castps256_ps128(heads));
+#else
+  Vec v;
+  for (int l = 0; l < kLanes; ++l) v[l] = heads[0];
+  return v;
+#endif
+}
+
+// The 16 bytes of nibbles at qs (and at qs + stride) as the codes of x's order (`Nibbles`).
+inline Codes NibbleCodes(const uint8_t* qs, int64_t stride) {
+#if defined(__AVX512F__)
+  const __m128i* p0 = reinterpret_cast<const __m128i*>(qs);
+  const __m128i* p1 = reinterpret_cast<const __m128i*>(qs + stride);
+  const __m512i both = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128(p0))),
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(p1)), 1);
+  // 128-bit lanes: block 0's low nibbles, its high ones, block 1's low, its high.
+  const __m512i shifted = _mm512_srlv_epi64(both, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0));
+  return reinterpret_cast<Codes>(_mm512_and_si512(shifted, _mm512_set1_epi8(15)));
+#elif defined(__AVX2__)
+  const __m256i both = _mm256_broadcastsi128_si256(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i shifted = _mm256_srlv_epi64(both, _mm256_set_epi64x(4, 4, 0, 0));
+  return reinterpret_cast<Codes>(_mm256_and_si256(shifted, _mm256_set1_epi8(15)));
+#else
+  (void)stride;
+  Codes c;
+  for (int j = 0; j < 16; ++j) {
+    c[j] = static_cast<int8_t>(qs[j] & 15);
+    c[j + 16] = static_cast<int8_t>(qs[j] >> 4);
+  }
+  return c;
+#endif
+}
+
+// 32 signed bytes at q (and at q + stride).
+inline Codes ByteCodes(const uint8_t* q, int64_t stride) {
+#if defined(__AVX512F__)
+  // Two loads into one register (a copy of each half went through the stack: 2x the work).
+  return reinterpret_cast<Codes>(_mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + stride)), 1));
+#else
+  (void)stride;
+  Codes c;
+  std::memcpy(&c, q, kBlock);
+  return c;
+#endif
+}
+
+// One format's kDotBlocks blocks (the second `stride` bytes after the first) against a row's
+// rounded x, into f32 accumulators.
+template <Format F>
+struct IntBlock;
+
+template <>
+struct IntBlock<kQ4_0> {
+  struct Weights {
+    Vec d;
+    Codes q;
+  };
+  static Weights Load(const uint8_t* b, int64_t stride) {
+    return {BlockScales(HeadHalves(b, stride)), NibbleCodes(b + 2, stride)};
+  }
+  static Vec Add(Vec acc, const Weights& w, Codes x, Vec dx, I32 sums, Vec) {
+    const I32 dot = DotU8S8(sums * -8, w.q, x);  // sum((q - 8) * x) with q as 0..15
+    return acc + __builtin_convertvector(dot, Vec) * (w.d * dx);
+  }
+};
+
+template <>
+struct IntBlock<kQ4_1> {
+  struct Weights {
+    Vec d, heads;  // heads: HeadHalves, m in the lanes `Activations::offsets` fill
+    Codes q;
+  };
+  static Weights Load(const uint8_t* b, int64_t stride) {
+    const Vec heads = HeadHalves(b, stride);
+    return {BlockScales(heads), heads, NibbleCodes(b + 4, stride)};
+  }
+  static Vec Add(Vec acc, const Weights& w, Codes x, Vec dx, I32, Vec offsets) {
+    const I32 dot = DotU8S8(I32{}, w.q, x);
+    acc += __builtin_convertvector(dot, Vec) * (w.d * dx);
+    return acc + w.heads * offsets;  // m * dx * sum(x codes)
+  }
+};
+
+template <>
+struct IntBlock<kQ8_0> {
+  struct Weights {
+    Vec d;
+    Codes q;
+  };
+  static Weights Load(const uint8_t* b, int64_t stride) {
+    return {BlockScales(HeadHalves(b, stride)), ByteCodes(b + 2, stride)};
+  }
+  static Vec Add(Vec acc, const Weights& w, Codes x, Vec dx, I32, Vec) {
+    return acc + __builtin_convertvector(DotS8S8(I32{}, w.q, x), Vec) * (w.d * dx);
+  }
+};
+
+// out[R, O] = rounded x[R rows] @ w[O rows of blocks F].T: `Tile` on the integer path.
+template <Format F, int R, int O>
+void IntTile(const Activations& a, const uint8_t* w, int64_t row_bytes, float* out,
+             int64_t ldo) {
+  constexpr int64_t kBytes = Block<F>::kBytes;
+  Vec acc[R][O] = {};
+  for (int64_t s = 0; s < a.steps; ++s) {
+    // An odd block count's last step reads its block twice, against zero codes the second time.
+    const int64_t stride = (s + 1) * kDotBlocks <= a.blocks ? kBytes : 0;
+    typename IntBlock<F>::Weights wb[O];
+#pragma GCC unroll 4
+    for (int o = 0; o < O; ++o) {
+      wb[o] = IntBlock<F>::Load(w + o * row_bytes + s * kDotBlocks * kBytes, stride);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = r * a.steps + s;
+      const Codes x = a.codes[i];
+      const Vec dx = a.scale[i];
+      const I32 sums = a.sums[i];
+      const Vec offsets = a.offsets[i];
+#pragma GCC unroll 4
+      for (int o = 0; o < O; ++o) {
+        acc[r][o] = IntBlock<F>::Add(acc[r][o], wb[o], x, dx, sums, offsets);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int o = 0; o < O; ++o) out[r * ldo + o] = Sum(acc[r][o]);
+  }
+}
+
+using IntTileFn = void (*)(const Activations&, const uint8_t*, int64_t, float*, int64_t);
+
+template <Format F>
+struct IntTiles {
+  using Fn = IntTileFn;
+  template <int R, int O>
+  static constexpr Fn kFn = &IntTile<F, R, O>;
+};
 
 // The f32 weights of a panel the wide path dequantized: Tile's `w` for a block whose values are
 // already f32 (kBytes of floats), read a vector at a time.
@@ -233,7 +536,7 @@ struct Panel {
 // Output rows per panel: kPanelOutputs * K floats (192 KB for K = 1536) stay in L2 while every
 // tile of rows of x passes over them.
 constexpr int kPanelOutputs = 8 * kTileOutputs;
-using PanelTiles = TileTable<Panel, kTileRows>;
+using PanelTiles = TileTable<FloatTiles<Panel>, kTileRows>;
 
 // Output rows [n0, n1) of out[T, N] = x[T, K] @ dequantize(w[N, K]).T, out's rows `ldo` apart.
 //
@@ -242,11 +545,20 @@ using PanelTiles = TileTable<Panel, kTileRows>;
 // and every tile of rows runs over it, so a block is dequantized once per call, not once per
 // tile of rows (6 rows a tile ran slower than 4: 24 accumulators leave GCC too few registers).
 // The two paths give the same floats: the same weights and the same FMAs in the same order.
+// `rounded`: x rounded to int8 (up to kIntRows rows): the integer path's tiles instead.
 template <Format F>
-void Rows(const float* x, int64_t T, int64_t K, const uint8_t* w, float* out, int64_t ldo,
-          int64_t n0, int64_t n1) {
+void Rows(const float* x, const Activations* rounded, int64_t T, int64_t K, const uint8_t* w,
+          float* out, int64_t ldo, int64_t n0, int64_t n1) {
   static constexpr Tiles<F> kTiles;
+  static constexpr TileTable<IntTiles<F>, kIntRows> kIntTiles;
   const int64_t row_bytes = K / kBlock * Block<F>::kBytes;
+  if (rounded != nullptr) {
+    for (int64_t n = n0; n < n1; n += kTileOutputs) {
+      const int64_t outputs = std::min<int64_t>(kTileOutputs, n1 - n);
+      kIntTiles.fn[T][outputs](*rounded, w + n * row_bytes, row_bytes, out + n, ldo);
+    }
+    return;
+  }
   if (T <= kTileRows) {
     for (int64_t n = n0; n < n1; n += kTileOutputs) {
       const int64_t outputs = std::min<int64_t>(kTileOutputs, n1 - n);
@@ -297,9 +609,12 @@ struct Weight {
 // out[T, sum N] = x @ each weight's rows, side by side. The weights' groups of kTileOutputs rows
 // are split as one sequence: one contiguous run per thread, each streaming its own part of the
 // bytes, and one call (one wake-up of the pool) for q, k and v or gate and up at one row.
+// `int8_dot` and up to kIntRows rows: x is rounded once here, and both threads read it.
 template <Format F>
 void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K,
-         const std::vector<Weight>& weights, float* out, int64_t ldo) {
+         const std::vector<Weight>& weights, float* out, int64_t ldo, bool int8_dot) {
+  const bool rounded = int8_dot && T <= kIntRows;
+  const Activations rounded_x = rounded ? RoundToInt8(x, T, K) : Activations{};
   std::vector<int64_t> first_group{0};  // the weights' groups numbered one after another
   for (const Weight& w : weights) {
     first_group.push_back(first_group.back() + (w.N + kTileOutputs - 1) / kTileOutputs);
@@ -312,7 +627,7 @@ void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K,
       const int64_t a = std::max(g0, first_group[j]), b = std::min(g1, first_group[j + 1]);
       if (a >= b) continue;
       const Weight& w = weights[j];
-      Rows<F>(x, T, K, w.blocks, out + w.column, ldo,
+      Rows<F>(x, rounded ? &rounded_x : nullptr, T, K, w.blocks, out + w.column, ldo,
               std::min(w.N, (a - first_group[j]) * kTileOutputs),
               std::min(w.N, (b - first_group[j]) * kTileOutputs));
     }
@@ -321,7 +636,7 @@ void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K,
 
 ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                            ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs ws,
-                           ffi::ResultBuffer<ffi::F32> out, int32_t format) {
+                           ffi::ResultBuffer<ffi::F32> out, int32_t format, int32_t int8_dot) {
   const auto xd = x.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || od.size() != 2 || layer.element_count() != 1 || ws.size() == 0) {
     return ffi::Error::InvalidArgument(
@@ -357,10 +672,14 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("quantized matmul: out [T, the weights' N summed]");
   }
   if (T == 0 || columns == 0) return ffi::Error::Success();
+  const bool int8 = int8_dot != 0;
   switch (format) {
-    case kQ4_0: Run<kQ4_0>(pool, x.typed_data(), T, K, weights, out->typed_data(), columns); break;
-    case kQ4_1: Run<kQ4_1>(pool, x.typed_data(), T, K, weights, out->typed_data(), columns); break;
-    default: Run<kQ8_0>(pool, x.typed_data(), T, K, weights, out->typed_data(), columns); break;
+    case kQ4_0: Run<kQ4_0>(pool, x.typed_data(), T, K, weights, out->typed_data(), columns, int8);
+      break;
+    case kQ4_1: Run<kQ4_1>(pool, x.typed_data(), T, K, weights, out->typed_data(), columns, int8);
+      break;
+    default: Run<kQ8_0>(pool, x.typed_data(), T, K, weights, out->typed_data(), columns, int8);
+      break;
   }
   return ffi::Error::Success();
 }
@@ -374,4 +693,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmul, QuantizedMatmul,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .RemainingArgs()               // w [L, N, K / 32 * bytes]...
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, sum of N]
-                                  .Attr<int32_t>("format"));
+                                  .Attr<int32_t>("format")
+                                  .Attr<int32_t>("int8_dot"));  // 1: x rounded to int8 (header)
