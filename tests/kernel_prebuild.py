@@ -24,9 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 _BUILD = """
 import os, sys
 from jaxserve.kernels.cpu import library
-cxx = os.environ.get("CXX", "g++")
-for flags, cache in zip(sys.argv[1::2], sys.argv[2::2]):
-    os.environ["CXX"], os.environ["JAXSERVE_CACHE"] = f"{cxx} {flags}", cache
+from tests.kernel_prebuild import older_x86_env
+# Each from the environment as it came (older_x86_env appends the flags to $CXX).
+for env in [older_x86_env(f, c) for f, c in zip(sys.argv[1::2], sys.argv[2::2])]:
+    os.environ.update(env)
     try:
         library.build(library.plan())
     except library.KernelBuildError:
