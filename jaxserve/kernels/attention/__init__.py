@@ -43,11 +43,14 @@ def auto_impl() -> str:
 
 def write_kv(kv_cache, k, v, slot_mapping, *, impl="auto"):
     """Scatter this step's K/V into the cache at `slot_mapping` (xla.write_kv). On the cpu
-    path a bf16 cache is written by the CPU kernel library: XLA:CPU would widen the whole cache to
-    f32 around its scatter."""
+    path the CPU kernel library writes the rows in place: XLA:CPU would widen a whole bf16 cache
+    to f32 around its scatter, and an f32 cache's scatter is 29 more thunks a layer than the call
+    (a guarded dynamic-update-slice, a copy of the cache's buffer): ~9% of a batch-1 GGUF decode
+    step (benchmarks/decode_step_profile.py)."""
     if impl == "auto":
         impl = auto_impl()
-    if impl == "cpu" and kv_cache.dtype == jnp.bfloat16 and cpu_kernels.enabled():
+    if (impl == "cpu" and kv_cache.dtype in (jnp.bfloat16, jnp.float32)
+            and cpu_kernels.enabled()):
         from jaxserve.kernels.attention import cpu
         return cpu.write_kv(kv_cache, k, v, slot_mapping)
     return xla.write_kv(kv_cache, k, v, slot_mapping)
