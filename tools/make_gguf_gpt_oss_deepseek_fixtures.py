@@ -37,7 +37,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_gguf_moe_fixtures import add_vocab, finish_writer, open_writer, record  # noqa: E402
-from make_model_fixtures import SMALL, _sinks_binding, write_tokenizer  # noqa: E402
+from make_model_fixtures import (GPT_OSS_QUERY_SCALE, SMALL, _sinks_binding,  # noqa: E402
+                                 write_tokenizer)
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = ROOT / "tests" / "chat_templates"
@@ -69,13 +70,6 @@ def families():
 
 # Wide weights (gpt-oss's clamp at 7 binds), each routing choice and greedy token clear of a tie.
 INIT_RANGE = {"gpt-oss": 0.5, "deepseek2": 0.45}
-# gpt-oss's queries (weights and biases) a quarter of that: at full width the first layer's
-# attention scores reached 45, so sharp that one ulp more or less in its queries or keys (another
-# summation order) moved the logits by up to 1.6e-4, past the 1e-4 they are checked to (HF's own
-# f32 run against float64: a perturbation of one ulp at each op's output moved them 1.2e-4 in
-# the median draw). A quarter keeps the scores near 11: the same perturbation then moves them
-# 2.6e-5 in the median, 6e-5 at most (30 draws).
-GPT_OSS_QUERY_SCALE = 0.25
 BINDING = {
     "gpt-oss": {"sliding window": dict(sliding_window=64),
                 "yarn rope": dict(rope_parameters=dict(rope_type="default", rope_theta=150000.0)),

@@ -32,6 +32,15 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
 _rng = np.random.default_rng(0)
 _P0 = _rng.integers(3, VOCAB, 20).tolist()
 PROMPTS = [_P0, _P0[:16] + _rng.integers(3, VOCAB, 5).tolist(), _rng.integers(3, VOCAB, 13).tolist()]
+# gpt-oss's queries (weights and biases) at 0.3 of the other weights' width (here and in
+# make_gguf_gpt_oss_deepseek_fixtures): at full width the first layer's attention scores reached
+# 45, so sharp that one ulp more or less in its queries or keys (another summation order) moved
+# the logits by up to 1.6e-4, past the 1e-4 they are checked to (HF's own f32 run, one ulp of
+# perturbation at each op's output, 30 draws: the GGUF fixture's logits moved 1.2e-4 in the median
+# draw, 19 draws past 1e-4; the safetensors one's 6.3e-5, 4 past). At 0.3 the scores stay near 14
+# and the same perturbation moves them 3.1e-5 / 2.7e-5 in the median, 7.8e-5 / 7.0e-5 at most
+# (0.25 left a routing choice 6.9e-4 from a tie).
+GPT_OSS_QUERY_SCALE = 0.3
 
 
 def families():
@@ -261,6 +270,9 @@ def build(name: str, config_cls, changes: dict, out: Path, init_range: float) ->
             for n, p in model.named_parameters():
                 if name == "gpt_oss" and n.endswith(("router.weight", "bias", "sinks")):
                     p.normal_(0.0, 1.0)
+            for n, p in model.named_parameters():
+                if name == "gpt_oss" and ".q_proj." in n:
+                    p.mul_(GPT_OSS_QUERY_SCALE)
             # DeepSeek-V3's score correction bias (HF starts it at 0): random, so it binds.
             for n, b in model.named_buffers():
                 if n.endswith("e_score_correction_bias"):
