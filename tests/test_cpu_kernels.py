@@ -270,10 +270,11 @@ def test_grouped_matmul_refuses_group_sizes_past_its_rows():
 
 QUANTIZED_CASES = [  # T, K, N
     (1, 64, 5),  # a decode row; one block pair; an output tail (tiles of 4 or 2)
+    (2, 64, 20),  # two rows: a row tile on every build
     (3, 96, 7),  # the integer path's rows; an odd number of blocks (AVX-512: a half pair)
-    (6, 96, 8),  # past a tile of rows: the panel path (4 rows or 2, and a tail)
+    (6, 96, 8),  # past a tile of rows: the panel path (x padded to whole vectors of rows)
     (4, 576, 12),  # SmolLM2's hidden size: 18 blocks; the integer path's widest tile
-    (9, 576, 36),
+    (9, 576, 36),  # the panel path over three blocks of 256 along K
     (37, 128, 70),  # wide: two panels of 32 outputs and a tail of 6, a tail of rows
 ]
 
@@ -323,9 +324,10 @@ def check_quantized_matmul(fmt: str) -> None:
     `dequantize` gives the package's f32 values exactly.
 
     f32 (int8_dot off): the kernel gives their product with x (f32 sums: ~1e-7 relative per
-    term, far below a wrong block, nibble, row or layer). Past a tile of rows the kernel
-    dequantizes into a panel first: its floats equal the one-row path's, row by row (the same
-    weights and FMAs in the same order).
+    term, far below a wrong block, nibble, row or layer). Within a tile of rows each row's floats
+    are those of its own call. Past a tile of rows the kernel dequantizes into a panel first and
+    runs the f32 kernel's tiles over it: its floats equal the f32 kernel's on the dequantized
+    weights (the same products in the same order).
 
     int8 (the default; up to INT8_DOT_MAX_ROWS rows): `int8_reference`'s value within the f32
     rounding of its terms (a few units of 2^-24 of their magnitude each: far below one block's
@@ -339,6 +341,7 @@ def check_quantized_matmul(fmt: str) -> None:
 
     kind = GGMLQuantizationType[fmt.upper()]
     run = jax.jit(cpu_matmul.quantized_matmul, static_argnums=(3, 4))
+    stacked = jax.jit(cpu_matmul.stacked_matmul)
     for T, K, N in QUANTIZED_CASES:
         rng = np.random.default_rng(T + K + N)
         w = rng.standard_normal((2, N, K)).astype(np.float32)
@@ -363,9 +366,15 @@ def check_quantized_matmul(fmt: str) -> None:
                 np.testing.assert_array_less(np.abs(got - exact), 1.001 * bound + 1e-5)
             else:
                 np.testing.assert_array_equal(got, f32)
+            if T > 4:  # the panel path on every build: the f32 kernel's floats, bit for bit
+                dense = np.zeros((K, N + -N % cpu_matmul.COLUMN_MULTIPLE), np.float32)
+                dense[:, :N] = values[layer].T
+                np.testing.assert_array_equal(
+                    f32, np.asarray(stacked(x, dense[None], np.int32(0)))[:, :N])
             for int8_dot, full in ((False, f32), (True, got)):
-                # (Many rows with int8_dot are the f32 path's floats, checked above.)
-                if 1 < T and not (int8_dot and T > cpu_matmul.INT8_DOT_MAX_ROWS):
+                # Rows on the row tiles on every build (f32: 2 a tile on AVX2 and generic, 4 on
+                # AVX-512). Many rows with int8_dot are the f32 path's floats, checked above.
+                if 1 < T <= (cpu_matmul.INT8_DOT_MAX_ROWS if int8_dot else 2):
                     rows = [np.asarray(run(x[t:t + 1], blocks, np.int32(layer), fmt, int8_dot))
                             for t in range(T)]
                     np.testing.assert_array_equal(full, np.concatenate(rows))

@@ -11,14 +11,16 @@
 // weights at a time, and never written anywhere (a kernel that widened each block into an f32
 // buffer first ran slower than XLA at one row: benchmarks/RESULTS.md, "The layers' projections
 // read in place", "Tried and dropped"). Past a tile of rows each block is dequantized once per
-// call into a small L2-resident panel that every tile of rows reads (`Rows`): there the rows'
-// FMAs, not the blocks' stream, set the pace, and dequantizing per tile of rows did not pay.
+// call into a small L2-resident panel that the f32 kernel's register tiles (matmul_tiles.h) run
+// every row over (`Rows`): there the rows' FMAs, not the blocks' stream, set the pace, and
+// dequantizing per tile of rows did not pay.
 //
 // Arithmetic, two ways (the `int8_dot` attribute, jaxserve/kernels/matmul.py):
 // - f32: each weight as the f32 value the gguf package's dequantization gives (d * q for Q4_0 /
 //   Q8_0, exact in f32; d * q + m for Q4_1, d * q exact, one rounding of the sum either way), then
-//   f32 FMAs: each output's lanes sum every kLanes-th product in order along K, the lanes are
-//   added at the end. The panel path (more than a tile of rows) always computes this way.
+//   f32 FMAs: at up to kTileRows rows each output's lanes sum every kLanes-th product in order
+//   along K, the lanes are added at the end; past that (the panel path, always f32) the f32
+//   kernel's sums on the dequantized weights, bit for bit (blocks of kDepth along K, in order).
 // - int8 (steps of up to 4 rows, kIntRows): llama.cpp's. Each row of x is rounded once per call to
 //   int8 per 32-value block (`Activations`: dx = max|x| / 127, codes rint(x / dx)), and each
 //   weight block meets it in an integer dot product (AVX-512 VNNI `vpdpbusd`, two blocks an
@@ -42,6 +44,7 @@
 #endif
 
 #include "cpu_common.h"
+#include "matmul_tiles.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -520,35 +523,35 @@ struct IntTiles {
   static constexpr Fn kFn = &IntTile<F, R, O>;
 };
 
-// The f32 weights of a panel the wide path dequantized: Tile's `w` for a block whose values are
-// already f32 (kBytes of floats), read a vector at a time.
-struct Panel {
-  static constexpr int kBytes = kBlock * sizeof(float);
-  struct Scale {};
-  static Scale ScaleOf(const uint8_t*) { return {}; }
-  static Vec Weights(const uint8_t* b, int v, const Scale&) {
-    Vec w;
-    std::memcpy(&w, b + v * sizeof(Vec), sizeof(w));
-    return w;
-  }
-};
-
-// Output rows per panel: kPanelOutputs * K floats (192 KB for K = 1536) stay in L2 while every
-// tile of rows of x passes over them.
+// Output rows per panel of the wide path: kPanelOutputs * K floats (192 KB for K = 1536) stay in
+// L2 while the f32 tiles run every row of x over them.
 constexpr int kPanelOutputs = 8 * kTileOutputs;
-using PanelTiles = TileTable<FloatTiles<Panel>, kTileRows>;
+
+// x[T, K] transposed for the wide path: xt[K, Tp], Tp = T rounded up to whole vectors (zeros
+// past T), so that the f32 kernel's tiles (matmul_tiles.h) take x's rows as their columns.
+std::vector<float> Transpose(const float* x, int64_t T, int64_t K, int64_t Tp) {
+  std::vector<float> xt(K * Tp, 0.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t k = 0; k < K; ++k) xt[k * Tp + t] = x[t * K + k];
+  }
+  return xt;
+}
 
 // Output rows [n0, n1) of out[T, N] = x[T, K] @ dequantize(w[N, K]).T, out's rows `ldo` apart.
 //
 // Up to kTileRows rows of x: one tile of rows per group of outputs, each block dequantized in
-// registers. More rows: kPanelOutputs output rows at a time are dequantized once into `panel`
-// and every tile of rows runs over it, so a block is dequantized once per call, not once per
-// tile of rows (6 rows a tile ran slower than 4: 24 accumulators leave GCC too few registers).
-// The two paths give the same floats: the same weights and the same FMAs in the same order.
+// registers. More rows (xt: x transposed, `Transpose`, Tp its row length): kPanelOutputs output
+// rows at a time are dequantized once into `panel`, and the f32 kernel's register tiles
+// (matmul_tiles.h: 8 x 3 vectors on AVX-512, each weight broadcast to 24 FMAs) compute the
+// panel's outputs for every row of x as out.T = panel @ xt, by blocks of kDepth along K. Its sums
+// are the f32 kernel's on the dequantized weights, bit for bit: the same products in the same
+// order. (Its first form, tiles of 4 rows x 4 outputs each summing along K, ran the batch-64
+// step at 0.84x the f32 load's: benchmarks/RESULTS.md, "GGUF blocks: the wide path on the f32
+// kernel's tiles".)
 // `rounded`: x rounded to int8 (up to kIntRows rows): the integer path's tiles instead.
 template <Format F>
-void Rows(const float* x, const Activations* rounded, int64_t T, int64_t K, const uint8_t* w,
-          float* out, int64_t ldo, int64_t n0, int64_t n1) {
+void Rows(const float* x, const Activations* rounded, const float* xt, int64_t Tp, int64_t T,
+          int64_t K, const uint8_t* w, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   static constexpr Tiles<F> kTiles;
   static constexpr TileTable<IntTiles<F>, kIntRows> kIntTiles;
   const int64_t row_bytes = K / kBlock * Block<F>::kBytes;
@@ -566,14 +569,13 @@ void Rows(const float* x, const Activations* rounded, int64_t T, int64_t K, cons
     }
     return;
   }
-  static constexpr PanelTiles kPanelTiles;
+  namespace jc = jaxserve_cpu;
   using B = Block<F>;
-  const int64_t blocks = K / kBlock, panel_bytes = K * sizeof(float);
-  std::vector<float> panel_buffer(kPanelOutputs * K + kLanes);
+  const int64_t blocks = K / kBlock;
+  std::vector<float> panel_buffer(kPanelOutputs * K + kLanes), sums(kPanelOutputs * Tp);
   // Aligned to a vector: the tiles' loads then never split a cache line.
   float* panel = panel_buffer.data() +
                  (-reinterpret_cast<uintptr_t>(panel_buffer.data()) / sizeof(float)) % kLanes;
-  const uint8_t* pw = reinterpret_cast<const uint8_t*>(panel);
   for (int64_t n = n0; n < n1; n += kPanelOutputs) {
     const int64_t outputs = std::min<int64_t>(kPanelOutputs, n1 - n);
     for (int64_t o = 0; o < outputs; ++o) {
@@ -589,13 +591,22 @@ void Rows(const float* x, const Activations* rounded, int64_t T, int64_t K, cons
         }
       }
     }
-    // A tile of rows of x stays in L1 while it meets each group of the panel's outputs.
-    for (int64_t m = 0; m < T; m += kTileRows) {
-      const int64_t rows = std::min<int64_t>(kTileRows, T - m);
-      for (int64_t g = 0; g < outputs; g += kTileOutputs) {
-        kPanelTiles.fn[rows][std::min<int64_t>(kTileOutputs, outputs - g)](
-            x + m * K, K, pw + g * panel_bytes, panel_bytes, out + m * ldo + n + g, ldo);
+    // sums[o, t] = out[t, n + o]; a block of xt stays in cache while each tile of the panel's
+    // rows meets it.
+    for (int64_t k = 0; k < K; k += jc::kDepth) {
+      const int64_t depth = std::min(jc::kDepth, K - k);
+      for (int64_t o = 0; o < outputs; o += jc::kRows) {
+        const int64_t rows = std::min<int64_t>(jc::kRows, outputs - o);
+        for (int64_t t = 0; t < Tp; t += jc::kPanel) {
+          const int64_t vecs = std::min<int64_t>(jc::kVecs, (Tp - t) / jc::kLanes);
+          jc::kTiles<float>.fn[vecs][rows](panel + o * K + k, K, xt + k * Tp + t, Tp,
+                                           sums.data() + o * Tp + t, Tp, depth, k > 0,
+                                           jc::Prefetch<float>{});
+        }
       }
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t o = 0; o < outputs; ++o) out[t * ldo + n + o] = sums[o * Tp + t];
     }
   }
 }
@@ -620,6 +631,10 @@ void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K,
     first_group.push_back(first_group.back() + (w.N + kTileOutputs - 1) / kTileOutputs);
   }
   const int64_t groups = first_group.back();
+  // The wide path's x transposed, once per call for both threads.
+  const int64_t Tp = (T + jaxserve_cpu::kLanes - 1) / jaxserve_cpu::kLanes * jaxserve_cpu::kLanes;
+  const std::vector<float> xt =
+      !rounded && T > kTileRows ? Transpose(x, T, K, Tp) : std::vector<float>();
   const int64_t chunks = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), groups);
   jaxserve_cpu::ParallelFor(pool, chunks, [&](int64_t i) {
     const int64_t g0 = groups * i / chunks, g1 = groups * (i + 1) / chunks;
@@ -627,7 +642,8 @@ void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K,
       const int64_t a = std::max(g0, first_group[j]), b = std::min(g1, first_group[j + 1]);
       if (a >= b) continue;
       const Weight& w = weights[j];
-      Rows<F>(x, rounded ? &rounded_x : nullptr, T, K, w.blocks, out + w.column, ldo,
+      Rows<F>(x, rounded ? &rounded_x : nullptr, xt.data(), Tp, T, K, w.blocks, out + w.column,
+              ldo,
               std::min(w.N, (a - first_group[j]) * kTileOutputs),
               std::min(w.N, (b - first_group[j]) * kTileOutputs));
     }
