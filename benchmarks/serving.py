@@ -185,13 +185,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None,
                    help="the engine's --quantization (e.g. gguf: a GGUF file's blocks read in "
                         "place; default: the engine's)")
+    p.add_argument("--gguf-dot", default=None,
+                   help="the engine's --gguf-dot (with --quantization gguf: int8 takes llama.cpp's "
+                        "integer dot products at decode rows; default: the engine's)")
 
 
 def engine_kwargs(args) -> dict:
     kwargs = {"max_model_len": args.max_model_len, "num_pages": args.num_pages,
               "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens}
-    for name in ("dtype", "quantization"):
+    for name in ("dtype", "quantization", "gguf_dot"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     return kwargs
