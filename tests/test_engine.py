@@ -107,8 +107,9 @@ def test_golden_with_int8_weights_or_a_bf16_kv_cache(smollm2_golden, engine):
     # int8: the GGUF's Q4_1 blocks land on int8 codes exactly (jaxserve.weights.quantize), from a
     # quarter of the layers' f32 weight bytes. gguf: the Q4_1 / Q8_0 blocks read in place by the
     # CPU kernel in decodes of up to 8 rows (the prefills here dequantize through XLA). bf16 KV
-    # cache: K and V rounded to bf16, attention still in f32. Each way, and int8 with bf16, the
-    # golden tokens stay equal. Steps of at least 8 tokens (the gguf decode path's largest): the
+    # cache: K and V rounded to bf16, attention still in f32. Each way the golden tokens stay
+    # equal; with a bf16 cache up to a near tie (`assert_golden_up_to_a_near_tie`). Steps of at
+    # least 8 tokens (the gguf decode path's largest): the
     # smaller buckets' programs are test_golden_alone_mixed_and_prefix_cached's subject, and
     # each bucket below 8 is one more forward, and one more row count of samplers, to compile.
     llm = LLM(SMOLLM2, **engine, num_pages=64, max_num_seqs=8, max_num_batched_tokens=256,
@@ -116,9 +117,34 @@ def test_golden_with_int8_weights_or_a_bf16_kv_cache(smollm2_golden, engine):
     assert llm.engine.config.model.quantization == {"none": None}.get(engine["quantization"],
                                                                       engine["quantization"])
     assert llm.engine.runner.kv_cache.dtype == engine.get("kv_cache_dtype", "float32")
-    assert_golden(llm.generate(golden_prompts(smollm2_golden), GREEDY), smollm2_golden)
+    if "kv_cache_dtype" in engine:
+        outs = llm.generate(golden_prompts(smollm2_golden), GREEDY.replace(logprobs=2))
+        assert_golden_up_to_a_near_tie(outs, smollm2_golden)
+    else:
+        assert_golden(llm.generate(golden_prompts(smollm2_golden), GREEDY), smollm2_golden)
     assert llm.engine.runner.num_serving_compiles == 0
     assert_no_leaks(llm.engine)
+
+
+# A bf16 KV cache moves the logprobs by ~1e-2 (SmolLM2's golden prompts), so a greedy token may
+# flip where HF's top two are closer than that: "Once upon a time..." at its 6th token, 0.0045
+# apart in f32, flips on some hosts (Intel Emerald Rapids) and not on others (AMD EPYC), by the
+# f32 sums' order each host's XLA picks.
+BF16_CACHE_TIE = 0.02
+
+
+def assert_golden_up_to_a_near_tie(outs, golden) -> None:
+    """Each case's golden tokens, or the golden prefix and then, at the first token that differs,
+    a near tie: the golden token the runner-up, within BF16_CACHE_TIE of the token taken."""
+    for out, case in zip(outs, golden["cases"]):
+        got, want = out.outputs[0].token_ids, case["greedy_ids"]
+        i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if i is None:
+            assert_golden([out], {"cases": [case]})
+            continue
+        (first, lp_first), (second, lp_second) = out.outputs[0].logprobs[i].top[:2]
+        assert (first, second) == (got[i], want[i]), (case["case"], i)
+        assert lp_first - lp_second < BF16_CACHE_TIE, (case["case"], i, lp_first - lp_second)
 
 
 @pytest.mark.slow
