@@ -66,7 +66,8 @@ SETTINGS = (
                  "prompts' greedy tokens change); f32 (the default) keeps them f32"),
     Setting("kv_cache_dtype", str, CACHE, field="dtype", choices=DTYPES, grouped=False,
             help="the KV cache's element type (default: the model's dtype); bfloat16 halves its "
-                 "memory (golden greedy tokens unchanged on SmolLM2)"),
+                 "memory (SmolLM2's golden greedy tokens unchanged but for near ties: a top two "
+                 "within ~0.01 of logprob may swap)"),
     Setting("max_model_len", int, SCHEDULER, help="context length (prompt + output)"),
     Setting("max_num_seqs", int, SCHEDULER, help="sequences per step"),
     Setting("max_num_batched_tokens", int, SCHEDULER, help="tokens per step"),
