@@ -107,10 +107,13 @@ class ShardedIndex:
         """(scores [Q, k'], ids [Q, k']), k' = min(k, live chunks); missing ids are -1.
         `vectors_of`: see VectorIndex.search."""
         live = [s for s in self.shards if s.num_live]
-        if len(live) == 1:
-            return live[0].search(queries, k, vectors_of)
         k = max(1, min(k, self.num_live))
-        results = list(self._pool.map(lambda s: s.search(queries, k, vectors_of), live))
+        if len(live) == 1:
+            results = [live[0].search(queries, k, vectors_of)]
+        else:
+            results = list(self._pool.map(lambda s: s.search(queries, k, vectors_of), live))
+        # Merged from one shard too: equal scores then come in id order whatever the shard count
+        # (FAISS's own order of ties differed, and on some hosts two chunks score exactly alike).
         return merge_top_k([s for s, _ in results], [i for _, i in results], k)
 
     def save(self, directory: Path) -> None:
