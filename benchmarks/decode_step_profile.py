@@ -1,14 +1,17 @@
-"""Where one batch-1 decode step's time goes (issue 42): the step of SmolLM2's GGUF through the
-blocks kernel, itemized from a jax.profiler trace of XLA:CPU's thunks, and the step against a
-baseline path rebuilt in the same process.
+"""Where one decode step's time goes (issue 42): the step of SmolLM2's GGUF through the blocks
+kernel (or, `--quantization none`, the f32 load through the stacked f32 kernel), by default at one
+sequence, itemized from a jax.profiler trace of XLA:CPU's thunks, and the step against a baseline
+path rebuilt in the same process.
 
     python benchmarks/decode_step_profile.py [--rounds 3] [--repeats 10] [--baseline NAME ...]
+    python benchmarks/decode_step_profile.py --num-seqs 64 [--quantization none]
 
-The step is what serving runs for one sequence: the forward at token bucket 1 (30 layers, the LM
-head on one row), the greedy sampler, the token read on the host (benchmarks/throughput.py's
+The step is what serving runs for --num-seqs decoding sequences: the forward at that token
+bucket (30 layers, the LM head on those rows), the greedy sampler, the token read on the host (benchmarks/throughput.py's
 `greedy_step_seconds`' step), best of --repeats per round, in wall time and in the process's CPU
 time. The trace's events are grouped:
 - `gguf <shape>`: the quantized kernel's calls (jaxserve_quantized_matmul), by output shape;
+- `f32 <shape>`: the f32 stacked-weights kernel's calls (jaxserve_stacked_matmul), by shape;
 - `attention decode`, `kv write`: the attention custom call and the step's K/V written into
   the cache (the library's call, or XLA's scatter: its dynamic-update-slice, the guard that
   drops out-of-range slots and the copy XLA adds of the cache's buffer);
@@ -78,6 +81,8 @@ def group(name: str, targets: dict[str, str]) -> str:
     target = targets.get(name, "")
     if target.startswith("jaxserve_quantized_matmul"):
         return "gguf " + target.split()[1]
+    if target.startswith("jaxserve_stacked_matmul"):
+        return "f32 " + target.split()[1]
     if target.startswith("jaxserve_paged_decode"):
         return "attention decode"
     if target.startswith("jaxserve_write_kv") or "dynamic-update-slice" in name \
@@ -131,12 +136,13 @@ def itemize(trace_dir: str, targets: dict[str, str]) -> list[dict]:
 
 
 def step_seconds(runner, rows, repeats: int) -> tuple[float, float]:
-    """Best of `repeats` one-sequence decode steps (throughput.greedy_step_seconds' step), in
+    """Best of `repeats` decode steps of len(rows) sequences (throughput.greedy_step_seconds'
+    step), in
     wall time and in the process's CPU time (both threads; on a loaded host the CPU time is the
     steadier figure: it does not count the time the step waited for a core)."""
     from throughput import decode_plan
 
-    plan, _ = decode_plan(runner.shapes, 1)
+    plan, _ = decode_plan(runner.shapes, len(rows))
     runner.sample(runner.forward(plan), rows)
     wall = cpu = float("inf")
     for _ in range(repeats):
@@ -149,7 +155,8 @@ def step_seconds(runner, rows, repeats: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--quantization", default="gguf")
+    ap.add_argument("--quantization", default="gguf", help="gguf, or none: the f32 load")
+    ap.add_argument("--num-seqs", type=int, default=1, help="decoding sequences in the step")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--traced-steps", type=int, default=10)
@@ -164,9 +171,11 @@ def main() -> None:
     from jaxserve.executor.sampling_rows import SamplingRow
 
     print(f"cpu: {cpu_line()}; load average at start {os.getloadavg()}", flush=True)
-    # One sequence: the forward compiled for token bucket 1, as serving runs a lone decode.
-    kw = dict(quantization=args.quantization, max_num_seqs=1, max_num_batched_tokens=1,
-              max_model_len=512, num_pages=40, progress=False)
+    # The forward compiled for a token bucket of --num-seqs (1: as serving runs a lone decode).
+    n = args.num_seqs
+    kw = dict(quantization=None if args.quantization == "none" else args.quantization,
+              max_num_seqs=n, max_num_batched_tokens=n, max_model_len=512, num_pages=40 * n,
+              progress=False)
     llms = {}
     for name in args.baseline:
         with BASELINES[name]():
@@ -174,7 +183,7 @@ def main() -> None:
     llms["current"] = LLM(args.model, **kw)
     print(f"engines built; load average {os.getloadavg()}", flush=True)
 
-    rows = [SamplingRow(SamplingParams(temperature=0, max_tokens=None), 0, [1], [])]
+    rows = [SamplingRow(SamplingParams(temperature=0, max_tokens=None), 0, [1], [])] * n
     wall, cpu = dict.fromkeys(llms, float("inf")), dict.fromkeys(llms, float("inf"))
     for r in range(args.rounds):
         for name, llm in llms.items():
@@ -191,8 +200,8 @@ def main() -> None:
 
     for name, llm in llms.items():
         runner = llm.engine.runner
-        plan, _ = decode_plan(runner.shapes, 1)
-        targets = ffi_targets(runner._programs[("forward", 1)].as_text())
+        plan, _ = decode_plan(runner.shapes, n)
+        targets = ffi_targets(runner._programs[("forward", n)].as_text())
         with tempfile.TemporaryDirectory() as trace_dir:
             jax.profiler.start_trace(trace_dir)
             for _ in range(args.traced_steps):

@@ -528,11 +528,15 @@ struct IntTiles {
 constexpr int kPanelOutputs = 8 * kTileOutputs;
 
 // x[T, K] transposed for the wide path: xt[K, Tp], Tp = T rounded up to whole vectors (zeros
-// past T), so that the f32 kernel's tiles (matmul_tiles.h) take x's rows as their columns.
+// past T), so that the f32 kernel's tiles (matmul_tiles.h) take x's rows as their columns. By 16
+// columns of x at a time: the 16 rows of xt they fill stay in L1 across x's rows.
 std::vector<float> Transpose(const float* x, int64_t T, int64_t K, int64_t Tp) {
   std::vector<float> xt(K * Tp, 0.0f);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t k = 0; k < K; ++k) xt[k * Tp + t] = x[t * K + k];
+  for (int64_t k0 = 0; k0 < K; k0 += 16) {
+    const int64_t k1 = std::min<int64_t>(K, k0 + 16);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t k = k0; k < k1; ++k) xt[k * Tp + t] = x[t * K + k];
+    }
   }
   return xt;
 }
@@ -576,6 +580,9 @@ void Rows(const float* x, const Activations* rounded, const float* xt, int64_t T
   // Aligned to a vector: the tiles' loads then never split a cache line.
   float* panel = panel_buffer.data() +
                  (-reinterpret_cast<uintptr_t>(panel_buffer.data()) / sizeof(float)) % kLanes;
+  // x's rows as the fewest tiles of up to kVecs vectors, split evenly (64 rows: 2 + 2 vectors,
+  // not 3 + 1, whose one-vector tile has 8 FMAs a step to the 3-vector tile's 24).
+  const int64_t col_vecs = Tp / jc::kLanes, col_tiles = (col_vecs + jc::kVecs - 1) / jc::kVecs;
   for (int64_t n = n0; n < n1; n += kPanelOutputs) {
     const int64_t outputs = std::min<int64_t>(kPanelOutputs, n1 - n);
     for (int64_t o = 0; o < outputs; ++o) {
@@ -597,11 +604,12 @@ void Rows(const float* x, const Activations* rounded, const float* xt, int64_t T
       const int64_t depth = std::min(jc::kDepth, K - k);
       for (int64_t o = 0; o < outputs; o += jc::kRows) {
         const int64_t rows = std::min<int64_t>(jc::kRows, outputs - o);
-        for (int64_t t = 0; t < Tp; t += jc::kPanel) {
-          const int64_t vecs = std::min<int64_t>(jc::kVecs, (Tp - t) / jc::kLanes);
+        for (int64_t i = 0, t = 0; i < col_tiles; ++i) {
+          const int64_t vecs = col_vecs / col_tiles + (i < col_vecs % col_tiles ? 1 : 0);
           jc::kTiles<float>.fn[vecs][rows](panel + o * K + k, K, xt + k * Tp + t, Tp,
                                            sums.data() + o * Tp + t, Tp, depth, k > 0,
                                            jc::Prefetch<float>{});
+          t += vecs * jc::kLanes;
         }
       }
     }
