@@ -276,6 +276,8 @@ QUANTIZED_CASES = [  # T, K, N
     (4, 576, 12),  # SmolLM2's hidden size: 18 blocks; the integer path's widest tile
     (9, 576, 36),  # the panel path over three blocks of 256 along K
     (37, 128, 70),  # wide: two panels of 32 outputs and a tail of 6, a tail of rows
+    (64, 64, 9),  # x's rows as tiles split evenly (AVX-512: 2 + 2 vectors; AVX2: 4 x 2)
+    (70, 64, 10),  # unevenly (AVX-512: 3 + 2; AVX2: 2, 2, 2, 2, 1; generic: 9 tiles)
 ]
 
 
