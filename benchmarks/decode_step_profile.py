@@ -7,9 +7,9 @@ path rebuilt in the same process.
     python benchmarks/decode_step_profile.py --num-seqs 64 [--quantization none]
 
 The step is what serving runs for --num-seqs decoding sequences: the forward at that token
-bucket (30 layers, the LM head on those rows), the greedy sampler, the token read on the host (benchmarks/throughput.py's
-`greedy_step_seconds`' step), best of --repeats per round, in wall time and in the process's CPU
-time. The trace's events are grouped:
+bucket (30 layers, the LM head on those rows), the greedy sampler, the tokens read on the host
+(benchmarks/throughput.py's `greedy_step_seconds`' step), best of --repeats per round, in wall
+time and in the process's CPU time. The trace's events are grouped:
 - `gguf <shape>`: the quantized kernel's calls (jaxserve_quantized_matmul), by output shape;
 - `f32 <shape>`: the f32 stacked-weights kernel's calls (jaxserve_stacked_matmul), by shape;
 - `attention decode`, `kv write`: the attention custom call and the step's K/V written into
@@ -137,9 +137,8 @@ def itemize(trace_dir: str, targets: dict[str, str]) -> list[dict]:
 
 def step_seconds(runner, rows, repeats: int) -> tuple[float, float]:
     """Best of `repeats` decode steps of len(rows) sequences (throughput.greedy_step_seconds'
-    step), in
-    wall time and in the process's CPU time (both threads; on a loaded host the CPU time is the
-    steadier figure: it does not count the time the step waited for a core)."""
+    step), in wall time and in the process's CPU time (both threads; on a loaded host the CPU time
+    is the steadier figure: it does not count the time the step waited for a core)."""
     from throughput import decode_plan
 
     plan, _ = decode_plan(runner.shapes, len(rows))
