@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -270,25 +271,48 @@ def layer_rope_frequencies(config: ModelConfig) -> np.ndarray:
     return np.stack([full if w is None else local for w in c.layer_windows])
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
-               config: ModelConfig) -> jax.Array:
-    """x [T, heads, D] rotated by position (rotate-half convention, angles in f32) on its first
-    rotary_dim dims; inv_freq [2, rotary_dim / 2] as `rope_frequencies` gives it. Longrope picks
-    the row per token, so a cached key keeps the rotation it was written with (as HF's decode
-    does); its attention_factor scales cos and sin."""
+class RopeTables(NamedTuple):
+    """cos and sin [S, T, rotary_dim / 2] of a step's positions for each of the S distinct
+    frequency sets of `layer_rope_frequencies` (longrope's row picked per token, its or yarn's
+    attention_factor applied), and each layer's set (host constant [L])."""
+    cos: jax.Array
+    sin: jax.Array
+    layer_set: np.ndarray
+
+    def of_layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The layer's cos and sin [T, rotary_dim / 2]."""
+        if self.cos.shape[0] == 1:
+            return self.cos[0], self.sin[0]
+        s = jnp.asarray(self.layer_set)[layer]
+        return self.cos[s], self.sin[s]
+
+
+def rope_tables(config: ModelConfig, positions: jax.Array) -> RopeTables:
+    """The step's `RopeTables`, computed once, outside the layers' scan: inside it XLA:CPU fused
+    cos and sin into each layer's rotation and evaluated them again for every head's element
+    (~9% of a 64-row decode step of SmolLM2)."""
     rs = config.rope_scaling
-    freqs = inv_freq[0][None, :]
+    sets, layer_set = np.unique(layer_rope_frequencies(config), axis=0, return_inverse=True)
+    freqs = jnp.asarray(sets[:, 0])[:, None, :]
     mscale = 1.0
     if rs is not None and rs.rope_type == "longrope":
         past = positions >= rs.original_max_position_embeddings
-        freqs = jnp.where(past[:, None], inv_freq[1][None, :], freqs)
+        freqs = jnp.where(past[None, :, None], jnp.asarray(sets[:, 1])[:, None, :], freqs)
         mscale = rs.attention_factor
     elif rs is not None and rs.rope_type == "yarn":
         mscale = rs.attention_factor
-    angles = positions.astype(jnp.float32)[:, None] * freqs
-    cos = (jnp.cos(angles) * mscale)[:, None, :].astype(x.dtype)
-    sin = (jnp.sin(angles) * mscale)[:, None, :].astype(x.dtype)
-    rot, rest = jnp.split(x, [2 * inv_freq.shape[-1]], axis=-1)
+    angles = positions.astype(jnp.float32)[None, :, None] * freqs
+    return RopeTables(jnp.cos(angles) * mscale, jnp.sin(angles) * mscale, layer_set.reshape(-1))
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, heads, D] rotated by position (rotate-half convention) on its first rotary_dim
+    dims, by the layer's cos and sin [T, rotary_dim / 2] (`RopeTables.of_layer`). Longrope's
+    tables pick the row per token, so a cached key keeps the rotation it was written with (as
+    HF's decode does)."""
+    cos = cos[:, None, :].astype(x.dtype)
+    sin = sin[:, None, :].astype(x.dtype)
+    rot, rest = jnp.split(x, [2 * cos.shape[-1]], axis=-1)
     x1, x2 = jnp.split(rot, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
@@ -348,9 +372,9 @@ class DecoderLayer(nn.Module):
     mesh: jax.sharding.Mesh | None = None  # tensor parallel: attention runs per device
 
     @nn.compact
-    def __call__(self, carry, layer: jax.Array, batch: BatchPlan,
+    def __call__(self, carry, layer: jax.Array, batch: BatchPlan, rope: RopeTables,
                  stacked_projections: dict | None = None, moe_mlp=None, moe_counts=None):
-        """`stacked_projections`: the projection weights of all layers ([L, ...] each, not in
+        """`rope`: the step's rotations (`rope_tables`). `stacked_projections`: the projection weights of all layers ([L, ...] each, not in
         this layer's params; a mixture's four of attention), read in place by the CPU kernel (`_projections_in_place`).
         `moe_mlp`: with config.num_experts, (h, layer) -> the layer's MLP (moe.layer_mlp), whose
         weights are not in the layer's params. `moe_counts`: (h, layer) -> the tokens it routes
@@ -359,7 +383,7 @@ class DecoderLayer(nn.Module):
         c = self.config
         dt = jnp.dtype(c.dtype)
         if c.mla is not None:
-            return self._latent_layer(x, kv_cache, layer, batch, moe_mlp), None
+            return self._latent_layer(x, kv_cache, layer, batch, rope, moe_mlp), None
         H, Hq, Hkv, D, I = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
 
         def weight(name, shape, axes, fan_in):
@@ -398,9 +422,9 @@ class DecoderLayer(nn.Module):
         if c.qk_norm:
             q = norm("q_norm", q, D, "head_dim")
             k = norm("k_norm", k, D, "head_dim")
-        inv_freq = jnp.asarray(layer_rope_frequencies(c))[layer]
-        q = apply_rope(q, batch.positions, inv_freq, c)
-        k = apply_rope(k, batch.positions, inv_freq, c)
+        cos, sin = rope.of_layer(layer)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
 
         sinks = (_param(self, "sinks", (Hq,), ("heads",), dt, nn.initializers.normal(stddev=1.0))
                  if c.attention_sinks else None)
@@ -437,7 +461,7 @@ class DecoderLayer(nn.Module):
         return (x, kv_cache), expert_tokens
 
 
-    def _latent_layer(self, x, kv_cache, layer, batch: BatchPlan, moe_mlp):
+    def _latent_layer(self, x, kv_cache, layer, batch: BatchPlan, rope: RopeTables, moe_mlp):
         """A DeepSeek-V3 block: latent attention over the latent cache
         (jaxserve.executor.models.mla), then the layer's MLP (dense or experts: moe_mlp)."""
         c = self.config
@@ -449,11 +473,11 @@ class DecoderLayer(nn.Module):
 
         p = {name: _param(self, name, shape, axes, dt, _fan_in_normal(fan_in) if fan_in else ones)
              for name, (shape, axes, fan_in) in mla.param_specs(c).items()}
-        inv_freq = jnp.asarray(layer_rope_frequencies(c))[layer]
+        cos, sin = rope.of_layer(layer)
         h, kv_cache = mla.attention(
             c, self.mesh, p, rms_norm(x, norm("input_norm"), c.rms_norm_eps), layer, batch,
             kv_cache, norm=lambda v, w: rms_norm(v, w, mla.LATENT_NORM_EPS),
-            rope=lambda v: apply_rope(v, batch.positions, inv_freq, c), precision=_precision(c),
+            rope=lambda v: apply_rope(v, cos, sin), precision=_precision(c),
             initializing=self.is_initializing())
         x = x + h
         return x + moe_mlp(rms_norm(x, norm("post_attention_norm"), c.rms_norm_eps), layer), \
@@ -489,7 +513,9 @@ def _boxed_init(config: ModelConfig, rng: jax.Array) -> dict:
     k_embed, k_head, k_layers = jax.random.split(rng, 3)
     carry = (jnp.zeros((1, c.hidden_size), dt), init_kv_cache(c, num_pages=1, page_size=1))
     layer = DecoderLayer(c)
-    layers = jax.vmap(lambda k: layer.init(k, carry, jnp.int32(0), _init_batch(), None,
+    batch = _init_batch()
+    layers = jax.vmap(lambda k: layer.init(k, carry, jnp.int32(0), batch,
+                                           rope_tables(c, batch.positions), None,
                                            lambda h, layer: h)["params"])(
         jax.random.split(k_layers, c.num_layers))
     params = {
@@ -580,10 +606,12 @@ def _layers(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: Batch
         valid = jnp.arange(batch.token_ids.shape[0]) < batch.cu_q_lens[batch.num_seqs[0]]
         moe_counts = moe.layer_expert_tokens(config, params, valid)
 
+    rope = rope_tables(config, batch.positions)
+
     def body(carry, xs):
         layer_params, layer_id = xs
-        return layer.apply({"params": layer_params}, carry, layer_id, batch, stacked, moe_mlp,
-                           moe_counts)
+        return layer.apply({"params": layer_params}, carry, layer_id, batch, rope, stacked,
+                           moe_mlp, moe_counts)
 
     x = jnp.take(params["embed_tokens"], batch.token_ids, axis=0)
     if (fmt := _gguf_format(config, "embed_tokens")) is not None:
