@@ -374,8 +374,9 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, layer: jax.Array, batch: BatchPlan, rope: RopeTables,
                  stacked_projections: dict | None = None, moe_mlp=None, moe_counts=None):
-        """`rope`: the step's rotations (`rope_tables`). `stacked_projections`: the projection weights of all layers ([L, ...] each, not in
-        this layer's params; a mixture's four of attention), read in place by the CPU kernel (`_projections_in_place`).
+        """`rope`: the step's rotations (`rope_tables`). `stacked_projections`: the projection
+        weights of all layers ([L, ...] each, not in this layer's params; a mixture's four of
+        attention), read in place by the CPU kernel (`_projections_in_place`).
         `moe_mlp`: with config.num_experts, (h, layer) -> the layer's MLP (moe.layer_mlp), whose
         weights are not in the layer's params. `moe_counts`: (h, layer) -> the tokens it routes
         to each expert (moe.layer_expert_tokens), the layer's scan output; None: no output."""
