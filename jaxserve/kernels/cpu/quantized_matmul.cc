@@ -37,7 +37,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -571,10 +570,9 @@ inline void TransposeInto(const float* src, int64_t lds, int64_t rows, int64_t c
 
 // x[T, K] transposed for the wide path: xt[K, Tp], Tp = T rounded up to whole vectors (zeros
 // past T), so that the f32 kernel's tiles (matmul_tiles.h) take x's rows as their columns.
-std::unique_ptr<float[]> Transpose(const float* x, int64_t T, int64_t K, int64_t Tp) {
-  std::unique_ptr<float[]> xt(new float[K * Tp]);
-  TransposeInto(x, K, T, K, xt.get(), Tp);
-  for (int64_t k = 0; k < K; ++k) std::fill(xt.get() + k * Tp + T, xt.get() + (k + 1) * Tp, 0.0f);
+std::vector<float> Transpose(const float* x, int64_t T, int64_t K, int64_t Tp) {
+  std::vector<float> xt(K * Tp, 0.0f);
+  TransposeInto(x, K, T, K, xt.data(), Tp);
   return xt;
 }
 
@@ -676,8 +674,8 @@ void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K,
   const int64_t groups = first_group.back();
   // The wide path's x transposed, once per call for both threads.
   const int64_t Tp = (T + jaxserve_cpu::kLanes - 1) / jaxserve_cpu::kLanes * jaxserve_cpu::kLanes;
-  const std::unique_ptr<float[]> xt =
-      !rounded && T > kTileRows ? Transpose(x, T, K, Tp) : nullptr;
+  const std::vector<float> xt =
+      !rounded && T > kTileRows ? Transpose(x, T, K, Tp) : std::vector<float>();
   const int64_t chunks = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), groups);
   jaxserve_cpu::ParallelFor(pool, chunks, [&](int64_t i) {
     const int64_t g0 = groups * i / chunks, g1 = groups * (i + 1) / chunks;
@@ -685,7 +683,7 @@ void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K,
       const int64_t a = std::max(g0, first_group[j]), b = std::min(g1, first_group[j + 1]);
       if (a >= b) continue;
       const Weight& w = weights[j];
-      Rows<F>(x, rounded ? &rounded_x : nullptr, xt.get(), Tp, T, K, w.blocks, out + w.column,
+      Rows<F>(x, rounded ? &rounded_x : nullptr, xt.data(), Tp, T, K, w.blocks, out + w.column,
               ldo,
               std::min(w.N, (a - first_group[j]) * kTileOutputs),
               std::min(w.N, (b - first_group[j]) * kTileOutputs));
