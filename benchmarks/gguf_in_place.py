@@ -7,8 +7,9 @@ quantized kernel against the same file dequantized to f32 at load, in one proces
 Engines, built side by side and taking turns each round:
 - f32: `--quantization none` (the path before: the blocks dequantized at load, 540 MB of f32
   weights read per decode step, the f32 in-place kernel from 2 rows);
-- gguf: `--quantization gguf` (opt-in): the blocks read in place
-  by jaxserve/kernels/cpu/quantized_matmul.cc in steps of up to QUANTIZED_MAX_ROWS tokens;
+- gguf: `--quantization gguf` (the default for a GGUF file on one CPU device): the blocks read
+  in place by jaxserve/kernels/cpu/quantized_matmul.cc in steps of up to QUANTIZED_MAX_ROWS
+  tokens;
 - gguf-xla: the same blocks, every step's layers dequantized through XLA (QUANTIZED_MAX_ROWS 0
   while it compiles; the LM head still through the kernel): where the kernel's row limit goes;
 - gguf-int8: `--quantization gguf --gguf-dot int8`: steps of up to INT8_DOT_MAX_ROWS tokens

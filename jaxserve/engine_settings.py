@@ -56,14 +56,16 @@ SETTINGS = (
     Setting("quantization", str, LOAD, choices=(*QUANTIZATIONS[1:], "none"), short="-q",
             grouped=False,
             help="gguf: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks kept as they are and read in "
-                 "place by the CPU kernel (faster for one or a few sequences); none (the "
-                 "default): dequantized to --dtype at load; int8: the decoder layers' weights stored as int8 groups of 32 "
-                 "(a quarter of the f32 bytes)"),
+                 "place by the CPU kernel (the default for a GGUF file computed in float32 on one "
+                 "CPU device; elsewhere the default is none); none: dequantized to --dtype at "
+                 "load; int8: the decoder layers' weights stored as int8 groups of 32 (a quarter "
+                 "of the f32 bytes)"),
     Setting("gguf_dot", str, LOAD, choices=GGUF_DOTS, grouped=False,
-            help="with --quantization gguf, steps of up to 4 tokens (one user's decodes): int8 "
-                 "rounds the activations to int8 per block of 32 and takes the CPU's integer dot "
-                 "products, as llama.cpp does (faster; moves the logits: 3 of the 6 golden "
-                 "prompts' greedy tokens change); f32 (the default) keeps them f32"),
+            help="with a GGUF file's blocks (--quantization gguf), steps of up to 4 tokens (one "
+                 "user's decodes): int8 rounds the activations to int8 per block of 32 and takes "
+                 "the CPU's integer dot products, as llama.cpp does (faster; moves the logits: 3 "
+                 "of the 6 golden prompts' greedy tokens change); f32 (the default) keeps them "
+                 "f32"),
     Setting("kv_cache_dtype", str, CACHE, field="dtype", choices=DTYPES, grouped=False,
             help="the KV cache's element type (default: the model's dtype); bfloat16 halves its "
                  "memory (SmolLM2's golden greedy tokens unchanged but for near ties: a top two "

@@ -99,19 +99,18 @@ def test_golden_alone_mixed_and_prefix_cached(smollm2_llm, smollm2_golden):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", [dict(quantization="int8"),
-                                    dict(quantization="gguf"),
+                                    dict(quantization="none"),
                                     dict(quantization="none", kv_cache_dtype="bfloat16"),
                                     dict(quantization="int8", kv_cache_dtype="bfloat16")],
-                         ids=["int8-weights", "gguf-blocks", "f32-weights-bf16-kv-cache", "both"])
+                         ids=["int8-weights", "f32-load", "f32-weights-bf16-kv-cache", "both"])
 def test_golden_with_int8_weights_or_a_bf16_kv_cache(smollm2_golden, engine):
     # int8: the GGUF's Q4_1 blocks land on int8 codes exactly (jaxserve.weights.quantize), from a
-    # quarter of the layers' f32 weight bytes. gguf: the Q4_1 / Q8_0 blocks read in place by the
-    # CPU kernel in decodes of up to 8 rows (the prefills here dequantize through XLA). bf16 KV
-    # cache: K and V rounded to bf16, attention still in f32. Each way the golden tokens stay
-    # equal; with a bf16 cache up to a near tie (`assert_golden_up_to_a_near_tie`). Steps of at
-    # least 8 tokens (the gguf decode path's largest): the smaller buckets' programs are
-    # test_golden_alone_mixed_and_prefix_cached's subject, and each bucket below 8 is one more
-    # forward, and one more row count of samplers, to compile.
+    # quarter of the layers' f32 weight bytes. none: the blocks dequantized to f32 at load (the
+    # default here reads them in place: the other golden tests' subject). bf16 KV cache: K and V
+    # rounded to bf16, attention still in f32. Each way the golden tokens stay equal; with a bf16
+    # cache up to a near tie (`assert_golden_up_to_a_near_tie`). Steps of at least 8 tokens: the
+    # smaller buckets' programs are test_golden_alone_mixed_and_prefix_cached's subject, and each
+    # bucket below 8 is one more forward, and one more row count of samplers, to compile.
     llm = LLM(SMOLLM2, **engine, num_pages=64, max_num_seqs=8, max_num_batched_tokens=256,
               max_model_len=512, min_token_bucket=8, strict_compile=True, progress=False)
     assert llm.engine.config.model.quantization == {"none": None}.get(engine["quantization"],

@@ -273,6 +273,31 @@ def test_gguf_blocks_kept_are_the_dequantized_load(tmp_path):
     assert load_gguf(path, keep_blocks=True)[0].gguf_formats == (("embed_tokens", "q8_0"),)
 
 
+def test_gguf_blocks_are_the_default_where_the_cpu_kernels_read_them(tmp_path, monkeypatch):
+    # Unset, a GGUF file's blocks are kept on one CPU device in f32; a mesh, bf16, the kernels
+    # switched off (or an accelerator: the same switch's question) and other formats load f32.
+    from jaxserve.kernels import cpu as cpu_kernels
+    from jaxserve.weights import resolve_quantization
+
+    if not cpu_kernels.enabled():
+        pytest.skip(f"the CPU kernels are off here: {cpu_kernels.why_off()}")
+    T = GGMLQuantizationType
+    types = dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                           "ffn_down"), T.Q4_0)
+    spec = ModelSpec("q", "gguf", write_gguf(tmp_path / "q.gguf", LLAMA, random_params(LLAMA),
+                                             projections=types))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+    assert resolve_quantization(spec, None) == "gguf"
+    assert load_model(spec)[0].quantization == "gguf"
+    assert load_model(spec, quantization="none")[0].quantization is None
+    assert resolve_quantization(spec, None, dtype="bfloat16") is None
+    assert resolve_quantization(spec, None, mesh=mesh) is None
+    assert resolve_quantization(ModelSpec("m", "hf", tmp_path), None) is None
+    assert resolve_quantization(spec, "int8", mesh=mesh) == "int8"
+    monkeypatch.setenv(cpu_kernels.ENV, "off")
+    assert resolve_quantization(spec, None) is None
+
+
 def test_gguf_bad_inputs(tmp_path):
     params = random_params(LLAMA)
     bad_arch = write_gguf(tmp_path / "bert.gguf", LLAMA, params, arch="bert")

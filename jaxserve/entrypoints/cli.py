@@ -54,7 +54,8 @@ def _timed_load(spec: ModelSpec, dtype: str | None):
     from jaxserve.weights import load_model
 
     t0 = time.perf_counter()
-    config, params = load_model(spec, dtype)
+    # Dequantized ("none"): a checkpoint serves on any device or mesh, not only the CPU kernels.
+    config, params = load_model(spec, dtype, quantization="none")
     jax.block_until_ready(params)
     return config, params, time.perf_counter() - t0
 

@@ -61,16 +61,24 @@ def param_bytes(config: ModelConfig) -> int:
                for s in jax.tree.leaves(decoder.param_shapes(config)))
 
 
-def resolve_quantization(spec: ModelSpec, quantization: str | None) -> str | None:
-    """The weight storage a load uses. None (unset) and "none": the source's dtype; "int8" /
-    "gguf" as asked (gguf needs a GGUF file). The blocks are not yet the default for a GGUF file:
-    a 64-sequence step through them measures about level with the f32 load's, not clearly above
-    it (docs/engine.md, "GGUF blocks read in place")."""
+def resolve_quantization(spec: ModelSpec, quantization: str | None, dtype: str | None = None,
+                         mesh: jax.sharding.Mesh | None = None) -> str | None:
+    """The weight storage a load asks for. "none": the source's dtype; "int8" / "gguf" as asked
+    (gguf needs a GGUF file). None (unset): "gguf" for a GGUF file computed in f32 on one device
+    where the CPU kernels run, which read its Q4_0 / Q4_1 / Q8_0 blocks in place (the loader keeps
+    them where it can: jaxserve.weights.gguf.block_formats; else the f32 load); the source's dtype
+    everywhere else (a mesh, bf16, an accelerator: there the blocks would be dequantized by XLA
+    every step)."""
     if quantization == "none":
         return None
     if quantization == "gguf" and spec.format != "gguf":
         raise ConfigError(f"quantization 'gguf' needs a GGUF file, not a {spec.format!r} "
                           f"source ({spec.name})")
+    if quantization is None and spec.format == "gguf" and mesh is None \
+            and (dtype or "float32") == "float32":
+        from jaxserve.kernels import cpu as cpu_kernels
+
+        return "gguf" if cpu_kernels.enabled() else None
     return quantization
 
 
@@ -85,7 +93,7 @@ def load_model(spec: ModelSpec, dtype: str | None = None, mesh: jax.sharding.Mes
     default for the source; "none": no quantization."""
     from jaxserve.executor.models import decoder
 
-    quantization = resolve_quantization(spec, quantization)
+    quantization = resolve_quantization(spec, quantization, dtype, mesh)
     if quantization is not None and spec.format == "orbax":
         raise ConfigError(f"quantization {quantization!r} needs a GGUF or HF source, not an orbax "
                           f"checkpoint ({spec.name})")
