@@ -107,7 +107,8 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
-    """(config, params) of SmolLM2 in float32 on the default device."""
+    """(config, params) of SmolLM2 in float32 on the default device, as loaded by default (the
+    GGUF's blocks kept where the CPU kernels read them)."""
     from jaxserve.model_registry import resolve
     from jaxserve.weights import load_model
 
