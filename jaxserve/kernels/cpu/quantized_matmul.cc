@@ -130,9 +130,9 @@ inline I32 Nibbles(const uint8_t* qs, int v) {
 }
 
 #if defined(__AVX512F__)
-// A Q4 block's 16 possible weights (value i: the weight of nibble i), computed as `Weights`
-// computes each weight elsewhere, so the same floats: a vector of weights is then one permute of
-// the table by the codes (vpermps reads each lane's low 4 bits: a byte's low nibble as it is, its
+// A Q4 block's 16 possible weights (value i: the weight of nibble i), computed as the other
+// builds compute each weight, so the same floats: a vector of weights is then one permute of the
+// table by the codes (vpermps reads each lane's low 4 bits: a byte's low nibble as it is, its
 // high one after a shift), where widening each code to f32 and scaling it took two more
 // instructions a vector.
 constexpr Vec kNibbleValues = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -142,35 +142,19 @@ inline Vec LookUp(const uint8_t* qs, int v, Vec table) {
       _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
   return _mm512_permutexvar_ps(v == 0 ? codes : _mm512_srli_epi32(codes, 4), table);
 }
+#endif
 
 // Q4_0: f16 d, then 16 bytes of nibbles (`Nibbles`); weight = d * (nibble - 8).
 template <>
 struct Block<kQ4_0> {
   static constexpr int kBytes = 18;
+#if defined(__AVX512F__)
   struct Scale {
     Vec table;
   };
   static Scale ScaleOf(const uint8_t* b) { return {(kNibbleValues - 8) * BroadcastHalf(b)}; }
   static Vec Weights(const uint8_t* b, int v, const Scale& s) { return LookUp(b + 2, v, s.table); }
-};
-
-// Q4_1: f16 d, f16 m, then the nibbles as Q4_0's; weight = d * nibble + m.
-template <>
-struct Block<kQ4_1> {
-  static constexpr int kBytes = 20;
-  struct Scale {
-    Vec table;
-  };
-  static Scale ScaleOf(const uint8_t* b) {
-    return {kNibbleValues * BroadcastHalf(b) + BroadcastHalf(b + 2)};
-  }
-  static Vec Weights(const uint8_t* b, int v, const Scale& s) { return LookUp(b + 4, v, s.table); }
-};
 #else
-// Q4_0: f16 d, then 16 bytes of nibbles (`Nibbles`); weight = d * (nibble - 8).
-template <>
-struct Block<kQ4_0> {
-  static constexpr int kBytes = 18;
   struct Scale {
     Vec d;
   };
@@ -178,12 +162,22 @@ struct Block<kQ4_0> {
   static Vec Weights(const uint8_t* b, int v, const Scale& s) {
     return __builtin_convertvector(Nibbles(b + 2, v) - 8, Vec) * s.d;
   }
+#endif
 };
 
 // Q4_1: f16 d, f16 m, then the nibbles as Q4_0's; weight = d * nibble + m.
 template <>
 struct Block<kQ4_1> {
   static constexpr int kBytes = 20;
+#if defined(__AVX512F__)
+  struct Scale {
+    Vec table;
+  };
+  static Scale ScaleOf(const uint8_t* b) {
+    return {kNibbleValues * BroadcastHalf(b) + BroadcastHalf(b + 2)};
+  }
+  static Vec Weights(const uint8_t* b, int v, const Scale& s) { return LookUp(b + 4, v, s.table); }
+#else
   struct Scale {
     Vec d, m;
   };
@@ -193,8 +187,8 @@ struct Block<kQ4_1> {
   static Vec Weights(const uint8_t* b, int v, const Scale& s) {
     return __builtin_convertvector(Nibbles(b + 4, v), Vec) * s.d + s.m;
   }
-};
 #endif
+};
 
 // Q8_0: f16 d, then 32 signed bytes; weight = d * byte.
 template <>
