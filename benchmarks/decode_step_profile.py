@@ -154,7 +154,8 @@ def step_seconds(runner, rows, repeats: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--quantization", default="gguf", help="gguf, or none: the f32 load")
+    ap.add_argument("--quantization", default="gguf",
+                    help="gguf, int8 (the int8 storage), or none: the f32 load")
     ap.add_argument("--num-seqs", type=int, default=1, help="decoding sequences in the step")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
@@ -172,7 +173,7 @@ def main() -> None:
     print(f"cpu: {cpu_line()}; load average at start {os.getloadavg()}", flush=True)
     # The forward compiled for a token bucket of --num-seqs (1: as serving runs a lone decode).
     n = args.num_seqs
-    kw = dict(quantization=None if args.quantization == "none" else args.quantization,
+    kw = dict(quantization=args.quantization,
               max_num_seqs=n, max_num_batched_tokens=n, max_model_len=512, num_pages=40 * n,
               progress=False)
     llms = {}

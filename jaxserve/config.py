@@ -148,8 +148,9 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # Gemma 2: the same on the LM head's logits
     dtype: str = "float32"  # activations and weights
     # Weight storage of the decoder layers' projections: None stores them in `dtype`; "int8"
-    # stores uint8 codes with a scale and a minimum per INT8_GROUP contraction rows (see
-    # jaxserve.weights.quantize), dequantized to `dtype` inside the step; "gguf" keeps the GGUF
+    # stores uint8 codes with an f32 scale and minimum per INT8_GROUP contraction rows, in the
+    # GGUF blocks' layout (see jaxserve.weights.quantize), read in place by the CPU kernel or
+    # dequantized to `dtype` inside the step; "gguf" keeps the GGUF
     # file's blocks of the tensors in `gguf_formats` as they are (jaxserve.weights.gguf), read in
     # place by the CPU kernel or dequantized inside the step.
     quantization: str | None = None

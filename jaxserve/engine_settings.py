@@ -58,8 +58,9 @@ SETTINGS = (
             help="gguf: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks kept as they are and read in "
                  "place by the CPU kernel (the default for a GGUF file computed in float32 on one "
                  "CPU device; elsewhere the default is none); none: dequantized to --dtype at "
-                 "load; int8: the decoder layers' weights stored as int8 groups of 32 (a quarter "
-                 "of the f32 bytes)"),
+                 "load; int8: the decoder layers' weights stored as int8 groups of 32 with an "
+                 "f32 scale and minimum (1.25 bytes a weight), read in place by the CPU kernel "
+                 "too"),
     Setting("gguf_dot", str, LOAD, choices=GGUF_DOTS, grouped=False,
             help="with a GGUF file's blocks (--quantization gguf), steps of up to 4 tokens (one "
                  "user's decodes): int8 rounds the activations to int8 per block of 32 and takes "

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxserve.config import GGUF_FORMATS
 from jaxserve.kernels import cpu as cpu_kernels
 from jaxserve.kernels.cpu import library as cpu_library
 from jaxserve.kernels import grouped_matmul as cpu_grouped
@@ -321,9 +322,21 @@ def int8_reference(x: np.ndarray, blocks: np.ndarray, fmt: str) -> tuple[np.ndar
     return want, magnitude
 
 
+def int8_values(blocks: np.ndarray) -> np.ndarray:
+    """The int8 storage's blocks u8[..., N, K / 32 * 40] as f32 [..., N, K]: code * d + m rounded
+    once, as the kernel's FMA does (code * d is exact in float64, and so is the sum wherever m
+    and the product are within 2^21 of each other: then one rounding to f32)."""
+    b = blocks.reshape(*blocks.shape[:-1], -1, 40)
+    d, m = (b[..., at:at + 4].copy().view(np.float32).astype(np.float64) for at in (0, 4))
+    values = (b[..., 8:].astype(np.float64) * d + m).astype(np.float32)
+    return values.reshape(*blocks.shape[:-1], -1)
+
+
 def check_quantized_matmul(fmt: str) -> None:
     """The blocks as llama.cpp writes them (the gguf package's quantizer, on random weights):
-    `dequantize` gives the package's f32 values exactly.
+    `dequantize` gives the package's f32 values exactly. The int8 storage's
+    (jaxserve.weights.quantize): `int8_values`, which XLA's dequantization gives up to a rounding
+    of the sum (it may not fuse the multiply and add); no integer path.
 
     f32 (int8_dot off): the kernel gives their product with x (f32 sums: ~1e-7 relative per
     term, far below a wrong block, nibble, row or layer). Within a tile of rows each row's floats
@@ -341,15 +354,26 @@ def check_quantized_matmul(fmt: str) -> None:
     of its own call, on both paths."""
     from gguf import GGMLQuantizationType, quants
 
-    kind = GGMLQuantizationType[fmt.upper()]
+    from jaxserve.weights.quantize import int8_blocks
+
+    gguf = fmt in GGUF_FORMATS
     run = jax.jit(cpu_matmul.quantized_matmul, static_argnums=(3, 4))
     stacked = jax.jit(cpu_matmul.stacked_matmul)
     for T, K, N in QUANTIZED_CASES:
         rng = np.random.default_rng(T + K + N)
         w = rng.standard_normal((2, N, K)).astype(np.float32)
-        blocks = np.stack([quants.quantize(layer, kind) for layer in w])
-        values = np.stack([quants.dequantize(layer, kind) for layer in blocks])
-        np.testing.assert_array_equal(np.asarray(cpu_matmul.dequantize(blocks, fmt)), values)
+        if gguf:
+            kind = GGMLQuantizationType[fmt.upper()]
+            blocks = np.stack([quants.quantize(layer, kind) for layer in w])
+            values = np.stack([quants.dequantize(layer, kind) for layer in blocks])
+            np.testing.assert_array_equal(np.asarray(cpu_matmul.dequantize(blocks, fmt)), values)
+        else:
+            blocks = int8_blocks(w)
+            values = int8_values(blocks)
+            assert np.abs(values - w).max() <= np.ptp(w) / 255  # half a step, at most
+            # (XLA's two roundings: an ulp of |code * d| + |m| <= 3 max |w|, at most)
+            np.testing.assert_allclose(np.asarray(cpu_matmul.dequantize(blocks, fmt)), values,
+                                       rtol=0, atol=2.0 ** -21 * np.abs(values).max())
         x = rng.standard_normal((T, K)).astype(np.float32)
         x[0, :32] = 0  # a block of zeros: scale 0
         part = np.ascontiguousarray(blocks[:, :N // 2 + 1])
@@ -357,8 +381,11 @@ def check_quantized_matmul(fmt: str) -> None:
             exact = x.astype(np.float64) @ values[layer].T.astype(np.float64)
             f32 = np.asarray(run(x, blocks, np.int32(layer), fmt, False))
             np.testing.assert_allclose(f32, exact, atol=2e-5 * np.sqrt(K), rtol=0)
-            got = np.asarray(run(x, blocks, np.int32(layer), fmt, True))
-            if T <= cpu_matmul.INT8_DOT_MAX_ROWS:
+            if not gguf:
+                with pytest.raises(Exception, match="int8_dot takes the GGUF formats only"):
+                    run(x, blocks, np.int32(layer), fmt, True)
+            got = np.asarray(run(x, blocks, np.int32(layer), fmt, True)) if gguf else f32
+            if gguf and T <= cpu_matmul.INT8_DOT_MAX_ROWS:
                 want, magnitude = int8_reference(x, blocks[layer], fmt)
                 np.testing.assert_array_less(np.abs(got - want),
                                              (2 * K // 32 + 16) * 2.0 ** -24 * magnitude + 1e-30)
@@ -373,7 +400,7 @@ def check_quantized_matmul(fmt: str) -> None:
                 dense[:, :N] = values[layer].T
                 np.testing.assert_array_equal(
                     f32, np.asarray(stacked(x, dense[None], np.int32(0)))[:, :N])
-            for int8_dot, full in ((False, f32), (True, got)):
+            for int8_dot, full in ((False, f32), (True, got))[:2 if gguf else 1]:
                 # Rows on the row tiles on every build (f32: 2 a tile on AVX2 and generic, 4 on
                 # AVX-512). Many rows with int8_dot are the f32 path's floats, checked above.
                 if 1 < T <= (cpu_matmul.INT8_DOT_MAX_ROWS if int8_dot else 2):

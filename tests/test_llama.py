@@ -237,9 +237,16 @@ def test_gguf_int8_dot_moves_the_logits_of_small_steps_a_little():
         config.replace(gguf_dot="int8")
 
 
-def test_int8_weights_give_the_f32_forward_of_q4_1_weights():
+@pytest.mark.parametrize("kernels", ["auto", "off"])
+def test_int8_weights_give_the_f32_forward_of_q4_1_weights(monkeypatch, kernels):
+    # auto: the blocks read in place by the CPU kernel (steps of up to 64 tokens); off: each
+    # layer dequantized inside the step by XLA.
     from jaxserve.errors import ConfigError
+    from jaxserve.kernels import cpu as cpu_kernels
     from jaxserve.weights.quantize import quantize_int8
+
+    monkeypatch.setenv(cpu_kernels.ENV, kernels)
+    jax.clear_caches()  # (the step's programs are cached by config, not by the switch)
 
     config = tiny_config(intermediate_size=64)
     params = _q4_1_exact(jax.tree.map(np.asarray, decoder.init_params(config, jax.random.key(4))))
@@ -247,10 +254,12 @@ def test_int8_weights_give_the_f32_forward_of_q4_1_weights():
     steps = [[SeqChunk(seq[:8], 0, [3, 4])], [SeqChunk(seq[8:], 8, [3, 4, 6])]]
     cfg8 = config.replace(quantization="int8")
     params8 = quantize_int8(params)
-    # The tree the model declares for int8: uint8 codes, f32 scale and min per 32 rows.
+    # The tree the model declares for int8: blocks of f32 scale, f32 min and 32 codes per row.
     assert jax.tree.map(lambda x: (x.shape, np.dtype(x.dtype)), params8) == jax.tree.map(
         lambda x: (x.shape, np.dtype(x.dtype)), decoder.param_shapes(cfg8))
-    assert params8["layers"]["o_proj_scale"].shape == (3, 4 * 16 // 32, 32)
+    assert params8["layers"]["o_proj"].shape == (3, 32, 4 * 16 // 32 * 40)
+    assert decoder._projections_in_place(cfg8, None, 8) == (kernels == "auto"
+                                                            and cpu_kernels.enabled())
     for (h32, l32), (h8, l8) in zip(run_steps(params, config, steps),
                                     run_steps(params8, cfg8, steps)):
         # Q4_1's levels land on int8 codes exactly: only f32 rounding of the dequantization.
@@ -265,6 +274,7 @@ def test_int8_weights_give_the_f32_forward_of_q4_1_weights():
         tiny_config(quantization="int8")
     with pytest.raises(ConfigError, match="quantization must be one of"):
         tiny_config(quantization="fp8")
+    jax.clear_caches()
 
 
 def test_params_tree_and_logical_axes():

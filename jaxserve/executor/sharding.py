@@ -36,8 +36,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "vocab": MODEL,
     "cache_pages": None,
     "page_offset": None,
-    "quant_groups": None,  # int8 weights' scales (not with tensor parallelism)
-    "quant_rows": None,  # GGUF blocks' rows and bytes (not with tensor parallelism)
+    "quant_rows": None,  # GGUF and int8 blocks' rows and bytes (not with tensor parallelism)
     "quant_bytes": None,
     "expert": None,  # a mixture's per-expert weights: on "model" with expert parallelism
     "router": None,  # the router's per-expert columns: every device routes every token

@@ -44,14 +44,15 @@ def stacked_matmul(x, w, layer):
     return call(x, w, jnp.asarray(layer, jnp.int32))
 
 
-# GGUF block formats read in place: bytes per block of BLOCK values along the contraction, and
-# the kernel's code for each (quantized_matmul.cc's Format). llama.cpp's layouts: Q4_0 is an f16
+# Block formats read in place: bytes per block of BLOCK values along the contraction, and the
+# kernel's code for each (quantized_matmul.cc's Format). llama.cpp's GGUF layouts: Q4_0 is an f16
 # scale d and 16 bytes of nibbles (value j < 16 the low nibble of byte j, j + 16 its high one),
 # w = d * (nibble - 8); Q4_1 adds an f16 minimum m after d, w = d * nibble + m; Q8_0 is d and 32
-# signed bytes, w = d * byte.
+# signed bytes, w = d * byte. "int8", jaxserve's int8 storage (jaxserve.weights.quantize): an f32
+# scale d, an f32 minimum m and 32 unsigned bytes, w = d * byte + m.
 BLOCK = 32
-FORMATS = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
-_FORMAT_CODES = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
+FORMATS = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "int8": 40}
+_FORMAT_CODES = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "int8": 3}
 _QUANTIZED_TARGET = "jaxserve_quantized_matmul"  # quantized_matmul.cc's JaxserveQuantizedMatmul
 # Steps of up to this many tokens (and LM heads of up to this many rows) read the blocks in place;
 # larger ones (prefill chunks) dequantize each layer through XLA and its dots. Past 4 rows the
@@ -75,6 +76,11 @@ def dequantize(blocks: jax.Array, fmt: str) -> jax.Array:
     dequantization gives (d * q exact in f32; Q4_1's + m rounded once)."""
     size = FORMATS[fmt]
     b = blocks.reshape(*blocks.shape[:-1], -1, size)
+    if fmt == "int8":  # (the kernel rounds d * byte + m once; XLA may round twice: ~1 ulp)
+        d, m = (jax.lax.bitcast_convert_type(b[..., at:at + 4].reshape(*b.shape[:-1], 1, 4),
+                                             jnp.float32) for at in (0, 4))
+        w = b[..., 8:].astype(jnp.float32) * d + m
+        return w.reshape(*blocks.shape[:-1], -1)
     d = jax.lax.bitcast_convert_type(b[..., 0:2], jnp.float16).astype(jnp.float32)[..., None]
     if fmt == "q8_0":
         w = d * jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
@@ -93,11 +99,13 @@ def random_blocks(key: jax.Array, rows: int, k: int, fmt: str, scale: float) -> 
     """uint8 [rows, row_bytes] of valid blocks: random codes, d such that the values spread over
     about [-scale, scale] (random test models)."""
     size, blocks = FORMATS[fmt], k // BLOCK
-    levels = 256 if fmt == "q8_0" else 16
-    d = np.frombuffer(np.float16(2 * scale / levels).tobytes(), np.uint8)
-    head = [d] + ([np.frombuffer(np.float16(-scale).tobytes(), np.uint8)] if fmt == "q4_1"
-                  else [])
-    head = jnp.broadcast_to(jnp.asarray(np.concatenate(head)), (rows, blocks, 2 * len(head)))
+    levels = 256 if fmt in ("q8_0", "int8") else 16
+    scalar = np.float32 if fmt == "int8" else np.float16
+    d = np.frombuffer(scalar(2 * scale / levels).tobytes(), np.uint8)
+    head = [d] + ([np.frombuffer(scalar(-scale).tobytes(), np.uint8)]
+                  if fmt in ("q4_1", "int8") else [])
+    head = np.concatenate(head)
+    head = jnp.broadcast_to(jnp.asarray(head), (rows, blocks, head.size))
     codes = jax.random.randint(key, (rows, blocks, size - head.shape[-1]), 0, 256).astype(
         jnp.uint8)
     return jnp.concatenate([head, codes], axis=-1).reshape(rows, blocks * size)
@@ -110,11 +118,11 @@ def quantized_matmul(x, w, layer, fmt: str, int8_dot: bool = False):
     k and v: one wake-up of the threads, each streaming a contiguous part of all three). Where
     `jaxserve.kernels.cpu.enabled()`.
 
-    `int8_dot` (ModelConfig.gguf_dot "int8") and up to INT8_DOT_MAX_ROWS rows: each row of x is
-    first rounded to int8 per block of 32 (scale max|x| / 127, as llama.cpp's Q8_1) and each weight
-    block meets it in an integer dot product (tests/test_cpu_kernels.py's `int8_reference` computes
-    the same in numpy); else x stays f32 and each weight is the f32 value `dequantize` gives.
-    """
+    `int8_dot` (ModelConfig.gguf_dot "int8"; the GGUF formats only) and up to INT8_DOT_MAX_ROWS
+    rows: each row of x is first rounded to int8 per block of 32 (scale max|x| / 127, as
+    llama.cpp's Q8_1) and each weight block meets it in an integer dot product
+    (tests/test_cpu_kernels.py's `int8_reference` computes the same in numpy); else x stays f32
+    and each weight is the f32 value `dequantize` gives (the int8 storage's rounded once)."""
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     call = jax.ffi.ffi_call(
         _QUANTIZED_TARGET,

@@ -3,7 +3,7 @@ and `jaxserve kernels status` prints.
 
     kernels: attention=cpu sampler=cpu matmul=cpu
     kernels: attention=xla sampler=xla matmul=xla; CPU kernels off: JAXSERVE_CPU_KERNELS=off
-    kernels: attention=cpu sampler=cpu matmul=xla; matmul on XLA: int8 weights
+    kernels: attention=cpu sampler=cpu matmul=xla; matmul on XLA: tensor parallel
 
 attention: `cpu` (decodes and verifies through the C++ kernel, prefill on the tuned XLA path),
 `xla` (the tuned XLA path alone), `pallas_gpu` or `pallas_tpu`. sampler: `cpu` (the C++ top-k /

@@ -24,11 +24,11 @@ Layout choices:
   place of layers/{q,k,v,o}_proj, and a cache of latent rows (`cache_shape`).
   A mixture of experts (config.num_experts) has no layers/{gate,up,down}_proj: its MLPs are the
   `moe` and `dense_mlp` groups of jaxserve.executor.models.moe, which the block calls.
-  With config.quantization "int8" the seven projections are uint8 codes of those shapes plus
-  `{name}_scale` and `{name}_min` [L, K / 32, *out] (see `_weight`, jaxserve.weights.quantize).
   With config.quantization "gguf" the tensors of config.gguf_formats are the GGUF file's blocks as
   they are, uint8 [L, N, K / 32 * bytes] for a projection (N its flattened output axes, K its
-  contraction axes) and [V, H / 32 * bytes] for embed_tokens / lm_head (jaxserve.weights.gguf).
+  contraction axes) and [V, H / 32 * bytes] for embed_tokens / lm_head (jaxserve.weights.gguf);
+  with "int8" the seven projections are blocks of that layout in the int8 storage's format
+  (jaxserve.weights.quantize; `_block_format`, `_weight`).
   Every parameter carries logical axis names (`param_logical_axes`), which `param_shardings` maps
   to mesh axes through the rule table in jaxserve.executor.sharding.
 - All layers share one KV cache array [L * num_pages, page_size, 2 * Hkv, D] that rides in the scan
@@ -40,7 +40,8 @@ Layout choices:
   layer `layer` of each stack in place, where the scan would copy each layer's slice out first
   (see `_projections_in_place`; `why_matmul_off` says why a model never does). GGUF blocks are
   read in place by the quantized kernel in steps of up to QUANTIZED_MAX_ROWS tokens (one token
-  included) and for the LM head's rows; larger steps dequantize each layer inside the step.
+  included) and for the LM head's rows, and so are the int8 storage's; larger steps dequantize
+  each layer inside the step.
 - RoPE uses the HF "rotate half" convention; the GGUF loader undoes llama.cpp's interleaved layout.
   Fused checkpoints (Phi-3's qkv_proj and gate_up_proj) are split by the loader, so tensor
   parallelism shards them like any other family.
@@ -60,7 +61,7 @@ import numpy as np
 from jaxserve.executor import sharding
 from jaxserve.executor.batch_plan import BatchPlan
 from jaxserve.executor.models import mla, moe
-from jaxserve.config import INT8_GROUP, ModelConfig, RopeScaling
+from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.kernels import attention as rpa
 from jaxserve.kernels import cpu as cpu_kernels
 from jaxserve.kernels import matmul as cpu_matmul
@@ -83,17 +84,17 @@ PROJECTIONS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 
                "down_proj": 1}
 
 
-def _uniform_codes(key, shape, dtype):
-    return jax.random.randint(key, shape, 0, 256).astype(dtype)
-
-
-def _gguf_format(config: ModelConfig, name: str) -> str | None:
-    """The block format `name` is kept in (quantization "gguf"), or None."""
+def _block_format(config: ModelConfig, name: str) -> str | None:
+    """The block format `name` is kept in (jaxserve.kernels.matmul FORMATS): quantization "gguf"
+    as config.gguf_formats says, "int8" for the layers' projections; or None."""
+    if config.quantization == "int8":
+        return "int8" if name in PROJECTIONS else None
     return dict(config.gguf_formats).get(name)
 
 
 def _blocks(module: nn.Module, name: str, rows: int, k: int, fmt: str, scale: float) -> jax.Array:
-    """A tensor kept as GGUF blocks: uint8 [rows, k / 32 * bytes] (random ones for tests)."""
+    """A tensor kept as blocks (GGUF's or int8's): uint8 [rows, k / 32 * bytes] (random ones for
+    tests)."""
     return _param(module, name, (rows, cpu_matmul.row_bytes(fmt, k)),
                   ("quant_rows", "quant_bytes"), jnp.uint8,
                   lambda key, shape, dtype: cpu_matmul.random_blocks(key, rows, k, fmt, scale))
@@ -102,47 +103,32 @@ def _blocks(module: nn.Module, name: str, rows: int, k: int, fmt: str, scale: fl
 def _weight(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...],
             init) -> jax.Array:
     """A projection weight (its first PROJECTIONS[name] axes contract), stored in
-    config.param_dtype (bf16 where config.weight_dtype says: widened where it is used).
-    Quantized int8 (config.quantization): uint8 codes of the same shape, plus `{name}_scale` and
-    `{name}_min` [K / INT8_GROUP, *out] per group of INT8_GROUP rows of the flattened
-    contraction axes K; dequantized here, inside the step, so only the codes are read from
+    config.param_dtype (bf16 where config.weight_dtype says: widened where it is used), or kept
+    as blocks (`_block_format`: GGUF's, or the int8 storage's, jaxserve.weights.quantize)
+    [N, K / 32 * bytes] and dequantized here, inside the step, so only the blocks are read from
     memory (XLA:CPU writes the dequantized layer to a buffer the dot reads: it fits in cache)."""
     c = module.config
-    dt = jnp.dtype(c.dtype)
-    if c.quantization is None or c.quantization == "gguf" and _gguf_format(c, name) is None:
+    fmt = _block_format(c, name)
+    if fmt is None:
         return _param(module, name, shape, axes, jnp.dtype(c.param_dtype("layers", name)), init)
     num_contract = PROJECTIONS[name]
-    if c.quantization == "gguf":
-        k = math.prod(shape[:num_contract])
-        w = _blocks(module, name, math.prod(shape[num_contract:]), k, _gguf_format(c, name),
-                    3 * k ** -0.5)
-        return cpu_matmul.dequantize(w, _gguf_format(c, name)).T.reshape(shape)
-    out_shape, out_axes = shape[num_contract:], axes[num_contract:]
-    groups = math.prod(shape[:num_contract]) // INT8_GROUP
-    codes = _param(module, name, shape, axes, jnp.uint8, _uniform_codes)
-    # Random codes over [-1, 1): real weights come from jaxserve.weights.quantize.
-    scale = _param(module, f"{name}_scale", (groups, *out_shape), ("quant_groups", *out_axes),
-                   jnp.float32, nn.initializers.constant(2 / 256))
-    low = _param(module, f"{name}_min", (groups, *out_shape), ("quant_groups", *out_axes),
-                 jnp.float32, nn.initializers.constant(-1.0))
-    w = codes.reshape(groups, INT8_GROUP, *out_shape).astype(jnp.float32)
-    return (w * scale[:, None] + low[:, None]).reshape(shape).astype(dt)
+    k = math.prod(shape[:num_contract])
+    w = _blocks(module, name, math.prod(shape[num_contract:]), k, fmt, 3 * k ** -0.5)
+    return cpu_matmul.dequantize(w, fmt).T.reshape(shape).astype(c.dtype)
 
 
 def why_matmul_off(config: ModelConfig, mesh: jax.sharding.Mesh | None) -> str | None:
     """Why this model's projections never go through the CPU matmul kernel whatever the CPU
-    kernels' switch (tensor parallel, int8, shapes it does not take), or None."""
+    kernels' switch (tensor parallel, bf16, shapes it does not take), or None."""
     c = config
     if mesh is not None:
         return "tensor parallel"
     if c.mla is not None:
         return "latent attention"
-    if _gguf_format(c, "q_proj") is not None:
-        return None  # the quantized kernel: any output width
-    if c.quantization not in (None, "gguf"):  # (gguf keeping only the embedding: f32 layers)
-        return f"{c.quantization} weights"
     if jnp.dtype(c.dtype) != jnp.float32:
         return f"{c.dtype} weights (the kernel takes float32)"
+    if _block_format(c, "q_proj") is not None:
+        return None  # the quantized kernel (GGUF or int8 blocks): any output width
     if not cpu_matmul.supports(cpu_matmul.MIN_ROWS, _projection_shapes(c),
                                c.param_dtype("layers", "q_proj")):
         return f"output widths not a multiple of {cpu_matmul.COLUMN_MULTIPLE}"
@@ -160,7 +146,7 @@ def _projections_in_place(config: ModelConfig, mesh: jax.sharding.Mesh | None,
                           num_tokens: int) -> bool:
     """Whether a step of `num_tokens` reads the projection weights in place from the layers'
     stack through the CPU kernel (jaxserve.kernels.matmul) instead of a slice per layer."""
-    if _gguf_format(config, "q_proj") is not None:
+    if _block_format(config, "q_proj") is not None:
         return (why_matmul_off(config, mesh) is None and cpu_kernels.enabled()
                 and num_tokens <= cpu_matmul.QUANTIZED_MAX_ROWS)
     return (why_matmul_off(config, mesh) is None and cpu_kernels.enabled()
@@ -173,7 +159,7 @@ def _project(x: jax.Array, w: jax.Array, num_contract: int, layer: jax.Array, in
              int8_dot: bool = False) -> jax.Array:
     """x [T, *K] @ w [*K, *N] -> [T, *N] (K: the first num_contract axes of the weight's
     `shape`). `in_place`: w is the stack of all layers' weights [L, *K, *N], or with `fmt` their
-    GGUF blocks [L, N, bytes] (`int8_dot`: config.gguf_dot "int8"), and `layer` picks one, read
+    blocks [L, N, bytes] (`int8_dot`: config.gguf_dot "int8"), and `layer` picks one, read
     where it lies. Weights stored in bf16
     for a float32 model (config.weight_dtype) are widened here, exactly, off the kernel."""
     if not in_place:
@@ -394,12 +380,12 @@ class DecoderLayer(nn.Module):
 
         def project(x, w, name, shape):
             return _project(x, w, PROJECTIONS[name], layer, stacked_projections is not None,
-                            _precision(c), shape, _gguf_format(c, name), c.gguf_dot == "int8")
+                            _precision(c), shape, _block_format(c, name), c.gguf_dot == "int8")
 
         def project_together(x, ws, names, shapes):
             return _project_together(x, ws, PROJECTIONS[names[0]], layer,
                                      stacked_projections is not None, _precision(c), shapes,
-                                     [_gguf_format(c, name) for name in names],
+                                     [_block_format(c, name) for name in names],
                                      c.gguf_dot == "int8")
 
         def norm(name, x, size=H, axis="embed"):
@@ -538,7 +524,7 @@ def _boxed_init(config: ModelConfig, rng: jax.Array) -> dict:
 def _vocab_param(config: ModelConfig, name: str, key: jax.Array, dense):
     """embed_tokens / lm_head: `dense`, or random GGUF blocks [V, H / 32 * bytes] where the
     config keeps it as blocks."""
-    fmt = _gguf_format(config, name)
+    fmt = _block_format(config, name)
     if fmt is None:
         return dense
     scale = 1.0 if name == "embed_tokens" else 3 * config.hidden_size ** -0.5
@@ -615,7 +601,7 @@ def _layers(params: dict, config: ModelConfig, kv_cache: jax.Array, batch: Batch
                            moe_mlp, moe_counts)
 
     x = jnp.take(params["embed_tokens"], batch.token_ids, axis=0)
-    if (fmt := _gguf_format(config, "embed_tokens")) is not None:
+    if (fmt := _block_format(config, "embed_tokens")) is not None:
         x = cpu_matmul.dequantize(x, fmt)
     if config.embedding_multiplier != 1.0:
         # In the activations' dtype, as HF rounds it (Gemma: sqrt(hidden) in bf16).
@@ -630,7 +616,7 @@ def compute_logits(params: dict, config: ModelConfig, hidden_rows: jax.Array) ->
     soft-capped where the family does (Gemma 2). GGUF blocks (quantization "gguf") are read in
     place by the CPU kernel for up to QUANTIZED_MAX_ROWS rows, else dequantized whole."""
     name = "embed_tokens" if config.tie_word_embeddings else "lm_head"
-    if (fmt := _gguf_format(config, name)) is not None:
+    if (fmt := _block_format(config, name)) is not None:
         w = params[name]  # [V, H / 32 * bytes] either way
         if cpu_kernels.enabled() and hidden_rows.shape[0] <= cpu_matmul.QUANTIZED_MAX_ROWS:
             logits = cpu_matmul.quantized_matmul(hidden_rows, w[None], 0, fmt,

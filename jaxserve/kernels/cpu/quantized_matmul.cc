@@ -4,7 +4,8 @@
 // [L, N, K / 32 * bytes], for one or more such w of one format side by side in out (a layer's
 // q, k and v, or gate and up, in one call): llama.cpp's layout, each output row's 32-value
 // blocks along K, as the GGUF file holds them (Q4_0 18 bytes, Q4_1 20, Q8_0 34;
-// jaxserve/kernels/matmul.py FORMATS).
+// jaxserve/kernels/matmul.py FORMATS), or jaxserve's int8 storage in the same layout (40 bytes:
+// jaxserve/weights/quantize.py).
 //
 // Why: a decode step of a few sequences is bound by the weights' bytes it streams from memory;
 // Q4_1 is 5 bits a weight where f32 is 32. The blocks are dequantized in registers, a vector of
@@ -18,21 +19,23 @@
 // Arithmetic, two ways (the `int8_dot` attribute, jaxserve/kernels/matmul.py):
 // - f32: each weight as the f32 value the gguf package's dequantization gives (d * q for Q4_0 /
 //   Q8_0, exact in f32; d * q + m for Q4_1, d * q exact, one rounding of the sum either way), then
-//   f32 FMAs: at up to kTileRows rows each output's lanes sum every kLanes-th product in order
-//   along K, the lanes are added at the end; past that (the panel path, always f32) the f32
-//   kernel's sums on the dequantized weights, bit for bit (blocks of kDepth along K, in order).
-// - int8 (steps of up to 4 rows, kIntRows): llama.cpp's. Each row of x is rounded once per call to
-//   int8 per 32-value block (`Activations`: dx = max|x| / 127, codes rint(x / dx)), and each
-//   weight block meets it in an integer dot product (AVX-512 VNNI `vpdpbusd`, two blocks an
-//   instruction; AVX-VNNI; AVX2 / AVX-512BW `pmaddubsw` + `pmaddwd`; plain loops in the generic
-//   build): the codes as u8 (Q4's nibbles 0..15; Q8_0's |code|, its sign moved onto x's code), x's
-//   codes as s8. The block's int32 sums are exact; each is converted once and FMA'd with d_w * dx
-//   into f32 accumulators. Q4_0's "- 8" is -8 * sum(x codes) added to the int32 sum; Q4_1's m term
-//   is m * (dx * sum(x codes)) (llama.cpp's Q8_1 s: the result is then exactly the dot product of
-//   the dequantized weights with the rounded x, up to the f32 scaling). The 8-bit rounding of x
-//   moves each output by ~2e-4 of sum |w * x| (random x; f32: ~5e-9), bounded by the sum of dx / 2
-//   * |w| (tests/test_cpu_kernels.py checks both); in exchange a block pair costs ~13 vector
-//   instructions an output where widening each vector of weights to f32 took ~32.
+//   f32 FMAs (the int8 storage: fma(code, d, m), one rounding): at up to kTileRows rows each
+//   output's lanes sum every kLanes-th product in order along K, the lanes are added at the end;
+//   past that (the panel path, always f32) the f32 kernel's sums on the dequantized weights, bit
+//   for bit (blocks of kDepth along K, in order).
+// - int8 (steps of up to 4 rows, kIntRows; the GGUF formats only): llama.cpp's. Each row of x is
+//   rounded once per call to int8 per 32-value block (`Activations`: dx = max|x| / 127, codes
+//   rint(x / dx)), and each weight block meets it in an integer dot product (AVX-512 VNNI
+//   `vpdpbusd`, two blocks an instruction; AVX-VNNI; AVX2 / AVX-512BW `pmaddubsw` + `pmaddwd`;
+//   plain loops in the generic build): the codes as u8 (Q4's nibbles 0..15; Q8_0's |code|, its sign
+//   moved onto x's code), x's codes as s8. The block's int32 sums are exact; each is converted once
+//   and FMA'd with d_w * dx into f32 accumulators. Q4_0's "- 8" is -8 * sum(x codes) added to the
+//   int32 sum; Q4_1's m term is m * (dx * sum(x codes)) (llama.cpp's Q8_1 s: the result is then
+//   exactly the dot product of the dequantized weights with the rounded x, up to the f32 scaling).
+//   The 8-bit rounding of x moves each output by ~2e-4 of sum |w * x| (random x; f32: ~5e-9),
+//   bounded by the sum of dx / 2 * |w| (tests/test_cpu_kernels.py checks both); in exchange a block
+//   pair costs ~13 vector instructions an output where widening each vector of weights to f32 took
+//   ~32.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -69,7 +72,7 @@ typedef uint8_t U8 __attribute__((vector_size(kLanes)));
 typedef int8_t I8 __attribute__((vector_size(kLanes)));
 
 // The formats' codes, as jaxserve/kernels/matmul.py FORMATS numbers them.
-enum Format : int32_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+enum Format : int32_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kInt8 = 3 };
 
 // The f32 value of the f16 with these bits (exact: every f16 is an f32).
 float HalfToFloat(uint16_t h) {
@@ -101,17 +104,39 @@ struct HalfTable {
 };
 const HalfTable kHalves;
 
-// The f16 at p broadcast to every lane as f32.
-inline Vec BroadcastHalf(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof(h));
-  const float f = kHalves.value[h];
+inline Vec Broadcast(float f) {
 #if defined(__AVX512F__)
   return _mm512_set1_ps(f);
 #elif defined(__AVX2__)
   return _mm256_set1_ps(f);
 #else
   return Vec{f, f, f, f};
+#endif
+}
+
+// The f16 at p broadcast to every lane as f32.
+inline Vec BroadcastHalf(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return Broadcast(kHalves.value[h]);
+}
+
+// The f32 at p (unaligned) broadcast to every lane.
+inline Vec BroadcastFloat(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, sizeof(f));
+  return Broadcast(f);
+}
+
+// a * b + c rounded once, on every build (what the int8 storage's reference computes).
+inline Vec Fma(Vec a, Vec b, Vec c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  for (int l = 0; l < kLanes; ++l) c[l] = std::fma(a[l], b[l], c[l]);
+  return c;
 #endif
 }
 
@@ -190,6 +215,30 @@ struct Block<kQ4_1> {
 #endif
 };
 
+// kLanes bytes at q as int32, sign- or zero-extended. Spelled out: GCC widens
+// `__builtin_convertvector` of a vector of 16 int8 a lane at a time, which made a Q8_0 row 4-5x
+// slower than a Q4_1 row of the same values (the LM head, 8 of ~20 ms per batch-1 decode step).
+template <bool Signed>
+inline I32 Widen(const uint8_t* q) {
+#if defined(__AVX512F__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  return reinterpret_cast<I32>(Signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+  return reinterpret_cast<I32>(Signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+#else
+  if constexpr (Signed) {
+    I8 bytes;
+    std::memcpy(&bytes, q, sizeof(bytes));
+    return __builtin_convertvector(bytes, I32);
+  } else {
+    U8 bytes;
+    std::memcpy(&bytes, q, sizeof(bytes));
+    return __builtin_convertvector(bytes, I32);
+  }
+#endif
+}
+
 // Q8_0: f16 d, then 32 signed bytes; weight = d * byte.
 template <>
 struct Block<kQ8_0> {
@@ -199,22 +248,21 @@ struct Block<kQ8_0> {
   };
   static Scale ScaleOf(const uint8_t* b) { return {BroadcastHalf(b)}; }
   static Vec Weights(const uint8_t* b, int v, const Scale& s) {
-    const uint8_t* q = b + 2 + v * kLanes;
-    // The sign extension spelled out: GCC widens `__builtin_convertvector` of a vector of 16
-    // int8 a lane at a time, which made a Q8_0 row 4-5x slower than a Q4_1 row of the same
-    // values (the LM head, 8 of ~20 ms per batch-1 decode step).
-#if defined(__AVX512F__)
-    const I32 i = reinterpret_cast<I32>(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-        reinterpret_cast<const __m128i*>(q))));
-#elif defined(__AVX2__)
-    const I32 i = reinterpret_cast<I32>(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-        reinterpret_cast<const __m128i*>(q))));
-#else
-    I8 bytes;
-    std::memcpy(&bytes, q, sizeof(bytes));
-    const I32 i = __builtin_convertvector(bytes, I32);
-#endif
-    return __builtin_convertvector(i, Vec) * s.d;
+    return __builtin_convertvector(Widen<true>(b + 2 + v * kLanes), Vec) * s.d;
+  }
+};
+
+// jaxserve's int8 storage (jaxserve/weights/quantize.py): f32 d, f32 m, then 32 unsigned bytes;
+// weight = fma(byte, d, m). Its groups' f32 scales keep a Q4 source's levels exact (the module).
+template <>
+struct Block<kInt8> {
+  static constexpr int kBytes = 40;
+  struct Scale {
+    Vec d, m;
+  };
+  static Scale ScaleOf(const uint8_t* b) { return {BroadcastFloat(b), BroadcastFloat(b + 4)}; }
+  static Vec Weights(const uint8_t* b, int v, const Scale& s) {
+    return Fma(__builtin_convertvector(Widen<false>(b + 8 + v * kLanes), Vec), s.d, s.m);
   }
 };
 
@@ -652,14 +700,16 @@ template <Format F>
 void Rows(const float* x, const Activations* rounded, const float* xt, int64_t Tp, int64_t T,
           int64_t K, const uint8_t* w, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   static constexpr Tiles<F> kTiles;
-  static constexpr TileTable<IntTiles<F>, kIntRows> kIntTiles;
   const int64_t row_bytes = K / kBlock * Block<F>::kBytes;
-  if (rounded != nullptr) {
-    for (int64_t n = n0; n < n1; n += kTileOutputs) {
-      const int64_t outputs = std::min<int64_t>(kTileOutputs, n1 - n);
-      kIntTiles.fn[T][outputs](*rounded, w + n * row_bytes, row_bytes, out + n, ldo);
+  if constexpr (F != kInt8) {  // (QuantizedMatmul refuses int8_dot for the int8 storage)
+    static constexpr TileTable<IntTiles<F>, kIntRows> kIntTiles;
+    if (rounded != nullptr) {
+      for (int64_t n = n0; n < n1; n += kTileOutputs) {
+        const int64_t outputs = std::min<int64_t>(kTileOutputs, n1 - n);
+        kIntTiles.fn[T][outputs](*rounded, w + n * row_bytes, row_bytes, out + n, ldo);
+      }
+      return;
     }
-    return;
   }
   if (T <= kTileRows) {
     for (int64_t n = n0; n < n1; n += kTileOutputs) {
@@ -765,7 +815,11 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     case kQ4_0: block_bytes = Block<kQ4_0>::kBytes; break;
     case kQ4_1: block_bytes = Block<kQ4_1>::kBytes; break;
     case kQ8_0: block_bytes = Block<kQ8_0>::kBytes; break;
+    case kInt8: block_bytes = Block<kInt8>::kBytes; break;
     default: return ffi::Error::InvalidArgument("quantized matmul: unknown format");
+  }
+  if (format == kInt8 && int8_dot != 0) {
+    return ffi::Error::InvalidArgument("quantized matmul: int8_dot takes the GGUF formats only");
   }
   if (K % kBlock != 0) {
     return ffi::Error::InvalidArgument("quantized matmul: K must be whole blocks");
@@ -795,7 +849,9 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       break;
     case kQ4_1: Run<kQ4_1>(pool, x.typed_data(), T, K, weights, out->typed_data(), columns, int8);
       break;
-    default: Run<kQ8_0>(pool, x.typed_data(), T, K, weights, out->typed_data(), columns, int8);
+    case kQ8_0: Run<kQ8_0>(pool, x.typed_data(), T, K, weights, out->typed_data(), columns, int8);
+      break;
+    default: Run<kInt8>(pool, x.typed_data(), T, K, weights, out->typed_data(), columns, false);
       break;
   }
   return ffi::Error::Success();
