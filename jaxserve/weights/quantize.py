@@ -4,8 +4,8 @@ Each decoder projection (jaxserve.executor.models.decoder.PROJECTIONS) becomes b
 per output channel, of INT8_GROUP rows of its flattened contraction axes each: an f32 scale and
 minimum and INT8_GROUP uint8 codes, w ~= code * scale + min, scale = (max - min) / 255 over the
 group (jaxserve.kernels.matmul FORMATS "int8": the GGUF blocks' layout, so the CPU kernel that
-reads those in place reads these, a quarter of the f32 bytes a decode step streams; elsewhere the
-model dequantizes a layer inside the step).
+reads those in place reads these: 1.25 bytes a weight where f32 streams 4; elsewhere the model
+dequantizes a layer inside the step).
 
 Why asymmetric groups of 32: a Q4_1 (or Q4_0) GGUF block is 32 input rows holding 16 levels from
 its minimum to its maximum (llama.cpp sets d = (max - min) / 15), so level k lands exactly on
