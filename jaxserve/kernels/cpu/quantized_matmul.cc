@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -227,15 +228,9 @@ inline I32 Widen(const uint8_t* q) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
   return reinterpret_cast<I32>(Signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
 #else
-  if constexpr (Signed) {
-    I8 bytes;
-    std::memcpy(&bytes, q, sizeof(bytes));
-    return __builtin_convertvector(bytes, I32);
-  } else {
-    U8 bytes;
-    std::memcpy(&bytes, q, sizeof(bytes));
-    return __builtin_convertvector(bytes, I32);
-  }
+  std::conditional_t<Signed, I8, U8> bytes;
+  std::memcpy(&bytes, q, sizeof(bytes));
+  return __builtin_convertvector(bytes, I32);
 #endif
 }
 
